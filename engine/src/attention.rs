@@ -1,0 +1,127 @@
+//! Paged causal attention with online softmax.
+//!
+//! Each query walks its sequence's block table block by block, keeping a
+//! running max, normaliser and weighted sum (the FlashAttention recurrence),
+//! so no score matrix is ever materialised and K/V are read straight from the
+//! paged pool. Work is split over (sequence, query head, tile of queries), so
+//! a long prefill and many single-token decodes parallelise alike.
+
+use rayon::prelude::*;
+
+use crate::kernels::{axpy_f32, dot_f32};
+use crate::kv_cache::{BlockId, KvCache};
+
+/// One sequence's slice of the flattened batch.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    /// Position of the first new token.
+    pub start_pos: usize,
+    /// New tokens of this sequence in the batch.
+    pub len: usize,
+    /// Row of its first new token in the flattened batch.
+    pub row: usize,
+    /// Its block table (must cover `start_pos + len` tokens).
+    pub blocks: &'a [BlockId],
+}
+
+/// Head geometry.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+const QUERY_TILE: usize = 32;
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint (row, head) sub-slices of the output.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// `out[row, head] = softmax(q·Kᵀ/√d + causal/window mask)·V` for every new
+/// token of every sequence. `q` and `out` are `[rows, num_heads * head_dim]`.
+pub fn paged_attention(
+    q: &[f32],
+    kv: &KvCache,
+    layer: usize,
+    seqs: &[AttnSeq<'_>],
+    heads: Heads,
+    window: Option<usize>,
+    out: &mut [f32],
+) {
+    let Heads {
+        num_heads,
+        num_kv_heads,
+        head_dim: d,
+    } = heads;
+    let stride = num_heads * d;
+    let group = num_heads / num_kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let bs = kv.layout().block_size;
+    let (kpool, vpool) = kv.layer(layer);
+
+    let mut tasks = Vec::new();
+    for (s, seq) in seqs.iter().enumerate() {
+        for h in 0..num_heads {
+            for t0 in (0..seq.len).step_by(QUERY_TILE) {
+                tasks.push((s, h, t0, (t0 + QUERY_TILE).min(seq.len)));
+            }
+        }
+    }
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_len = out.len();
+    tasks.into_par_iter().for_each(|(s, h, t0, t1)| {
+        let seq = &seqs[s];
+        let kvh = h / group;
+        let ptr = out_ptr;
+        let mut scores = vec![0.0f32; bs];
+        for t in t0..t1 {
+            let row = seq.row + t;
+            let qv = &q[row * stride + h * d..row * stride + (h + 1) * d];
+            // SAFETY: this task alone writes row `row`, head `h`; the range
+            // lies inside `out` (checked by the slice bounds below).
+            let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
+            let acc = &mut o[row * stride + h * d..row * stride + (h + 1) * d];
+            acc.fill(0.0);
+            let pos = seq.start_pos + t;
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+            let mut kpos = lo;
+            while kpos <= pos {
+                let b = kpos / bs;
+                let slot0 = kpos % bs;
+                let slot1 = (bs).min(slot0 + pos + 1 - kpos);
+                let block = seq.blocks[b];
+                let base = kv.offset(block, kvh, 0);
+                let mut bmax = f32::NEG_INFINITY;
+                for slot in slot0..slot1 {
+                    let kr = &kpool[base + slot * d..base + (slot + 1) * d];
+                    let sc = dot_f32(qv, kr) * scale;
+                    scores[slot] = sc;
+                    bmax = bmax.max(sc);
+                }
+                if bmax > m {
+                    let c = (m - bmax).exp();
+                    l *= c;
+                    for a in acc.iter_mut() {
+                        *a *= c;
+                    }
+                    m = bmax;
+                }
+                for slot in slot0..slot1 {
+                    let p = (scores[slot] - m).exp();
+                    l += p;
+                    axpy_f32(acc, p, &vpool[base + slot * d..base + (slot + 1) * d]);
+                }
+                kpos += slot1 - slot0;
+            }
+            let inv = 1.0 / l;
+            for a in acc.iter_mut() {
+                *a *= inv;
+            }
+        }
+    });
+}

@@ -1,0 +1,184 @@
+//! Generation for one request: prefill, then decode until a stop condition.
+//!
+//! This is the single-request driver behind `tandem generate`; the serving
+//! scheduler will batch many such sequences through the same
+//! [`Model::forward`]. Prefill runs in chunks of at most `prefill_chunk`
+//! tokens, the same path the scheduler's chunked prefill takes.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{BlockAllocator, BlockTable, KvCache};
+use crate::model::{Model, SeqInput};
+use crate::sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token was produced.
+    Stop,
+    /// `max_tokens` or the model's context limit was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI-style name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end generation besides the model's eos ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past eos ids.
+    pub ignore_eos: bool,
+}
+
+/// Engine-side knobs for a generation.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerateOptions {
+    pub block_size: usize,
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            prefill_chunk: 2048,
+        }
+    }
+}
+
+/// The result of a generation.
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    pub output_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish_reason: FinishReason,
+    /// Time to first token.
+    pub ttft: Duration,
+    /// Mean time per output token after the first.
+    pub tpot: Option<Duration>,
+}
+
+/// Runs one request to completion, calling `on_token` for each new token.
+pub fn generate(
+    model: &Model,
+    eos_token_ids: &[u32],
+    req: &GenerateRequest,
+    opts: GenerateOptions,
+    mut on_token: impl FnMut(&Sampled) -> Result<()>,
+) -> Result<GenerateOutput> {
+    let start = Instant::now();
+    let cfg = model.config();
+    let prompt = &req.prompt_ids;
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+    }
+    if prompt.len() >= cfg.max_position_embeddings {
+        return Err(EngineError::InvalidRequest(format!(
+            "prompt of {} tokens leaves no room to generate within max_position_embeddings {}",
+            prompt.len(),
+            cfg.max_position_embeddings
+        )));
+    }
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(EngineError::InvalidRequest(format!(
+            "token id {bad} is outside the vocabulary (size {})",
+            cfg.vocab_size
+        )));
+    }
+    if opts.prefill_chunk == 0 {
+        return Err(EngineError::InvalidRequest("prefill chunk must be positive".into()));
+    }
+    let mut sampler = Sampler::new(req.sampling.clone(), prompt)?;
+    // The context limit caps the output; hitting it is a `length` finish.
+    let max_new = req.max_tokens.min(cfg.max_position_embeddings - prompt.len());
+    let total = prompt.len() + max_new;
+    let blocks = total.div_ceil(opts.block_size).max(1);
+    let allocator = BlockAllocator::new(blocks, opts.block_size)?;
+    let mut kv = KvCache::new(model.kv_layout(opts.block_size), blocks);
+    let mut table = BlockTable::new(&allocator);
+
+    let mut output = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut ttft = Duration::ZERO;
+    let mut finish = FinishReason::Length;
+    let mut pending: Vec<u32> = Vec::new();
+    let mut pos = 0;
+    // Prefill in chunks; the last chunk's logits give the first token.
+    let mut logits = None;
+    for chunk in prompt.chunks(opts.prefill_chunk) {
+        table.append(chunk.len())?;
+        let out = model.forward(
+            &[SeqInput {
+                tokens: chunk,
+                start_pos: pos,
+                blocks: table.blocks(),
+                all_logits: false,
+            }],
+            &mut kv,
+        )?;
+        pos += chunk.len();
+        logits = Some(out);
+    }
+    let mut first_decode_at = None;
+    while output.len() < max_new {
+        let row = match &logits {
+            Some(l) => l.last(0),
+            None => break,
+        };
+        let s = sampler.sample(row);
+        if output.is_empty() {
+            ttft = start.elapsed();
+            first_decode_at = Some(Instant::now());
+        }
+        output.push(s.token);
+        if let Some(lp) = &s.logprob {
+            logprobs.push(lp.clone());
+        }
+        on_token(&s)?;
+        let is_eos = !req.ignore_eos && eos_token_ids.contains(&s.token);
+        if is_eos || req.stop_token_ids.contains(&s.token) {
+            finish = FinishReason::Stop;
+            break;
+        }
+        if output.len() == max_new {
+            break;
+        }
+        pending.clear();
+        pending.push(s.token);
+        table.append(1)?;
+        logits = Some(model.forward(
+            &[SeqInput {
+                tokens: &pending,
+                start_pos: pos,
+                blocks: table.blocks(),
+                all_logits: false,
+            }],
+            &mut kv,
+        )?);
+        pos += 1;
+    }
+    let tpot = match (first_decode_at, output.len()) {
+        (Some(t0), n) if n > 1 => Some(t0.elapsed() / (n as u32 - 1)),
+        _ => None,
+    };
+    Ok(GenerateOutput {
+        output_ids: output,
+        logprobs,
+        finish_reason: finish,
+        ttft,
+        tpot,
+    })
+}

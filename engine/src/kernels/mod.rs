@@ -1,0 +1,223 @@
+//! CPU kernels.
+//!
+//! All activations are f32; weights are read in their stored dtype and
+//! widened in registers. [`linear`] picks between two strategies by the number
+//! of token rows `m`:
+//!
+//! * `m <= GEMV_MAX_ROWS` (decode, small batches): a weight-stationary kernel
+//!   that streams each weight row once from memory and dots it with every
+//!   token row while it sits in L1. Decode is memory-bound, so reading the
+//!   weights once per step, in bf16 when the checkpoint is bf16, is the point.
+//! * larger `m` (prefill): the `gemm` crate's tuned f32 GEMM, with bf16/f16
+//!   weights widened into a scratch matrix first (O(n·k) work against the
+//!   GEMM's O(m·n·k)).
+//!
+//! Work is split over rayon's persistent pool: thread start-up would dominate
+//! the small matrices of small models.
+
+pub mod rope;
+mod simd;
+
+pub use rope::RopeTable;
+
+use rayon::prelude::*;
+
+use crate::weights::{Matrix, WeightData};
+
+/// Above this many token rows, [`linear`] uses the GEMM path.
+pub const GEMV_MAX_ROWS: usize = 48;
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`.
+pub fn linear(x: &[f32], m: usize, w: &Matrix, bias: Option<&[f32]>, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    debug_assert_eq!(x.len(), m * k);
+    debug_assert_eq!(out.len(), m * n);
+    if m <= GEMV_MAX_ROWS {
+        linear_rows(x, m, w, out);
+    } else {
+        linear_gemm(x, m, w, out);
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+/// Raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: used only to let rayon tasks write disjoint columns of one buffer;
+// each task's column range is exclusive to it.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+fn linear_rows(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let threads = rayon::current_num_threads().max(1);
+    // Several chunks per thread for balance; multiples of the 4-row micro tile.
+    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(4).max(4);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let r0 = c * chunk;
+        let r1 = (r0 + chunk).min(n);
+        let ptr = out_ptr;
+        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1, a range
+        // no other task touches; `out` outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+        match &w.data {
+            WeightData::F32(d) => simd::rows_f32(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+            WeightData::Bf16(d) => simd::rows_bf16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+            WeightData::F16(d) => simd::rows_f16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+        }
+    });
+}
+
+fn linear_gemm(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let widened;
+    let wf: &[f32] = match &w.data {
+        WeightData::F32(d) => d,
+        _ => {
+            let mut buf = vec![0.0f32; n * k];
+            buf.par_chunks_mut(k)
+                .enumerate()
+                .for_each(|(r, row)| w.row_to_f32(r, row));
+            widened = buf;
+            &widened
+        }
+    };
+    let threads = rayon::current_num_threads();
+    // SAFETY: dst is m×n row-major (row stride n, column stride 1), lhs is
+    // x as m×k row-major, rhs is wᵀ as k×n read from w's n×k rows (row
+    // stride 1, column stride k); all three buffers have exactly those sizes
+    // and dst does not alias the inputs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            wf.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            },
+        );
+    }
+}
+
+/// Hugging Face `RMSNorm`: `x / sqrt(mean(x²) + eps) * weight`, row by row.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss = simd::dot_f32(xr, xr);
+        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = w * (v * inv);
+        }
+    }
+}
+
+/// `gate = silu(gate) * up`, in place.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let s = *g / (1.0 + (-*g).exp());
+        *g = s * u;
+    }
+}
+
+/// `acc += x`.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    for (a, &b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}
+
+pub use simd::{axpy_f32, dot_f32};
+
+/// `log_softmax` of one row, in place; returns nothing, the row is replaced.
+pub fn log_softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&v| f64::from((v - max).exp())).sum();
+    let lse = max + sum.ln() as f32;
+    for v in row.iter_mut() {
+        *v -= lse;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn naive(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for t in 0..m {
+            for r in 0..n {
+                out[t * n + r] = (0..k).map(|i| x[t * k + i] * w[r * k + i]).sum();
+            }
+        }
+        out
+    }
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn linear_matches_naive_for_all_dtypes_and_shapes() {
+        for &(m, n, k) in &[(1, 7, 5), (3, 33, 19), (5, 64, 40), (60, 9, 17), (1, 130, 264)] {
+            let x = pseudo(m * k, 1);
+            let wv = pseudo(n * k, 2);
+            let want = naive(&x, m, &wv, n, k);
+            let mats = [
+                WeightData::F32(wv.clone().into()),
+                WeightData::Bf16(wv.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>().into()),
+                WeightData::F16(wv.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>().into()),
+            ];
+            for data in mats {
+                let tol = if matches!(data, WeightData::F32(_)) { 1e-4 } else { 3e-2 };
+                let w = Matrix { rows: n, cols: k, data };
+                let mut out = vec![0.0; m * n];
+                linear(&x, m, &w, None, &mut out);
+                for (a, b) in out.iter().zip(&want) {
+                    assert!((a - b).abs() < tol * (1.0 + b.abs()), "{m}x{n}x{k} {:?}: {a} vs {b}", w.dtype());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn log_softmax_normalises() {
+        let mut r = vec![1.0, 2.0, 3.0];
+        log_softmax(&mut r);
+        let total: f32 = r.iter().map(|v| v.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+}

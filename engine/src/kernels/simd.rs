@@ -1,0 +1,283 @@
+//! Explicit SIMD inner loops (AVX2 + FMA + F16C on x86-64), with portable
+//! scalar fallbacks chosen at run time.
+//!
+//! Float reductions do not auto-vectorise without fast-math, so the dot
+//! products that dominate decode are written out by hand. The row kernel
+//! works on tiles of 4 weight rows × 3 token rows: 12 accumulators, 4 weight
+//! loads and 3 activation loads per 8 columns, within AVX2's 16 registers.
+
+use half::{bf16, f16};
+
+/// A weight element the kernels can widen to f32.
+trait Elem: Copy + Send + Sync {
+    fn widen(self) -> f32;
+    /// Loads 8 consecutive elements as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading 8 elements, and the CPU must support
+    /// AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bf16 (16 bytes); a bf16 is
+        // the top half of an f32, so widening is a 16-bit left shift.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f16 (16 bytes).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// One tile: rows `w[0..R]` (each `k` long, `R` rows starting at `w`) against
+/// token rows `x[0..T]`, written to `out[t * n + col + r]`.
+///
+/// # Safety
+/// `w` must hold `R * k` elements, `x` `T * k`, `out` reach index
+/// `(T - 1) * n + col + R - 1`; the CPU must support AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<E: Elem, const R: usize, const T: usize>(
+    w: *const E,
+    k: usize,
+    x: *const f32,
+    out: *mut f32,
+    n: usize,
+    col: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let k8 = k / 8 * 8;
+    let mut i = 0;
+    while i < k8 {
+        let mut xv = [_mm256_setzero_ps(); T];
+        for (t, v) in xv.iter_mut().enumerate() {
+            // SAFETY: i + 8 <= k, so x row t has 8 readable floats here.
+            *v = unsafe { _mm256_loadu_ps(x.add(t * k + i)) };
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 8 <= k within weight row r.
+            let wv = unsafe { E::load8(w.add(r * k + i)) };
+            for (a, &xt) in acc_r.iter_mut().zip(&xv) {
+                *a = _mm256_fmadd_ps(wv, xt, *a);
+            }
+        }
+        i += 8;
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (t, &a) in acc_r.iter().enumerate() {
+            let mut s = hsum(a);
+            for j in k8..k {
+                // SAFETY: j < k inside row r of w and row t of x.
+                s += unsafe { (*w.add(r * k + j)).widen() * *x.add(t * k + j) };
+            }
+            // SAFETY: within the bounds promised by the caller.
+            unsafe { *out.add(t * n + col + r) = s };
+        }
+    }
+}
+
+macro_rules! dispatch_tile {
+    ($e:ty, $r:expr, $t:expr, $($args:expr),*) => {
+        match ($r, $t) {
+            (4, 3) => tile::<$e, 4, 3>($($args),*),
+            (4, 2) => tile::<$e, 4, 2>($($args),*),
+            (4, 1) => tile::<$e, 4, 1>($($args),*),
+            (3, 3) => tile::<$e, 3, 3>($($args),*),
+            (3, 2) => tile::<$e, 3, 2>($($args),*),
+            (3, 1) => tile::<$e, 3, 1>($($args),*),
+            (2, 3) => tile::<$e, 2, 3>($($args),*),
+            (2, 2) => tile::<$e, 2, 2>($($args),*),
+            (2, 1) => tile::<$e, 2, 1>($($args),*),
+            (1, 3) => tile::<$e, 1, 3>($($args),*),
+            (1, 2) => tile::<$e, 1, 2>($($args),*),
+            _ => tile::<$e, 1, 1>($($args),*),
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_avx2<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize)
+where
+    E: Elem,
+{
+    let rows = w.len() / k;
+    let mut r = 0;
+    while r < rows {
+        let rr = (rows - r).min(4);
+        let mut t = 0;
+        while t < m {
+            let tt = (m - t).min(3);
+            // SAFETY: rows r..r+rr of this chunk and token rows t..t+tt
+            // exist; out index (t+tt-1)*n + r0+r+rr-1 < m*n = out.len().
+            unsafe {
+                let wp = w.as_ptr().add(r * k);
+                let xp = x.as_ptr().add(t * k);
+                let op = out.as_mut_ptr().add(t * n);
+                dispatch_tile!(E, rr, tt, wp, k, xp, op, n, r0 + r);
+            }
+            t += tt;
+        }
+        r += rr;
+    }
+}
+
+fn rows_scalar<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+    for (r, wr) in w.chunks_exact(k).enumerate() {
+        for t in 0..m {
+            let xr = &x[t * k..(t + 1) * k];
+            out[t * n + r0 + r] = wr.iter().zip(xr).map(|(a, b)| a.widen() * b).sum();
+        }
+    }
+}
+
+fn rows<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features `rows_avx2` is compiled for.
+        unsafe { rows_avx2(w, k, x, m, out, n, r0) };
+        return;
+    }
+    rows_scalar(w, k, x, m, out, n, r0);
+}
+
+/// `out[t * n + r0 + r] = w_row(r) · x_row(t)` for the rows of `w` (a chunk
+/// of a larger `n`-row matrix starting at row `r0`).
+pub fn rows_f32(w: &[f32], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+    rows(w, k, x, m, out, n, r0);
+}
+/// As [`rows_f32`] for bf16 weights.
+pub fn rows_bf16(w: &[bf16], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+    rows(w, k, x, m, out, n, r0);
+}
+/// As [`rows_f32`] for f16 weights.
+pub fn rows_f16(w: &[f16], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+    rows(w, k, x, m, out, n, r0);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let n16 = n / 16 * 16;
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: i + 16 <= n for both slices.
+        unsafe {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
+            s1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                s1,
+            );
+        }
+        i += 16;
+    }
+    let mut s = hsum(_mm256_add_ps(s0, s1));
+    for j in n16..n {
+        s += a[j] * b[j];
+    }
+    s
+}
+
+/// `a · b` over the shorter length.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features `dot_avx2` is compiled for.
+        return unsafe { dot_avx2(a, b) };
+    }
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_avx2(acc: &mut [f32], s: f32, x: &[f32]) {
+    let n = acc.len().min(x.len());
+    let n8 = n / 8 * 8;
+    let sv = _mm256_set1_ps(s);
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for both slices.
+        unsafe {
+            let p = acc.as_mut_ptr().add(i);
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(sv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+        }
+        i += 8;
+    }
+    for j in n8..n {
+        acc[j] += s * x[j];
+    }
+}
+
+/// `acc += s * x`.
+pub fn axpy_f32(acc: &mut [f32], s: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features `axpy_avx2` is compiled for.
+        unsafe { axpy_avx2(acc, s, x) };
+        return;
+    }
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += s * v;
+    }
+}

@@ -1,0 +1,34 @@
+//! tandem's model engine.
+//!
+//! Loads Llama-family Hugging Face checkpoints (Llama 2/3, Mistral, Qwen2;
+//! MHA, GQA, MQA; f32, bf16, f16 weights, memory-mapped) and runs them on the
+//! CPU with the same numerics as transformers in f32. The KV cache is paged
+//! from the start ([`kv_cache`]), and [`Model::forward`] takes a flattened
+//! batch of sequences with their block tables, so the serving scheduler can mix
+//! prefill chunks and decode tokens in one call.
+//!
+//! **Architecture Invariant:** the engine knows nothing of networking, gRPC or
+//! cluster roles; workers drive it through `Model::forward`, the KV cache
+//! types and the sampler.
+
+pub mod attention;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod kernels;
+pub mod kv_cache;
+pub mod model;
+pub mod sampling;
+pub mod synth;
+pub mod tokenizer;
+pub mod weights;
+
+pub use checkpoint::Checkpoint;
+pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use error::{EngineError, Result};
+pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
+pub use kv_cache::{BlockAllocator, BlockId, BlockTable, KvCache, KvError, KvLayout};
+pub use model::{Logits, Model, SeqInput};
+pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
+pub use weights::DType;

@@ -1,0 +1,369 @@
+//! The Llama-family decoder and its forward pass over a flattened batch.
+//!
+//! One [`Model::forward`] call takes any mix of sequences, each with its new
+//! tokens, the position of the first one and its block table: a 500-token
+//! prefill chunk of one request and single decode tokens of thirty others run
+//! as one `[total_tokens, hidden]` activation matrix through every GEMM. Only
+//! attention looks at sequence boundaries. This is what lets chunked prefill
+//! and continuous batching be one mechanism in the scheduler.
+//!
+//! Llama, Mistral and Qwen2 differ only in data: biases are used when the
+//! checkpoint has them (Qwen2's q/k/v, Llama's `attention_bias`), sliding
+//! windows come from the config, and a tied head reuses the embedding matrix.
+
+use std::path::Path;
+
+use crate::attention::{paged_attention, AttnSeq, Heads};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kernels::{self, add_in_place, linear, rms_norm, silu_mul, RopeTable};
+use crate::kv_cache::{BlockId, KvCache, KvLayout};
+use crate::weights::{DType, Matrix, WeightStore};
+
+/// A weight matrix with an optional bias.
+#[derive(Debug)]
+struct Linear {
+    w: Matrix,
+    b: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn load(ws: &WeightStore, prefix: &str, out: usize, inp: usize) -> Result<Self> {
+        Ok(Self {
+            w: ws.matrix(&format!("{prefix}.weight"), out, inp)?,
+            b: ws.optional_vector(&format!("{prefix}.bias"), out)?,
+        })
+    }
+
+    fn forward(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        linear(x, m, &self.w, self.b.as_deref(), out);
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct Model {
+    config: ModelConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Matrix>,
+    rope: RopeTable,
+    _weights: WeightStore,
+}
+
+/// One sequence's part of a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    /// New tokens to run.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; K/V for positions before it are in the cache.
+    pub start_pos: usize,
+    /// Block table covering at least `start_pos + tokens.len()` positions.
+    pub blocks: &'a [BlockId],
+    /// Logits for every new token (prompt scoring, speculative verification)
+    /// rather than for the last one only.
+    pub all_logits: bool,
+}
+
+/// Logits of a batch: for each sequence, rows of `vocab` floats.
+#[derive(Debug)]
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+    /// First row of each sequence, plus a final end marker.
+    starts: Vec<usize>,
+}
+
+impl Logits {
+    /// Rows of sequence `i` (one row unless it asked for all logits).
+    pub fn seq(&self, i: usize) -> &[f32] {
+        &self.data[self.starts[i] * self.vocab..self.starts[i + 1] * self.vocab]
+    }
+
+    /// The last row of sequence `i`: the next-token logits.
+    pub fn last(&self, i: usize) -> &[f32] {
+        let end = self.starts[i + 1] * self.vocab;
+        &self.data[end - self.vocab..end]
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+}
+
+impl Model {
+    /// Loads `config.json` and the safetensors weights of a checkpoint.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let ws = WeightStore::open(dir)?;
+        Self::from_parts(config, ws)
+    }
+
+    fn from_parts(config: ModelConfig, ws: WeightStore) -> Result<Self> {
+        let c = &config;
+        let (h, q_out, kv_out) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        );
+        let embed = ws.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
+        let layers = (0..c.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Ok(Layer {
+                    input_norm: ws.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                    q: Linear::load(&ws, &format!("{p}.self_attn.q_proj"), q_out, h)?,
+                    k: Linear::load(&ws, &format!("{p}.self_attn.k_proj"), kv_out, h)?,
+                    v: Linear::load(&ws, &format!("{p}.self_attn.v_proj"), kv_out, h)?,
+                    o: Linear::load(&ws, &format!("{p}.self_attn.o_proj"), h, q_out)?,
+                    post_norm: ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                    gate: Linear::load(&ws, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
+                    up: Linear::load(&ws, &format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
+                    down: Linear::load(&ws, &format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = ws.vector("model.norm.weight", h)?;
+        // Some tied checkpoints still carry a copy of the head; use it if so.
+        let lm_head = if ws.contains("lm_head.weight") {
+            Some(ws.matrix("lm_head.weight", c.vocab_size, h)?)
+        } else if c.tie_word_embeddings {
+            None
+        } else {
+            return Err(EngineError::InvalidCheckpoint(
+                "tensor `lm_head.weight` is missing and tie_word_embeddings is false".into(),
+            ));
+        };
+        let rope = RopeTable::new(c);
+        Ok(Self {
+            config,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            rope,
+            _weights: ws,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The KV layout this model needs for a given block size.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+        }
+    }
+
+    /// Bytes of weights read per forward pass (every matrix once).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|lin| lin.w.bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.head().bytes()
+    }
+
+    /// The stored dtype of the weight matrices.
+    pub fn weight_dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Whether every weight matrix is read in place from the mapped file.
+    pub fn weights_mapped(&self) -> bool {
+        self.embed.is_mapped()
+            && self.lm_head.as_ref().is_none_or(Matrix::is_mapped)
+            && self.layers.iter().all(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .all(|lin| lin.w.is_mapped())
+            })
+    }
+
+    fn head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Checks a batch against the vocabulary, the context limit and the cache.
+    fn validate(&self, batch: &[SeqInput<'_>], kv: &KvCache) -> Result<()> {
+        let c = &self.config;
+        let want = self.kv_layout(kv.layout().block_size);
+        if *kv.layout() != want {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV cache layout {:?} does not fit the model ({want:?})",
+                kv.layout()
+            )));
+        }
+        for (i, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(EngineError::InvalidRequest(format!("sequence {i} has no tokens")));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    c.vocab_size
+                )));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > c.max_position_embeddings {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence of {end} tokens exceeds max_position_embeddings {}",
+                    c.max_position_embeddings
+                )));
+            }
+            let cap = s.blocks.len() * want.block_size;
+            if cap < end {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block table holds {cap} tokens, sequence needs {end}"
+                )));
+            }
+            if let Some(&b) = s.blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block id {b} is outside the cache ({} blocks)",
+                    kv.num_blocks()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step over a flattened batch: writes the new tokens' K/V into
+    /// their blocks and returns next-token logits (see [`SeqInput::all_logits`]).
+    pub fn forward(&self, batch: &[SeqInput<'_>], kv: &mut KvCache) -> Result<Logits> {
+        self.validate(batch, kv)?;
+        let c = &self.config;
+        let (hsz, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let bs = kv.layout().block_size;
+
+        // Flatten: token ids, positions, and each sequence's row range.
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut seqs = Vec::with_capacity(batch.len());
+        for s in batch {
+            seqs.push(AttnSeq {
+                start_pos: s.start_pos,
+                len: s.tokens.len(),
+                row: tokens.len(),
+                blocks: s.blocks,
+            });
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(s.start_pos..s.start_pos + s.tokens.len());
+        }
+        let t = tokens.len();
+
+        let mut x = vec![0.0f32; t * hsz];
+        for (row, &tok) in x.chunks_exact_mut(hsz).zip(&tokens) {
+            self.embed.row_to_f32(tok as usize, row);
+        }
+        let half = d / 2;
+        let mut cos = vec![0.0f32; t * half];
+        let mut sin = vec![0.0f32; t * half];
+        for (i, &p) in positions.iter().enumerate() {
+            self.rope
+                .angles(p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+        }
+
+        let mut h = vec![0.0f32; t * hsz];
+        let mut q = vec![0.0f32; t * q_out];
+        let mut k = vec![0.0f32; t * kv_out];
+        let mut v = vec![0.0f32; t * kv_out];
+        let mut attn = vec![0.0f32; t * q_out];
+        let mut proj = vec![0.0f32; t * hsz];
+        let mut gate = vec![0.0f32; t * c.intermediate_size];
+        let mut up = vec![0.0f32; t * c.intermediate_size];
+        let heads = Heads {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: d,
+        };
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut h);
+            layer.q.forward(&h, t, &mut q);
+            layer.k.forward(&h, t, &mut k);
+            layer.v.forward(&h, t, &mut v);
+            for i in 0..t {
+                let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                self.rope.apply(&mut q[i * q_out..(i + 1) * q_out], d, cs, sn);
+                self.rope.apply(&mut k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
+            }
+            for seq in &seqs {
+                for j in 0..seq.len {
+                    let pos = seq.start_pos + j;
+                    let row = seq.row + j;
+                    kv.write(
+                        li,
+                        seq.blocks[pos / bs],
+                        pos % bs,
+                        &k[row * kv_out..(row + 1) * kv_out],
+                        &v[row * kv_out..(row + 1) * kv_out],
+                    );
+                }
+            }
+            paged_attention(&q, kv, li, &seqs, heads, c.sliding_window[li], &mut attn);
+            layer.o.forward(&attn, t, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &layer.post_norm, c.rms_norm_eps, &mut h);
+            layer.gate.forward(&h, t, &mut gate);
+            layer.up.forward(&h, t, &mut up);
+            silu_mul(&mut gate, &up);
+            layer.down.forward(&gate, t, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        // Only the rows whose logits were asked for go through the head.
+        let mut rows = Vec::new();
+        let mut starts = Vec::with_capacity(batch.len() + 1);
+        for (s, seq) in batch.iter().zip(&seqs) {
+            starts.push(rows.len());
+            if s.all_logits {
+                rows.extend(seq.row..seq.row + seq.len);
+            } else {
+                rows.push(seq.row + seq.len - 1);
+            }
+        }
+        starts.push(rows.len());
+        let mut sel = vec![0.0f32; rows.len() * hsz];
+        for (dst, &r) in sel.chunks_exact_mut(hsz).zip(&rows) {
+            rms_norm(&x[r * hsz..(r + 1) * hsz], &self.final_norm, c.rms_norm_eps, dst);
+        }
+        let vocab = c.vocab_size;
+        let mut data = vec![0.0f32; rows.len() * vocab];
+        kernels::linear(&sel, rows.len(), self.head(), None, &mut data);
+        Ok(Logits {
+            data,
+            vocab,
+            starts,
+        })
+    }
+}

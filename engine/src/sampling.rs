@@ -1,0 +1,397 @@
+//! Token sampling.
+//!
+//! The order is vLLM's: penalties on the raw logits (repetition over prompt
+//! and output, Hugging Face semantics; presence and frequency over output,
+//! OpenAI semantics), then temperature, then top-k, top-p and min-p filters,
+//! then one draw from the renormalised distribution. Temperature 0 is greedy.
+//! Logprobs report the model's raw distribution (log-softmax of unpenalised
+//! logits), as vLLM does by default, so they are comparable across settings.
+//!
+//! A seed makes the draws reproducible: the generator is xoshiro256** seeded
+//! through SplitMix64, owned by the request, independent of batch-mates.
+
+use std::cmp::Ordering;
+use std::collections::HashMap;
+
+use crate::error::{EngineError, Result};
+use crate::kernels::log_softmax;
+
+/// Per-request sampling settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables; > 1 discourages tokens already in prompt or output.
+    pub repetition_penalty: f32,
+    /// Subtracted once from tokens already generated.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the output.
+    pub frequency_penalty: f32,
+    /// Makes sampling reproducible.
+    pub seed: Option<u64>,
+    /// Report the chosen token's logprob plus this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Rejects values that have no meaning.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
+            return bad("presence and frequency penalties must be finite".into());
+        }
+        Ok(())
+    }
+}
+
+/// The logprob of a chosen token and the top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// `(token, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// xoshiro256**, seeded by SplitMix64.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    /// A generator whose stream depends only on `seed`.
+    pub fn seeded(seed: u64) -> Self {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            x ^ (x >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    /// Seeded from the clock, for requests without a seed.
+    pub fn from_entropy() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Self::seeded(nanos ^ u64::from(std::process::id()).rotate_left(32))
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        out
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// A request's sampler: its parameters, its random stream and the counts the
+/// penalties need.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// Occurrences of each token in the output so far.
+    output_counts: HashMap<u32, u32>,
+    /// Tokens in the prompt (for the repetition penalty).
+    prompt_tokens: Vec<u32>,
+}
+
+fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
+}
+
+impl Sampler {
+    /// A sampler for one request with this prompt.
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Result<Self> {
+        params.validate()?;
+        let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        let mut prompt_tokens = prompt.to_vec();
+        prompt_tokens.sort_unstable();
+        prompt_tokens.dedup();
+        Ok(Self {
+            params,
+            rng,
+            output_counts: HashMap::new(),
+            prompt_tokens,
+        })
+    }
+
+    /// The request's parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from one row of logits and records it.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        let logprob = self.params.logprobs.map(|n| (n, raw_logprobs(logits)));
+        let mut z = logits.to_vec();
+        self.apply_penalties(&mut z);
+        let token = if self.params.temperature == 0.0 {
+            argmax(&z)
+        } else {
+            self.draw(&mut z)
+        };
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        let logprob = logprob.map(|(n, lp)| TokenLogprob {
+            token,
+            logprob: lp[token as usize],
+            top: top_n(&lp, n),
+        });
+        Sampled { token, logprob }
+    }
+
+    fn apply_penalties(&self, z: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            // Each seen token once: prompt tokens, then output-only tokens.
+            let output_only = self
+                .output_counts
+                .keys()
+                .filter(|t| self.prompt_tokens.binary_search(t).is_err());
+            for &t in self.prompt_tokens.iter().chain(output_only) {
+                let Some(v) = z.get_mut(t as usize) else {
+                    continue;
+                };
+                *v = if *v > 0.0 {
+                    *v / p.repetition_penalty
+                } else {
+                    *v * p.repetition_penalty
+                };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &n) in &self.output_counts {
+                if let Some(v) = z.get_mut(t as usize) {
+                    *v -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+    }
+
+    fn draw(&mut self, z: &mut [f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut cand: Vec<(u32, f32)> = z
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, ((v - max) * inv_t).exp()))
+            .collect();
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, by_value_desc);
+            cand.truncate(p.top_k);
+        }
+        cand.sort_unstable_by(by_value_desc);
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = cand.len();
+            for (i, c) in cand.iter().enumerate() {
+                cum += c.1 / total;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            let floor = cand[0].1 * p.min_p;
+            cand.retain(|c| c.1 >= floor);
+        }
+        let total: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+        let mut u = self.rng.next_f64() * total;
+        for &(t, w) in &cand {
+            u -= f64::from(w);
+            if u < 0.0 {
+                return t;
+            }
+        }
+        cand.last().map_or(0, |c| c.0)
+    }
+}
+
+/// Index of the largest value (the first, on ties).
+pub fn argmax(z: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in z.iter().enumerate() {
+        if v > z[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
+    let mut lp = logits.to_vec();
+    log_softmax(&mut lp);
+    lp
+}
+
+fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> = lp.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    let n = n.min(all.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    all.select_nth_unstable_by(n - 1, by_value_desc);
+    all.truncate(n);
+    all.sort_unstable_by(by_value_desc);
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(p, &[]).expect("valid params")
+    }
+
+    #[test]
+    fn greedy_picks_the_argmax_and_reports_logprobs() {
+        let mut s = sampler(SamplingParams {
+            logprobs: Some(2),
+            ..Default::default()
+        });
+        let out = s.sample(&[0.0, 3.0, 1.0]);
+        assert_eq!(out.token, 1);
+        let lp = out.logprob.expect("asked for logprobs");
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!(lp.top[0].0, 1);
+        assert_eq!(lp.top[1].0, 2);
+        let z: f32 = [0.0f32, 3.0, 1.0].iter().map(|v| v.exp()).sum();
+        assert!((lp.logprob - (3.0 - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_distribution_is_followed() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let logits = [0.0f32, (3.0f32).ln()];
+        let draw = |p: &SamplingParams| {
+            let mut s = sampler(p.clone());
+            (0..2000).map(|_| s.sample(&logits).token).collect::<Vec<_>>()
+        };
+        let a = draw(&params);
+        assert_eq!(a, draw(&params));
+        let ones = a.iter().filter(|&&t| t == 1).count() as f64 / a.len() as f64;
+        assert!((ones - 0.75).abs() < 0.05, "p(1) = {ones}, want 0.75");
+        let other = draw(&SamplingParams {
+            seed: Some(8),
+            ..params
+        });
+        assert_ne!(a, other);
+    }
+
+    #[test]
+    fn top_k_and_top_p_and_min_p_restrict_the_support() {
+        let logits = [2.0f32, 1.9, 1.8, -5.0];
+        for p in [
+            SamplingParams { temperature: 1.0, top_k: 1, seed: Some(1), ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.01, seed: Some(1), ..Default::default() },
+            SamplingParams { temperature: 1.0, min_p: 0.99, seed: Some(1), ..Default::default() },
+        ] {
+            let mut s = sampler(p.clone());
+            for _ in 0..200 {
+                assert_eq!(s.sample(&logits).token, 0, "{p:?}");
+            }
+        }
+        let mut s = sampler(SamplingParams { temperature: 1.0, top_k: 3, seed: Some(3), ..Default::default() });
+        assert!((0..500).all(|_| s.sample(&logits).token != 3));
+    }
+
+    #[test]
+    fn penalties_steer_away_from_repeats() {
+        let logits = [1.0f32, 0.9];
+        let mut s = sampler(SamplingParams { frequency_penalty: 0.5, ..Default::default() });
+        assert_eq!(s.sample(&logits).token, 0);
+        assert_eq!(s.sample(&logits).token, 1, "token 0 now costs 0.5");
+        let mut r = Sampler::new(
+            SamplingParams { repetition_penalty: 2.0, ..Default::default() },
+            &[0],
+        )
+        .expect("valid");
+        assert_eq!(r.sample(&logits).token, 1, "prompt token 0 is penalised");
+    }
+
+    #[test]
+    fn invalid_params_are_rejected() {
+        for p in [
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { min_p: 2.0, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+        ] {
+            assert!(Sampler::new(p, &[]).is_err());
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! Deterministic random-weight checkpoints in Hugging Face format.
+//!
+//! `tandem gen-model` writes `config.json`, `generation_config.json`,
+//! `model.safetensors` and a byte-level BPE `tokenizer.json`, so tests and
+//! benchmarks need no downloads. The same preset and seed always give the
+//! same bytes. Weights follow Hugging Face's Llama initialisation
+//! (normal, std = `initializer_range`), norms are ones.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::bf16;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::{json, Value};
+
+use crate::error::{EngineError, Result};
+use crate::sampling::Rng;
+use crate::weights::DType;
+
+/// The shape of a generated model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+}
+
+/// Named presets: `(name, description, config)`.
+pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
+    let tiny = SynthConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        vocab_size: 512,
+        max_position_embeddings: 512,
+        rope_theta: 10000.0,
+        tie_word_embeddings: false,
+    };
+    vec![
+        ("tiny", "64 hidden, 2 layers, GQA 4:2, 512 vocab (~0.2M params): unit tests", tiny.clone()),
+        (
+            "tiny-mqa",
+            "as tiny with one KV head and tied embeddings",
+            SynthConfig {
+                num_kv_heads: 1,
+                tie_word_embeddings: true,
+                ..tiny.clone()
+            },
+        ),
+        (
+            "small",
+            "256 hidden, 4 layers, GQA 8:4, 2048 vocab (~4M params): quick demos",
+            SynthConfig {
+                hidden_size: 256,
+                intermediate_size: 688,
+                num_layers: 4,
+                num_heads: 8,
+                num_kv_heads: 4,
+                vocab_size: 2048,
+                max_position_embeddings: 2048,
+                ..tiny
+            },
+        ),
+        (
+            "bench-100m",
+            "768 hidden, 12 layers, GQA 12:4, 8000 vocab (~88M params): performance work",
+            SynthConfig {
+                hidden_size: 768,
+                intermediate_size: 2048,
+                num_layers: 12,
+                num_heads: 12,
+                num_kv_heads: 4,
+                vocab_size: 8000,
+                max_position_embeddings: 4096,
+                rope_theta: 10000.0,
+                tie_word_embeddings: false,
+            },
+        ),
+    ]
+}
+
+/// Looks a preset up by name.
+pub fn preset(name: &str) -> Result<SynthConfig> {
+    presets()
+        .into_iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|(_, _, c)| c)
+        .ok_or_else(|| {
+            let names: Vec<&str> = presets().iter().map(|p| p.0).collect();
+            EngineError::InvalidRequest(format!(
+                "unknown model preset `{name}` (known: {})",
+                names.join(", ")
+            ))
+        })
+}
+
+const BOS: u32 = 256;
+const EOS: u32 = 257;
+
+impl SynthConfig {
+    fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Parameters of the model.
+    pub fn num_params(&self) -> usize {
+        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2;
+        let per_layer = attn + 3 * h * i + 2 * h;
+        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * h };
+        self.vocab_size * h + head + self.num_layers * per_layer + h
+    }
+
+    fn config_json(&self, dtype: DType) -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim(),
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "initializer_range": 0.02,
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+            "torch_dtype": match dtype { DType::F32 => "float32", DType::Bf16 => "bfloat16", DType::F16 => "float16" },
+        })
+    }
+
+    fn tensors(&self) -> Vec<(String, Vec<usize>, bool)> {
+        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let (q, kv) = (self.num_heads * d, self.num_kv_heads * d);
+        // (name, shape, is a norm weight)
+        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h], false)];
+        for l in 0..self.num_layers {
+            let p = format!("model.layers.{l}");
+            t.push((format!("{p}.input_layernorm.weight"), vec![h], true));
+            t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
+            t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
+            t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
+            t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], true));
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], false));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], false));
+            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], false));
+        }
+        t.push(("model.norm.weight".to_string(), vec![h], true));
+        if !self.tie_word_embeddings {
+            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h], false));
+        }
+        t
+    }
+
+    /// Writes the checkpoint into `dir` (created if needed).
+    pub fn write(&self, dir: &Path, seed: u64, dtype: DType) -> Result<()> {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.hidden_size % self.num_heads != 0
+            || self.num_heads % self.num_kv_heads != 0
+            || self.vocab_size < 258
+        {
+            return Err(EngineError::InvalidRequest(format!("inconsistent model shape {self:?}")));
+        }
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| EngineError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut rng = Rng::seeded(seed);
+        let mut buffers = Vec::new();
+        for (name, shape, is_norm) in self.tensors() {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = if is_norm {
+                vec![1.0; n]
+            } else {
+                (0..n).map(|_| 0.02 * normal(&mut rng)).collect()
+            };
+            let bytes: Vec<u8> = match dtype {
+                DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                DType::Bf16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+                DType::F16 => values
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
+            };
+            buffers.push((name, shape, bytes));
+        }
+        let st_dtype = match dtype {
+            DType::F32 => Dtype::F32,
+            DType::Bf16 => Dtype::BF16,
+            DType::F16 => Dtype::F16,
+        };
+        let mut views = BTreeMap::new();
+        for (name, shape, bytes) in &buffers {
+            let view = TensorView::new(st_dtype, shape.clone(), bytes)
+                .map_err(|e| EngineError::InvalidCheckpoint(e.to_string()))?;
+            views.insert(name.clone(), view);
+        }
+        let weights_path = dir.join("model.safetensors");
+        safetensors::serialize_to_file(&views, None, &weights_path)
+            .map_err(|e| EngineError::InvalidCheckpoint(format!("writing weights: {e}")))?;
+
+        let write_json = |name: &str, v: &Value| {
+            let path = dir.join(name);
+            let text = serde_json::to_string_pretty(v).map_err(|source| EngineError::Json {
+                path: path.clone(),
+                source,
+            })?;
+            std::fs::write(&path, text).map_err(io(&path))
+        };
+        write_json("config.json", &self.config_json(dtype))?;
+        write_json(
+            "generation_config.json",
+            &json!({"bos_token_id": BOS, "eos_token_id": EOS}),
+        )?;
+        write_json("tokenizer.json", &byte_level_tokenizer(self.vocab_size))?;
+        Ok(())
+    }
+}
+
+/// A standard normal draw (Box–Muller).
+fn normal(rng: &mut Rng) -> f32 {
+    let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
+    let u2 = rng.next_f64();
+    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+/// GPT-2's reversible byte → printable-char map used by byte-level BPE.
+fn byte_to_char() -> Vec<char> {
+    let mut direct: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut out = vec!['\0'; 256];
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if let Some(pos) = direct.iter().position(|&d| d == b) {
+            direct.remove(pos);
+            out[b as usize] = char::from_u32(b).unwrap_or('?');
+        } else {
+            out[b as usize] = char::from_u32(256 + extra).unwrap_or('?');
+            extra += 1;
+        }
+    }
+    out
+}
+
+/// A byte-level BPE tokenizer: ids 0–255 are bytes, 256 `<s>`, 257 `</s>`,
+/// and the rest of the vocabulary is filled with merges of printable ASCII
+/// pairs, so every id decodes to some text.
+fn byte_level_tokenizer(vocab_size: usize) -> Value {
+    let chars = byte_to_char();
+    let mut vocab = serde_json::Map::new();
+    for (b, c) in chars.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(b));
+    }
+    let mut merges = Vec::new();
+    let printable: Vec<char> = (32u8..=126).map(|b| chars[b as usize]).collect();
+    let mut next = 258;
+    'fill: for &a in &printable {
+        for &b in &printable {
+            if next >= vocab_size {
+                break 'fill;
+            }
+            vocab.insert(format!("{a}{b}"), json!(next));
+            merges.push(format!("{a} {b}"));
+            next += 1;
+        }
+    }
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true})
+    };
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(BOS, "<s>"), special(EOS, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [BOS], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges
+        }
+    })
+}

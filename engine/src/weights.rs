@@ -1,0 +1,337 @@
+//! Safetensors checkpoints, memory-mapped.
+//!
+//! Matrices stay in the file's dtype (f32, bf16 or f16) and are read straight
+//! from the page cache: the kernels convert to f32 in registers, so a bf16
+//! model costs two bytes per weight of memory and of bandwidth. Only small
+//! vectors (norm weights, biases) are copied out and widened to f32. A tensor
+//! whose offset in the file is not aligned for its element type is copied
+//! once into an owned buffer rather than read misaligned.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{EngineError, Result};
+
+/// Element types a weight matrix may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+}
+
+/// A read-only slice that is either borrowed from a memory map or owned.
+pub struct Buf<T: 'static> {
+    inner: BufInner<T>,
+}
+
+enum BufInner<T: 'static> {
+    Mapped {
+        // Keeps the mapping alive for as long as `ptr` is used.
+        _map: Arc<Mmap>,
+        ptr: *const T,
+        len: usize,
+    },
+    Owned(Vec<T>),
+}
+
+// SAFETY: a `Buf` is immutable after construction; the mapped variant points
+// into a read-only `Mmap` kept alive by the `Arc`, which is itself Send + Sync.
+unsafe impl<T: Sync> Send for Buf<T> {}
+// SAFETY: as above, shared references only ever read.
+unsafe impl<T: Sync> Sync for Buf<T> {}
+
+impl<T> std::fmt::Debug for Buf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner {
+            BufInner::Mapped { .. } => "mapped",
+            BufInner::Owned(_) => "owned",
+        };
+        write!(f, "Buf({kind}, {} elements)", self.len())
+    }
+}
+
+impl<T> Deref for Buf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match &self.inner {
+            // SAFETY: `ptr` was checked to be aligned for `T`, points to `len`
+            // initialised elements inside the mapping, and the mapping lives
+            // as long as `self` through `_map`.
+            BufInner::Mapped { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            BufInner::Owned(v) => v,
+        }
+    }
+}
+
+impl<T> From<Vec<T>> for Buf<T> {
+    fn from(v: Vec<T>) -> Self {
+        Self {
+            inner: BufInner::Owned(v),
+        }
+    }
+}
+
+impl<T> Buf<T> {
+    /// Whether the data is read in place from the checkpoint file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.inner, BufInner::Mapped { .. })
+    }
+}
+
+impl<T: bytemuck::Pod> Buf<T> {
+    fn from_map(map: &Arc<Mmap>, bytes: &[u8]) -> Self {
+        let size = std::mem::size_of::<T>();
+        let len = bytes.len() / size;
+        if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+            Self {
+                inner: BufInner::Mapped {
+                    _map: Arc::clone(map),
+                    ptr: bytes.as_ptr().cast(),
+                    len,
+                },
+            }
+        } else {
+            let v: Vec<T> = bytes
+                .chunks_exact(size)
+                .map(bytemuck::pod_read_unaligned::<T>)
+                .collect();
+            Self::from(v)
+        }
+    }
+}
+
+/// The elements of a weight matrix in their stored type.
+#[derive(Debug)]
+pub enum WeightData {
+    F32(Buf<f32>),
+    Bf16(Buf<bf16>),
+    F16(Buf<f16>),
+}
+
+/// A row-major `[rows, cols]` weight matrix (Hugging Face `[out, in]`).
+#[derive(Debug)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+impl Matrix {
+    /// The stored element type.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            WeightData::F32(_) => DType::F32,
+            WeightData::Bf16(_) => DType::Bf16,
+            WeightData::F16(_) => DType::F16,
+        }
+    }
+
+    /// Bytes the matrix occupies.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.dtype().size()
+    }
+
+    /// Whether the matrix is read in place from the checkpoint file.
+    pub fn is_mapped(&self) -> bool {
+        match &self.data {
+            WeightData::F32(b) => b.is_mapped(),
+            WeightData::Bf16(b) => b.is_mapped(),
+            WeightData::F16(b) => b.is_mapped(),
+        }
+    }
+
+    /// Copies row `r` into `out`, widened to f32.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let range = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            WeightData::F32(b) => out.copy_from_slice(&b[range]),
+            WeightData::Bf16(b) => {
+                for (o, x) in out.iter_mut().zip(&b[range]) {
+                    *o = x.to_f32();
+                }
+            }
+            WeightData::F16(b) => {
+                for (o, x) in out.iter_mut().zip(&b[range]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range inside the mapped file.
+    start: usize,
+    end: usize,
+}
+
+/// All tensors of a checkpoint, by name, over one or more mapped files.
+pub struct WeightStore {
+    maps: Vec<Arc<Mmap>>,
+    entries: HashMap<String, Entry>,
+}
+
+impl std::fmt::Debug for WeightStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightStore")
+            .field("files", &self.maps.len())
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
+    move |source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl WeightStore {
+    /// Opens `model.safetensors`, or every shard listed in
+    /// `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+            let value: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| EngineError::Json {
+                    path: index.clone(),
+                    source,
+                })?;
+            let map = value
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    EngineError::InvalidCheckpoint(format!("{} has no weight_map", index.display()))
+                })?;
+            let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else {
+            return Err(EngineError::MissingFile {
+                path: single,
+                what: "no model.safetensors or model.safetensors.index.json in the checkpoint",
+            });
+        };
+
+        let mut maps = Vec::with_capacity(files.len());
+        let mut entries = HashMap::new();
+        for path in &files {
+            let file = File::open(path).map_err(io_err(path))?;
+            // SAFETY: the checkpoint is opened read-only and we never write
+            // through the map; a concurrent truncation of the file by another
+            // process is outside what a model server can defend against.
+            let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
+            let tensors = SafeTensors::deserialize(&map).map_err(|e| {
+                EngineError::InvalidCheckpoint(format!("{}: {e}", path.display()))
+            })?;
+            let base = map.as_ptr() as usize;
+            for (name, view) in tensors.tensors() {
+                let start = view.data().as_ptr() as usize - base;
+                entries.insert(
+                    name,
+                    Entry {
+                        file: maps.len(),
+                        dtype: view.dtype(),
+                        shape: view.shape().to_vec(),
+                        start,
+                        end: start + view.data().len(),
+                    },
+                );
+            }
+            maps.push(map);
+        }
+        Ok(Self { maps, entries })
+    }
+
+    /// Whether a tensor of this name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
+        let e = self.entries.get(name).ok_or_else(|| {
+            EngineError::InvalidCheckpoint(format!("tensor `{name}` is missing"))
+        })?;
+        if e.shape != shape {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "tensor `{name}` has shape {:?}, the config implies {shape:?}",
+                e.shape
+            )));
+        }
+        Ok(e)
+    }
+
+    fn data(&self, name: &str, e: &Entry) -> Result<WeightData> {
+        let map = &self.maps[e.file];
+        let bytes = &map[e.start..e.end];
+        Ok(match e.dtype {
+            Dtype::F32 => WeightData::F32(Buf::from_map(map, bytes)),
+            Dtype::BF16 => WeightData::Bf16(Buf::from_map(map, bytes)),
+            Dtype::F16 => WeightData::F16(Buf::from_map(map, bytes)),
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor `{name}` has dtype {other:?} (supported: F32, BF16, F16)"
+                )))
+            }
+        })
+    }
+
+    /// A `[rows, cols]` matrix, mapped in place when aligned.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let e = self.entry(name, &[rows, cols])?;
+        Ok(Matrix {
+            rows,
+            cols,
+            data: self.data(name, e)?,
+        })
+    }
+
+    /// A 1-D tensor widened to f32 (norm weights, biases).
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let e = self.entry(name, &[len])?;
+        let row = Matrix {
+            rows: 1,
+            cols: len,
+            data: self.data(name, e)?,
+        };
+        let mut out = vec![0.0; len];
+        row.row_to_f32(0, &mut out);
+        Ok(out)
+    }
+
+    /// An optional 1-D tensor: `None` when the checkpoint has no such name.
+    pub fn optional_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if self.contains(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Hugging Face parity: tandem must compute what transformers computes.
+//!
+//! Fixtures come from `tests/golden/make_golden.py` (pinned torch and
+//! transformers): small random checkpoints of every supported architecture
+//! variant, in f32 and bf16, with transformers' greedy continuation and
+//! per-step logprobs. Two paths are checked against them:
+//!
+//! * incremental generation (prefill, then one paged decode step per token,
+//!   with small blocks so attention crosses many block boundaries): the
+//!   greedy tokens must be identical and the chosen-token logprobs close;
+//! * one teacher-forced forward over prompt + reference tokens with logits at
+//!   every position: the logprobs of transformers' top tokens must be close.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tandem_engine::kernels::log_softmax;
+use tandem_engine::{
+    generate, BlockAllocator, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache,
+    SamplingParams, SeqInput,
+};
+
+#[derive(Deserialize)]
+struct Step {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    dtype: String,
+    prompt_ids: Vec<u32>,
+    steps: Vec<Step>,
+}
+
+/// Both references are f32 compute (see the fixture script), so the f32 bound
+/// applies to bf16 weights too; the looser 2e-2 for bf16 is met.
+const TOLERANCE: f32 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden")
+}
+
+fn cases() -> Vec<String> {
+    let text = std::fs::read_to_string(fixtures().join("index.json")).expect("fixture index");
+    serde_json::from_str(&text).expect("index is a list of case names")
+}
+
+fn load(case: &str) -> (Checkpoint, Golden) {
+    let dir = fixtures().join(case);
+    let golden: Golden = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("golden.json")).expect("golden.json"),
+    )
+    .expect("golden.json parses");
+    (Checkpoint::open(&dir).expect("checkpoint loads"), golden)
+}
+
+fn check_generation(case: &str, block_size: usize) -> f32 {
+    let (ckpt, g) = load(case);
+    let req = GenerateRequest {
+        prompt_ids: g.prompt_ids.clone(),
+        max_tokens: g.steps.len(),
+        sampling: SamplingParams {
+            logprobs: Some(1),
+            ..SamplingParams::default()
+        },
+        stop_token_ids: vec![],
+        // The reference loop does not stop at eos.
+        ignore_eos: true,
+    };
+    let opts = GenerateOptions {
+        block_size,
+        // Chunked prefill: the prompt runs as several forward calls.
+        prefill_chunk: 5,
+    };
+    let out = generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
+    let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
+    assert_eq!(out.output_ids, want, "{case}: greedy tokens differ from transformers");
+    let mut worst = 0.0f32;
+    for (i, (lp, s)) in out.logprobs.iter().zip(&g.steps).enumerate() {
+        let d = (lp.logprob - s.logprob).abs();
+        assert!(d < TOLERANCE, "{case} step {i}: logprob {} vs {}", lp.logprob, s.logprob);
+        worst = worst.max(d);
+    }
+    worst
+}
+
+fn check_teacher_forced(case: &str) -> f32 {
+    let (ckpt, g) = load(case);
+    let mut ids = g.prompt_ids.clone();
+    ids.extend(g.steps.iter().map(|s| s.token));
+    let bs = 16;
+    let pool = BlockAllocator::new(ids.len().div_ceil(bs), bs).expect("pool");
+    let mut kv = KvCache::new(ckpt.model.kv_layout(bs), pool.num_blocks());
+    let mut table = BlockTable::new(&pool);
+    table.append(ids.len()).expect("blocks");
+    let logits = ckpt
+        .model
+        .forward(
+            &[SeqInput {
+                tokens: &ids,
+                start_pos: 0,
+                blocks: table.blocks(),
+                all_logits: true,
+            }],
+            &mut kv,
+        )
+        .expect("forward");
+    let vocab = logits.vocab();
+    let rows = logits.seq(0);
+    let mut worst = 0.0f32;
+    for (i, s) in g.steps.iter().enumerate() {
+        let at = g.prompt_ids.len() - 1 + i;
+        let mut row = rows[at * vocab..(at + 1) * vocab].to_vec();
+        log_softmax(&mut row);
+        for &(t, want) in &s.top {
+            let d = (row[t as usize] - want).abs();
+            assert!(d < TOLERANCE, "{case} step {i} token {t}: {} vs {want}", row[t as usize]);
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+#[test]
+fn every_fixture_architecture_is_covered() {
+    let names = cases();
+    for arch in ["llama_gqa", "llama_mha", "llama_mqa", "llama3_rope", "mistral_window", "qwen2_bias", "llama_tied"] {
+        for dtype in ["f32", "bf16"] {
+            let case = format!("{arch}_{dtype}");
+            assert!(names.contains(&case), "missing fixture {case}");
+            let (_, g) = load(&case);
+            assert_eq!(g.dtype, dtype);
+            assert!(g.steps.len() >= 32, "{case}: at least 32 generated tokens");
+        }
+    }
+}
+
+macro_rules! parity {
+    ($($name:ident),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            for dtype in ["f32", "bf16"] {
+                let case = format!("{}_{dtype}", stringify!($name));
+                let gen4 = check_generation(&case, 4);
+                let gen16 = check_generation(&case, 16);
+                let tf = check_teacher_forced(&case);
+                eprintln!("{case}: max |Δlogprob| generate(bs=4) {gen4:.2e}, generate(bs=16) {gen16:.2e}, teacher-forced {tf:.2e}");
+            }
+        }
+    )*};
+}
+
+parity!(llama_gqa, llama_mha, llama_mqa, llama3_rope, mistral_window, qwen2_bias, llama_tied);
