@@ -1,0 +1,72 @@
+//! Benchmarks for tandem. Binaries live in `src/bin/`; each writes JSON.
+//!
+//! Numbers are compared as ratios within one run (achieved against a roofline
+//! measured on the same machine in the same process), never as absolute times
+//! across runs: the machines are shared and noisy.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+/// Measured read bandwidth in bytes/s: every thread streams its share of a
+/// buffer far larger than the caches, best of `reps` passes.
+///
+/// The reduction keeps 16 independent lanes so it vectorises; a plain scalar
+/// float sum is latency-bound and reports a third of the real figure.
+pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let n = bytes / 4;
+    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let mut best = 0.0f64;
+    let mut sink = 0.0f32;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let total: f32 = buf
+            .par_chunks(1 << 20)
+            .map(|chunk| {
+                let mut acc = [0.0f32; 16];
+                for c in chunk.chunks_exact(16) {
+                    for (a, &x) in acc.iter_mut().zip(c) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        let secs = t.elapsed().as_secs_f64();
+        sink += total;
+        best = best.max((n * 4) as f64 / secs);
+    }
+    std::hint::black_box(sink);
+    best
+}
+
+/// Percentile (0–100) of an unsorted sample, nearest-rank.
+pub fn percentile(samples: &[f64], p: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_nearest_rank() {
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 100.0), 5.0);
+        assert_eq!(percentile(&v, 1.0), 1.0);
+        assert!(percentile(&[], 50.0).is_nan());
+    }
+
+    #[test]
+    fn bandwidth_is_positive_and_finite() {
+        let bw = read_bandwidth(8 << 20, 2);
+        assert!(bw.is_finite() && bw > 1e8, "{bw}");
+    }
+}
