@@ -54,7 +54,10 @@ pub struct GenModelArgs {
 pub fn run_gen_model(args: GenModelArgs) -> Result<()> {
     if args.list {
         for (name, desc, cfg) in synth::presets() {
-            println!("{name:12} {:>6.1}M params  {desc}", cfg.num_params() as f64 / 1e6);
+            println!(
+                "{name:12} {:>6.1}M params  {desc}",
+                cfg.num_params() as f64 / 1e6
+            );
         }
         return Ok(());
     }
@@ -80,15 +83,21 @@ fn cache_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
         return Ok(PathBuf::from(dir).join("tandem"));
     }
-    let home = std::env::var_os("HOME").context("no HOME to put the default model under; pass --model")?;
+    let home =
+        std::env::var_os("HOME").context("no HOME to put the default model under; pass --model")?;
     Ok(PathBuf::from(home).join(".cache").join("tandem"))
 }
 
 /// The directory of the built-in default model, generating it on first use.
 pub fn default_model_dir() -> Result<PathBuf> {
-    let dir = cache_dir()?.join("models").join(format!("{DEFAULT_PRESET}-seed{DEFAULT_SEED}-bf16"));
+    let dir = cache_dir()?
+        .join("models")
+        .join(format!("{DEFAULT_PRESET}-seed{DEFAULT_SEED}-bf16"));
     if !is_complete(&dir) {
-        eprintln!("generating the built-in default model ({DEFAULT_PRESET}, random weights) in {}", dir.display());
+        eprintln!(
+            "generating the built-in default model ({DEFAULT_PRESET}, random weights) in {}",
+            dir.display()
+        );
         let tmp = dir.with_extension("partial");
         let _ = std::fs::remove_dir_all(&tmp);
         synth::preset(DEFAULT_PRESET)?.write(&tmp, DEFAULT_SEED, DType::Bf16)?;

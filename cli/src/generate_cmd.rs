@@ -15,7 +15,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text (needs tokenizer.json).
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
@@ -72,7 +76,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.block_size == 0 {
         bail!("--block-size must be positive");
     }
-    let ckpt = Checkpoint::open(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+    let ckpt =
+        Checkpoint::open(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
     let prompt_ids = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => ckpt.tokenizer()?.encode(text)?,
@@ -111,7 +116,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             _ => format!("{} ", s.token),
         };
         // A closed stdout (e.g. `| head`) ends the output, not the process.
-        let _ = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush());
+        let _ = stdout
+            .write_all(piece.as_bytes())
+            .and_then(|()| stdout.flush());
         Ok(())
     })?;
     if args.json {
@@ -147,8 +154,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             out.output_ids.len(),
             out.finish_reason.as_str(),
             out.ttft.as_secs_f64() * 1e3,
-            out.tpot
-                .map_or("-".to_string(), |d| format!("{:.2} ms", d.as_secs_f64() * 1e3))
+            out.tpot.map_or("-".to_string(), |d| format!(
+                "{:.2} ms",
+                d.as_secs_f64() * 1e3
+            ))
         );
     }
     Ok(())

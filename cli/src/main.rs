@@ -11,7 +11,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "tandem", version, about = "Disaggregated prefill/decode LLM serving")]
+#[command(
+    name = "tandem",
+    version,
+    about = "Disaggregated prefill/decode LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -134,7 +134,11 @@ fn parse_rope(raw: &RawConfig) -> Result<(f64, RopeScaling)> {
     // transformers 5 folds theta and scaling into `rope_parameters`;
     // published checkpoints carry `rope_theta` + `rope_scaling`.
     let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
-    let scaling = raw.rope_scaling.as_ref().filter(|v| v.is_object()).or(params);
+    let scaling = raw
+        .rope_scaling
+        .as_ref()
+        .filter(|v| v.is_object())
+        .or(params);
     let theta = raw
         .rope_theta
         .or_else(|| params.and_then(|p| field_f64(p, "rope_theta")))

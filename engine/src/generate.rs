@@ -99,11 +99,15 @@ pub fn generate(
         )));
     }
     if opts.prefill_chunk == 0 {
-        return Err(EngineError::InvalidRequest("prefill chunk must be positive".into()));
+        return Err(EngineError::InvalidRequest(
+            "prefill chunk must be positive".into(),
+        ));
     }
     let mut sampler = Sampler::new(req.sampling.clone(), prompt)?;
     // The context limit caps the output; hitting it is a `length` finish.
-    let max_new = req.max_tokens.min(cfg.max_position_embeddings - prompt.len());
+    let max_new = req
+        .max_tokens
+        .min(cfg.max_position_embeddings - prompt.len());
     let total = prompt.len() + max_new;
     let blocks = total.div_ceil(opts.block_size).max(1);
     let allocator = BlockAllocator::new(blocks, opts.block_size)?;

@@ -235,8 +235,12 @@ impl KvCache {
         Self {
             layout,
             num_blocks,
-            k: (0..layout.num_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..layout.num_layers).map(|_| vec![0.0; per_layer]).collect(),
+            k: (0..layout.num_layers)
+                .map(|_| vec![0.0; per_layer])
+                .collect(),
+            v: (0..layout.num_layers)
+                .map(|_| vec![0.0; per_layer])
+                .collect(),
         }
     }
 
@@ -343,7 +347,13 @@ mod tests {
             block_size: 4,
         };
         let mut kv = KvCache::new(layout, 5);
-        kv.write(1, 3, 2, &[1., 2., 3., 4., 5., 6.], &[7., 8., 9., 10., 11., 12.]);
+        kv.write(
+            1,
+            3,
+            2,
+            &[1., 2., 3., 4., 5., 6.],
+            &[7., 8., 9., 10., 11., 12.],
+        );
         let (k, v) = kv.layer(1);
         let o = kv.offset(3, 1, 2);
         assert_eq!(&k[o..o + 3], &[4., 5., 6.]);

@@ -224,7 +224,9 @@ impl Model {
         }
         for (i, s) in batch.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(EngineError::InvalidRequest(format!("sequence {i} has no tokens")));
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence {i} has no tokens"
+                )));
             }
             if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
                 return Err(EngineError::InvalidRequest(format!(
@@ -288,8 +290,11 @@ impl Model {
         let mut cos = vec![0.0f32; t * half];
         let mut sin = vec![0.0f32; t * half];
         for (i, &p) in positions.iter().enumerate() {
-            self.rope
-                .angles(p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+            self.rope.angles(
+                p,
+                &mut cos[i * half..(i + 1) * half],
+                &mut sin[i * half..(i + 1) * half],
+            );
         }
 
         let mut h = vec![0.0f32; t * hsz];
@@ -312,9 +317,14 @@ impl Model {
             layer.k.forward(&h, t, &mut k);
             layer.v.forward(&h, t, &mut v);
             for i in 0..t {
-                let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
-                self.rope.apply(&mut q[i * q_out..(i + 1) * q_out], d, cs, sn);
-                self.rope.apply(&mut k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
+                let (cs, sn) = (
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
+                self.rope
+                    .apply(&mut q[i * q_out..(i + 1) * q_out], d, cs, sn);
+                self.rope
+                    .apply(&mut k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
             }
             for seq in &seqs {
                 for j in 0..seq.len {
@@ -355,7 +365,12 @@ impl Model {
         starts.push(rows.len());
         let mut sel = vec![0.0f32; rows.len() * hsz];
         for (dst, &r) in sel.chunks_exact_mut(hsz).zip(&rows) {
-            rms_norm(&x[r * hsz..(r + 1) * hsz], &self.final_norm, c.rms_norm_eps, dst);
+            rms_norm(
+                &x[r * hsz..(r + 1) * hsz],
+                &self.final_norm,
+                c.rms_norm_eps,
+                dst,
+            );
         }
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];

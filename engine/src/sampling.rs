@@ -60,7 +60,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -339,7 +342,9 @@ mod tests {
         let logits = [0.0f32, (3.0f32).ln()];
         let draw = |p: &SamplingParams| {
             let mut s = sampler(p.clone());
-            (0..2000).map(|_| s.sample(&logits).token).collect::<Vec<_>>()
+            (0..2000)
+                .map(|_| s.sample(&logits).token)
+                .collect::<Vec<_>>()
         };
         let a = draw(&params);
         assert_eq!(a, draw(&params));
@@ -356,27 +361,53 @@ mod tests {
     fn top_k_and_top_p_and_min_p_restrict_the_support() {
         let logits = [2.0f32, 1.9, 1.8, -5.0];
         for p in [
-            SamplingParams { temperature: 1.0, top_k: 1, seed: Some(1), ..Default::default() },
-            SamplingParams { temperature: 1.0, top_p: 0.01, seed: Some(1), ..Default::default() },
-            SamplingParams { temperature: 1.0, min_p: 0.99, seed: Some(1), ..Default::default() },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 1,
+                seed: Some(1),
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.01,
+                seed: Some(1),
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.99,
+                seed: Some(1),
+                ..Default::default()
+            },
         ] {
             let mut s = sampler(p.clone());
             for _ in 0..200 {
                 assert_eq!(s.sample(&logits).token, 0, "{p:?}");
             }
         }
-        let mut s = sampler(SamplingParams { temperature: 1.0, top_k: 3, seed: Some(3), ..Default::default() });
+        let mut s = sampler(SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            seed: Some(3),
+            ..Default::default()
+        });
         assert!((0..500).all(|_| s.sample(&logits).token != 3));
     }
 
     #[test]
     fn penalties_steer_away_from_repeats() {
         let logits = [1.0f32, 0.9];
-        let mut s = sampler(SamplingParams { frequency_penalty: 0.5, ..Default::default() });
+        let mut s = sampler(SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        });
         assert_eq!(s.sample(&logits).token, 0);
         assert_eq!(s.sample(&logits).token, 1, "token 0 now costs 0.5");
         let mut r = Sampler::new(
-            SamplingParams { repetition_penalty: 2.0, ..Default::default() },
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..Default::default()
+            },
             &[0],
         )
         .expect("valid");
@@ -386,10 +417,22 @@ mod tests {
     #[test]
     fn invalid_params_are_rejected() {
         for p in [
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { min_p: 2.0, ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 2.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
         ] {
             assert!(Sampler::new(p, &[]).is_err());
         }

@@ -46,7 +46,11 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
         tie_word_embeddings: false,
     };
     vec![
-        ("tiny", "64 hidden, 2 layers, GQA 4:2, 512 vocab (~0.2M params): unit tests", tiny.clone()),
+        (
+            "tiny",
+            "64 hidden, 2 layers, GQA 4:2, 512 vocab (~0.2M params): unit tests",
+            tiny.clone(),
+        ),
         (
             "tiny-mqa",
             "as tiny with one KV head and tied embeddings",
@@ -116,7 +120,11 @@ impl SynthConfig {
         let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
         let attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2;
         let per_layer = attn + 3 * h * i + 2 * h;
-        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * h };
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * h
+        };
         self.vocab_size * h + head + self.num_layers * per_layer + h
     }
 
@@ -149,7 +157,11 @@ impl SynthConfig {
         let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
         let (q, kv) = (self.num_heads * d, self.num_kv_heads * d);
         // (name, shape, is a norm weight)
-        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h], false)];
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, h],
+            false,
+        )];
         for l in 0..self.num_layers {
             let p = format!("model.layers.{l}");
             t.push((format!("{p}.input_layernorm.weight"), vec![h], true));
@@ -157,14 +169,22 @@ impl SynthConfig {
             t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
             t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
-            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], true));
+            t.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                true,
+            ));
             t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], false));
             t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], false));
             t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], false));
         }
         t.push(("model.norm.weight".to_string(), vec![h], true));
         if !self.tie_word_embeddings {
-            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h], false));
+            t.push((
+                "lm_head.weight".to_string(),
+                vec![self.vocab_size, h],
+                false,
+            ));
         }
         t
     }
@@ -177,7 +197,9 @@ impl SynthConfig {
             || self.num_heads % self.num_kv_heads != 0
             || self.vocab_size < 258
         {
-            return Err(EngineError::InvalidRequest(format!("inconsistent model shape {self:?}")));
+            return Err(EngineError::InvalidRequest(format!(
+                "inconsistent model shape {self:?}"
+            )));
         }
         let io = |path: &Path| {
             let path = path.to_path_buf();
@@ -195,7 +217,10 @@ impl SynthConfig {
             };
             let bytes: Vec<u8> = match dtype {
                 DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                DType::Bf16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+                DType::Bf16 => values
+                    .iter()
+                    .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                    .collect(),
                 DType::F16 => values
                     .iter()
                     .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())

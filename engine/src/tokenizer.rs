@@ -51,7 +51,10 @@ impl StreamDecoder {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let text = tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.emitted
+            || !text.is_char_boundary(self.emitted)
+        {
             return Ok(String::new());
         }
         let delta = text[self.emitted..].to_string();

@@ -248,9 +248,8 @@ impl WeightStore {
             // through the map; a concurrent truncation of the file by another
             // process is outside what a model server can defend against.
             let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
-            let tensors = SafeTensors::deserialize(&map).map_err(|e| {
-                EngineError::InvalidCheckpoint(format!("{}: {e}", path.display()))
-            })?;
+            let tensors = SafeTensors::deserialize(&map)
+                .map_err(|e| EngineError::InvalidCheckpoint(format!("{}: {e}", path.display())))?;
             let base = map.as_ptr() as usize;
             for (name, view) in tensors.tensors() {
                 let start = view.data().as_ptr() as usize - base;
@@ -276,9 +275,10 @@ impl WeightStore {
     }
 
     fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
-        let e = self.entries.get(name).ok_or_else(|| {
-            EngineError::InvalidCheckpoint(format!("tensor `{name}` is missing"))
-        })?;
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| EngineError::InvalidCheckpoint(format!("tensor `{name}` is missing")))?;
         if e.shape != shape {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "tensor `{name}` has shape {:?}, the config implies {shape:?}",

@@ -76,11 +76,19 @@ fn check_generation(case: &str, block_size: usize) -> f32 {
     };
     let out = generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
     let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
-    assert_eq!(out.output_ids, want, "{case}: greedy tokens differ from transformers");
+    assert_eq!(
+        out.output_ids, want,
+        "{case}: greedy tokens differ from transformers"
+    );
     let mut worst = 0.0f32;
     for (i, (lp, s)) in out.logprobs.iter().zip(&g.steps).enumerate() {
         let d = (lp.logprob - s.logprob).abs();
-        assert!(d < TOLERANCE, "{case} step {i}: logprob {} vs {}", lp.logprob, s.logprob);
+        assert!(
+            d < TOLERANCE,
+            "{case} step {i}: logprob {} vs {}",
+            lp.logprob,
+            s.logprob
+        );
         worst = worst.max(d);
     }
     worst
@@ -116,7 +124,11 @@ fn check_teacher_forced(case: &str) -> f32 {
         log_softmax(&mut row);
         for &(t, want) in &s.top {
             let d = (row[t as usize] - want).abs();
-            assert!(d < TOLERANCE, "{case} step {i} token {t}: {} vs {want}", row[t as usize]);
+            assert!(
+                d < TOLERANCE,
+                "{case} step {i} token {t}: {} vs {want}",
+                row[t as usize]
+            );
             worst = worst.max(d);
         }
     }
@@ -126,7 +138,15 @@ fn check_teacher_forced(case: &str) -> f32 {
 #[test]
 fn every_fixture_architecture_is_covered() {
     let names = cases();
-    for arch in ["llama_gqa", "llama_mha", "llama_mqa", "llama3_rope", "mistral_window", "qwen2_bias", "llama_tied"] {
+    for arch in [
+        "llama_gqa",
+        "llama_mha",
+        "llama_mqa",
+        "llama3_rope",
+        "mistral_window",
+        "qwen2_bias",
+        "llama_tied",
+    ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
             assert!(names.contains(&case), "missing fixture {case}");
@@ -152,4 +172,12 @@ macro_rules! parity {
     )*};
 }
 
-parity!(llama_gqa, llama_mha, llama_mqa, llama3_rope, mistral_window, qwen2_bias, llama_tied);
+parity!(
+    llama_gqa,
+    llama_mha,
+    llama_mqa,
+    llama3_rope,
+    mistral_window,
+    qwen2_bias,
+    llama_tied
+);

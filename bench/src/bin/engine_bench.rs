@@ -69,8 +69,14 @@ fn main() -> Result<()> {
     let cfg = model.config().clone();
     let bs = args.block_size;
     let threads = rayon::current_num_threads();
-    eprintln!("model: {} layers, hidden {}, vocab {}, {:?} weights ({:.1} MB), {threads} threads",
-        cfg.num_layers, cfg.hidden_size, cfg.vocab_size, model.weight_dtype(), model.weight_bytes() as f64 / 1e6);
+    eprintln!(
+        "model: {} layers, hidden {}, vocab {}, {:?} weights ({:.1} MB), {threads} threads",
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        model.weight_dtype(),
+        model.weight_bytes() as f64 / 1e6
+    );
 
     eprintln!("measuring read bandwidth…");
     let bw = read_bandwidth(1 << 30, 5);
@@ -79,7 +85,9 @@ fn main() -> Result<()> {
     let gemm_flops = gemm_peak(args.prompt_len, cfg.hidden_size, cfg.intermediate_size);
 
     // Prefill: one sequence of prompt_len tokens, one forward.
-    let prompt: Vec<u32> = (0..args.prompt_len).map(|i| (i * 7919 % cfg.vocab_size) as u32).collect();
+    let prompt: Vec<u32> = (0..args.prompt_len)
+        .map(|i| (i * 7919 % cfg.vocab_size) as u32)
+        .collect();
     let blocks = args.prompt_len.div_ceil(bs);
     let pool = BlockAllocator::new(blocks, bs)?;
     let mut kv = KvCache::new(model.kv_layout(bs), blocks);
@@ -88,14 +96,24 @@ fn main() -> Result<()> {
         let mut table = BlockTable::new(&pool);
         table.append(prompt.len())?;
         let t = Instant::now();
-        model.forward(&[SeqInput { tokens: &prompt, start_pos: 0, blocks: table.blocks(), all_logits: false }], &mut kv)?;
+        model.forward(
+            &[SeqInput {
+                tokens: &prompt,
+                start_pos: 0,
+                blocks: table.blocks(),
+                all_logits: false,
+            }],
+            &mut kv,
+        )?;
         prefill_secs.push(t.elapsed().as_secs_f64());
     }
     prefill_secs.remove(0); // warm-up
     let prefill_best = prefill_secs.iter().copied().fold(f64::INFINITY, f64::min);
     let prefill_tok_s = args.prompt_len as f64 / prefill_best;
     // Linear-layer FLOPs only (attention is a small share at 512 tokens).
-    let prefill_flops = 2.0 * args.prompt_len as f64 * (model.weight_bytes() as f64 / model.weight_dtype().size() as f64);
+    let prefill_flops = 2.0
+        * args.prompt_len as f64
+        * (model.weight_bytes() as f64 / model.weight_dtype().size() as f64);
     drop(kv);
 
     let mut decode = Vec::new();
@@ -107,7 +125,11 @@ fn main() -> Result<()> {
         let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::new(&pool)).collect();
         // Fill every sequence's context with one batched prefill.
         let prompts: Vec<Vec<u32>> = (0..batch)
-            .map(|s| (0..ctx).map(|i| ((s * 131 + i * 17) % cfg.vocab_size) as u32).collect())
+            .map(|s| {
+                (0..ctx)
+                    .map(|i| ((s * 131 + i * 17) % cfg.vocab_size) as u32)
+                    .collect()
+            })
             .collect();
         for t in &mut tables {
             t.append(ctx)?;
@@ -115,7 +137,12 @@ fn main() -> Result<()> {
         let inputs: Vec<SeqInput> = prompts
             .iter()
             .zip(&tables)
-            .map(|(p, t)| SeqInput { tokens: p, start_pos: 0, blocks: t.blocks(), all_logits: false })
+            .map(|(p, t)| SeqInput {
+                tokens: p,
+                start_pos: 0,
+                blocks: t.blocks(),
+                all_logits: false,
+            })
             .collect();
         model.forward(&inputs, &mut kv)?;
         let mut step_secs = Vec::new();
@@ -127,7 +154,12 @@ fn main() -> Result<()> {
             let inputs: Vec<SeqInput> = next
                 .iter()
                 .zip(&tables)
-                .map(|(tok, t)| SeqInput { tokens: tok, start_pos: ctx + step, blocks: t.blocks(), all_logits: false })
+                .map(|(tok, t)| SeqInput {
+                    tokens: tok,
+                    start_pos: ctx + step,
+                    blocks: t.blocks(),
+                    all_logits: false,
+                })
                 .collect();
             let t0 = Instant::now();
             model.forward(&inputs, &mut kv)?;
@@ -135,7 +167,8 @@ fn main() -> Result<()> {
         }
         step_secs.remove(0); // warm-up
         let median = percentile(&step_secs, 50.0);
-        let kv_read = batch as f64 * (ctx + args.decode_steps / 2) as f64 * cfg.kv_bytes_per_token() as f64;
+        let kv_read =
+            batch as f64 * (ctx + args.decode_steps / 2) as f64 * cfg.kv_bytes_per_token() as f64;
         let bytes = model.weight_bytes() as f64 + kv_read;
         let ideal = bytes / bw;
         let entry = json!({
@@ -148,7 +181,12 @@ fn main() -> Result<()> {
             "roofline_step_ms": ideal * 1e3,
             "roofline_fraction": ideal / median,
         });
-        eprintln!("decode batch {batch}: {:.1} tok/s, step {:.2} ms, roofline {:.0}%", batch as f64 / median, median * 1e3, 100.0 * ideal / median);
+        eprintln!(
+            "decode batch {batch}: {:.1} tok/s, step {:.2} ms, roofline {:.0}%",
+            batch as f64 / median,
+            median * 1e3,
+            100.0 * ideal / median
+        );
         decode.push(entry);
     }
 
@@ -184,7 +222,11 @@ fn main() -> Result<()> {
 
 /// Best f32 GEMM rate (FLOP/s) on a prefill-shaped problem.
 fn gemm_peak(m: usize, k: usize, n: usize) -> f64 {
-    let w = Matrix { rows: n, cols: k, data: WeightData::F32(vec![0.01f32; n * k].into()) };
+    let w = Matrix {
+        rows: n,
+        cols: k,
+        data: WeightData::F32(vec![0.01f32; n * k].into()),
+    };
     let x = vec![0.5f32; m * k];
     let mut out = vec![0.0f32; m * n];
     let mut best = 0.0f64;

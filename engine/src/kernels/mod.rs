@@ -192,22 +192,50 @@ mod tests {
 
     #[test]
     fn linear_matches_naive_for_all_dtypes_and_shapes() {
-        for &(m, n, k) in &[(1, 7, 5), (3, 33, 19), (5, 64, 40), (60, 9, 17), (1, 130, 264)] {
+        for &(m, n, k) in &[
+            (1, 7, 5),
+            (3, 33, 19),
+            (5, 64, 40),
+            (60, 9, 17),
+            (1, 130, 264),
+        ] {
             let x = pseudo(m * k, 1);
             let wv = pseudo(n * k, 2);
             let want = naive(&x, m, &wv, n, k);
             let mats = [
                 WeightData::F32(wv.clone().into()),
-                WeightData::Bf16(wv.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>().into()),
-                WeightData::F16(wv.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>().into()),
+                WeightData::Bf16(
+                    wv.iter()
+                        .map(|&v| bf16::from_f32(v))
+                        .collect::<Vec<_>>()
+                        .into(),
+                ),
+                WeightData::F16(
+                    wv.iter()
+                        .map(|&v| f16::from_f32(v))
+                        .collect::<Vec<_>>()
+                        .into(),
+                ),
             ];
             for data in mats {
-                let tol = if matches!(data, WeightData::F32(_)) { 1e-4 } else { 3e-2 };
-                let w = Matrix { rows: n, cols: k, data };
+                let tol = if matches!(data, WeightData::F32(_)) {
+                    1e-4
+                } else {
+                    3e-2
+                };
+                let w = Matrix {
+                    rows: n,
+                    cols: k,
+                    data,
+                };
                 let mut out = vec![0.0; m * n];
                 linear(&x, m, &w, None, &mut out);
                 for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() < tol * (1.0 + b.abs()), "{m}x{n}x{k} {:?}: {a} vs {b}", w.dtype());
+                    assert!(
+                        (a - b).abs() < tol * (1.0 + b.abs()),
+                        "{m}x{n}x{k} {:?}: {a} vs {b}",
+                        w.dtype()
+                    );
                 }
             }
         }

@@ -71,7 +71,9 @@ impl Elem for f16 {
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -155,10 +157,15 @@ macro_rules! dispatch_tile {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn rows_avx2<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize)
-where
-    E: Elem,
-{
+fn rows_avx2<E: Elem>(
+    w: &[E],
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    n: usize,
+    r0: usize,
+) {
     let rows = w.len() / k;
     let mut r = 0;
     while r < rows {
@@ -180,7 +187,15 @@ where
     }
 }
 
-fn rows_scalar<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
+fn rows_scalar<E: Elem>(
+    w: &[E],
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    n: usize,
+    r0: usize,
+) {
     for (r, wr) in w.chunks_exact(k).enumerate() {
         for t in 0..m {
             let xr = &x[t * k..(t + 1) * k];
@@ -223,7 +238,11 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     while i < n16 {
         // SAFETY: i + 16 <= n for both slices.
         unsafe {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
+            s0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                s0,
+            );
             s1 = _mm256_fmadd_ps(
                 _mm256_loadu_ps(a.as_ptr().add(i + 8)),
                 _mm256_loadu_ps(b.as_ptr().add(i + 8)),
@@ -260,7 +279,10 @@ fn axpy_avx2(acc: &mut [f32], s: f32, x: &[f32]) {
         // SAFETY: i + 8 <= n for both slices.
         unsafe {
             let p = acc.as_mut_ptr().add(i);
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(sv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+            _mm256_storeu_ps(
+                p,
+                _mm256_fmadd_ps(sv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
+            );
         }
         i += 8;
     }
