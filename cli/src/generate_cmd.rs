@@ -28,25 +28,25 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus sampling mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Drop tokens below min_p × the top probability (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// Hugging Face repetition penalty (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     /// OpenAI presence penalty.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
     /// OpenAI frequency penalty.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     frequency_penalty: f32,
     /// Seed for reproducible sampling.
     #[arg(long)]
