@@ -3,9 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-
-use crate::config::token_ids;
+use crate::config::{read_json, token_ids};
 use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -40,14 +38,7 @@ impl Checkpoint {
         let gen_path = dir.join("generation_config.json");
         let mut eos_token_ids = Vec::new();
         if gen_path.is_file() {
-            let text = std::fs::read_to_string(&gen_path).map_err(|source| EngineError::Io {
-                path: gen_path.clone(),
-                source,
-            })?;
-            let v: Value = serde_json::from_str(&text).map_err(|source| EngineError::Json {
-                path: gen_path.clone(),
-                source,
-            })?;
+            let v = read_json(&gen_path)?;
             eos_token_ids = token_ids(v.get("eos_token_id"));
         }
         if eos_token_ids.is_empty() {

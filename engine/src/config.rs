@@ -114,6 +114,18 @@ fn default_eps() -> f64 {
     1e-6
 }
 
+/// Reads and parses one JSON file of a checkpoint.
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| EngineError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Token ids may be written as one integer, a list, or null.
 pub(crate) fn token_ids(value: Option<&Value>) -> Vec<u32> {
     match value {
@@ -186,15 +198,7 @@ impl ModelConfig {
                 what: "a Hugging Face checkpoint needs config.json",
             });
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| EngineError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let value: Value = serde_json::from_str(&text).map_err(|source| EngineError::Json {
-            path: path.clone(),
-            source,
-        })?;
-        Self::from_json(&value)
+        Self::from_json(&read_json(&path)?)
     }
 
     /// Builds a config from the parsed JSON of a `config.json`.

@@ -17,6 +17,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::config::read_json;
 use crate::error::{EngineError, Result};
 
 /// Element types a weight matrix may have.
@@ -217,12 +218,7 @@ impl WeightStore {
         let files: Vec<PathBuf> = if single.is_file() {
             vec![single]
         } else if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
-            let value: serde_json::Value =
-                serde_json::from_str(&text).map_err(|source| EngineError::Json {
-                    path: index.clone(),
-                    source,
-                })?;
+            let value = read_json(&index)?;
             let map = value
                 .get("weight_map")
                 .and_then(|m| m.as_object())
