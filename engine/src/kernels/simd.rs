@@ -109,6 +109,20 @@ unsafe fn tile<E: Elem, const R: usize, const T: usize>(
     let k8 = k / 8 * 8;
     let mut i = 0;
     while i < k8 {
+        // Row-major weights make each tile 4 short streams that cross 4 KiB
+        // pages often, which the hardware prefetcher handles badly: fetch the
+        // next tile's cache line at this column, once per 64 bytes of row.
+        if i % (64 / std::mem::size_of::<E>()) == 0 {
+            for r in 0..R {
+                // SAFETY: prefetching is a hint and never faults, even past the
+                // end of the slice; the address is only computed, not read.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        w.wrapping_add((PREFETCH_TILES * R + r) * k + i).cast(),
+                    );
+                }
+            }
+        }
         let mut xv = [_mm256_setzero_ps(); T];
         for (t, v) in xv.iter_mut().enumerate() {
             // SAFETY: i + 8 <= k, so x row t has 8 readable floats here.
@@ -135,6 +149,9 @@ unsafe fn tile<E: Elem, const R: usize, const T: usize>(
         }
     }
 }
+
+/// How many tiles ahead [`tile`] prefetches weights.
+const PREFETCH_TILES: usize = 1;
 
 macro_rules! dispatch_tile {
     ($e:ty, $r:expr, $t:expr, $($args:expr),*) => {
