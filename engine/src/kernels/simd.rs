@@ -114,13 +114,11 @@ unsafe fn tile<E: Elem, const R: usize, const T: usize>(
         // next tile's cache line at this column, once per 64 bytes of row.
         if i % (64 / std::mem::size_of::<E>()) == 0 {
             for r in 0..R {
-                // SAFETY: prefetching is a hint and never faults, even past the
-                // end of the slice; the address is only computed, not read.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        w.wrapping_add((PREFETCH_TILES * R + r) * k + i).cast(),
-                    );
-                }
+                // A prefetch is a hint that never faults, so the address may
+                // lie past the end of the weights (last tiles).
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w.wrapping_add((PREFETCH_TILES * R + r) * k + i).cast(),
+                );
             }
         }
         let mut xv = [_mm256_setzero_ps(); T];
