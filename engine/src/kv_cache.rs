@@ -140,8 +140,8 @@ impl BlockAllocator {
         }
     }
 
-    /// Sum of reference counts; equals `num_blocks - num_free` when the
-    /// accounting is sound (used by tests after every step).
+    /// Blocks with a nonzero reference count; equals `num_blocks - num_free`
+    /// when the accounting is sound (tests check it after every step).
     pub fn referenced(&self) -> usize {
         let st = self.lock();
         st.refcount.iter().filter(|&&r| r > 0).count()

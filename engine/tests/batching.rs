@@ -2,16 +2,12 @@
 //! on its own: a prefill chunk of one sequence and decode tokens of others
 //! share every GEMM, and only attention separates them.
 
-use tandem_engine::{synth, BlockAllocator, BlockTable, DType, KvCache, KvError, Model, SeqInput};
+mod common;
+
+use tandem_engine::{BlockAllocator, BlockTable, DType, KvCache, KvError, Model, SeqInput};
 
 fn model() -> (tempfile::TempDir, Model) {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    synth::preset("tiny")
-        .expect("preset")
-        .write(tmp.path(), 9, DType::F32)
-        .expect("write");
-    let m = Model::load(tmp.path()).expect("load");
-    (tmp, m)
+    common::synth_model("tiny", 9, DType::F32)
 }
 
 fn prompt(seed: u32, n: usize) -> Vec<u32> {

@@ -1,7 +1,9 @@
 //! Stop conditions of the single-request generation loop.
 
+mod common;
+
 use tandem_engine::{
-    generate, synth, DType, FinishReason, GenerateOptions, GenerateRequest, Model, SamplingParams,
+    generate, DType, FinishReason, GenerateOptions, GenerateRequest, SamplingParams,
 };
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
@@ -16,12 +18,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
 
 #[test]
 fn eos_stop_ids_max_tokens_and_context_limit() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    synth::preset("tiny")
-        .expect("preset")
-        .write(tmp.path(), 4, DType::F32)
-        .expect("write");
-    let model = Model::load(tmp.path()).expect("load");
+    let (_tmp, model) = common::synth_model("tiny", 4, DType::F32);
     let opts = GenerateOptions::default();
     let run = |req: &GenerateRequest, eos: &[u32]| {
         generate(&model, eos, req, opts, |_| Ok(())).expect("generate")
