@@ -8,7 +8,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{axpy_f32, dot_f32};
+use crate::kernels::{axpy_f32, dot_f32, OutPtr};
 use crate::kv_cache::{BlockId, KvCache};
 
 /// One sequence's slice of the flattened batch.
@@ -33,13 +33,6 @@ pub struct Heads {
 }
 
 const QUERY_TILE: usize = 32;
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint (row, head) sub-slices of the output.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
 
 /// `out[row, head] = softmax(q·Kᵀ/√d + causal/window mask)·V` for every new
 /// token of every sequence. `q` and `out` are `[rows, num_heads * head_dim]`.

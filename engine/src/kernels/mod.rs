@@ -46,11 +46,12 @@ pub fn linear(x: &[f32], m: usize, w: &Matrix, bias: Option<&[f32]>, out: &mut [
     }
 }
 
-/// Raw output pointer shared by tasks that write disjoint elements.
+/// Raw output pointer shared by parallel tasks that write disjoint elements
+/// of one buffer (columns here, (row, head) slices in attention).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: used only to let rayon tasks write disjoint columns of one buffer;
-// each task's column range is exclusive to it.
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: used only to let rayon tasks write disjoint parts of one buffer;
+// every user gives each task a range no other task touches.
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
