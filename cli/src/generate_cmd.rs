@@ -105,7 +105,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ..GenerateOptions::default()
     };
     let stream_text = !args.json && ckpt.tokenizer.is_some();
-    let mut decoder = StreamDecoder::default();
+    let mut decoder = StreamDecoder::after_prompt(&req.prompt_ids);
     let mut stdout = std::io::stdout().lock();
     let out = generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |s| {
         if args.json {

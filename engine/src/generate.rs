@@ -19,6 +19,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the model's context limit was reached.
     Length,
+    /// The request was cancelled.
+    Abort,
 }
 
 impl FinishReason {
@@ -27,6 +29,7 @@ impl FinishReason {
         match self {
             Self::Stop => "stop",
             Self::Length => "length",
+            Self::Abort => "abort",
         }
     }
 }
@@ -123,7 +126,10 @@ pub fn generate(
     // Prefill in chunks; the last chunk's logits give the first token.
     let mut logits = None;
     for chunk in prompt.chunks(opts.prefill_chunk) {
-        table.append(chunk.len())?;
+        // A fresh table shares no block, so no copy-on-write can arise.
+        if let Some(copy) = table.append(chunk.len())? {
+            kv.copy_block(copy);
+        }
         let out = model.forward(
             &[SeqInput {
                 tokens: chunk,
@@ -162,7 +168,9 @@ pub fn generate(
         }
         pending.clear();
         pending.push(s.token);
-        table.append(1)?;
+        if let Some(copy) = table.append(1)? {
+            kv.copy_block(copy);
+        }
         logits = Some(model.forward(
             &[SeqInput {
                 tokens: &pending,

@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+pub mod serving;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;
@@ -28,7 +29,9 @@ pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
-pub use kv_cache::{BlockAllocator, BlockId, BlockTable, KvCache, KvError, KvLayout};
+pub use kv_cache::{
+    BlockAllocator, BlockCopy, BlockId, BlockTable, KvCache, KvError, KvLayout, PrefixCacheStats,
+};
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
 pub use weights::DType;

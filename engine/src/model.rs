@@ -16,7 +16,7 @@ use std::path::Path;
 use crate::attention::{paged_attention, AttnSeq, Heads};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kernels::{self, add_in_place, linear, rms_norm, silu_mul, RopeTable};
+use crate::kernels::{self, add_in_place, linear, rms_norm, silu_mul, MatmulPolicy, RopeTable};
 use crate::kv_cache::{BlockId, KvCache, KvLayout};
 use crate::weights::{DType, Matrix, WeightStore};
 
@@ -35,8 +35,8 @@ impl Linear {
         })
     }
 
-    fn forward(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        linear(x, m, &self.w, self.b.as_deref(), out);
+    fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
+        linear(x, m, &self.w, self.b.as_deref(), policy, out);
     }
 }
 
@@ -63,6 +63,7 @@ pub struct Model {
     /// `None` when tied to the embedding.
     lm_head: Option<Matrix>,
     rope: RopeTable,
+    matmul: MatmulPolicy,
     _weights: WeightStore,
 }
 
@@ -158,8 +159,14 @@ impl Model {
             final_norm,
             lm_head,
             rope,
+            matmul: MatmulPolicy::default(),
             _weights: ws,
         })
+    }
+
+    /// Chooses speed or batch invariance for the matrix products.
+    pub fn set_matmul_policy(&mut self, policy: MatmulPolicy) {
+        self.matmul = policy;
     }
 
     /// The model's configuration.
@@ -313,9 +320,9 @@ impl Model {
 
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut h);
-            layer.q.forward(&h, t, &mut q);
-            layer.k.forward(&h, t, &mut k);
-            layer.v.forward(&h, t, &mut v);
+            layer.q.forward(&h, t, self.matmul, &mut q);
+            layer.k.forward(&h, t, self.matmul, &mut k);
+            layer.v.forward(&h, t, self.matmul, &mut v);
             for i in 0..t {
                 let (cs, sn) = (
                     &cos[i * half..(i + 1) * half],
@@ -340,14 +347,14 @@ impl Model {
                 }
             }
             paged_attention(&q, kv, li, &seqs, heads, c.sliding_window[li], &mut attn);
-            layer.o.forward(&attn, t, &mut proj);
+            layer.o.forward(&attn, t, self.matmul, &mut proj);
             add_in_place(&mut x, &proj);
 
             rms_norm(&x, &layer.post_norm, c.rms_norm_eps, &mut h);
-            layer.gate.forward(&h, t, &mut gate);
-            layer.up.forward(&h, t, &mut up);
+            layer.gate.forward(&h, t, self.matmul, &mut gate);
+            layer.up.forward(&h, t, self.matmul, &mut up);
             silu_mul(&mut gate, &up);
-            layer.down.forward(&gate, t, &mut proj);
+            layer.down.forward(&gate, t, self.matmul, &mut proj);
             add_in_place(&mut x, &proj);
         }
 
@@ -374,7 +381,7 @@ impl Model {
         }
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];
-        kernels::linear(&sel, rows.len(), self.head(), None, &mut data);
+        kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data);
         Ok(Logits {
             data,
             vocab,

@@ -35,30 +35,54 @@ impl Tokenizer {
     }
 }
 
-/// Turns a growing list of token ids into text deltas.
+/// Turns a growing list of token ids into text deltas, in O(1) decoding
+/// work per token.
 ///
-/// Byte-level BPE tokens can split a UTF-8 character, so a delta is released
-/// only when the decoded text does not end in a replacement character; the
-/// next token completes it.
+/// Byte-level BPE tokens can split a UTF-8 character, and some tokenizers
+/// decode a token differently after a word boundary, so each token is decoded
+/// together with a few tokens of context (the window from `prefix` to the
+/// end) and the delta is the text past the context's own decoding (the
+/// offsets scheme of Hugging Face TGI and vLLM). A delta is released only
+/// when it does not end in a replacement character; the next token completes
+/// the character.
 #[derive(Debug, Default)]
 pub struct StreamDecoder {
     ids: Vec<u32>,
-    emitted: usize,
+    /// Start of the context window.
+    prefix: usize,
+    /// End of the text already released.
+    read: usize,
 }
 
+/// Prompt tokens kept as context for the first output tokens.
+const PROMPT_CONTEXT: usize = 5;
+
 impl StreamDecoder {
+    /// A decoder whose first tokens follow `prompt` (only its last few
+    /// tokens are kept, as decoding context).
+    pub fn after_prompt(prompt: &[u32]) -> Self {
+        let tail = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT)..];
+        Self {
+            ids: tail.to_vec(),
+            prefix: 0,
+            read: tail.len(),
+        }
+    }
+
     /// Adds one token; returns the newly printable text, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}')
-            || text.len() < self.emitted
-            || !text.is_char_boundary(self.emitted)
+        let context = tok.decode(&self.ids[self.prefix..self.read])?;
+        let text = tok.decode(&self.ids[self.prefix..])?;
+        if text.len() <= context.len()
+            || text.ends_with('\u{FFFD}')
+            || !text.is_char_boundary(context.len())
         {
             return Ok(String::new());
         }
-        let delta = text[self.emitted..].to_string();
-        self.emitted = text.len();
+        let delta = text[context.len()..].to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
         Ok(delta)
     }
 }

@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use serde_json::json;
 use tandem_bench::{percentile, read_bandwidth};
-use tandem_engine::kernels::linear;
+use tandem_engine::kernels::{linear, MatmulPolicy};
 use tandem_engine::synth;
 use tandem_engine::weights::{Matrix, WeightData};
 use tandem_engine::{BlockAllocator, BlockTable, DType, KvCache, Model, SeqInput};
@@ -232,7 +232,7 @@ fn gemm_peak(m: usize, k: usize, n: usize) -> f64 {
     let mut best = 0.0f64;
     for _ in 0..5 {
         let t = Instant::now();
-        linear(&x, m, &w, None, &mut out);
+        linear(&x, m, &w, None, MatmulPolicy::Fastest, &mut out);
         best = best.max(2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64());
     }
     std::hint::black_box(&out);

@@ -27,12 +27,35 @@ use crate::weights::{Matrix, WeightData};
 /// Above this many token rows, [`linear`] uses the GEMM path.
 pub const GEMV_MAX_ROWS: usize = 48;
 
+/// How [`linear`] may trade bit-exactness for speed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MatmulPolicy {
+    /// The row kernel for small batches, the GEMM above
+    /// [`GEMV_MAX_ROWS`]. A token's result can differ in the last bits
+    /// with the size of the batch it ran in (the two kernels sum in
+    /// different orders).
+    #[default]
+    Fastest,
+    /// The row kernel at every size: each output element is summed in the
+    /// same order whatever else is in the batch, so a request's tokens do not
+    /// depend on its batch-mates (SGLang's deterministic mode, vLLM's
+    /// `VLLM_BATCH_INVARIANT`). Prefill is slower.
+    BatchInvariant,
+}
+
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`.
-pub fn linear(x: &[f32], m: usize, w: &Matrix, bias: Option<&[f32]>, out: &mut [f32]) {
+pub fn linear(
+    x: &[f32],
+    m: usize,
+    w: &Matrix,
+    bias: Option<&[f32]>,
+    policy: MatmulPolicy,
+    out: &mut [f32],
+) {
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if m <= GEMV_MAX_ROWS {
+    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
         linear_rows(x, m, w, out);
     } else {
         linear_gemm(x, m, w, out);
@@ -230,7 +253,7 @@ mod tests {
                     data,
                 };
                 let mut out = vec![0.0; m * n];
-                linear(&x, m, &w, None, &mut out);
+                linear(&x, m, &w, None, MatmulPolicy::Fastest, &mut out);
                 for (a, b) in out.iter().zip(&want) {
                     assert!(
                         (a - b).abs() < tol * (1.0 + b.abs()),

@@ -8,13 +8,21 @@
 //! Ownership is RAII: a [`BlockTable`] returns its blocks to the
 //! [`BlockAllocator`] when dropped, so no error path can leak KV memory, and
 //! an allocation that cannot be met fails with [`KvError::OutOfBlocks`]
-//! without taking any block.
+//! without taking any block. Blocks are reference counted: prefix-cache hits
+//! and forked sequences share them, and a shared partial block is copied
+//! before it is written (copy-on-write). The allocator keeps freed full
+//! blocks under their chained hash until it needs the memory
+//! (the `allocator` module explains the LRU).
 //!
 //! Storage layout, per layer, for K and for V: `[block][kv_head][slot][head_dim]`,
 //! so one head's keys of one block are contiguous (what attention streams) and
 //! one block of one layer is one contiguous range (what a transfer sends).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+mod allocator;
+mod table;
+
+pub use allocator::{BlockAllocator, PrefixCacheStats};
+pub use table::{BlockCopy, BlockTable};
 
 /// A physical block index into the pool.
 pub type BlockId = u32;
@@ -53,169 +61,6 @@ impl KvLayout {
     /// Bytes of K and V, all layers, for one block.
     pub fn block_bytes(&self) -> usize {
         2 * self.num_layers * self.block_elems() * std::mem::size_of::<f32>()
-    }
-}
-
-#[derive(Debug)]
-struct AllocatorState {
-    free: Vec<BlockId>,
-    refcount: Vec<u32>,
-}
-
-/// Hands out physical blocks. Cheap to clone; clones share one pool.
-#[derive(Debug, Clone)]
-pub struct BlockAllocator {
-    state: Arc<Mutex<AllocatorState>>,
-    num_blocks: usize,
-    block_size: usize,
-}
-
-impl BlockAllocator {
-    /// A pool of `num_blocks` blocks of `block_size` tokens.
-    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, KvError> {
-        if num_blocks == 0 || block_size == 0 {
-            return Err(KvError::EmptyPool);
-        }
-        // Pop from the end: hand out low ids first, which keeps tests readable.
-        let free = (0..num_blocks as BlockId).rev().collect();
-        Ok(Self {
-            state: Arc::new(Mutex::new(AllocatorState {
-                free,
-                refcount: vec![0; num_blocks],
-            })),
-            num_blocks,
-            block_size,
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, AllocatorState> {
-        // A panic while holding this lock cannot leave the state half-updated
-        // (every update is a single push/pop plus a counter), so poisoning is
-        // safe to ignore.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Tokens per block.
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
-    /// Blocks in the pool.
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
-    /// Blocks not owned by any table.
-    pub fn num_free(&self) -> usize {
-        self.lock().free.len()
-    }
-
-    /// Takes `n` blocks, all or none.
-    fn take(&self, n: usize) -> Result<Vec<BlockId>, KvError> {
-        let mut st = self.lock();
-        if st.free.len() < n {
-            return Err(KvError::OutOfBlocks {
-                needed: n,
-                free: st.free.len(),
-                total: self.num_blocks,
-            });
-        }
-        let at = st.free.len() - n;
-        let blocks: Vec<BlockId> = st.free.drain(at..).rev().collect();
-        for &b in &blocks {
-            st.refcount[b as usize] = 1;
-        }
-        Ok(blocks)
-    }
-
-    fn release(&self, blocks: &[BlockId]) {
-        let mut st = self.lock();
-        for &b in blocks {
-            let rc = &mut st.refcount[b as usize];
-            debug_assert!(*rc > 0, "double free of block {b}");
-            *rc = rc.saturating_sub(1);
-            if *rc == 0 {
-                st.free.push(b);
-            }
-        }
-    }
-
-    /// Blocks with a nonzero reference count; equals `num_blocks - num_free`
-    /// when the accounting is sound (tests check it after every step).
-    pub fn referenced(&self) -> usize {
-        let st = self.lock();
-        st.refcount.iter().filter(|&&r| r > 0).count()
-    }
-}
-
-/// The blocks of one sequence, in logical order. Returns them on drop.
-#[derive(Debug)]
-pub struct BlockTable {
-    allocator: BlockAllocator,
-    blocks: Vec<BlockId>,
-    num_tokens: usize,
-}
-
-impl BlockTable {
-    /// An empty table drawing from `allocator`.
-    pub fn new(allocator: &BlockAllocator) -> Self {
-        Self {
-            allocator: allocator.clone(),
-            blocks: Vec::new(),
-            num_tokens: 0,
-        }
-    }
-
-    /// Physical blocks, logical order.
-    pub fn blocks(&self) -> &[BlockId] {
-        &self.blocks
-    }
-
-    /// Tokens whose K/V the table holds (or is about to).
-    pub fn num_tokens(&self) -> usize {
-        self.num_tokens
-    }
-
-    /// Token capacity of the blocks already held.
-    pub fn capacity(&self) -> usize {
-        self.blocks.len() * self.allocator.block_size
-    }
-
-    /// Blocks needed to grow to `total_tokens`.
-    pub fn blocks_needed(&self, total_tokens: usize) -> usize {
-        total_tokens
-            .div_ceil(self.allocator.block_size)
-            .saturating_sub(self.blocks.len())
-    }
-
-    /// Grows the table so it can hold `n` more tokens, and counts them.
-    /// On failure nothing changes.
-    pub fn append(&mut self, n: usize) -> Result<(), KvError> {
-        let total = self.num_tokens + n;
-        let need = self.blocks_needed(total);
-        if need > 0 {
-            let new = self.allocator.take(need)?;
-            self.blocks.extend(new);
-        }
-        self.num_tokens = total;
-        Ok(())
-    }
-
-    /// Forgets the last `n` tokens, returning blocks that become empty
-    /// (e.g. rejected speculative tokens).
-    pub fn truncate(&mut self, n: usize) {
-        self.num_tokens = self.num_tokens.saturating_sub(n);
-        let keep = self.num_tokens.div_ceil(self.allocator.block_size);
-        if keep < self.blocks.len() {
-            let gone: Vec<BlockId> = self.blocks.drain(keep..).collect();
-            self.allocator.release(&gone);
-        }
-    }
-}
-
-impl Drop for BlockTable {
-    fn drop(&mut self) {
-        self.allocator.release(&self.blocks);
     }
 }
 
@@ -264,6 +109,15 @@ impl KvCache {
     /// One layer's K and V pools, read-only.
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.k[layer], &self.v[layer])
+    }
+
+    /// Copies one block's K and V, every layer (copy-on-write).
+    pub fn copy_block(&mut self, copy: BlockCopy) {
+        let n = self.layout.block_elems();
+        let (s, d) = (copy.src as usize * n, copy.dst as usize * n);
+        for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
+            layer.copy_within(s..s + n, d);
+        }
     }
 
     /// Writes one token's K and V rows (`[kv_head][head_dim]`) at `slot` of
@@ -330,6 +184,86 @@ mod tests {
         assert_eq!(t.num_tokens(), 4);
         assert_eq!(t.blocks().len(), 1);
         assert_eq!(pool.num_free(), 3);
+    }
+
+    fn hashes(n: usize) -> Vec<u64> {
+        tandem_block_hash::block_hashes(&(0..n as u32 * 4).collect::<Vec<_>>(), 4)
+    }
+
+    #[test]
+    fn freed_blocks_stay_cached_until_reused() {
+        let pool = BlockAllocator::new(4, 4).expect("pool");
+        let h = hashes(2);
+        let mut a = BlockTable::new(&pool);
+        assert_eq!(a.append(8).expect("two blocks"), None);
+        a.register_computed(&h, 8);
+        let a_blocks = a.blocks().to_vec();
+        drop(a);
+        assert_eq!(pool.num_free(), 4, "cached blocks are free");
+        assert_eq!(pool.num_cached(), 2);
+        assert_eq!(pool.probe(&h), (2, 2));
+        let b = BlockTable::from_cached_prefix(&pool, &h);
+        assert_eq!(b.blocks(), &a_blocks[..]);
+        assert_eq!(b.num_tokens(), 8);
+        assert_eq!(pool.num_free(), 2);
+        pool.check_accounting(2).expect("books");
+        drop(b);
+        // Two fresh blocks come from the never-cached ones first (LRU head).
+        let mut c = BlockTable::new(&pool);
+        c.append(8).expect("two");
+        assert_eq!(pool.num_cached(), 2, "cached blocks were not evicted");
+        // The next allocation must evict; the tail block of `a` goes first.
+        let mut d = BlockTable::new(&pool);
+        d.append(4).expect("one");
+        assert_eq!(d.blocks(), &[a_blocks[1]]);
+        assert_eq!(pool.probe(&h), (1, 1), "block 0 is still cached");
+        assert_eq!(pool.prefix_stats().evicted_blocks, 1);
+        pool.check_accounting(3).expect("books");
+    }
+
+    #[test]
+    fn fork_shares_and_copy_on_write_splits_the_partial_block() {
+        let pool = BlockAllocator::new(8, 4).expect("pool");
+        let mut a = BlockTable::new(&pool);
+        a.append(6).expect("prompt");
+        let b = a.fork();
+        let mut b = b;
+        assert_eq!(pool.refcount(a.blocks()[1]), 2);
+        pool.check_accounting(4).expect("books");
+        let copy = b.append(1).expect("append").expect("a copy-on-write");
+        assert_eq!(copy.src, a.blocks()[1]);
+        assert_ne!(b.blocks()[1], a.blocks()[1]);
+        assert_eq!(b.blocks()[0], a.blocks()[0], "the full block stays shared");
+        // `a` now owns its tail alone and appends in place.
+        assert_eq!(a.append(1).expect("append"), None);
+        pool.check_accounting(4).expect("books");
+        drop(a);
+        drop(b);
+        assert_eq!(pool.num_free(), 8);
+        pool.check_accounting(0).expect("books");
+    }
+
+    #[test]
+    fn a_failed_copy_on_write_changes_nothing() {
+        let pool = BlockAllocator::new(2, 4).expect("pool");
+        let mut a = BlockTable::new(&pool);
+        a.append(6).expect("two blocks");
+        let mut b = a.fork();
+        assert!(b.append(1).is_err());
+        assert_eq!(b.blocks(), a.blocks());
+        assert_eq!(b.num_tokens(), 6);
+        pool.check_accounting(4).expect("books");
+    }
+
+    #[test]
+    fn truncating_into_a_cached_block_uncaches_it() {
+        let pool = BlockAllocator::new(4, 4).expect("pool");
+        let h = hashes(2);
+        let mut a = BlockTable::new(&pool);
+        a.append(8).expect("two");
+        a.register_computed(&h, 8);
+        a.truncate(2);
+        assert_eq!(pool.probe(&h), (1, 0), "block 1 will be overwritten");
     }
 
     #[test]

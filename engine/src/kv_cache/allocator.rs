@@ -1,0 +1,327 @@
+//! The block pool: reference counts, the prefix cache, LRU eviction.
+//!
+//! Every block is either *referenced* (refcount > 0, owned by one or more
+//! [`BlockTable`](super::BlockTable)s) or *free*. Free blocks sit in one
+//! queue, least recently freed at the head; allocation pops the head. A full
+//! block whose K/V is computed can be *registered* under its chained
+//! [`BlockHash`]; it keeps that name while free, so a later request with the
+//! same prefix takes it back out of the queue instead of recomputing it
+//! (vLLM v1's design). Its name is dropped only when allocation evicts it for
+//! reuse. Cached blocks therefore cost nothing: they are ordinary free blocks
+//! that happen to still hold valid K/V.
+//!
+//! The queue is an intrusive doubly linked list over block ids, so taking a
+//! cached block out of the middle is O(1).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tandem_block_hash::BlockHash;
+
+use super::{BlockId, KvError};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct BlockMeta {
+    refcount: u32,
+    hash: Option<BlockHash>,
+    prev: u32,
+    next: u32,
+}
+
+/// Prefix-cache counters since the pool was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Blocks looked up on admission.
+    pub queried_blocks: u64,
+    /// Of those, blocks found cached.
+    pub hit_blocks: u64,
+    /// Cached blocks whose hash was dropped to reuse the block.
+    pub evicted_blocks: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    meta: Vec<BlockMeta>,
+    /// Free queue: `head` is evicted first.
+    head: u32,
+    tail: u32,
+    num_free: usize,
+    cached: HashMap<BlockHash, BlockId>,
+    stats: PrefixCacheStats,
+}
+
+impl State {
+    fn push_back(&mut self, b: BlockId) {
+        let tail = self.tail;
+        self.meta[b as usize].prev = tail;
+        self.meta[b as usize].next = NIL;
+        if tail == NIL {
+            self.head = b;
+        } else {
+            self.meta[tail as usize].next = b;
+        }
+        self.tail = b;
+        self.num_free += 1;
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let (prev, next) = (self.meta[b as usize].prev, self.meta[b as usize].next);
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.meta[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.meta[next as usize].prev = prev;
+        }
+        self.meta[b as usize].prev = NIL;
+        self.meta[b as usize].next = NIL;
+        self.num_free -= 1;
+    }
+
+    fn forget_hash(&mut self, b: BlockId) {
+        if let Some(h) = self.meta[b as usize].hash.take() {
+            if self.cached.get(&h) == Some(&b) {
+                self.cached.remove(&h);
+            }
+        }
+    }
+}
+
+/// Hands out physical blocks and keeps the prefix cache. Cheap to clone;
+/// clones share one pool.
+#[derive(Debug, Clone)]
+pub struct BlockAllocator {
+    state: Arc<Mutex<State>>,
+    num_blocks: usize,
+    block_size: usize,
+}
+
+impl BlockAllocator {
+    /// A pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, KvError> {
+        if num_blocks == 0 || block_size == 0 || num_blocks >= NIL as usize {
+            return Err(KvError::EmptyPool);
+        }
+        let mut st = State {
+            meta: vec![
+                BlockMeta {
+                    refcount: 0,
+                    hash: None,
+                    prev: NIL,
+                    next: NIL,
+                };
+                num_blocks
+            ],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            cached: HashMap::new(),
+            stats: PrefixCacheStats::default(),
+        };
+        // Low ids first, which keeps tests readable.
+        for b in 0..num_blocks as BlockId {
+            st.push_back(b);
+        }
+        Ok(Self {
+            state: Arc::new(Mutex::new(st)),
+            num_blocks,
+            block_size,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update completes before the lock is released and none can
+        // panic half-way through a list splice (indices are in range by
+        // construction), so a poisoned lock still guards a sound state.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Blocks no table references (cached ones included: they are evictable).
+    pub fn num_free(&self) -> usize {
+        self.lock().num_free
+    }
+
+    /// Blocks registered in the prefix cache, referenced or not.
+    pub fn num_cached(&self) -> usize {
+        self.lock().cached.len()
+    }
+
+    /// Prefix-cache counters.
+    pub fn prefix_stats(&self) -> PrefixCacheStats {
+        self.lock().stats
+    }
+
+    /// Takes `n` blocks from the head of the free queue, all or none,
+    /// evicting their cached names.
+    pub(super) fn take(&self, n: usize) -> Result<Vec<BlockId>, KvError> {
+        let mut st = self.lock();
+        if st.num_free < n {
+            return Err(KvError::OutOfBlocks {
+                needed: n,
+                free: st.num_free,
+                total: self.num_blocks,
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = st.head;
+            st.unlink(b);
+            if st.meta[b as usize].hash.is_some() {
+                st.forget_hash(b);
+                st.stats.evicted_blocks += 1;
+            }
+            st.meta[b as usize].refcount = 1;
+            out.push(b);
+        }
+        Ok(out)
+    }
+
+    /// Drops one reference to each block, in order; a block whose count
+    /// reaches zero joins the tail of the free queue (evicted last).
+    pub(super) fn release(&self, blocks: impl IntoIterator<Item = BlockId>) {
+        let mut st = self.lock();
+        for b in blocks {
+            let rc = st.meta[b as usize].refcount;
+            debug_assert!(rc > 0, "double free of block {b}");
+            if rc == 0 {
+                continue;
+            }
+            st.meta[b as usize].refcount = rc - 1;
+            if rc == 1 {
+                st.push_back(b);
+            }
+        }
+    }
+
+    /// Adds a reference to blocks already referenced (a fork).
+    pub(super) fn share(&self, blocks: &[BlockId]) {
+        let mut st = self.lock();
+        for &b in blocks {
+            debug_assert!(st.meta[b as usize].refcount > 0, "sharing free block {b}");
+            st.meta[b as usize].refcount += 1;
+        }
+    }
+
+    /// Reference count of one block.
+    pub fn refcount(&self, block: BlockId) -> u32 {
+        self.lock()
+            .meta
+            .get(block as usize)
+            .map_or(0, |m| m.refcount)
+    }
+
+    /// How many leading `hashes` are cached, and how many of those cached
+    /// blocks are free (taking them shrinks the free pool). Changes nothing.
+    pub fn probe(&self, hashes: &[BlockHash]) -> (usize, usize) {
+        let st = self.lock();
+        let mut hits = 0;
+        let mut free = 0;
+        for h in hashes {
+            let Some(&b) = st.cached.get(h) else { break };
+            hits += 1;
+            if st.meta[b as usize].refcount == 0 {
+                free += 1;
+            }
+        }
+        (hits, free)
+    }
+
+    /// Takes a reference to the cached blocks of the longest cached prefix
+    /// of `hashes` and returns them. Never fails: a miss ends the prefix.
+    pub(super) fn acquire_cached(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let mut st = self.lock();
+        st.stats.queried_blocks += hashes.len() as u64;
+        let mut out = Vec::new();
+        for h in hashes {
+            let Some(&b) = st.cached.get(h) else { break };
+            if st.meta[b as usize].refcount == 0 {
+                st.unlink(b);
+            }
+            st.meta[b as usize].refcount += 1;
+            out.push(b);
+        }
+        st.stats.hit_blocks += out.len() as u64;
+        out
+    }
+
+    /// Names a full, computed, referenced block by its hash so later
+    /// requests can reuse it. A hash already cached under another block
+    /// (two requests computed the same prefix at once) is left as it is.
+    pub(super) fn register(&self, block: BlockId, hash: BlockHash) {
+        let mut st = self.lock();
+        if st.meta[block as usize].hash.is_some() || st.cached.contains_key(&hash) {
+            return;
+        }
+        st.meta[block as usize].hash = Some(hash);
+        st.cached.insert(hash, block);
+    }
+
+    /// Drops a block's cached name (its contents are about to change).
+    pub(super) fn unregister(&self, block: BlockId) {
+        self.lock().forget_hash(block);
+    }
+
+    /// Blocks with a nonzero reference count.
+    pub fn referenced(&self) -> usize {
+        let st = self.lock();
+        st.meta.iter().filter(|m| m.refcount > 0).count()
+    }
+
+    /// Checks the pool's books: the free queue holds exactly the
+    /// unreferenced blocks, referenced plus free is the whole pool, every
+    /// cached name points at a block carrying it, and the references sum to
+    /// `expected_refs` (the caller's count of blocks over all live tables).
+    pub fn check_accounting(&self, expected_refs: usize) -> Result<(), String> {
+        let st = self.lock();
+        let mut walked = 0;
+        let mut b = st.head;
+        while b != NIL {
+            if st.meta[b as usize].refcount != 0 {
+                return Err(format!("block {b} is in the free queue but referenced"));
+            }
+            walked += 1;
+            if walked > self.num_blocks {
+                return Err("the free queue has a cycle".into());
+            }
+            b = st.meta[b as usize].next;
+        }
+        let unreferenced = st.meta.iter().filter(|m| m.refcount == 0).count();
+        if walked != st.num_free || unreferenced != st.num_free {
+            return Err(format!(
+                "free count {} but {walked} queued and {unreferenced} unreferenced",
+                st.num_free
+            ));
+        }
+        let referenced = self.num_blocks - unreferenced;
+        if referenced + st.num_free != self.num_blocks {
+            return Err("referenced + free != total".into());
+        }
+        for (h, &b) in &st.cached {
+            if st.meta[b as usize].hash != Some(*h) {
+                return Err(format!("cached hash {h:#x} points at block {b} without it"));
+            }
+        }
+        let refs: usize = st.meta.iter().map(|m| m.refcount as usize).sum();
+        if refs != expected_refs {
+            return Err(format!(
+                "{refs} block references held in the pool, {expected_refs} in live tables"
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,620 @@
+//! The engine core: one step = schedule, run the model once over the whole
+//! batch, sample, and stream each request its events.
+//!
+//! [`EngineCore`] is synchronous and single-threaded; the serving thread
+//! ([`super::EngineHandle`]) drives it, and tests drive it directly so they
+//! can check the block books after every step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::{EngineError, Result};
+use crate::generate::FinishReason;
+use crate::kernels::MatmulPolicy;
+use crate::kv_cache::{BlockAllocator, KvCache, PrefixCacheStats};
+use crate::model::{Model, SeqInput};
+use crate::sampling::{Sampled, Sampler};
+use crate::tokenizer::Tokenizer;
+
+use super::output::TextOutput;
+use super::request::{
+    ChoiceSummary, Limits, RequestEvent, RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
+};
+use super::scheduler::{Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
+
+/// How big the KV pool is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPoolSize {
+    /// This many blocks.
+    Blocks(usize),
+    /// As many blocks as fit in this many bytes.
+    Bytes(usize),
+}
+
+/// Serving-engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    pub kv_pool: KvPoolSize,
+    /// Most tokens computed in one step (decodes plus prefill chunks).
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Longest prefill chunk of one sequence per step; defaults to the budget.
+    pub max_prefill_chunk: Option<usize>,
+    /// Context limit; defaults to the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    pub enable_prefix_caching: bool,
+    /// Bit-identical tokens whatever the batch (slower prefill).
+    pub batch_invariant: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_pool: KvPoolSize::Bytes(1 << 30),
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            max_prefill_chunk: None,
+            max_model_len: None,
+            enable_prefix_caching: true,
+            batch_invariant: false,
+        }
+    }
+}
+
+/// Counters and gauges of a running engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub free_blocks: usize,
+    pub cached_blocks: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    pub preemptions: u64,
+    /// Tokens run through the model (prefill and decode).
+    pub computed_tokens: u64,
+    pub prefix: PrefixCacheStats,
+    /// Summed over steps: tokens held by live block tables ...
+    pub kv_token_steps: u64,
+    /// ... slots of the blocks they hold ...
+    pub kv_slot_steps: u64,
+    /// ... and sequences holding blocks.
+    pub kv_seq_steps: u64,
+}
+
+impl EngineStats {
+    /// Share of allocated KV slots holding no token, averaged over steps.
+    pub fn paged_fragmentation(&self) -> f64 {
+        if self.kv_slot_steps == 0 {
+            return 0.0;
+        }
+        1.0 - self.kv_token_steps as f64 / self.kv_slot_steps as f64
+    }
+
+    /// The same for a cache that gives every sequence `max_model_len` slots
+    /// up front.
+    pub fn contiguous_waste(&self) -> f64 {
+        let slots = self.kv_seq_steps as f64 * self.max_model_len as f64;
+        if slots == 0.0 {
+            return 0.0;
+        }
+        1.0 - self.kv_token_steps as f64 / slots
+    }
+}
+
+/// One request: its choices' shared bookkeeping.
+#[derive(Debug)]
+struct Group {
+    request_id: String,
+    sink: UnboundedSender<RequestEvent>,
+    n: usize,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    prompt_len: usize,
+    /// Sampling settings, for forked choices.
+    sampling: crate::sampling::SamplingParams,
+    forked: bool,
+    arrival: Instant,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Output tokens of choice 0 (for TPOT).
+    tokens_of_first: usize,
+    cached_tokens: usize,
+    choices: Vec<ChoiceSummary>,
+    /// Sequence ids of unfinished choices.
+    live: Vec<SeqId>,
+}
+
+/// The synchronous engine: a model, its KV cache, the scheduler and the
+/// requests in flight.
+#[derive(Debug)]
+pub struct EngineCore {
+    model: Model,
+    kv: KvCache,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos: Vec<u32>,
+    scheduler: Scheduler,
+    limits: Limits,
+    groups: HashMap<u64, Group>,
+    next_seq: SeqId,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    /// Builds the KV pool and the scheduler for `model`.
+    pub fn new(
+        mut model: Model,
+        tokenizer: Option<Arc<Tokenizer>>,
+        eos: Vec<u32>,
+        config: &EngineConfig,
+    ) -> Result<Self> {
+        let mc = model.config().clone();
+        let max_model_len = config.max_model_len.unwrap_or(mc.max_position_embeddings);
+        if max_model_len == 0 || max_model_len > mc.max_position_embeddings {
+            return Err(EngineError::InvalidRequest(format!(
+                "max_model_len {max_model_len} must be in 1..={} (the model's max_position_embeddings)",
+                mc.max_position_embeddings
+            )));
+        }
+        if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 {
+            return Err(EngineError::InvalidRequest(
+                "max_num_batched_tokens and max_num_seqs must be positive".into(),
+            ));
+        }
+        let layout = model.kv_layout(config.block_size);
+        let num_blocks = match config.kv_pool {
+            KvPoolSize::Blocks(n) => n,
+            KvPoolSize::Bytes(b) => b / layout.block_bytes().max(1),
+        };
+        let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
+        let kv = KvCache::new(layout, num_blocks);
+        if config.batch_invariant {
+            model.set_matmul_policy(MatmulPolicy::BatchInvariant);
+        }
+        let chunk = config
+            .max_prefill_chunk
+            .unwrap_or(config.max_num_batched_tokens)
+            .clamp(1, config.max_num_batched_tokens);
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                max_num_seqs: config.max_num_seqs,
+                max_prefill_chunk: chunk,
+                enable_prefix_caching: config.enable_prefix_caching,
+            },
+            allocator,
+        );
+        let limits = Limits {
+            vocab_size: mc.vocab_size,
+            max_model_len,
+            block_size: config.block_size,
+            num_blocks,
+            max_num_seqs: config.max_num_seqs,
+        };
+        let stats = EngineStats {
+            num_blocks,
+            block_size: config.block_size,
+            max_model_len,
+            free_blocks: num_blocks,
+            ..EngineStats::default()
+        };
+        Ok(Self {
+            model,
+            kv,
+            tokenizer,
+            eos,
+            scheduler,
+            limits,
+            groups: HashMap::new(),
+            next_seq: 0,
+            stats,
+        })
+    }
+
+    /// What requests must fit.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The tokenizer, if the checkpoint has one.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_pool_bytes(&self) -> usize {
+        self.limits.num_blocks * self.kv.layout().block_bytes()
+    }
+
+    /// Validates and queues a request under the caller's `id`; its events go
+    /// to `sink`.
+    pub fn add_request(
+        &mut self,
+        id: u64,
+        req: super::Request,
+        sink: UnboundedSender<RequestEvent>,
+    ) -> Result<()> {
+        let valid = super::request::validate(req, self.tokenizer.as_deref(), &self.limits)?;
+        self.add_valid(id, valid, sink);
+        Ok(())
+    }
+
+    pub(crate) fn add_valid(
+        &mut self,
+        id: u64,
+        req: ValidRequest,
+        sink: UnboundedSender<RequestEvent>,
+    ) {
+        let sampler = match Sampler::new(req.sampling.clone(), &req.prompt_ids) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = sink.send(RequestEvent::Error(e.to_string()));
+                return;
+            }
+        };
+        let stops: Arc<[String]> = req.stop.into();
+        let text = self
+            .tokenizer
+            .as_ref()
+            .map(|_| TextOutput::new(&req.prompt_ids, stops));
+        let seq_id = self.next_seq;
+        self.next_seq += 1;
+        let prompt_len = req.prompt_ids.len();
+        self.scheduler
+            .add(seq_id, Sequence::new(id, 0, req.prompt_ids, sampler, text));
+        self.groups.insert(
+            id,
+            Group {
+                request_id: req.request_id,
+                sink,
+                n: req.n,
+                max_tokens: req.max_tokens,
+                stop_token_ids: req.stop_token_ids,
+                ignore_eos: req.ignore_eos,
+                prompt_len,
+                sampling: req.sampling,
+                forked: req.n == 1,
+                arrival: Instant::now(),
+                first_scheduled: None,
+                first_token: None,
+                last_token: None,
+                tokens_of_first: 0,
+                cached_tokens: 0,
+                choices: Vec::new(),
+                live: vec![seq_id],
+            },
+        );
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Cancels a request: its blocks are freed now and its stream ends with
+    /// `abort` finishes. Unknown ids are ignored (it may have just finished).
+    pub fn abort(&mut self, id: u64) {
+        let Some(group) = self.groups.get_mut(&id) else {
+            return;
+        };
+        group.forked = true; // no choice will fork off an aborted request
+        for seq in group.live.clone() {
+            self.finish_seq(seq, FinishReason::Abort, None);
+        }
+        self.maybe_close(id);
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> EngineStats {
+        self.stats.clone()
+    }
+
+    /// Checks the block books (tests run it after every step).
+    pub fn check_accounting(&self) -> std::result::Result<(), String> {
+        self.scheduler.check_accounting()
+    }
+
+    /// Runs one step. Does nothing when there is no work.
+    pub fn step(&mut self) {
+        let plan = self.scheduler.schedule();
+        let now = Instant::now();
+        for &(seq, cached) in &plan.admitted {
+            let Some(s) = self.scheduler.seq(seq) else {
+                continue;
+            };
+            let (group, index) = (s.group, s.index);
+            if let Some(g) = self.groups.get_mut(&group) {
+                if g.first_scheduled.is_none() && index == 0 {
+                    g.first_scheduled = Some(now);
+                    g.cached_tokens = cached;
+                }
+            }
+        }
+        if plan.scheduled.is_empty() {
+            self.refresh_stats();
+            return;
+        }
+        for &copy in &plan.copies {
+            self.kv.copy_block(copy);
+        }
+        let result = self.forward(&plan);
+        match result {
+            Ok(logits) => {
+                self.scheduler.complete(&plan);
+                self.stats.computed_tokens += plan
+                    .scheduled
+                    .iter()
+                    .map(|s| s.num_tokens as u64)
+                    .sum::<u64>();
+                self.sample_and_emit(&plan, &logits);
+            }
+            Err(e) => {
+                // Validation makes this unreachable in practice; if it
+                // happens, fail the step's requests rather than the engine.
+                let groups: Vec<u64> = plan
+                    .scheduled
+                    .iter()
+                    .filter_map(|s| self.scheduler.seq(s.seq).map(|q| q.group))
+                    .collect();
+                for g in groups {
+                    self.fail_group(g, &e.to_string());
+                }
+            }
+        }
+        self.stats.steps += 1;
+        self.refresh_stats();
+    }
+
+    fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
+        let mut inputs = Vec::with_capacity(plan.scheduled.len());
+        for s in &plan.scheduled {
+            let seq = self
+                .scheduler
+                .seq(s.seq)
+                .ok_or_else(|| EngineError::InvalidRequest("scheduled sequence vanished".into()))?;
+            let table = seq.table.as_ref().ok_or_else(|| {
+                EngineError::InvalidRequest("scheduled sequence has no blocks".into())
+            })?;
+            inputs.push(SeqInput {
+                tokens: &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens],
+                start_pos: seq.num_computed,
+                blocks: table.blocks(),
+                all_logits: false,
+            });
+        }
+        self.model.forward(&inputs, &mut self.kv)
+    }
+
+    fn sample_and_emit(&mut self, plan: &StepPlan, logits: &crate::model::Logits) {
+        let bs = self.scheduler.block_size();
+        for (i, s) in plan.scheduled.iter().enumerate() {
+            let Some(seq) = self.scheduler.seq(s.seq) else {
+                continue;
+            };
+            if seq.num_computed < seq.tokens.len() {
+                continue; // mid-prefill: nothing to sample yet
+            }
+            let group_id = seq.group;
+            let row = logits.last(i);
+            // Parallel sampling: the other choices fork off choice 0 once its
+            // prompt is computed, sharing every block.
+            let mut choices = vec![s.seq];
+            if let Some(g) = self.groups.get_mut(&group_id) {
+                if !g.forked {
+                    g.forked = true;
+                    for index in 1..g.n as u32 {
+                        let mut params = g.sampling.clone();
+                        params.seed = params.seed.map(|x| x.wrapping_add(u64::from(index)));
+                        let Some(parent) = self.scheduler.seq(s.seq) else {
+                            break;
+                        };
+                        let Ok(sampler) = Sampler::new(params, &parent.tokens[..parent.prompt_len])
+                        else {
+                            break;
+                        };
+                        let id = self.next_seq;
+                        self.next_seq += 1;
+                        if self.scheduler.fork(s.seq, id, index, sampler) {
+                            g.live.push(id);
+                            choices.push(id);
+                        }
+                    }
+                }
+            }
+            for seq_id in choices {
+                let Some(seq) = self.scheduler.seq_mut(seq_id) else {
+                    continue;
+                };
+                let sampled = seq.sampler.sample(row);
+                seq.push_token(sampled.token, bs);
+                self.emit_token(seq_id, sampled);
+            }
+        }
+    }
+
+    /// Streams one new token of one choice and ends the choice if a stop
+    /// condition holds.
+    fn emit_token(&mut self, seq_id: SeqId, sampled: Sampled) {
+        let tokenizer = self.tokenizer.clone();
+        let Some(seq) = self.scheduler.seq_mut(seq_id) else {
+            return;
+        };
+        let (group_id, index) = (seq.group, seq.index);
+        let Some(g) = self.groups.get_mut(&group_id) else {
+            return;
+        };
+        let now = Instant::now();
+        g.first_token.get_or_insert(now);
+        if index == 0 {
+            g.last_token = Some(now);
+            g.tokens_of_first += 1;
+        }
+        let token = sampled.token;
+        let mut text = String::new();
+        let mut finish = None;
+        if let (Some(out), Some(tok)) = (seq.text.as_mut(), tokenizer.as_deref()) {
+            match out.push(tok, token) {
+                Ok(u) => {
+                    text = u.delta;
+                    if let Some(stop) = u.matched_stop {
+                        finish = Some((FinishReason::Stop, Some(stop)));
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    self.fail_group(group_id, &msg);
+                    return;
+                }
+            }
+        }
+        if finish.is_none() {
+            let produced = seq.tokens.len() - seq.prompt_len;
+            if g.stop_token_ids.contains(&token) {
+                finish = Some((FinishReason::Stop, Some(token.to_string())));
+            } else if !g.ignore_eos && self.eos.contains(&token) {
+                finish = Some((FinishReason::Stop, None));
+            } else if produced >= g.max_tokens || seq.tokens.len() >= self.limits.max_model_len {
+                finish = Some((FinishReason::Length, None));
+            }
+            if finish.is_some() {
+                if let Some(out) = seq.text.as_mut() {
+                    text.push_str(&out.flush());
+                }
+            }
+        }
+        let delta = TokenDelta {
+            index,
+            token_ids: vec![token],
+            text,
+            logprobs: sampled.logprob.into_iter().collect(),
+            finish_reason: None,
+        };
+        match finish {
+            Some((reason, stop)) => {
+                // The finishing delta carries the reason.
+                self.finish_seq(seq_id, reason, stop);
+                if let Some(g) = self.groups.get(&group_id) {
+                    let _ = g.sink.send(RequestEvent::Delta(TokenDelta {
+                        finish_reason: Some(reason),
+                        ..delta
+                    }));
+                }
+                self.maybe_close(group_id);
+            }
+            None => {
+                if g.sink.send(RequestEvent::Delta(delta)).is_err() {
+                    // The client went away: stop spending compute on it.
+                    self.abort(group_id);
+                }
+            }
+        }
+    }
+
+    /// Ends one choice: frees its blocks and records its summary. An
+    /// aborted choice gets its finishing delta here (others carry the reason
+    /// on their last token's delta).
+    fn finish_seq(&mut self, seq_id: SeqId, reason: FinishReason, matched_stop: Option<String>) {
+        let Some(seq) = self.scheduler.remove(seq_id) else {
+            return;
+        };
+        let Some(g) = self.groups.get_mut(&seq.group) else {
+            return;
+        };
+        g.live.retain(|&s| s != seq_id);
+        g.choices.push(ChoiceSummary {
+            index: seq.index,
+            finish_reason: reason,
+            matched_stop,
+            completion_tokens: seq.output().len(),
+        });
+        if reason == FinishReason::Abort {
+            let _ = g.sink.send(RequestEvent::Delta(TokenDelta {
+                index: seq.index,
+                token_ids: Vec::new(),
+                text: String::new(),
+                logprobs: Vec::new(),
+                finish_reason: Some(reason),
+            }));
+        }
+    }
+
+    /// Sends the summary once every choice is done.
+    fn maybe_close(&mut self, group_id: u64) {
+        let done = self
+            .groups
+            .get(&group_id)
+            .is_some_and(|g| g.live.is_empty() && g.forked);
+        if !done {
+            return;
+        }
+        let Some(mut g) = self.groups.remove(&group_id) else {
+            return;
+        };
+        g.choices.sort_by_key(|c| c.index);
+        let end = Instant::now();
+        let tpot = match (g.first_token, g.last_token) {
+            (Some(a), Some(b)) if g.tokens_of_first > 1 => {
+                Some((b - a) / (g.tokens_of_first as u32 - 1))
+            }
+            _ => None,
+        };
+        let summary = RequestSummary {
+            usage: Usage {
+                prompt_tokens: g.prompt_len,
+                cached_tokens: g.cached_tokens,
+                completion_tokens: g.choices.iter().map(|c| c.completion_tokens).sum(),
+            },
+            choices: g.choices,
+            timings: Timings {
+                queue: g.first_scheduled.map_or(end - g.arrival, |t| t - g.arrival),
+                ttft: g.first_token.map(|t| t - g.arrival),
+                tpot,
+                e2e: end - g.arrival,
+            },
+        };
+        tracing::debug!(
+            request_id = %g.request_id,
+            prompt_tokens = summary.usage.prompt_tokens,
+            cached_tokens = summary.usage.cached_tokens,
+            completion_tokens = summary.usage.completion_tokens,
+            "request finished"
+        );
+        let _ = g.sink.send(RequestEvent::Finished(summary));
+    }
+
+    fn fail_group(&mut self, group_id: u64, msg: &str) {
+        let Some(g) = self.groups.remove(&group_id) else {
+            return;
+        };
+        for seq in &g.live {
+            self.scheduler.remove(*seq);
+        }
+        let _ = g.sink.send(RequestEvent::Error(msg.to_string()));
+    }
+
+    fn refresh_stats(&mut self) {
+        let a = self.scheduler.allocator();
+        let (tokens, slots, seqs) = self.scheduler.kv_usage();
+        let s = &mut self.stats;
+        s.free_blocks = a.num_free();
+        s.cached_blocks = a.num_cached();
+        s.prefix = a.prefix_stats();
+        s.running = self.scheduler.num_running();
+        s.waiting = self.scheduler.num_waiting();
+        s.preemptions = self.scheduler.preemptions();
+        s.kv_token_steps += tokens as u64;
+        s.kv_slot_steps += slots as u64;
+        s.kv_seq_steps += seqs as u64;
+    }
+}

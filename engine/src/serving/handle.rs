@@ -1,0 +1,219 @@
+//! The engine thread and its handle.
+//!
+//! One OS thread owns the [`EngineCore`] (the model, the KV cache, every
+//! sequence) and loops: take commands, run a step, repeat; it sleeps on the
+//! command channel when idle. Clients hold a cloneable [`EngineHandle`]:
+//! `submit` validates and tokenizes on the caller's thread, then hands the
+//! request over. Each request's events come back on its own unbounded
+//! channel, usable from async code (`next().await`) or plain threads
+//! (`blocking_next`). Dropping a [`RequestStream`] before its end aborts the
+//! request: a client that disconnects stops costing compute and blocks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::error::{EngineError, Result};
+use crate::tokenizer::Tokenizer;
+
+use super::core::{EngineCore, EngineStats};
+use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
+
+enum Command {
+    Add {
+        id: u64,
+        req: ValidRequest,
+        sink: UnboundedSender<RequestEvent>,
+    },
+    Abort(u64),
+}
+
+#[derive(Debug)]
+struct Shared {
+    limits: Limits,
+    tokenizer: Option<Arc<Tokenizer>>,
+    stats: Mutex<EngineStats>,
+    next_id: AtomicU64,
+    kv_pool_bytes: usize,
+}
+
+/// A cloneable handle to an engine thread. The thread exits when every
+/// handle and stream is gone.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    shared: Arc<Shared>,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Add { id, .. } => write!(f, "Add({id})"),
+            Self::Abort(id) => write!(f, "Abort({id})"),
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine thread over `core`.
+    pub fn spawn(core: EngineCore) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            limits: core.limits(),
+            tokenizer: core.tokenizer().cloned(),
+            stats: Mutex::new(core.stats()),
+            next_id: AtomicU64::new(0),
+            kv_pool_bytes: core.kv_pool_bytes(),
+        });
+        let (tx, rx) = mpsc::channel();
+        let loop_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("tandem-engine".into())
+            .spawn(move || run(core, rx, &loop_shared))
+            .map_err(|e| EngineError::InvalidRequest(format!("cannot start engine thread: {e}")))?;
+        Ok(Self {
+            commands: tx,
+            shared,
+            thread: Arc::new(Mutex::new(Some(thread))),
+        })
+    }
+
+    /// What requests must fit.
+    pub fn limits(&self) -> Limits {
+        self.shared.limits
+    }
+
+    /// The model's tokenizer, if any.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.shared.tokenizer.as_ref()
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_pool_bytes(&self) -> usize {
+        self.shared.kv_pool_bytes
+    }
+
+    /// The engine's counters as of its last step.
+    pub fn stats(&self) -> EngineStats {
+        self.shared
+            .stats
+            .lock()
+            .map_or_else(|e| e.into_inner().clone(), |s| s.clone())
+    }
+
+    /// Validates a request and queues it. Errors name the field at fault.
+    pub fn submit(&self, req: Request) -> Result<RequestStream> {
+        let valid = validate(req, self.shared.tokenizer.as_deref(), &self.shared.limits)?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (sink, events) = unbounded_channel();
+        self.commands
+            .send(Command::Add {
+                id,
+                req: valid,
+                sink,
+            })
+            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
+        Ok(RequestStream {
+            id,
+            events,
+            commands: self.commands.clone(),
+            done: false,
+        })
+    }
+
+    /// Waits for the engine thread to exit (after every handle but this one
+    /// and every stream are dropped).
+    pub fn join(self) {
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        drop(self.commands);
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One request's events. Dropping it before the end aborts the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: u64,
+    events: UnboundedReceiver<RequestEvent>,
+    commands: Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    fn note(&mut self, ev: Option<RequestEvent>) -> Option<RequestEvent> {
+        if matches!(
+            ev,
+            None | Some(RequestEvent::Finished(_) | RequestEvent::Error(_))
+        ) {
+            self.done = true;
+        }
+        ev
+    }
+
+    /// The next event; `None` after the last.
+    pub async fn next(&mut self) -> Option<RequestEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.recv().await;
+        self.note(ev)
+    }
+
+    /// The next event, blocking this thread (not for async contexts).
+    pub fn blocking_next(&mut self) -> Option<RequestEvent> {
+        if self.done {
+            return None;
+        }
+        let ev = self.events.blocking_recv();
+        self.note(ev)
+    }
+
+    /// Cancels the request now.
+    pub fn abort(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+fn handle(core: &mut EngineCore, cmd: Command) {
+    match cmd {
+        Command::Add { id, req, sink } => core.add_valid(id, req, sink),
+        Command::Abort(id) => core.abort(id),
+    }
+}
+
+fn run(mut core: EngineCore, commands: Receiver<Command>, shared: &Shared) {
+    loop {
+        if !core.has_work() {
+            // Idle: sleep until a command comes or every handle is gone.
+            match commands.recv() {
+                Ok(cmd) => handle(&mut core, cmd),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(cmd) => handle(&mut core, cmd),
+                Err(TryRecvError::Empty) => break,
+                // Nobody can read the results any more.
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
+        core.step();
+        if let Ok(mut s) = shared.stats.lock() {
+            *s = core.stats();
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! What a client asks for, how it is checked, and what it gets back.
+//!
+//! Validation happens on the caller's thread, before a request reaches the
+//! engine loop, so a bad request costs the loop nothing and its error names
+//! the offending field (the gRPC layer turns it into `INVALID_ARGUMENT`).
+
+use std::time::Duration;
+
+use crate::error::{EngineError, Result};
+use crate::generate::FinishReason;
+use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::tokenizer::Tokenizer;
+
+/// Most alternatives a request may ask logprobs for (vLLM's default cap).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// The prompt, as text or as token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Tokenized by the server, with the tokenizer's special tokens.
+    Text(String),
+    /// Used as given.
+    Tokens(Vec<u32>),
+}
+
+/// A generation request as a client states it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The client's name for it, echoed back; need not be unique.
+    pub request_id: String,
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// Most new tokens per choice; `None` means up to `max_model_len`.
+    pub max_tokens: Option<usize>,
+    /// Independent choices sampled from one prompt (sharing its blocks).
+    pub n: usize,
+    /// Strings that end a choice; they are cut from its text.
+    pub stop: Vec<String>,
+    /// Tokens that end a choice (they are kept in its output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    /// A greedy request for `max_tokens` tokens of `prompt`.
+    pub fn new(prompt: Prompt, max_tokens: usize) -> Self {
+        Self {
+            request_id: String::new(),
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: Some(max_tokens),
+            n: 1,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// What the engine can accept, for validation.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+}
+
+/// A request that passed validation, tokenized.
+#[derive(Debug, Clone)]
+pub(crate) struct ValidRequest {
+    pub request_id: String,
+    pub prompt_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Effective: never past `max_model_len`.
+    pub max_tokens: usize,
+    pub n: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+fn invalid(msg: String) -> EngineError {
+    EngineError::InvalidRequest(msg)
+}
+
+/// Checks and tokenizes a request; every error names the field at fault.
+pub(crate) fn validate(
+    req: Request,
+    tokenizer: Option<&Tokenizer>,
+    limits: &Limits,
+) -> Result<ValidRequest> {
+    req.sampling.validate()?;
+    if let Some(n) = req.sampling.logprobs {
+        if n > MAX_LOGPROBS {
+            return Err(invalid(format!(
+                "logprobs must be at most {MAX_LOGPROBS}, got {n}"
+            )));
+        }
+    }
+    if req.n == 0 || req.n > limits.max_num_seqs {
+        return Err(invalid(format!(
+            "n must be between 1 and {} (max_num_seqs), got {}",
+            limits.max_num_seqs, req.n
+        )));
+    }
+    if req.max_tokens == Some(0) {
+        return Err(invalid("max_tokens must be at least 1, got 0".into()));
+    }
+    if req.stop.iter().any(String::is_empty) {
+        return Err(invalid("stop: stop strings must not be empty".into()));
+    }
+    if !req.stop.is_empty() && tokenizer.is_none() {
+        return Err(invalid(
+            "stop: stop strings need a tokenizer and the model has none".into(),
+        ));
+    }
+    let prompt_ids = match req.prompt {
+        Prompt::Text(text) => {
+            if text.is_empty() {
+                return Err(invalid("prompt: the prompt text is empty".into()));
+            }
+            let tok = tokenizer.ok_or_else(|| {
+                invalid("prompt.text: the model has no tokenizer; send token ids".into())
+            })?;
+            tok.encode(&text)?
+        }
+        Prompt::Tokens(ids) => ids,
+    };
+    if prompt_ids.is_empty() {
+        return Err(invalid("prompt: the prompt has no tokens".into()));
+    }
+    if let Some(&bad) = prompt_ids
+        .iter()
+        .find(|&&t| t as usize >= limits.vocab_size)
+    {
+        return Err(invalid(format!(
+            "prompt.token_ids: token id {bad} is outside the vocabulary (size {})",
+            limits.vocab_size
+        )));
+    }
+    if let Some(&bad) = req
+        .stop_token_ids
+        .iter()
+        .find(|&&t| t as usize >= limits.vocab_size)
+    {
+        return Err(invalid(format!(
+            "stop_token_ids: token id {bad} is outside the vocabulary (size {})",
+            limits.vocab_size
+        )));
+    }
+    let len = prompt_ids.len();
+    if len >= limits.max_model_len {
+        return Err(invalid(format!(
+            "prompt: {len} tokens leave no room to generate within max_model_len {}",
+            limits.max_model_len
+        )));
+    }
+    let room = limits.max_model_len - len;
+    let max_tokens = match req.max_tokens {
+        Some(t) if t > room => {
+            return Err(invalid(format!(
+                "max_tokens: prompt ({len} tokens) + max_tokens ({t}) exceeds max_model_len {}",
+                limits.max_model_len
+            )))
+        }
+        Some(t) => t,
+        None => room,
+    };
+    // One sequence must fit the whole pool, or it could never finish.
+    let need = (len + max_tokens).div_ceil(limits.block_size);
+    if need > limits.num_blocks {
+        return Err(invalid(format!(
+            "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
+             but the whole cache holds {}; lower max_tokens",
+            limits.num_blocks
+        )));
+    }
+    Ok(ValidRequest {
+        request_id: req.request_id,
+        prompt_ids,
+        sampling: req.sampling,
+        max_tokens,
+        n: req.n,
+        stop: req.stop,
+        stop_token_ids: req.stop_token_ids,
+        ignore_eos: req.ignore_eos,
+    })
+}
+
+/// One event on a request's stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestEvent {
+    /// New tokens of one choice.
+    Delta(TokenDelta),
+    /// The last event: every choice is done.
+    Finished(RequestSummary),
+    /// The engine failed the request; nothing follows.
+    Error(String),
+}
+
+/// New tokens of one choice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenDelta {
+    /// Which choice (0 .. n).
+    pub index: u32,
+    pub token_ids: Vec<u32>,
+    /// Text these tokens completed; may be empty while a UTF-8 character or
+    /// a possible stop string is incomplete.
+    pub text: String,
+    /// One per token when logprobs were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the choice's last delta.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// How one choice ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoiceSummary {
+    pub index: u32,
+    pub finish_reason: FinishReason,
+    /// The stop string, or the stop token id in decimal, that ended it.
+    pub matched_stop: Option<String>,
+    pub completion_tokens: usize,
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache.
+    pub cached_tokens: usize,
+    /// Summed over choices.
+    pub completion_tokens: usize,
+}
+
+/// Latencies of a request, measured inside the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Timings {
+    /// Arrival to first scheduling.
+    pub queue: Duration,
+    /// Arrival to first token.
+    pub ttft: Option<Duration>,
+    /// Mean gap between tokens after the first (choice 0).
+    pub tpot: Option<Duration>,
+    /// Arrival to the end.
+    pub e2e: Duration,
+}
+
+/// The final event of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSummary {
+    pub choices: Vec<ChoiceSummary>,
+    pub usage: Usage,
+    pub timings: Timings,
+}

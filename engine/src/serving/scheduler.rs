@@ -1,0 +1,412 @@
+//! The scheduler: which sequences run in the next step, and how many tokens
+//! each.
+//!
+//! There is one kind of work, "compute the K/V of a sequence's next tokens":
+//! a decode is one token, a prefill chunk is many, and a sequence resumed
+//! after preemption recomputes its prompt and output as one long prefill. Each
+//! step fills a token budget (`max_num_batched_tokens`):
+//!
+//! 1. running sequences that are decoding (one token each), oldest first;
+//! 2. running sequences part-way through a prefill, one chunk each;
+//! 3. waiting sequences, first come first served, while `max_num_seqs`, the
+//!    budget and the free blocks allow, after a prefix-cache lookup that can
+//!    skip most of their prompt.
+//!
+//! When a running sequence cannot get a block, the newest running sequence
+//! not yet scheduled in this step is preempted: its blocks are freed (full
+//! ones stay in the prefix cache, so the recompute is often cheap) and it
+//! goes back to the front of the waiting queue. If it is the only one left,
+//! it preempts itself. Admission never preempts.
+//!
+//! **Architecture Invariant:** the scheduler does no arithmetic on K/V and
+//! knows nothing of the model; it moves block tables and token counts. A
+//! sequence's table always holds exactly `num_computed` tokens between steps.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use tandem_block_hash::{extend_block_hashes, BlockHash};
+
+use crate::kv_cache::{BlockAllocator, BlockCopy, BlockTable, KvError};
+use crate::sampling::Sampler;
+
+use super::output::TextOutput;
+
+/// Internal sequence id (one per choice).
+pub(crate) type SeqId = u64;
+
+/// Scheduling limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SchedulerConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// Longest prefill chunk of one sequence in one step.
+    pub max_prefill_chunk: usize,
+    pub enable_prefix_caching: bool,
+}
+
+/// One choice of one request.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// The request it belongs to.
+    pub group: u64,
+    /// Which choice.
+    pub index: u32,
+    /// Prompt then output.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V is in the cache.
+    pub num_computed: usize,
+    /// Chained hashes of every full block of `tokens`.
+    pub hashes: Vec<BlockHash>,
+    /// `None` while waiting.
+    pub table: Option<BlockTable>,
+    pub sampler: Sampler,
+    /// `None` without a tokenizer.
+    pub text: Option<TextOutput>,
+}
+
+impl Sequence {
+    pub fn new(
+        group: u64,
+        index: u32,
+        prompt: Vec<u32>,
+        sampler: Sampler,
+        text: Option<TextOutput>,
+    ) -> Self {
+        Self {
+            group,
+            index,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            num_computed: 0,
+            hashes: Vec::new(),
+            table: None,
+            sampler,
+            text,
+        }
+    }
+
+    /// Output tokens so far.
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Appends a sampled token (its K/V is computed next step).
+    pub fn push_token(&mut self, token: u32, block_size: usize) {
+        self.tokens.push(token);
+        extend_block_hashes(&mut self.hashes, &self.tokens, block_size);
+    }
+
+    fn is_decoding(&self) -> bool {
+        self.num_computed >= self.prompt_len && self.tokens.len() - self.num_computed == 1
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Scheduled {
+    pub seq: SeqId,
+    /// Tokens from `num_computed` on to run now.
+    pub num_tokens: usize,
+}
+
+/// The plan for one step.
+#[derive(Debug, Default)]
+pub(crate) struct StepPlan {
+    pub scheduled: Vec<Scheduled>,
+    /// Copy-on-write block copies to apply before the forward pass.
+    pub copies: Vec<BlockCopy>,
+    /// Sequences admitted this step with the prompt tokens found cached.
+    pub admitted: Vec<(SeqId, usize)>,
+    /// Sequences preempted this step.
+    pub preempted: Vec<SeqId>,
+}
+
+/// Queues, budget and preemption over one block pool.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    cfg: SchedulerConfig,
+    allocator: BlockAllocator,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, allocator: BlockAllocator) -> Self {
+        Self {
+            cfg,
+            allocator,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+        }
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.allocator
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.allocator.block_size()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn seq_mut(&mut self, id: SeqId) -> Option<&mut Sequence> {
+        self.seqs.get_mut(&id)
+    }
+
+    /// Queues a new sequence behind the waiting ones.
+    pub fn add(&mut self, id: SeqId, mut seq: Sequence) {
+        extend_block_hashes(&mut seq.hashes, &seq.tokens, self.block_size());
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+    }
+
+    /// Adds a running copy of running sequence `parent` sharing its blocks
+    /// (parallel sampling); returns false if the parent is not running.
+    pub fn fork(&mut self, parent: SeqId, id: SeqId, index: u32, sampler: Sampler) -> bool {
+        let Some(p) = self.seqs.get(&parent) else {
+            return false;
+        };
+        let Some(table) = p.table.as_ref() else {
+            return false;
+        };
+        let child = Sequence {
+            group: p.group,
+            index,
+            tokens: p.tokens.clone(),
+            prompt_len: p.prompt_len,
+            num_computed: p.num_computed,
+            hashes: p.hashes.clone(),
+            table: Some(table.fork()),
+            sampler,
+            text: p
+                .text
+                .as_ref()
+                .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], p.text_stops())),
+        };
+        self.seqs.insert(id, child);
+        self.running.push(id);
+        true
+    }
+
+    /// Removes a sequence wherever it is; dropping it frees its blocks.
+    pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        self.running.retain(|&s| s != id);
+        self.waiting.retain(|&s| s != id);
+        self.seqs.remove(&id)
+    }
+
+    fn preempt(&mut self, id: SeqId, plan: &mut StepPlan) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.table = None;
+            seq.num_computed = 0;
+        }
+        self.running.retain(|&s| s != id);
+        self.waiting.push_front(id);
+        self.preemptions += 1;
+        plan.preempted.push(id);
+    }
+
+    /// Plans the next step.
+    pub fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut done: HashSet<SeqId> = HashSet::new();
+        for decodes in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let id = self.running[i];
+                let Some(seq) = self.seqs.get(&id) else {
+                    i += 1;
+                    continue;
+                };
+                if seq.is_decoding() != decodes || done.contains(&id) {
+                    i += 1;
+                    continue;
+                }
+                let n = (seq.tokens.len() - seq.num_computed)
+                    .min(budget)
+                    .min(self.cfg.max_prefill_chunk);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
+                match self.grow(id, n) {
+                    Ok(copy) => {
+                        plan.copies.extend(copy);
+                        plan.scheduled.push(Scheduled {
+                            seq: id,
+                            num_tokens: n,
+                        });
+                        done.insert(id);
+                        budget -= n;
+                        i += 1;
+                    }
+                    Err(_) => {
+                        let victim = self
+                            .running
+                            .iter()
+                            .rposition(|v| *v != id && !done.contains(v));
+                        match victim {
+                            // Retry the same sequence with more free blocks.
+                            Some(pos) => {
+                                let v = self.running[pos];
+                                self.preempt(v, &mut plan);
+                                if pos < i {
+                                    i -= 1;
+                                }
+                            }
+                            // Nobody left to preempt: step aside.
+                            None => self.preempt(id, &mut plan),
+                        }
+                    }
+                }
+            }
+        }
+        self.admit(&mut plan, budget);
+        plan
+    }
+
+    fn grow(&mut self, id: SeqId, n: usize) -> Result<Option<BlockCopy>, KvError> {
+        let allocator = self.allocator.clone();
+        let seq = self.seqs.get_mut(&id).ok_or(KvError::EmptyPool)?;
+        let table = seq.table.get_or_insert_with(|| BlockTable::new(&allocator));
+        table.append(n)
+    }
+
+    fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
+        let bs = self.block_size();
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let Some(seq) = self.seqs.get(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            // At least the last token is always computed: its logits are
+            // the point.
+            let cacheable = if self.cfg.enable_prefix_caching {
+                &seq.hashes[..seq.hashes.len().min((seq.tokens.len() - 1) / bs)]
+            } else {
+                &[]
+            };
+            let (hits, hits_free) = self.allocator.probe(cacheable);
+            let cached = hits * bs;
+            let n = (seq.tokens.len() - cached)
+                .min(budget)
+                .min(self.cfg.max_prefill_chunk);
+            let need = (cached + n).div_ceil(bs) - hits;
+            if need + hits_free > self.allocator.num_free() {
+                break; // first come, first served: wait for blocks
+            }
+            let mut table = BlockTable::from_cached_prefix(&self.allocator, &cacheable[..hits]);
+            let appended = table.append(n);
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                break;
+            };
+            match appended {
+                // A fresh table shares no partial block: no copy can arise.
+                Ok(_) => {
+                    seq.num_computed = table.num_tokens() - n;
+                    seq.table = Some(table);
+                }
+                Err(_) => break, // unreachable after the check above; wait
+            }
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.admitted.push((id, cached));
+            plan.scheduled.push(Scheduled {
+                seq: id,
+                num_tokens: n,
+            });
+            budget -= n;
+        }
+    }
+
+    /// Records that the planned tokens were computed, and caches the blocks
+    /// they completed.
+    pub fn complete(&mut self, plan: &StepPlan) {
+        for s in &plan.scheduled {
+            if let Some(seq) = self.seqs.get_mut(&s.seq) {
+                seq.num_computed += s.num_tokens;
+                if self.cfg.enable_prefix_caching {
+                    if let Some(t) = seq.table.as_mut() {
+                        t.register_computed(&seq.hashes, seq.num_computed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tokens held and slots allocated over all live tables, and how many
+    /// sequences hold a table.
+    pub fn kv_usage(&self) -> (usize, usize, usize) {
+        let bs = self.block_size();
+        let mut tokens = 0;
+        let mut slots = 0;
+        let mut seqs = 0;
+        for t in self.seqs.values().filter_map(|s| s.table.as_ref()) {
+            tokens += t.num_tokens();
+            slots += t.blocks().len() * bs;
+            seqs += 1;
+        }
+        (tokens, slots, seqs)
+    }
+
+    /// Checks the block books against the live tables, and that every
+    /// table holds exactly its sequence's computed tokens.
+    pub fn check_accounting(&self) -> Result<(), String> {
+        let mut refs = 0;
+        for (id, s) in &self.seqs {
+            match &s.table {
+                Some(t) => {
+                    refs += t.blocks().len();
+                    if t.num_tokens() != s.num_computed {
+                        return Err(format!(
+                            "sequence {id}: table holds {} tokens, {} computed",
+                            t.num_tokens(),
+                            s.num_computed
+                        ));
+                    }
+                }
+                None if s.num_computed != 0 => {
+                    return Err(format!("sequence {id} has computed tokens but no blocks"));
+                }
+                None => {}
+            }
+        }
+        self.allocator.check_accounting(refs)
+    }
+}
+
+impl Sequence {
+    fn text_stops(&self) -> std::sync::Arc<[String]> {
+        self.text
+            .as_ref()
+            .map_or_else(|| std::sync::Arc::from(Vec::new()), TextOutput::stops)
+    }
+}

@@ -1,0 +1,413 @@
+//! The serving engine: batch invariance under chunking and preemption, the
+//! prefix cache, parallel sampling, stop strings, aborts and validation.
+//! Every test checks the block books after every step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tandem_engine::serving::{
+    EngineConfig, EngineCore, KvPoolSize, Prompt, Request, RequestEvent, RequestSummary,
+};
+use tandem_engine::{synth, Checkpoint, DType, EngineError, FinishReason, SamplingParams};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// A tiny random checkpoint with room for long prompts.
+fn checkpoint(max_positions: usize) -> (tempfile::TempDir, Checkpoint) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let cfg = synth::SynthConfig {
+        max_position_embeddings: max_positions,
+        ..synth::preset("tiny").expect("preset")
+    };
+    cfg.write(tmp.path(), 11, DType::F32).expect("write");
+    let ck = Checkpoint::open(tmp.path()).expect("open");
+    (tmp, ck)
+}
+
+fn core(ck: &Checkpoint, config: &EngineConfig) -> EngineCore {
+    let model = tandem_engine::Model::load(&ck.dir).expect("load");
+    let tok = tandem_engine::tokenizer::Tokenizer::from_file(&ck.dir.join("tokenizer.json"))
+        .expect("tokenizer");
+    EngineCore::new(model, Some(Arc::new(tok)), ck.eos_token_ids.clone(), config).expect("core")
+}
+
+/// What one request produced: tokens per choice, then the summary.
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: HashMap<u32, Vec<u32>>,
+    text: HashMap<u32, String>,
+    finish: HashMap<u32, FinishReason>,
+    summary: Option<RequestSummary>,
+}
+
+struct Driver {
+    core: EngineCore,
+    streams: Vec<(u64, UnboundedReceiver<RequestEvent>)>,
+    outcomes: HashMap<u64, Outcome>,
+    next: u64,
+    steps: usize,
+}
+
+impl Driver {
+    fn new(core: EngineCore) -> Self {
+        Self {
+            core,
+            streams: Vec::new(),
+            outcomes: HashMap::new(),
+            next: 0,
+            steps: 0,
+        }
+    }
+
+    fn add(&mut self, req: Request) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        let (tx, rx) = unbounded_channel();
+        self.core.add_request(id, req, tx).expect("valid request");
+        self.streams.push((id, rx));
+        id
+    }
+
+    fn step(&mut self) {
+        self.core.step();
+        self.steps += 1;
+        if let Err(e) = self.core.check_accounting() {
+            panic!("block accounting broken after step {}: {e}", self.steps);
+        }
+        for (id, rx) in &mut self.streams {
+            while let Ok(ev) = rx.try_recv() {
+                let o = self.outcomes.entry(*id).or_default();
+                match ev {
+                    RequestEvent::Delta(d) => {
+                        o.tokens.entry(d.index).or_default().extend(&d.token_ids);
+                        o.text.entry(d.index).or_default().push_str(&d.text);
+                        if let Some(f) = d.finish_reason {
+                            o.finish.insert(d.index, f);
+                        }
+                    }
+                    RequestEvent::Finished(s) => o.summary = Some(s),
+                    RequestEvent::Error(e) => panic!("request {id} failed: {e}"),
+                }
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        let limit = self.steps + 100_000;
+        while self.core.has_work() {
+            assert!(self.steps < limit, "engine did not finish");
+            self.step();
+        }
+    }
+
+    fn assert_all_free(&self) {
+        let s = self.core.stats();
+        assert_eq!(s.free_blocks, s.num_blocks, "blocks leaked: {s:?}");
+        assert_eq!(s.running + s.waiting, 0);
+    }
+}
+
+/// A deterministic mixed workload: prompt lengths 1..=200 (half of them
+/// behind a shared 64-token prefix), outputs of 1..=48 tokens.
+fn workload(count: usize) -> Vec<Request> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |m: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % m
+    };
+    let shared: Vec<u32> = (0..64).map(|i| (i * 37 % 251) as u32).collect();
+    (0..count)
+        .map(|i| {
+            let len = 1 + next(200) as usize;
+            let mut prompt: Vec<u32> = if i % 2 == 0 { shared.clone() } else { vec![] };
+            prompt.extend((0..len).map(|_| next(256) as u32));
+            let mut r = Request::new(Prompt::Tokens(prompt), 1 + next(48) as usize);
+            r.request_id = format!("req-{i}");
+            r
+        })
+        .collect()
+}
+
+fn tokens_alone(ck: &Checkpoint, reqs: &[Request]) -> Vec<Vec<u32>> {
+    let config = EngineConfig {
+        batch_invariant: true,
+        enable_prefix_caching: false,
+        ..EngineConfig::default()
+    };
+    reqs.iter()
+        .map(|r| {
+            let mut d = Driver::new(core(ck, &config));
+            let id = d.add(r.clone());
+            d.run();
+            d.outcomes
+                .remove(&id)
+                .expect("outcome")
+                .tokens
+                .remove(&0)
+                .expect("tokens")
+        })
+        .collect()
+}
+
+fn tokens_together(
+    ck: &Checkpoint,
+    reqs: &[Request],
+    config: &EngineConfig,
+) -> (Vec<Vec<u32>>, Driver) {
+    let mut d = Driver::new(core(ck, config));
+    let ids: Vec<u64> = reqs.iter().map(|r| d.add(r.clone())).collect();
+    d.run();
+    d.assert_all_free();
+    let out = ids
+        .iter()
+        .map(|id| {
+            let o = d.outcomes.get_mut(id).expect("outcome");
+            assert!(o.summary.is_some(), "request {id} has no summary");
+            o.tokens.remove(&0).expect("tokens")
+        })
+        .collect();
+    (out, d)
+}
+
+#[test]
+fn batching_chunking_and_preemption_do_not_change_greedy_tokens() {
+    let (_tmp, ck) = checkpoint(512);
+    let reqs = workload(64);
+    let alone = tokens_alone(&ck, &reqs);
+
+    let batched = EngineConfig {
+        batch_invariant: true,
+        ..EngineConfig::default()
+    };
+    let (together, d) = tokens_together(&ck, &reqs, &batched);
+    assert!(
+        d.core.stats().prefix.hit_blocks > 0,
+        "the shared prefix was reused"
+    );
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, b, "request {i} differs when batched");
+    }
+
+    // 32-token chunks and a pool of 48 blocks (768 tokens) for 64 requests
+    // of up to 312 tokens: chunked prefill and preemption by recompute.
+    let tight = EngineConfig {
+        batch_invariant: true,
+        max_prefill_chunk: Some(32),
+        max_num_batched_tokens: 256,
+        kv_pool: KvPoolSize::Blocks(48),
+        ..EngineConfig::default()
+    };
+    let (together, d) = tokens_together(&ck, &reqs, &tight);
+    let stats = d.core.stats();
+    assert!(
+        stats.preemptions > 0,
+        "the pool was meant to force preemption: {stats:?}"
+    );
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, b, "request {i} differs under chunking and preemption");
+    }
+}
+
+#[test]
+fn a_shared_512_token_prefix_is_served_from_the_cache() {
+    let (_tmp, ck) = checkpoint(1024);
+    let mut d = Driver::new(core(&ck, &EngineConfig::default()));
+    let prefix: Vec<u32> = (0..512).map(|i| (i * 13 % 256) as u32).collect();
+    let with_suffix = |s: u32| {
+        let mut p = prefix.clone();
+        p.extend([s, s + 1, s + 2]);
+        Request::new(Prompt::Tokens(p), 4)
+    };
+    let first = d.add(with_suffix(1));
+    d.run();
+    let second = d.add(with_suffix(7));
+    d.run();
+    fn usage(d: &Driver, id: u64) -> tandem_engine::serving::Usage {
+        d.outcomes[&id].summary.as_ref().expect("summary").usage
+    }
+    assert_eq!(usage(&d, first).cached_tokens, 0);
+    assert_eq!(usage(&d, second).prompt_tokens, 515);
+    assert!(
+        usage(&d, second).cached_tokens >= 496,
+        "{:?}",
+        usage(&d, second)
+    );
+    d.assert_all_free();
+
+    // A prompt that is entirely cached still computes its last block.
+    let again = d.add(Request::new(Prompt::Tokens(prefix.clone()), 2));
+    d.run();
+    assert_eq!(usage(&d, again).cached_tokens, 496);
+}
+
+#[test]
+fn parallel_samples_share_the_prompt_and_match_single_requests() {
+    let (_tmp, ck) = checkpoint(512);
+    let config = EngineConfig {
+        batch_invariant: true,
+        ..EngineConfig::default()
+    };
+    let prompt: Vec<u32> = (0..21).map(|i| i * 5 % 256).collect(); // partial last block
+    let sampled = |n: usize, seed: u64| {
+        let mut r = Request::new(Prompt::Tokens(prompt.clone()), 12);
+        r.n = n;
+        r.ignore_eos = true;
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        r
+    };
+    let mut d = Driver::new(core(&ck, &config));
+    let id = d.add(sampled(4, 100));
+    d.run();
+    d.assert_all_free();
+    let o = d.outcomes.remove(&id).expect("outcome");
+    let summary = o.summary.expect("summary");
+    assert_eq!(summary.choices.len(), 4);
+    assert_eq!(summary.usage.completion_tokens, 48);
+    for i in 0..4u32 {
+        assert_eq!(o.finish[&i], FinishReason::Length);
+        // Choice i draws with seed + i, exactly as a lone request would.
+        let mut single = Driver::new(core(&ck, &config));
+        let sid = single.add(sampled(1, 100 + u64::from(i)));
+        single.run();
+        assert_eq!(o.tokens[&i], single.outcomes[&sid].tokens[&0], "choice {i}");
+    }
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_end_the_choice() {
+    let (_tmp, ck) = checkpoint(512);
+    let mut d = Driver::new(core(&ck, &EngineConfig::default()));
+    let mut base = Request::new(Prompt::Text("The quick brown fox".into()), 24);
+    base.ignore_eos = true;
+    let free = d.add(base.clone());
+    d.run();
+    let full = d.outcomes[&free].text[&0].clone();
+    // Pick a stop string from the middle of the unconstrained text.
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 6, "text too short to test: {full:?}");
+    let stop: String = chars[3..5].iter().collect();
+    let before = &full[..full.find(&stop).expect("present")];
+    let mut req = base;
+    req.stop = vec![stop.clone()];
+    let id = d.add(req);
+    d.run();
+    let o = &d.outcomes[&id];
+    assert_eq!(o.text[&0], before);
+    assert_eq!(o.finish[&0], FinishReason::Stop);
+    let summary = o.summary.as_ref().expect("summary");
+    assert_eq!(
+        summary.choices[0].matched_stop.as_deref(),
+        Some(stop.as_str())
+    );
+    d.assert_all_free();
+}
+
+#[test]
+fn aborts_mid_prefill_and_mid_decode_free_every_block() {
+    let (_tmp, ck) = checkpoint(512);
+    let config = EngineConfig {
+        max_prefill_chunk: Some(32),
+        ..EngineConfig::default()
+    };
+    let mut d = Driver::new(core(&ck, &config));
+    let long: Vec<u32> = (0..300).map(|i| i % 256).collect();
+    let a = d.add(Request::new(Prompt::Tokens(long.clone()), 50));
+    let b = d.add(Request::new(Prompt::Tokens(vec![1, 2, 3]), 50));
+    d.step();
+    d.step();
+    // `a` is mid-prefill (64 of 300 tokens), `b` is decoding.
+    let s = d.core.stats();
+    assert!(s.free_blocks < s.num_blocks);
+    d.core.abort(a);
+    d.step();
+    assert!(d.outcomes[&b].tokens[&0].len() >= 2, "b is decoding");
+    d.core.abort(b);
+    d.step();
+    d.assert_all_free();
+    for id in [a, b] {
+        let o = &d.outcomes[&id];
+        assert_eq!(o.finish[&0], FinishReason::Abort);
+        let summary = o.summary.as_ref().expect("summary");
+        assert_eq!(summary.choices[0].finish_reason, FinishReason::Abort);
+    }
+
+    // A client that goes away (its receiver dropped) is aborted too.
+    let c = d.add(Request::new(Prompt::Tokens(long), 100));
+    d.step();
+    d.streams.retain(|(id, _)| *id != c);
+    d.run();
+    d.assert_all_free();
+}
+
+#[test]
+fn invalid_requests_name_the_field() {
+    let (_tmp, ck) = checkpoint(512);
+    let mut c = core(&ck, &EngineConfig::default());
+    let ok = || Request::new(Prompt::Tokens(vec![1, 2, 3]), 4);
+    let cases: Vec<(Request, &str)> = vec![
+        (
+            Request {
+                sampling: SamplingParams {
+                    temperature: -1.0,
+                    ..SamplingParams::default()
+                },
+                ..ok()
+            },
+            "temperature",
+        ),
+        (
+            Request {
+                sampling: SamplingParams {
+                    top_p: 0.0,
+                    ..SamplingParams::default()
+                },
+                ..ok()
+            },
+            "top_p",
+        ),
+        (
+            Request {
+                sampling: SamplingParams {
+                    top_p: 1.5,
+                    ..SamplingParams::default()
+                },
+                ..ok()
+            },
+            "top_p",
+        ),
+        (
+            Request {
+                max_tokens: Some(0),
+                ..ok()
+            },
+            "max_tokens",
+        ),
+        (Request::new(Prompt::Tokens(vec![]), 4), "prompt"),
+        (Request::new(Prompt::Text(String::new()), 4), "prompt"),
+        (Request::new(Prompt::Tokens(vec![1; 600]), 4), "prompt"),
+        (
+            Request::new(Prompt::Tokens(vec![1, 99_999]), 4),
+            "token_ids",
+        ),
+        (
+            Request::new(Prompt::Tokens(vec![1; 500]), 100),
+            "max_tokens",
+        ),
+        (Request { n: 0, ..ok() }, "n must"),
+    ];
+    for (req, field) in cases {
+        let (tx, _rx) = unbounded_channel();
+        match c.add_request(0, req.clone(), tx) {
+            Err(EngineError::InvalidRequest(msg)) => {
+                assert!(msg.contains(field), "{msg:?} should name {field}")
+            }
+            other => panic!("{req:?} gave {other:?}"),
+        }
+    }
+    assert!(!c.has_work());
+}
