@@ -1,9 +1,81 @@
-//! Protocol definitions for tandem (not built yet).
+//! tandem's gRPC API, generated from the `.proto` files in `proto/proto/`.
 //!
-//! This crate will own the `.proto` files and the tonic/prost code generated
-//! from them: the public `Generate` API that users call on the router, and the
-//! worker-internal APIs (decode-to-prefill control, KV-event streams, load
-//! reports, the KV layout descriptor exchanged before any transfer).
+//! [`v1`] is the public API (`proto/proto/tandem/v1/generate.proto`, package
+//! `tandem.v1`): the `Generation` service with one server-streaming
+//! `Generate` call, served by `tandem serve` and, later, by the router. A
+//! stream carries `TokenDelta` messages and ends with exactly one `Finished`
+//! message (finish reasons, usage, timings).
 //!
-//! It is empty on purpose until the serving engine (issue "Serving engine")
-//! gives the API something real to call; nothing here is a stand-in.
+//! `build.rs` runs `protoc` (via `tonic-prost-build`) at build time and
+//! generates both sides: prost message types, the tonic client
+//! ([`v1::generation_client::GenerationClient`]) and the server trait
+//! ([`v1::generation_server::Generation`]). It also writes the compiled file
+//! descriptor set to `OUT_DIR`, which is embedded here as
+//! [`v1::FILE_DESCRIPTOR_SET`]; a server hands those bytes to
+//! `tonic-reflection` so clients such as `grpcurl` or Python's
+//! `grpc_reflection` can list and describe the service without the `.proto`.
+//!
+//! The worker-internal APIs (decode-to-prefill control, KV-event streams,
+//! load reports, the KV layout descriptor) will get their own packages here.
+
+/// The public `tandem.v1` API: messages, the `Generation` client and server.
+pub mod v1 {
+    // Generated code: its doc comments come from the .proto.
+    #![allow(missing_docs, clippy::all)]
+
+    tonic::include_proto!("tandem.v1");
+
+    /// The encoded `google.protobuf.FileDescriptorSet` of every `tandem.v1`
+    /// file, for gRPC server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/tandem_v1_descriptor.bin"));
+
+    /// The fully qualified name of the generation service.
+    pub const GENERATION_SERVICE: &str = "tandem.v1.Generation";
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+    use prost_types::FileDescriptorSet;
+
+    use super::v1;
+
+    #[test]
+    fn descriptor_set_describes_the_streaming_generate_method() {
+        let set = FileDescriptorSet::decode(v1::FILE_DESCRIPTOR_SET)
+            .expect("the embedded descriptor set decodes");
+        let file = set
+            .file
+            .iter()
+            .find(|f| f.package() == "tandem.v1")
+            .expect("a tandem.v1 file");
+        let service = file
+            .service
+            .iter()
+            .find(|s| format!("{}.{}", file.package(), s.name()) == v1::GENERATION_SERVICE)
+            .expect("service tandem.v1.Generation");
+        let method = service
+            .method
+            .iter()
+            .find(|m| m.name() == "Generate")
+            .expect("method Generate");
+        assert!(method.server_streaming(), "Generate streams its responses");
+        assert!(!method.client_streaming(), "Generate takes one request");
+        assert_eq!(method.input_type(), ".tandem.v1.GenerateRequest");
+        assert_eq!(method.output_type(), ".tandem.v1.GenerateResponse");
+    }
+
+    #[test]
+    fn generated_messages_round_trip() {
+        let req = v1::GenerateRequest {
+            request_id: "r1".into(),
+            prompt: Some(v1::generate_request::Prompt::Text("hi".into())),
+            max_tokens: Some(4),
+            ..Default::default()
+        };
+        let bytes = req.encode_to_vec();
+        let back = v1::GenerateRequest::decode(bytes.as_slice()).expect("decodes");
+        assert_eq!(back, req);
+    }
+}
