@@ -1,0 +1,177 @@
+//! Between `tandem.v1` messages and the engine's request and event types.
+//!
+//! The wire format has proto3 defaults (0 for an absent number), so fields
+//! whose zero is meaningful are `optional` in the .proto and defaulted here:
+//! temperature, top_p and repetition_penalty default to 1, `n` 0 means 1, an
+//! absent `max_tokens` means "up to the context limit". Range checks are the
+//! engine's (one place, one wording); this layer only reports what the wire
+//! cannot express, such as a missing prompt.
+
+use std::time::Duration;
+
+use tandem_engine::serving::{
+    ChoiceSummary, Prompt, Request, RequestEvent, RequestSummary, TokenDelta,
+};
+use tandem_engine::{FinishReason, SamplingParams, TokenLogprob};
+use tandem_proto::v1;
+
+/// A request the wire format allows but the API does not.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+/// The engine request for a `GenerateRequest`.
+pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadRequest> {
+    let prompt = match req.prompt {
+        Some(v1::generate_request::Prompt::Text(t)) => Prompt::Text(t),
+        Some(v1::generate_request::Prompt::TokenIds(ids)) => Prompt::Tokens(ids.ids),
+        None => {
+            return Err(BadRequest(
+                "prompt: one of prompt.text or prompt.token_ids is required".into(),
+            ))
+        }
+    };
+    let s = req.sampling.unwrap_or_default();
+    let sampling = SamplingParams {
+        temperature: s.temperature.unwrap_or(1.0),
+        top_k: s.top_k as usize,
+        top_p: s.top_p.unwrap_or(1.0),
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        logprobs: req.logprobs.map(|n| n as usize),
+    };
+    Ok(Request {
+        request_id: req.request_id,
+        prompt,
+        sampling,
+        max_tokens: req.max_tokens.map(|n| n as usize),
+        n: (req.n as usize).max(1),
+        stop: req.stop,
+        stop_token_ids: req.stop_token_ids,
+        ignore_eos: req.ignore_eos,
+    })
+}
+
+fn finish_to_proto(f: Option<FinishReason>) -> i32 {
+    let r = match f {
+        None => v1::FinishReason::Unspecified,
+        Some(FinishReason::Stop) => v1::FinishReason::Stop,
+        Some(FinishReason::Length) => v1::FinishReason::Length,
+        Some(FinishReason::Abort) => v1::FinishReason::Abort,
+    };
+    r as i32
+}
+
+fn logprob_to_proto(lp: TokenLogprob) -> v1::TokenLogprob {
+    v1::TokenLogprob {
+        token_id: lp.token,
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .into_iter()
+            .map(|(token_id, logprob)| v1::TopLogprob { token_id, logprob })
+            .collect(),
+    }
+}
+
+fn delta_to_proto(d: TokenDelta) -> v1::TokenDelta {
+    v1::TokenDelta {
+        index: d.index,
+        token_ids: d.token_ids,
+        text: d.text,
+        logprobs: d.logprobs.into_iter().map(logprob_to_proto).collect(),
+        finish_reason: finish_to_proto(d.finish_reason),
+    }
+}
+
+fn secs(d: Option<Duration>) -> f64 {
+    d.map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn choice_to_proto(c: ChoiceSummary) -> v1::ChoiceSummary {
+    v1::ChoiceSummary {
+        index: c.index,
+        finish_reason: finish_to_proto(Some(c.finish_reason)),
+        matched_stop: c.matched_stop.unwrap_or_default(),
+        completion_tokens: c.completion_tokens as u32,
+    }
+}
+
+fn summary_to_proto(s: RequestSummary) -> v1::Finished {
+    v1::Finished {
+        choices: s.choices.into_iter().map(choice_to_proto).collect(),
+        usage: Some(v1::Usage {
+            prompt_tokens: s.usage.prompt_tokens as u32,
+            cached_tokens: s.usage.cached_tokens as u32,
+            completion_tokens: s.usage.completion_tokens as u32,
+        }),
+        timings: Some(v1::Timings {
+            queue_time_s: s.timings.queue.as_secs_f64(),
+            ttft_s: secs(s.timings.ttft),
+            tpot_s: secs(s.timings.tpot),
+            e2e_s: s.timings.e2e.as_secs_f64(),
+        }),
+    }
+}
+
+/// The wire message for an engine event; `Err` carries an engine failure.
+pub fn event_to_proto(request_id: &str, ev: RequestEvent) -> Result<v1::GenerateResponse, String> {
+    let event = match ev {
+        RequestEvent::Delta(d) => v1::generate_response::Event::Delta(delta_to_proto(d)),
+        RequestEvent::Finished(s) => v1::generate_response::Event::Finished(summary_to_proto(s)),
+        RequestEvent::Error(e) => return Err(e),
+    };
+    Ok(v1::GenerateResponse {
+        request_id: request_id.to_string(),
+        event: Some(event),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_fields_take_the_api_defaults() {
+        let req = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text("hi".into())),
+            ..Default::default()
+        };
+        let r = request_from_proto(req).expect("valid");
+        assert_eq!(r.sampling.temperature, 1.0);
+        assert_eq!(r.sampling.top_p, 1.0);
+        assert_eq!(r.sampling.repetition_penalty, 1.0);
+        assert_eq!(r.n, 1);
+        assert_eq!(r.max_tokens, None);
+        assert_eq!(r.sampling.logprobs, None);
+    }
+
+    #[test]
+    fn a_missing_prompt_is_named() {
+        let err = request_from_proto(v1::GenerateRequest::default()).expect_err("no prompt");
+        assert!(err.0.starts_with("prompt"), "{err}");
+    }
+
+    #[test]
+    fn explicit_zeros_survive() {
+        let req = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                ids: vec![1, 2],
+            })),
+            sampling: Some(v1::SamplingParams {
+                temperature: Some(0.0),
+                top_p: Some(0.0),
+                ..Default::default()
+            }),
+            max_tokens: Some(0),
+            ..Default::default()
+        };
+        let r = request_from_proto(req).expect("converts; the engine rejects");
+        assert_eq!(r.sampling.temperature, 0.0);
+        assert_eq!(r.sampling.top_p, 0.0);
+        assert_eq!(r.max_tokens, Some(0));
+    }
+}

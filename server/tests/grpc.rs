@@ -1,0 +1,230 @@
+//! The gRPC service end to end over loopback: a real tonic server on a real
+//! engine thread, called by the generated client.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::serving::{EngineConfig, EngineCore, EngineHandle};
+use tandem_engine::{synth, Checkpoint, DType};
+use tandem_proto::v1;
+use tandem_proto::v1::generation_client::GenerationClient;
+use tonic::Code;
+
+struct Server {
+    _tmp: tempfile::TempDir,
+    handle: EngineHandle,
+    url: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start() -> Server {
+    start_with(synth::preset("tiny").expect("preset")).await
+}
+
+async fn start_with(model: synth::SynthConfig) -> Server {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    model.write(tmp.path(), 5, DType::F32).expect("write");
+    let ck = Checkpoint::open(tmp.path()).expect("open");
+    let core = EngineCore::new(
+        ck.model,
+        ck.tokenizer.map(Arc::new),
+        ck.eos_token_ids,
+        &EngineConfig::default(),
+    )
+    .expect("core");
+    let handle = EngineHandle::spawn(core).expect("spawn");
+    let bound = tandem_server::Bound::bind("127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("bind");
+    let url = format!("http://{}", bound.local_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let engine = handle.clone();
+    tokio::spawn(async move {
+        let _ = tandem_server::serve(bound, engine, async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    Server {
+        _tmp: tmp,
+        handle,
+        url,
+        _stop: stop,
+    }
+}
+
+fn tokens(ids: Vec<u32>, max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+async fn client(url: &str) -> GenerationClient<tonic::transport::Channel> {
+    GenerationClient::connect(url.to_string())
+        .await
+        .expect("connect")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_tokens_then_one_finished_message() {
+    let s = start().await;
+    let mut c = client(&s.url).await;
+    let mut req = tokens(vec![1, 2, 3, 4], 6);
+    req.request_id = "abc".into();
+    req.logprobs = Some(2);
+    let mut stream = c.generate(req).await.expect("call").into_inner();
+    let mut ids = Vec::new();
+    let mut finished = None;
+    while let Some(msg) = stream.message().await.expect("message") {
+        assert_eq!(msg.request_id, "abc");
+        match msg.event.expect("event") {
+            v1::generate_response::Event::Delta(d) => {
+                assert_eq!(d.logprobs.len(), d.token_ids.len());
+                assert!(d.logprobs.iter().all(|l| l.top.len() == 2));
+                ids.extend(d.token_ids);
+            }
+            v1::generate_response::Event::Finished(f) => finished = Some(f),
+        }
+    }
+    let f = finished.expect("a Finished message");
+    assert_eq!(ids.len(), 6);
+    let usage = f.usage.expect("usage");
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (4, 6));
+    assert_eq!(f.choices[0].finish_reason, v1::FinishReason::Length as i32);
+    let t = f.timings.expect("timings");
+    assert!(t.ttft_s > 0.0 && t.e2e_s >= t.ttft_s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_parameters_are_invalid_argument_naming_the_field() {
+    let s = start().await;
+    let mut c = client(&s.url).await;
+    let with_sampling = |f: fn(&mut v1::SamplingParams)| {
+        let mut r = tokens(vec![1, 2], 4);
+        let mut sp = r.sampling.take().unwrap_or_default();
+        f(&mut sp);
+        r.sampling = Some(sp);
+        r
+    };
+    let cases: Vec<(v1::GenerateRequest, &str)> = vec![
+        (with_sampling(|s| s.temperature = Some(-0.5)), "temperature"),
+        (with_sampling(|s| s.top_p = Some(0.0)), "top_p"),
+        (with_sampling(|s| s.top_p = Some(1.01)), "top_p"),
+        (tokens(vec![1, 2], 0), "max_tokens"),
+        (tokens(vec![], 4), "prompt"),
+        (
+            v1::GenerateRequest {
+                prompt: Some(v1::generate_request::Prompt::Text(String::new())),
+                ..tokens(vec![], 4)
+            },
+            "prompt",
+        ),
+        (
+            v1::GenerateRequest {
+                prompt: None,
+                ..tokens(vec![], 4)
+            },
+            "prompt",
+        ),
+        (tokens(vec![7; 600], 4), "prompt"),
+        (tokens(vec![1, 100_000], 4), "token_ids"),
+    ];
+    for (req, field) in cases {
+        let err = match c.generate(req.clone()).await {
+            Ok(_) => panic!("{req:?} was accepted"),
+            Err(e) => e,
+        };
+        assert_eq!(err.code(), Code::InvalidArgument, "{req:?}: {err:?}");
+        assert!(
+            err.message().contains(field),
+            "{:?} should name {field}",
+            err.message()
+        );
+    }
+    // The server is still fine.
+    let mut ok = c
+        .generate(tokens(vec![1, 2], 2))
+        .await
+        .expect("valid")
+        .into_inner();
+    while ok.message().await.expect("message").is_some() {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_frees_its_blocks() {
+    // Big enough that the request cannot finish on its own during the test.
+    let s = start_with(synth::SynthConfig {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 4,
+        max_position_embeddings: 4096,
+        ..synth::preset("tiny").expect("preset")
+    })
+    .await;
+    let mut c = client(&s.url).await;
+    let (prompt, max_tokens) = (200, 3000);
+    let mut stream = c
+        .generate(tokens((0..prompt).collect(), max_tokens))
+        .await
+        .expect("call")
+        .into_inner();
+    for _ in 0..3 {
+        stream.message().await.expect("message").expect("a delta");
+    }
+    let busy = s.handle.stats();
+    assert!(
+        busy.free_blocks < busy.num_blocks,
+        "the request holds blocks"
+    );
+    drop(stream);
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = s.handle.stats();
+        if st.running == 0 && st.waiting == 0 && st.free_blocks == st.num_blocks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "request not aborted: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let computed = s.handle.stats().computed_tokens;
+    assert!(
+        computed < u64::from(prompt + max_tokens) / 2,
+        "the request ran on after its client left ({computed} tokens computed)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_stream_by_index() {
+    let s = start().await;
+    let mut c = client(&s.url).await;
+    let mut req = tokens(vec![5, 6, 7], 5);
+    req.n = 3;
+    req.sampling = Some(v1::SamplingParams {
+        temperature: Some(0.8),
+        seed: Some(1),
+        ..Default::default()
+    });
+    let mut stream = c.generate(req).await.expect("call").into_inner();
+    let mut per_choice = [0usize; 3];
+    let mut finished = None;
+    while let Some(msg) = stream.message().await.expect("message") {
+        match msg.event.expect("event") {
+            v1::generate_response::Event::Delta(d) => {
+                per_choice[d.index as usize] += d.token_ids.len()
+            }
+            v1::generate_response::Event::Finished(f) => finished = Some(f),
+        }
+    }
+    assert_eq!(per_choice, [5, 5, 5]);
+    let f = finished.expect("finished");
+    assert_eq!(f.choices.len(), 3);
+    assert_eq!(f.usage.expect("usage").completion_tokens, 15);
+}
