@@ -1,11 +1,12 @@
 //! `tandem`: the command line for people.
 //!
-//! Subcommands today: `generate` (run one prompt through a model) and
-//! `gen-model` (write a deterministic random checkpoint). Later: `up`, `serve`,
-//! `bench`, `plan`.
+//! Subcommands today: `generate` (run one prompt through a model),
+//! `gen-model` (write a deterministic random checkpoint) and `plan` (KV pool
+//! and concurrency for a memory budget). Later: `up`, `serve`, `bench`.
 
 mod default_model;
 mod generate_cmd;
+mod plan_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Command {
     Generate(generate_cmd::GenerateArgs),
     /// Write a deterministic random-weight checkpoint in Hugging Face format.
     GenModel(default_model::GenModelArgs),
+    /// Size the KV pool and the concurrency for a memory budget.
+    Plan(plan_cmd::PlanArgs),
 }
 
 fn main() {
@@ -34,6 +37,7 @@ fn main() {
     let result: Result<()> = match cli.command {
         Command::Generate(args) => generate_cmd::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
+        Command::Plan(args) => plan_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -273,3 +273,143 @@ fn gen_model_lists_presets_and_is_deterministic() {
         );
     }
 }
+
+/// Bytes of tensor data in a single-file checkpoint: the file less its
+/// 8-byte length prefix and JSON header.
+fn safetensors_data_bytes(path: &Path) -> u64 {
+    let data = std::fs::read(path).expect("read safetensors");
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&data[..8]);
+    data.len() as u64 - 8 - u64::from_le_bytes(len)
+}
+
+#[test]
+fn plan_json_follows_the_capacity_formula() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("m");
+    gen_model(&model, "tiny", "bf16");
+    let m = model.to_str().expect("utf8");
+    let cfg: Value =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).expect("config.json"))
+            .expect("config JSON");
+    let get = |k: &str| cfg[k].as_u64().unwrap_or_else(|| panic!("config.{k}"));
+    let (hidden, inter, layers) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("num_hidden_layers"),
+    );
+    let (heads, kv_heads, vocab, max_pos) = (
+        get("num_attention_heads"),
+        get("num_key_value_heads"),
+        get("vocab_size"),
+        get("max_position_embeddings"),
+    );
+    let head_dim = cfg["head_dim"].as_u64().unwrap_or(hidden / heads);
+    let weights = safetensors_data_bytes(&model.join("model.safetensors"));
+
+    let run = |extra: &[&str]| {
+        let mut args = vec!["plan", "--model", m, "--json"];
+        args.extend_from_slice(extra);
+        json_of(&tandem(&args, tmp.path()))
+    };
+
+    // Defaults: f32 KV, 16-token blocks, 2048 batched tokens, 256 sequences,
+    // max_model_len = max_position_embeddings.
+    let memory = 64u64 << 20;
+    let p = run(&["--memory", "64MiB"]);
+    let kv_per_token = 2 * layers * kv_heads * head_dim * 4;
+    let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+    let activations = 4 * (2048 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 256 * vocab);
+    let pool_blocks = (memory - weights - activations) / (16 * kv_per_token);
+    let blocks_per_seq = max_pos.div_ceil(16);
+    assert_eq!(p["memory_bytes"], memory);
+    assert_eq!(p["weight_bytes"], weights);
+    assert_eq!(p["activation_bytes"], activations);
+    assert_eq!(p["kv_dtype"], "f32");
+    assert_eq!(p["kv_bytes_per_token"], kv_per_token);
+    assert_eq!(p["bytes_per_block"], 16 * kv_per_token);
+    assert_eq!(p["pool_blocks"], pool_blocks);
+    assert_eq!(p["pool_tokens"], pool_blocks * 16);
+    assert_eq!(p["max_model_len"], max_pos);
+    assert_eq!(p["blocks_per_seq"], blocks_per_seq);
+    assert_eq!(p["max_concurrent_seqs"], pool_blocks / blocks_per_seq);
+
+    // Every knob: fp8 KV, 32-token blocks, a shorter max_model_len, a
+    // smaller step.
+    let p = run(&[
+        "--memory",
+        "0.5GB",
+        "--kv-dtype",
+        "fp8",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "100",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        "8",
+    ]);
+    let memory = 500_000_000u64;
+    let kv_per_token = 2 * layers * kv_heads * head_dim;
+    let activations = 4 * (512 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 8 * vocab);
+    let pool_blocks = (memory - weights - activations) / (32 * kv_per_token);
+    assert_eq!(p["memory_bytes"], memory);
+    assert_eq!(p["kv_dtype"], "fp8");
+    assert_eq!(p["kv_bytes_per_token"], kv_per_token);
+    assert_eq!(p["activation_bytes"], activations);
+    assert_eq!(p["pool_blocks"], pool_blocks);
+    assert_eq!(p["blocks_per_seq"], 4);
+    assert_eq!(p["max_concurrent_seqs"], pool_blocks / 4);
+
+    // The table names every number.
+    let out = tandem(&["plan", "--model", m, "--memory", "64MiB"], tmp.path());
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    for row in [
+        "KV bytes per token",
+        "pool blocks",
+        "weights",
+        "max concurrent seqs",
+    ] {
+        assert!(table.contains(row), "table lacks {row}: {table}");
+    }
+}
+
+#[test]
+fn plan_rejects_budgets_and_lengths_that_cannot_work() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("m");
+    gen_model(&model, "tiny", "f32");
+    let m = model.to_str().expect("utf8");
+    let out = tandem(&["plan", "--model", m, "--memory", "1MiB"], tmp.path());
+    assert_clean_error(&out, "cannot hold the weights");
+    let out = tandem(
+        &[
+            "plan",
+            "--model",
+            m,
+            "--memory",
+            "1GiB",
+            "--max-model-len",
+            "100000",
+        ],
+        tmp.path(),
+    );
+    assert_clean_error(&out, "max_position_embeddings");
+    let out = tandem(&["plan", "--model", m, "--memory", "lots"], tmp.path());
+    assert_clean_error(&out, "invalid memory size");
+    let out = tandem(
+        &[
+            "plan",
+            "--model",
+            m,
+            "--memory",
+            "1GiB",
+            "--kv-dtype",
+            "int4",
+        ],
+        tmp.path(),
+    );
+    assert_clean_error(&out, "unknown KV dtype");
+}

@@ -12,6 +12,7 @@
 //! types and the sampler.
 
 pub mod attention;
+pub mod capacity;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

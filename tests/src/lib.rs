@@ -1,2 +1,7 @@
-//! Cross-crate integration tests live in `tests/tests/`; their fixtures in
-//! `tests/fixtures/`. This library is empty: the crate exists to hold them.
+//! Support code for the cross-crate integration tests in `tests/tests/`
+//! (their fixtures live in `tests/fixtures/`).
+//!
+//! [`python`] builds a Python gRPC client environment (grpcio, stubs generated
+//! from `proto/`) for end-to-end tests of `tandem serve`.
+
+pub mod python;

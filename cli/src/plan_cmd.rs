@@ -1,0 +1,156 @@
+//! `tandem plan`: how a memory budget splits into weights, activations and
+//! the KV pool for one model, and how many full-length sequences fit.
+//!
+//! The model is not loaded: the config comes from `config.json` and the
+//! weight bytes from the safetensors headers. The arithmetic is
+//! `tandem_engine::capacity`'s, the same the engine logs at start-up.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::json;
+use tandem_engine::capacity::{
+    checkpoint_weight_bytes, format_bytes, parse_memory_size, Capacity, CapacityPlan, KvDtype,
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+};
+use tandem_engine::ModelConfig;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Hugging Face checkpoint directory (default: the built-in model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The memory budget for weights, activations and KV: bytes or a size
+    /// such as 16GiB, 512MiB, 1.5GB.
+    #[arg(long, value_parser = parse_memory_size)]
+    memory: u64,
+    /// The longest sequence to plan for (default: the model's
+    /// max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// What the KV cache stores: f32 (the CPU engine today), bf16, f16, fp8.
+    #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
+    kv_dtype: KvDtype,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// Most tokens in one forward step (sizes the activations).
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
+    max_num_batched_tokens: usize,
+    /// Most sequences in one forward step (sizes the logits).
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
+    max_num_seqs: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_kv_dtype(s: &str) -> Result<KvDtype, tandem_engine::capacity::CapacityError> {
+    s.parse()
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => crate::default_model::default_model_dir()?,
+    };
+    let cfg = ModelConfig::from_dir(&dir)
+        .with_context(|| format!("reading the config of {}", dir.display()))?;
+    let weight_bytes = checkpoint_weight_bytes(&dir)
+        .with_context(|| format!("reading the weight headers of {}", dir.display()))?;
+    let plan = CapacityPlan {
+        block_size: args.block_size,
+        max_model_len: args.max_model_len,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        kv_dtype: args.kv_dtype,
+        ..CapacityPlan::new(args.memory, weight_bytes)
+    };
+    let cap = plan.plan(&cfg).with_context(|| {
+        format!(
+            "planning {} in {}",
+            dir.display(),
+            format_bytes(args.memory)
+        )
+    })?;
+    if args.json {
+        println!("{}", to_json(&dir, &cfg, &cap));
+    } else {
+        print_table(&dir, &cfg, &cap);
+    }
+    Ok(())
+}
+
+fn to_json(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) -> serde_json::Value {
+    json!({
+        "model": dir.display().to_string(),
+        "architecture": cfg.architecture.hf_name(),
+        "memory_bytes": c.memory_bytes,
+        "weight_bytes": c.weight_bytes,
+        "activation_bytes": c.activation_bytes,
+        "kv_dtype": c.kv_dtype.name(),
+        "kv_bytes_per_token": c.kv_bytes_per_token,
+        "block_size": c.block_size,
+        "bytes_per_block": c.bytes_per_block,
+        "pool_blocks": c.pool_blocks,
+        "pool_tokens": c.pool_tokens,
+        "kv_pool_bytes": c.kv_pool_bytes,
+        "max_model_len": c.max_model_len,
+        "blocks_per_seq": c.blocks_per_seq,
+        "max_concurrent_seqs": c.max_concurrent_seqs,
+        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "max_num_seqs": c.max_num_seqs,
+    })
+}
+
+fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) {
+    let bytes = |b: u64| format!("{} ({b} bytes)", format_bytes(b));
+    let rows: Vec<(&str, String)> = vec![
+        (
+            "model",
+            format!(
+                "{} ({}, {} layers, {} KV heads × {} head_dim)",
+                dir.display(),
+                cfg.architecture.hf_name(),
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim
+            ),
+        ),
+        ("memory budget", bytes(c.memory_bytes)),
+        ("weights", bytes(c.weight_bytes)),
+        (
+            "activations",
+            format!(
+                "{} for {} tokens / {} sequences per step",
+                bytes(c.activation_bytes),
+                c.max_num_batched_tokens,
+                c.max_num_seqs
+            ),
+        ),
+        ("KV dtype", c.kv_dtype.to_string()),
+        ("KV bytes per token", c.kv_bytes_per_token.to_string()),
+        ("block size", format!("{} tokens", c.block_size)),
+        ("bytes per block", c.bytes_per_block.to_string()),
+        ("KV pool", bytes(c.kv_pool_bytes)),
+        ("pool blocks", c.pool_blocks.to_string()),
+        ("pool tokens", c.pool_tokens.to_string()),
+        ("max model len", format!("{} tokens", c.max_model_len)),
+        ("blocks per sequence", c.blocks_per_seq.to_string()),
+        (
+            "max concurrent seqs",
+            format!("{} at max_model_len", c.max_concurrent_seqs),
+        ),
+    ];
+    for (name, value) in rows {
+        println!("{name:<22}{value}");
+    }
+    if c.max_concurrent_seqs == 0 {
+        eprintln!(
+            "warning: the KV pool ({} tokens) cannot hold one sequence of {} tokens; \
+             raise --memory or lower --max-model-len",
+            c.pool_tokens, c.max_model_len
+        );
+    }
+}

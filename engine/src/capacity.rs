@@ -1,0 +1,704 @@
+//! Capacity planning: how many KV blocks fit in a memory budget, and how many
+//! sequences of full length can run at once.
+//!
+//! The budget is split three ways:
+//!
+//! ```text
+//! memory = weights + activations + KV pool
+//! ```
+//!
+//! * **Weights** are what the checkpoint stores ([`checkpoint_weight_bytes`]
+//!   sums the tensor sizes in the safetensors headers without loading or
+//!   mapping the data). The engine keeps weights in their stored dtype.
+//! * **Activations** are the f32 buffers of one forward step of
+//!   `max_num_batched_tokens` tokens ([`activation_bytes`]). Layers run one
+//!   after another and reuse their buffers, so one layer's set is the peak.
+//! * **The KV pool** is everything left, cut into blocks of `block_size`
+//!   tokens; each token costs [`kv_bytes_per_token`] =
+//!   `2 (K and V) × layers × kv_heads × head_dim × dtype bytes`.
+//!
+//! A sequence of `max_model_len` tokens needs `ceil(max_model_len /
+//! block_size)` blocks, so at most `pool_blocks / that` such sequences fit at
+//! once. Shorter sequences and shared prefixes fit more; this is the
+//! guaranteed floor. [`CapacityPlan::plan`] does the arithmetic and
+//! [`Capacity`]'s `Display` is the one-line summary the engine logs at
+//! start-up; `tandem plan` prints the same numbers as a table or JSON.
+
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use crate::config::{read_json, ModelConfig};
+use crate::error::{EngineError, Result};
+
+/// Tokens per KV block unless told otherwise.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Most tokens in one forward step unless told otherwise.
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+/// Most sequences in one forward step unless told otherwise.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
+
+/// The element type the KV cache stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    /// What the CPU engine stores today.
+    #[default]
+    F32,
+    Bf16,
+    F16,
+    /// One byte per element (e4m3 or e5m2; the size is the same).
+    Fp8,
+}
+
+impl KvDtype {
+    /// Every dtype, in the order `tandem plan --help` lists them.
+    pub const ALL: [KvDtype; 4] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8];
+
+    /// Bytes per stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+            Self::Fp8 => 1,
+        }
+    }
+
+    /// The canonical lower-case name (`f32`, `bf16`, `f16`, `fp8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KvDtype {
+    type Err = CapacityError;
+
+    /// Accepts the canonical names and common spellings (`float32`, `fp32`,
+    /// `bfloat16`, `float16`, `fp16`, `half`, `f8`, `fp8_e4m3`, `fp8_e5m2`),
+    /// in any case.
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" | "float" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Ok(Self::F16),
+            "fp8" | "f8" | "fp8_e4m3" | "fp8_e5m2" | "float8_e4m3fn" | "float8_e5m2" => {
+                Ok(Self::Fp8)
+            }
+            _ => Err(CapacityError::InvalidKvDtype(s.to_string())),
+        }
+    }
+}
+
+/// Why a plan cannot be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CapacityError {
+    /// The budget does not hold the weights and one step's activations.
+    #[error(
+        "a memory budget of {} cannot hold the weights ({}) plus the activations of one \
+         {max_num_batched_tokens}-token step ({}); it needs more than {}: raise the memory or \
+         lower max_num_batched_tokens / max_num_seqs",
+        format_bytes(*memory), format_bytes(*weights), format_bytes(*activations),
+        format_bytes(weights.saturating_add(*activations))
+    )]
+    InsufficientMemory {
+        memory: u64,
+        weights: u64,
+        activations: u64,
+        max_num_batched_tokens: usize,
+    },
+    /// `max_model_len` is longer than the model's positions.
+    #[error(
+        "max_model_len {requested} exceeds the model's max_position_embeddings {limit}; \
+         use at most {limit}"
+    )]
+    MaxModelLenTooLong { requested: usize, limit: usize },
+    /// A size that must be positive is zero.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// A memory size did not parse.
+    #[error(
+        "invalid memory size `{0}`: expected a number of bytes with an optional unit, \
+         e.g. 16GiB, 512MiB, 1.5GB, 1000000"
+    )]
+    InvalidMemorySize(String),
+    /// A KV dtype name did not parse.
+    #[error("unknown KV dtype `{0}` (expected f32, bf16, f16 or fp8)")]
+    InvalidKvDtype(String),
+}
+
+/// Bytes of K and V that one token occupies across all layers:
+/// `2 × num_layers × num_kv_heads × head_dim × dtype.bytes()`.
+pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: KvDtype) -> u64 {
+    2 * cfg.num_layers as u64 * cfg.num_kv_heads as u64 * cfg.head_dim as u64 * dtype.bytes() as u64
+}
+
+/// Peak f32 activation bytes of one forward step of `max_num_batched_tokens`
+/// tokens from at most `max_num_seqs` sequences.
+///
+/// With `T = max_num_batched_tokens`, `S = min(max_num_seqs, T)` (a step
+/// never has more sequences than tokens, and each sequence gets one row of
+/// next-token logits), `q = num_heads × head_dim`, `kv = num_kv_heads ×
+/// head_dim`, `I = intermediate_size`:
+///
+/// ```text
+/// 4 × ( T × (2·hidden + q + 2·kv + q + 2·I)  +  S × vocab )
+///            │          │   │      │   └ MLP gate and up projections
+///            │          │   │      └ attention output
+///            │          │   └ k and v
+///            │          └ q
+///            └ residual stream and its normalised copy
+/// ```
+///
+/// Layers run in turn and reuse these buffers, so this is the peak; the KV
+/// cache itself is counted separately.
+pub fn activation_bytes(
+    cfg: &ModelConfig,
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+) -> u64 {
+    let t = max_num_batched_tokens as u64;
+    let s = max_num_seqs.min(max_num_batched_tokens) as u64;
+    let q = (cfg.num_heads * cfg.head_dim) as u64;
+    let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
+    let per_token = 2 * cfg.hidden_size as u64 + q + 2 * kv + q + 2 * cfg.intermediate_size as u64;
+    let f32_bytes = std::mem::size_of::<f32>() as u64;
+    f32_bytes * (t * per_token + s * cfg.vocab_size as u64)
+}
+
+/// The inputs of a capacity plan. [`CapacityPlan::new`] fills in the
+/// defaults; set the public fields to change them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapacityPlan {
+    /// The whole budget: weights, activations and the KV pool.
+    pub memory_bytes: u64,
+    /// Bytes of the model's weights ([`checkpoint_weight_bytes`]).
+    pub weight_bytes: u64,
+    /// Tokens per KV block (default [`DEFAULT_BLOCK_SIZE`]).
+    pub block_size: usize,
+    /// The longest sequence to plan for (default: the model's
+    /// `max_position_embeddings`).
+    pub max_model_len: Option<usize>,
+    /// Most tokens per forward step (default
+    /// [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]).
+    pub max_num_batched_tokens: usize,
+    /// Most sequences per forward step (default [`DEFAULT_MAX_NUM_SEQS`]).
+    pub max_num_seqs: usize,
+    /// What the KV cache stores (default f32, as the CPU engine does).
+    pub kv_dtype: KvDtype,
+}
+
+/// The outcome of [`CapacityPlan::plan`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capacity {
+    pub memory_bytes: u64,
+    pub weight_bytes: u64,
+    pub activation_bytes: u64,
+    pub kv_dtype: KvDtype,
+    pub kv_bytes_per_token: u64,
+    pub block_size: usize,
+    /// `block_size × kv_bytes_per_token`.
+    pub bytes_per_block: u64,
+    /// `(memory − weights − activations) / bytes_per_block`, rounded down.
+    pub pool_blocks: u64,
+    /// `pool_blocks × block_size`.
+    pub pool_tokens: u64,
+    /// `pool_blocks × bytes_per_block`.
+    pub kv_pool_bytes: u64,
+    pub max_model_len: usize,
+    /// `ceil(max_model_len / block_size)`.
+    pub blocks_per_seq: u64,
+    /// `pool_blocks / blocks_per_seq`: sequences of `max_model_len` tokens
+    /// that fit at once (0 when not even one does).
+    pub max_concurrent_seqs: u64,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+impl CapacityPlan {
+    /// A plan for `memory_bytes` with `weight_bytes` of weights and the
+    /// default block size, step limits, `max_model_len` and KV dtype.
+    pub fn new(memory_bytes: u64, weight_bytes: u64) -> Self {
+        Self {
+            memory_bytes,
+            weight_bytes,
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_model_len: None,
+            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            kv_dtype: KvDtype::default(),
+        }
+    }
+
+    /// Works out the pool and the concurrency for `cfg`.
+    pub fn plan(&self, cfg: &ModelConfig) -> std::result::Result<Capacity, CapacityError> {
+        for (name, v) in [
+            ("block_size", self.block_size),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_num_seqs", self.max_num_seqs),
+        ] {
+            if v == 0 {
+                return Err(CapacityError::Zero(name));
+            }
+        }
+        let limit = cfg.max_position_embeddings;
+        let max_model_len = self.max_model_len.unwrap_or(limit);
+        if max_model_len == 0 {
+            return Err(CapacityError::Zero("max_model_len"));
+        }
+        if max_model_len > limit {
+            return Err(CapacityError::MaxModelLenTooLong {
+                requested: max_model_len,
+                limit,
+            });
+        }
+        let activations = activation_bytes(cfg, self.max_num_batched_tokens, self.max_num_seqs);
+        let free = self
+            .memory_bytes
+            .checked_sub(self.weight_bytes)
+            .and_then(|m| m.checked_sub(activations))
+            .filter(|&m| m > 0)
+            .ok_or(CapacityError::InsufficientMemory {
+                memory: self.memory_bytes,
+                weights: self.weight_bytes,
+                activations,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+            })?;
+        let kv_bytes_per_token = kv_bytes_per_token(cfg, self.kv_dtype);
+        let bytes_per_block = self.block_size as u64 * kv_bytes_per_token;
+        // A model without KV (no layers) would divide by zero; it has no
+        // pool to plan either.
+        let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);
+        let blocks_per_seq = max_model_len.div_ceil(self.block_size) as u64;
+        Ok(Capacity {
+            memory_bytes: self.memory_bytes,
+            weight_bytes: self.weight_bytes,
+            activation_bytes: activations,
+            kv_dtype: self.kv_dtype,
+            kv_bytes_per_token,
+            block_size: self.block_size,
+            bytes_per_block,
+            pool_blocks,
+            pool_tokens: pool_blocks * self.block_size as u64,
+            kv_pool_bytes: pool_blocks * bytes_per_block,
+            max_model_len,
+            blocks_per_seq,
+            max_concurrent_seqs: pool_blocks / blocks_per_seq,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+        })
+    }
+}
+
+impl fmt::Display for Capacity {
+    /// One line for the start-up log.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KV pool: {} blocks × {} tokens = {} tokens ({} {}, {} B/token); \
+             max {} concurrent sequences at max_model_len {}; \
+             weights {}, activations {}, budget {}",
+            self.pool_blocks,
+            self.block_size,
+            self.pool_tokens,
+            format_bytes(self.kv_pool_bytes),
+            self.kv_dtype,
+            self.kv_bytes_per_token,
+            self.max_concurrent_seqs,
+            self.max_model_len,
+            format_bytes(self.weight_bytes),
+            format_bytes(self.activation_bytes),
+            format_bytes(self.memory_bytes),
+        )
+    }
+}
+
+/// Parses a memory size: a non-negative number with an optional unit, case
+/// insensitive, optionally separated by a space. `B` or no unit: bytes;
+/// `K`/`KB`, `M`/`MB`, `G`/`GB`, `T`/`TB`: powers of 1000; `KiB`, `MiB`,
+/// `GiB`, `TiB` (or `Ki`, `Mi`, ...): powers of 1024. Fractions are allowed
+/// (`1.5GB`) and rounded down to whole bytes.
+pub fn parse_memory_size(s: &str) -> std::result::Result<u64, CapacityError> {
+    let bad = || CapacityError::InvalidMemorySize(s.to_string());
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: String = number.chars().filter(|&c| c != '_').collect();
+    let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "ki" | "kib" => 1 << 10,
+        "mi" | "mib" => 1 << 20,
+        "gi" | "gib" => 1 << 30,
+        "ti" | "tib" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    if number.is_empty() || number == "." {
+        return Err(bad());
+    }
+    if let Ok(whole) = number.parse::<u64>() {
+        return whole.checked_mul(multiplier).ok_or_else(bad);
+    }
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let bytes = value * multiplier as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes.floor() as u64)
+}
+
+/// Formats bytes with a binary unit, e.g. `1.50 GiB`, `512 B`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+/// Total bytes of tensor data in a checkpoint's safetensors files, read from
+/// their headers alone (the 8-byte little-endian header length and the JSON
+/// header; the tensor data is never read or mapped). Finds the files as
+/// loading does: `model.safetensors`, or every shard named in
+/// `model.safetensors.index.json`.
+pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0u64;
+    for path in safetensors_files(dir)? {
+        total += safetensors_data_bytes(&path)?;
+    }
+    Ok(total)
+}
+
+/// The checkpoint's safetensors files, as `WeightStore::open` finds them.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    if !index.is_file() {
+        return Err(EngineError::MissingFile {
+            path: single,
+            what: "no model.safetensors or model.safetensors.index.json in the checkpoint",
+        });
+    }
+    let value = read_json(&index)?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| {
+            EngineError::InvalidCheckpoint(format!("{} has no weight_map", index.display()))
+        })?;
+    let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}
+
+/// Headers larger than this are refused rather than read (safetensors' own
+/// limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Sums `end − start` of every tensor's `data_offsets` in one file's header,
+/// checking the offsets against the file's length.
+fn safetensors_data_bytes(path: &Path) -> Result<u64> {
+    let io = |source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let invalid =
+        |what: String| EngineError::InvalidCheckpoint(format!("{}: {what}", path.display()));
+    let mut file = File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut len_bytes = [0u8; 8];
+    file.read_exact(&mut len_bytes).map_err(io)?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_HEADER_BYTES || 8 + header_len > file_len {
+        return Err(invalid(format!(
+            "safetensors header length {header_len} does not fit a {file_len}-byte file"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| invalid(format!("safetensors header is not JSON: {e}")))?;
+    let tensors = header
+        .as_object()
+        .ok_or_else(|| invalid("safetensors header is not a JSON object".into()))?;
+    let data_len = file_len - 8 - header_len;
+    let mut total = 0u64;
+    for (name, info) in tensors {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|o| match o.as_slice() {
+                [start, end] => Some((start.as_u64()?, end.as_u64()?)),
+                _ => None,
+            })
+            .ok_or_else(|| invalid(format!("tensor `{name}` has no valid data_offsets")))?;
+        let (start, end) = offsets;
+        if start > end || end > data_len {
+            return Err(invalid(format!(
+                "tensor `{name}` data_offsets [{start}, {end}] lie outside the {data_len} data bytes"
+            )));
+        }
+        total += end - start;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads of 16,
+    /// vocab 512, 512 positions.
+    fn tiny() -> ModelConfig {
+        ModelConfig::from_json(&serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 512,
+        }))
+        .expect("valid config")
+    }
+
+    #[test]
+    fn kv_bytes_per_token_by_dtype() {
+        let cfg = tiny();
+        // 2 × 2 layers × 2 heads × 16 dims = 128 elements.
+        assert_eq!(kv_bytes_per_token(&cfg, KvDtype::F32), 512);
+        assert_eq!(kv_bytes_per_token(&cfg, KvDtype::Bf16), 256);
+        assert_eq!(kv_bytes_per_token(&cfg, KvDtype::F16), 256);
+        assert_eq!(kv_bytes_per_token(&cfg, KvDtype::Fp8), 128);
+        assert_eq!(
+            kv_bytes_per_token(&cfg, KvDtype::F32),
+            cfg.kv_bytes_per_token() as u64
+        );
+    }
+
+    #[test]
+    fn activation_bytes_follow_the_formula() {
+        let cfg = tiny();
+        // Per token: 2·64 + 64 + 2·32 + 64 + 2·128 = 576 floats = 2304 B;
+        // × 2048 tokens = 4_718_592. Logits: 256 rows × 512 × 4 = 524_288.
+        assert_eq!(activation_bytes(&cfg, 2048, 256), 5_242_880);
+        // Fewer tokens than sequences: one logits row per token at most.
+        assert_eq!(activation_bytes(&cfg, 8, 256), 8 * 2304 + 8 * 512 * 4);
+    }
+
+    #[test]
+    fn plan_with_hand_computed_numbers() {
+        let cfg = tiny();
+        let plan = CapacityPlan::new(16 << 20, 1_000_000);
+        let c = plan.plan(&cfg).expect("fits");
+        // 16 MiB − 1_000_000 − 5_242_880 = 10_534_336 bytes for KV;
+        // 16 tokens × 512 B = 8192 B per block → 1285 blocks.
+        assert_eq!(c.activation_bytes, 5_242_880);
+        assert_eq!(c.bytes_per_block, 8192);
+        assert_eq!(c.pool_blocks, 1285);
+        assert_eq!(c.pool_tokens, 20_560);
+        assert_eq!(c.kv_pool_bytes, 1285 * 8192);
+        // 512 positions / 16 = 32 blocks per sequence → 40 sequences.
+        assert_eq!(c.max_model_len, 512);
+        assert_eq!(c.blocks_per_seq, 32);
+        assert_eq!(c.max_concurrent_seqs, 40);
+
+        let c = CapacityPlan {
+            kv_dtype: KvDtype::Fp8,
+            block_size: 32,
+            max_model_len: Some(100),
+            ..plan.clone()
+        }
+        .plan(&cfg)
+        .expect("fits");
+        // 128 B/token × 32 = 4096 B per block → 2571 blocks; 100 tokens
+        // round up to 4 blocks → 642 sequences.
+        assert_eq!(c.bytes_per_block, 4096);
+        assert_eq!(c.pool_blocks, 2571);
+        assert_eq!(c.blocks_per_seq, 4);
+        assert_eq!(c.max_concurrent_seqs, 642);
+        assert!(c.to_string().contains("2571 blocks"), "{c}");
+    }
+
+    #[test]
+    fn plan_errors_say_what_to_change() {
+        let cfg = tiny();
+        let err = CapacityPlan::new(6_000_000, 1_000_000)
+            .plan(&cfg)
+            .expect_err("5.24 MB of activations + 1 MB of weights > 6 MB");
+        assert!(matches!(err, CapacityError::InsufficientMemory { .. }));
+        assert!(err.to_string().contains("max_num_batched_tokens"), "{err}");
+        let exact = CapacityPlan::new(1_000_000 + 5_242_880, 1_000_000).plan(&cfg);
+        assert!(exact.is_err(), "no room for a single block is an error");
+
+        let err = CapacityPlan {
+            max_model_len: Some(513),
+            ..CapacityPlan::new(1 << 30, 0)
+        }
+        .plan(&cfg)
+        .expect_err("longer than the model");
+        assert_eq!(
+            err,
+            CapacityError::MaxModelLenTooLong {
+                requested: 513,
+                limit: 512
+            }
+        );
+        let err = CapacityPlan {
+            block_size: 0,
+            ..CapacityPlan::new(1 << 30, 0)
+        }
+        .plan(&cfg)
+        .expect_err("zero block size");
+        assert_eq!(err, CapacityError::Zero("block_size"));
+    }
+
+    #[test]
+    fn a_pool_smaller_than_one_sequence_plans_zero_concurrency() {
+        let cfg = tiny();
+        // Room for 10 blocks; a 512-token sequence needs 32.
+        let c = CapacityPlan::new(5_242_880 + 10 * 8192, 0)
+            .plan(&cfg)
+            .expect("fits");
+        assert_eq!((c.pool_blocks, c.max_concurrent_seqs), (10, 0));
+    }
+
+    #[test]
+    fn memory_sizes_parse() {
+        for (text, bytes) in [
+            ("16GiB", 16u64 << 30),
+            ("16 gib", 16 << 30),
+            ("512MiB", 512 << 20),
+            ("512Mi", 512 << 20),
+            ("1.5GB", 1_500_000_000),
+            ("1.5GiB", 3 << 29),
+            ("1000000", 1_000_000),
+            ("1_000_000", 1_000_000),
+            ("42B", 42),
+            ("2k", 2000),
+            ("2KiB", 2048),
+            ("1TB", 1_000_000_000_000),
+            ("0.5", 0),
+        ] {
+            assert_eq!(parse_memory_size(text), Ok(bytes), "{text}");
+        }
+        for bad in [
+            "",
+            "GiB",
+            "16 GiBs",
+            "-1GiB",
+            "1.2.3",
+            "1e9",
+            "99999999999TiB",
+        ] {
+            assert_eq!(
+                parse_memory_size(bad),
+                Err(CapacityError::InvalidMemorySize(bad.to_string())),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn kv_dtypes_parse_and_print() {
+        for d in KvDtype::ALL {
+            assert_eq!(d.name().parse::<KvDtype>(), Ok(d));
+            assert_eq!(d.to_string(), d.name());
+        }
+        assert_eq!("BFloat16".parse::<KvDtype>(), Ok(KvDtype::Bf16));
+        assert_eq!("fp8_e4m3".parse::<KvDtype>(), Ok(KvDtype::Fp8));
+        assert!("int4".parse::<KvDtype>().is_err());
+    }
+
+    #[test]
+    fn bytes_format_with_binary_units() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(3 << 29), "1.50 GiB");
+        assert_eq!(format_bytes(16 << 20), "16.00 MiB");
+    }
+
+    #[test]
+    fn weight_bytes_come_from_the_headers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        crate::synth::preset("tiny")
+            .expect("preset")
+            .write(dir.path(), 0, crate::DType::Bf16)
+            .expect("write");
+        let cfg = ModelConfig::from_dir(dir.path()).expect("config");
+        let bytes = checkpoint_weight_bytes(dir.path()).expect("headers");
+        // Every tensor's data, 2 bytes per bf16 parameter.
+        let params = synth_params(&cfg);
+        assert_eq!(bytes, params * 2);
+
+        // Sharded: the same tensors split over two files behind an index.
+        let sharded = tempfile::tempdir().expect("tempdir");
+        let data = std::fs::read(dir.path().join("model.safetensors")).expect("read");
+        std::fs::write(sharded.path().join("a.safetensors"), &data).expect("write");
+        std::fs::write(sharded.path().join("b.safetensors"), &data).expect("write");
+        std::fs::write(
+            sharded.path().join("model.safetensors.index.json"),
+            r#"{"weight_map": {"x": "a.safetensors", "y": "b.safetensors", "z": "a.safetensors"}}"#,
+        )
+        .expect("write");
+        assert_eq!(
+            checkpoint_weight_bytes(sharded.path()).expect("sharded"),
+            2 * bytes
+        );
+
+        // A truncated file is an error, not a wrong number.
+        std::fs::write(
+            sharded.path().join("b.safetensors"),
+            &data[..data.len() - 1],
+        )
+        .expect("write");
+        let err = checkpoint_weight_bytes(sharded.path()).expect_err("truncated");
+        assert!(err.to_string().contains("data_offsets"), "{err}");
+        let empty = tempfile::tempdir().expect("tempdir");
+        assert!(matches!(
+            checkpoint_weight_bytes(empty.path()),
+            Err(EngineError::MissingFile { .. })
+        ));
+    }
+
+    /// Parameters of a Llama checkpoint with untied embeddings.
+    fn synth_params(cfg: &ModelConfig) -> u64 {
+        let h = cfg.hidden_size as u64;
+        let q = (cfg.num_heads * cfg.head_dim) as u64;
+        let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
+        let i = cfg.intermediate_size as u64;
+        let v = cfg.vocab_size as u64;
+        let layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
+        let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
+        cfg.num_layers as u64 * layer + heads * v * h + h
+    }
+}
