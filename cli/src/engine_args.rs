@@ -45,9 +45,7 @@ impl EngineArgs {
         let kv_pool = match self.num_kv_blocks {
             Some(0) => bail!("--num-kv-blocks must be positive"),
             Some(n) => KvPoolSize::Blocks(n),
-            None => KvPoolSize::Bytes(usize::try_from(parse_memory_size(
-                &self.kv_cache_memory,
-            )?)?),
+            None => KvPoolSize::Bytes(usize::try_from(parse_memory_size(&self.kv_cache_memory)?)?),
         };
         Ok(EngineConfig {
             block_size: self.block_size,

@@ -1,12 +1,15 @@
 //! `tandem`: the command line for people.
 //!
-//! Subcommands today: `generate` (run one prompt through a model),
-//! `gen-model` (write a deterministic random checkpoint) and `plan` (KV pool
-//! and concurrency for a memory budget). Later: `up`, `serve`, `bench`.
+//! Subcommands today: `serve` (the colocated server: one process, the public
+//! gRPC API), `generate` (run one prompt through a model), `gen-model` (write
+//! a deterministic random checkpoint) and `plan` (KV pool and concurrency for
+//! a memory budget). Later: `up`, `bench`.
 
 mod default_model;
+mod engine_args;
 mod generate_cmd;
 mod plan_cmd;
+mod serve_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -24,6 +27,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve the gRPC API from one process doing prefill and decode.
+    Serve(serve_cmd::ServeArgs),
     /// Generate a continuation of one prompt.
     Generate(generate_cmd::GenerateArgs),
     /// Write a deterministic random-weight checkpoint in Hugging Face format.
@@ -34,7 +39,17 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    // Logs go to stderr; RUST_LOG overrides the level (default: info).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
     let result: Result<()> = match cli.command {
+        Command::Serve(args) => serve_cmd::run(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),

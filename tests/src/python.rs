@@ -122,7 +122,7 @@ pub struct GrpcPython {
     /// The directory to put on `PYTHONPATH`: it holds the `tandem.v1`
     /// package (`tandem/v1/generate_pb2.py`, `generate_pb2_grpc.py`).
     pub stubs: PathBuf,
-    /// `tests/python/`, where `client.py` and `echo_server.py` live.
+    /// `tests/python/`, where `client.py` lives.
     pub scripts: PathBuf,
 }
 
