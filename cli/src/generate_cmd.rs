@@ -11,6 +11,10 @@ use tandem_engine::{generate, Checkpoint, GenerateOptions, GenerateRequest, Samp
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
+    /// Send the request to a running server (`host:port`) instead of loading
+    /// a model here.
+    #[arg(long, conflicts_with_all = ["model", "block_size"])]
+    pub server: Option<String>,
     /// Hugging Face checkpoint directory (default: the built-in model).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -20,55 +24,58 @@ pub struct GenerateArgs {
         conflicts_with = "prompt_ids",
         required_unless_present = "prompt_ids"
     )]
-    prompt: Option<String>,
+    pub prompt: Option<String>,
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
-    prompt_ids: Option<Vec<u32>>,
+    pub prompt_ids: Option<Vec<u32>>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 64)]
-    max_tokens: usize,
+    pub max_tokens: usize,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f32,
+    pub temperature: f32,
     /// Keep the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
-    top_k: usize,
+    pub top_k: usize,
     /// Nucleus sampling mass (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f32,
+    pub top_p: f32,
     /// Drop tokens below min_p × the top probability (0: off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    min_p: f32,
+    pub min_p: f32,
     /// Hugging Face repetition penalty (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    repetition_penalty: f32,
+    pub repetition_penalty: f32,
     /// OpenAI presence penalty.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    presence_penalty: f32,
+    pub presence_penalty: f32,
     /// OpenAI frequency penalty.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    frequency_penalty: f32,
+    pub frequency_penalty: f32,
     /// Seed for reproducible sampling.
     #[arg(long)]
-    seed: Option<u64>,
+    pub seed: Option<u64>,
     /// Report logprobs of the chosen token and the top N.
     #[arg(long)]
-    logprobs: Option<usize>,
+    pub logprobs: Option<usize>,
     /// Extra token ids that stop generation.
     #[arg(long, value_delimiter = ',')]
-    stop_token_ids: Vec<u32>,
+    pub stop_token_ids: Vec<u32>,
     /// Do not stop at end-of-sequence tokens.
     #[arg(long)]
-    ignore_eos: bool,
+    pub ignore_eos: bool,
     /// KV cache block size in tokens.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if let Some(server) = &args.server {
+        return crate::remote::run(&args, server);
+    }
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,

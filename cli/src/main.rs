@@ -9,6 +9,7 @@ mod default_model;
 mod engine_args;
 mod generate_cmd;
 mod plan_cmd;
+mod remote;
 mod serve_cmd;
 
 use anyhow::Result;

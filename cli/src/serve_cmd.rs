@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_engine::capacity::format_bytes;
 use tandem_engine::serving::{EngineCore, EngineHandle};
 use tandem_engine::Checkpoint;
 use tandem_server::Bound;
@@ -40,18 +39,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ckpt.eos_token_ids,
         &config,
     )?;
-    let limits = core.limits();
-    let pool_bytes = core.kv_pool_bytes() as u64;
-    let per_seq = limits.max_model_len.div_ceil(limits.block_size);
-    tracing::info!(
-        model = %dir.display(),
-        kv_blocks = limits.num_blocks,
-        kv_tokens = limits.num_blocks * limits.block_size,
-        kv_bytes = %format_bytes(pool_bytes),
-        max_model_len = limits.max_model_len,
-        max_concurrency_at_max_model_len = limits.num_blocks / per_seq,
-        "KV cache pool"
-    );
+    tracing::info!(model = %dir.display(), "model loaded");
     let engine = EngineHandle::spawn(core)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -178,6 +178,30 @@ fn python_client_reflects_checks_health_and_streams_tokens() {
         .filter_map(Value::as_u64)
         .collect();
     assert_eq!(token_ids(deltas), want);
+
+    // `tandem generate --server` is a client of the same API.
+    let out = tandem(&[
+        "generate",
+        "--server",
+        &addr,
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ])
+    .output()
+    .expect("generate --server runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let remote: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(remote["output_ids"], reference["output_ids"]);
+    assert_eq!(remote["text"], reference["text"]);
+    assert_eq!(remote["finish_reason"], "length");
     assert_eq!(
         usage["prompt_tokens"],
         reference["prompt_ids"].as_array().map_or(0, Vec::len)

@@ -27,10 +27,10 @@
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 
-use crate::config::{read_json, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
 /// Tokens per KV block unless told otherwise.
@@ -385,36 +385,10 @@ pub fn format_bytes(bytes: u64) -> String {
 /// `model.safetensors.index.json`.
 pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
     let mut total = 0u64;
-    for path in safetensors_files(dir)? {
+    for path in crate::weights::safetensors_files(dir)? {
         total += safetensors_data_bytes(&path)?;
     }
     Ok(total)
-}
-
-/// The checkpoint's safetensors files, as `WeightStore::open` finds them.
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    let index = dir.join("model.safetensors.index.json");
-    if single.is_file() {
-        return Ok(vec![single]);
-    }
-    if !index.is_file() {
-        return Err(EngineError::MissingFile {
-            path: single,
-            what: "no model.safetensors or model.safetensors.index.json in the checkpoint",
-        });
-    }
-    let value = read_json(&index)?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| {
-            EngineError::InvalidCheckpoint(format!("{} has no weight_map", index.display()))
-        })?;
-    let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
-    names.sort_unstable();
-    names.dedup();
-    Ok(names.into_iter().map(|n| dir.join(n)).collect())
 }
 
 /// Headers larger than this are refused rather than read (safetensors' own

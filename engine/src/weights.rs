@@ -209,33 +209,38 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
     }
 }
 
+/// A checkpoint's safetensors files: `model.safetensors`, or every shard
+/// named in `model.safetensors.index.json`.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    if !index.is_file() {
+        return Err(EngineError::MissingFile {
+            path: single,
+            what: "no model.safetensors or model.safetensors.index.json in the checkpoint",
+        });
+    }
+    let value = read_json(&index)?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| {
+            EngineError::InvalidCheckpoint(format!("{} has no weight_map", index.display()))
+        })?;
+    let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}
+
 impl WeightStore {
     /// Opens `model.safetensors`, or every shard listed in
     /// `model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if single.is_file() {
-            vec![single]
-        } else if index.is_file() {
-            let value = read_json(&index)?;
-            let map = value
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    EngineError::InvalidCheckpoint(format!("{} has no weight_map", index.display()))
-                })?;
-            let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
-            names.sort_unstable();
-            names.dedup();
-            names.into_iter().map(|n| dir.join(n)).collect()
-        } else {
-            return Err(EngineError::MissingFile {
-                path: single,
-                what: "no model.safetensors or model.safetensors.index.json in the checkpoint",
-            });
-        };
-
+        let files = safetensors_files(dir)?;
         let mut maps = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
         for path in &files {

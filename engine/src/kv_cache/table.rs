@@ -117,8 +117,9 @@ impl BlockTable {
         let full = (computed_tokens / self.allocator.block_size())
             .min(hashes.len())
             .min(self.blocks.len());
-        for i in self.num_registered..full {
-            self.allocator.register(self.blocks[i], hashes[i]);
+        let from = self.num_registered.min(full);
+        for (&block, &hash) in self.blocks[from..full].iter().zip(&hashes[from..full]) {
+            self.allocator.register(block, hash);
         }
         self.num_registered = self.num_registered.max(full);
     }

@@ -202,6 +202,23 @@ impl EngineCore {
             num_blocks,
             max_num_seqs: config.max_num_seqs,
         };
+        let per_seq = max_model_len.div_ceil(config.block_size);
+        let max_concurrency = num_blocks / per_seq;
+        tracing::info!(
+            kv_blocks = num_blocks,
+            kv_tokens = num_blocks * config.block_size,
+            kv_bytes = %crate::capacity::format_bytes((num_blocks * layout.block_bytes()) as u64),
+            block_size = config.block_size,
+            max_model_len,
+            max_concurrency_at_max_model_len = max_concurrency,
+            "KV cache pool"
+        );
+        if max_concurrency == 0 {
+            tracing::warn!(
+                "the KV pool cannot hold one sequence of max_model_len tokens; \
+                 requests that could outgrow it are refused"
+            );
+        }
         let stats = EngineStats {
             num_blocks,
             block_size: config.block_size,
