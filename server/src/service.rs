@@ -3,7 +3,7 @@
 use std::pin::Pin;
 
 use futures_util::Stream;
-use tandem_engine::serving::EngineHandle;
+use tandem_engine::serving::{EngineHandle, RequestEvent};
 use tandem_engine::EngineError;
 use tandem_proto::v1;
 use tonic::{Request, Response, Status};
@@ -57,9 +57,14 @@ impl v1::generation_server::Generation for GenerationService {
                 if ended {
                     return None;
                 }
-                let ev = events.next().await?;
+                let Some(ev) = events.next().await else {
+                    // The engine went away before the request's end.
+                    let status = Status::unavailable("the engine stopped before the request ended");
+                    return Some((Err(status), (events, id, true)));
+                };
+                let last = matches!(ev, RequestEvent::Finished(_));
                 match event_to_proto(&id, ev) {
-                    Ok(msg) => Some((Ok(msg), (events, id, false))),
+                    Ok(msg) => Some((Ok(msg), (events, id, last))),
                     Err(e) => Some((Err(Status::internal(e)), (events, id, true))),
                 }
             },
