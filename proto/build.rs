@@ -1,20 +1,32 @@
-//! Generates the tonic client and server and the prost messages for
-//! `proto/tandem/v1/*.proto`, plus a file descriptor set for gRPC reflection.
+//! Generates the tonic clients and servers and the prost messages for the
+//! public API (`proto/tandem/v1`) and the worker-internal API
+//! (`proto/tandem/worker/v1`), each with its own file descriptor set so a
+//! server reflects only the services it serves.
 
 use std::path::PathBuf;
 
-const PROTOS: &[&str] = &["proto/tandem/v1/generate.proto"];
 const INCLUDES: &[&str] = &["proto"];
+
+/// (proto files, descriptor set file name)
+const PACKAGES: &[(&[&str], &str)] = &[
+    (&["proto/tandem/v1/generate.proto"], "tandem_v1_descriptor.bin"),
+    (
+        &["proto/tandem/worker/v1/worker.proto"],
+        "tandem_worker_v1_descriptor.bin",
+    ),
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
-    for proto in PROTOS {
-        println!("cargo:rerun-if-changed={proto}");
+    for (protos, descriptor) in PACKAGES {
+        for proto in *protos {
+            println!("cargo:rerun-if-changed={proto}");
+        }
+        tonic_prost_build::configure()
+            .build_client(true)
+            .build_server(true)
+            .file_descriptor_set_path(out_dir.join(descriptor))
+            .compile_protos(protos, INCLUDES)?;
     }
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .file_descriptor_set_path(out_dir.join("tandem_v1_descriptor.bin"))
-        .compile_protos(PROTOS, INCLUDES)?;
     Ok(())
 }

@@ -59,3 +59,76 @@ impl EngineArgs {
         })
     }
 }
+
+/// A started engine thread and what workers need to describe it.
+pub struct StartedEngine {
+    pub handle: tandem_engine::serving::EngineHandle,
+    pub kv_layout: tandem_engine::KvLayout,
+    /// The model's name for membership checks (its directory name).
+    pub model_name: String,
+}
+
+/// Loads the model (default: the built-in one) and starts its engine thread.
+pub fn start_engine(
+    model: Option<&std::path::Path>,
+    args: &EngineArgs,
+) -> Result<StartedEngine> {
+    use anyhow::Context;
+    use tandem_engine::serving::{EngineCore, EngineHandle};
+
+    let dir = match model {
+        Some(d) => d.to_path_buf(),
+        None => crate::default_model::default_model_dir()?,
+    };
+    let config = args.config()?;
+    let ckpt = tandem_engine::Checkpoint::open(&dir)
+        .with_context(|| format!("loading model from {}", dir.display()))?;
+    let kv_layout = ckpt.model.kv_layout(config.block_size);
+    let core = EngineCore::new(
+        ckpt.model,
+        ckpt.tokenizer.map(std::sync::Arc::new),
+        ckpt.eos_token_ids,
+        &config,
+    )?;
+    tracing::info!(model = %dir.display(), "model loaded");
+    let model_name = dir
+        .file_name()
+        .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    Ok(StartedEngine {
+        handle: EngineHandle::spawn(core)?,
+        kv_layout,
+        model_name,
+    })
+}
+
+/// A multi-threaded tokio runtime for servers.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    use anyhow::Context;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Resolves on Ctrl-C or SIGTERM (a worker drains on either).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

@@ -11,6 +11,8 @@ mod generate_cmd;
 mod plan_cmd;
 mod remote;
 mod serve_cmd;
+mod up_cmd;
+mod worker_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -28,8 +30,16 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Start a local cluster (router, prefill and decode workers).
+    Up(up_cmd::UpArgs),
     /// Serve the gRPC API from one process doing prefill and decode.
     Serve(serve_cmd::ServeArgs),
+    /// Run a prefill worker.
+    PrefillWorker(worker_cmd::WorkerArgs),
+    /// Run a decode worker.
+    DecodeWorker(worker_cmd::DecodeWorkerArgs),
+    /// Run the router.
+    Router(worker_cmd::RouterArgs),
     /// Generate a continuation of one prompt.
     Generate(generate_cmd::GenerateArgs),
     /// Write a deterministic random-weight checkpoint in Hugging Face format.
@@ -50,7 +60,11 @@ fn main() {
         )
         .init();
     let result: Result<()> = match cli.command {
+        Command::Up(args) => up_cmd::run(args),
         Command::Serve(args) => serve_cmd::run(args),
+        Command::PrefillWorker(args) => worker_cmd::run_prefill(args),
+        Command::DecodeWorker(args) => worker_cmd::run_decode(args),
+        Command::Router(args) => worker_cmd::run_router(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),

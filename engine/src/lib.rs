@@ -31,7 +31,8 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
 pub use kv_cache::{
-    BlockAllocator, BlockCopy, BlockId, BlockTable, KvCache, KvError, KvLayout, PrefixCacheStats,
+    BlockAllocator, BlockCopy, BlockId, BlockTable, CacheEvent, KvCache, KvError, KvLayout,
+    PrefixCacheStats,
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};

@@ -267,6 +267,18 @@ impl Model {
     /// Runs one step over a flattened batch: writes the new tokens' K/V into
     /// their blocks and returns next-token logits (see [`SeqInput::all_logits`]).
     pub fn forward(&self, batch: &[SeqInput<'_>], kv: &mut KvCache) -> Result<Logits> {
+        self.forward_with_layer_hook(batch, kv, &mut |_, _| {})
+    }
+
+    /// As [`forward`](Self::forward), calling `after_layer(layer, kv)` as
+    /// soon as each layer's new K/V are in the cache, so a prefill worker can
+    /// ship layer `l` while layer `l + 1` computes.
+    pub fn forward_with_layer_hook(
+        &self,
+        batch: &[SeqInput<'_>],
+        kv: &mut KvCache,
+        after_layer: &mut dyn FnMut(usize, &KvCache),
+    ) -> Result<Logits> {
         self.validate(batch, kv)?;
         let c = &self.config;
         let (hsz, d) = (c.hidden_size, c.head_dim);
@@ -346,6 +358,7 @@ impl Model {
                     );
                 }
             }
+            after_layer(li, kv);
             paged_attention(&q, kv, li, &seqs, heads, c.sliding_window[li], &mut attn);
             layer.o.forward(&attn, t, self.matmul, &mut proj);
             add_in_place(&mut x, &proj);

@@ -86,6 +86,7 @@ impl Driver {
                     }
                     RequestEvent::Finished(s) => o.summary = Some(s),
                     RequestEvent::Error(e) => panic!("request {id} failed: {e}"),
+                    RequestEvent::RemotePrefill(rp) => panic!("unexpected {rp:?}"),
                 }
             }
         }
@@ -410,4 +411,82 @@ fn invalid_requests_name_the_field() {
         }
     }
     assert!(!c.has_work());
+}
+
+#[test]
+fn the_kv_event_feed_follows_the_prefix_cache() {
+    use tandem_engine::serving::KvFeed;
+    use tandem_engine::CacheEvent;
+
+    let (_tmp, ck) = checkpoint(512);
+    let config = EngineConfig {
+        kv_pool: KvPoolSize::Blocks(8),
+        ..EngineConfig::default()
+    };
+    let mut d = Driver::new(core(&ck, &config));
+    let (tx, mut feed) = unbounded_channel();
+    d.core.subscribe_kv_events(tx);
+    assert_eq!(
+        feed.try_recv().expect("snapshot"),
+        KvFeed::Snapshot {
+            seq: 0,
+            events: vec![]
+        }
+    );
+    let a: Vec<u32> = (0..40).collect();
+    d.add(Request::new(Prompt::Tokens(a.clone()), 1));
+    d.run();
+    let h = tandem_block_hash::block_hashes(&a, 16);
+    let mut got = Vec::new();
+    while let Ok(KvFeed::Events(evs)) = feed.try_recv() {
+        got.extend(evs);
+    }
+    assert_eq!(
+        got,
+        vec![
+            (1, CacheEvent::Stored { parent: 0, hash: h[0] }),
+            (2, CacheEvent::Stored { parent: h[0], hash: h[1] }),
+        ]
+    );
+    // A prompt that needs the whole pool evicts them.
+    let b: Vec<u32> = (100..220).collect();
+    d.add(Request::new(Prompt::Tokens(b.clone()), 1));
+    d.run();
+    let mut removed = Vec::new();
+    while let Ok(KvFeed::Events(evs)) = feed.try_recv() {
+        for (_, e) in evs {
+            if let CacheEvent::Removed { hash } = e {
+                removed.push(hash);
+            }
+        }
+    }
+    removed.sort_unstable();
+    let mut want = h.clone();
+    want.sort_unstable();
+    assert_eq!(removed, want);
+    // A late subscriber's snapshot lists b's blocks, parents first.
+    let (tx, mut late) = unbounded_channel();
+    d.core.subscribe_kv_events(tx);
+    let hb = tandem_block_hash::block_hashes(&b, 16);
+    match late.try_recv().expect("snapshot") {
+        KvFeed::Snapshot { events, .. } => {
+            let stored: Vec<(u64, u64)> = events
+                .iter()
+                .map(|e| match e {
+                    CacheEvent::Stored { parent, hash } => (*parent, *hash),
+                    CacheEvent::Removed { .. } => panic!("a snapshot only stores"),
+                })
+                .collect();
+            assert_eq!(stored.len(), hb.len());
+            for (i, &hash) in hb.iter().enumerate() {
+                let at = stored.iter().position(|s| s.1 == hash).expect("listed");
+                if i > 0 {
+                    let parent_at = stored.iter().position(|s| s.1 == hb[i - 1]).expect("parent");
+                    assert!(parent_at < at, "parents first");
+                    assert_eq!(stored[at].0, hb[i - 1]);
+                }
+            }
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -15,8 +15,11 @@
 //! `tonic-reflection` so clients such as `grpcurl` or Python's
 //! `grpc_reflection` can list and describe the service without the `.proto`.
 //!
-//! The worker-internal APIs (decode-to-prefill control, KV-event streams,
-//! load reports, the KV layout descriptor) will get their own packages here.
+//! [`worker::v1`] (`proto/proto/tandem/worker/v1/worker.proto`) is the
+//! worker-internal API: the KV layout descriptor, worker info and load
+//! reports, the KV-event stream a worker sends the router (`Stored`,
+//! `Removed`, `Cleared` by chained block hash, with sequence numbers), and
+//! the decode-to-prefill `Prefill` call. Users never see it.
 
 /// The public `tandem.v1` API: messages, the `Generation` client and server.
 pub mod v1 {
@@ -32,6 +35,28 @@ pub mod v1 {
 
     /// The fully qualified name of the generation service.
     pub const GENERATION_SERVICE: &str = "tandem.v1.Generation";
+}
+
+/// The worker-internal API.
+pub mod worker {
+    /// Call metadata on a `Generate` the router forwards to a decode worker,
+    /// naming the prefill worker (`host:port`) it chose.
+    pub const PREFILL_HEADER: &str = "x-tandem-prefill";
+    /// Response metadata from the router naming the decode worker it chose.
+    pub const ROUTED_DECODE_HEADER: &str = "x-tandem-decode-worker";
+    /// Response metadata from the router naming the prefill worker, if any.
+    pub const ROUTED_PREFILL_HEADER: &str = "x-tandem-prefill-worker";
+
+    /// `tandem.worker.v1`: router ↔ worker and decode ↔ prefill messages.
+    pub mod v1 {
+        #![allow(missing_docs, clippy::all)]
+
+        tonic::include_proto!("tandem.worker.v1");
+
+        /// The encoded descriptor set of `tandem.worker.v1`, for reflection.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/tandem_worker_v1_descriptor.bin"));
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,28 @@
-//! The public front of a tandem cluster (not built yet).
+//! The public front of a tandem cluster.
 //!
-//! It will take `Generate` calls over gRPC (and OpenAI-style HTTP), track
-//! worker membership through etcd, and pick a prefill and a decode worker by
-//! prefix affinity and load (after NVIDIA Dynamo's cost function with an
-//! SGLang-style balance guard).
+//! It serves the same `tandem.v1.Generation` API as `tandem serve`. For each
+//! call it tokenizes the prompt (when it has the model's tokenizer), hashes
+//! it into chained block hashes, asks the KV index which decode worker
+//! already holds how much of it, and picks a decode worker with the decode
+//! policy. If the prompt's uncached part at that worker reaches the
+//! remote-prefill threshold and a prefill worker is up, it also picks one
+//! with the prefill policy and names it in the call's metadata. The decode
+//! worker does the rest (decode-first, push). The chosen workers come back
+//! in the response metadata.
 //!
-//! **Architecture Invariant:** the router never runs the model; it shares only
-//! the block-hash function with the engine.
+//! Membership is a static list today: each worker is probed (`Info`, then
+//! `Load`), and one that stops answering stops getting traffic within one
+//! probe interval. In-flight load is counted by RAII guards that live in the
+//! response stream, so no error path leaks it.
+//!
+//! **Architecture Invariant:** the router never runs the model; it shares
+//! only the block-hash function (and the tokenizer) with the engine.
+
+pub mod index;
+pub mod policy;
+pub mod pool;
+mod service;
+
+pub use policy::{Candidate, KvPolicy, PolicyKind, RoutingPolicy};
+pub use pool::{Cluster, InFlight, Role, Worker};
+pub use service::RouterService;

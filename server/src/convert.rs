@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use tandem_engine::serving::{
-    ChoiceSummary, Prompt, Request, RequestEvent, RequestSummary, TokenDelta,
+    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestSummary, TokenDelta,
 };
 use tandem_engine::{FinishReason, SamplingParams, TokenLogprob};
 use tandem_proto::v1;
@@ -52,6 +52,7 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         stop: req.stop,
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
+        prefill: PrefillMode::Local,
     })
 }
 
@@ -123,6 +124,11 @@ pub fn event_to_proto(request_id: &str, ev: RequestEvent) -> Result<v1::Generate
         RequestEvent::Delta(d) => v1::generate_response::Event::Delta(delta_to_proto(d)),
         RequestEvent::Finished(s) => v1::generate_response::Event::Finished(summary_to_proto(s)),
         RequestEvent::Error(e) => return Err(e),
+        // Only requests that ask for remote prefill see this, and this
+        // service never asks.
+        RequestEvent::RemotePrefill(_) => {
+            return Err("unexpected remote-prefill event on a colocated request".into())
+        }
     };
     Ok(v1::GenerateResponse {
         request_id: request_id.to_string(),

@@ -14,7 +14,9 @@
 //! service for its locally prefilled requests.
 
 mod convert;
+pub mod layout;
 mod service;
+mod worker_service;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -22,10 +24,12 @@ use std::net::SocketAddr;
 use tandem_engine::serving::EngineHandle;
 use tandem_proto::v1;
 use tokio::net::TcpListener;
+use tonic::service::RoutesBuilder;
 use tokio_stream::wrappers::TcpListenerStream;
 
 pub use convert::{event_to_proto, request_from_proto, BadRequest};
-pub use service::{status_from_engine, GenerationService};
+pub use service::{status_from_engine, GenerationService, PrefillGuard, RemotePrefiller};
+pub use worker_service::WorkerService;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -68,37 +72,105 @@ impl Bound {
     }
 }
 
-/// Serves `Generation`, health and reflection until `shutdown` completes.
+/// What one gRPC server offers: services, the names health reports as
+/// SERVING, and the descriptor sets reflection describes.
+#[derive(Debug, Default)]
+pub struct Services {
+    routes: RoutesBuilder,
+    serving: Vec<&'static str>,
+    descriptors: Vec<&'static [u8]>,
+}
+
+impl Services {
+    /// The public `Generation` service over `generation`.
+    pub fn generation(generation: GenerationService) -> Self {
+        let mut s = Self::default();
+        s.add(
+            v1::generation_server::GenerationServer::new(generation),
+            v1::GENERATION_SERVICE,
+            v1::FILE_DESCRIPTOR_SET,
+        );
+        s
+    }
+
+    /// Adds a service, its health name and its descriptor set.
+    pub fn add<S>(&mut self, svc: S, name: &'static str, descriptor: &'static [u8]) -> &mut Self
+    where
+        S: tower_service::Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = std::convert::Infallible,
+            > + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.routes.add_service(svc);
+        self.serving.push(name);
+        if !self.descriptors.contains(&descriptor) {
+            self.descriptors.push(descriptor);
+        }
+        self
+    }
+}
+
+/// Serves `services` plus `grpc.health.v1` and reflection (v1 and v1alpha)
+/// until `shutdown` completes.
+pub async fn serve_services(
+    bound: Bound,
+    services: Services,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for name in &services.serving {
+        health
+            .set_service_status(*name, tonic_health::ServingStatus::Serving)
+            .await;
+    }
+    let mut v1_builder = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let mut alpha_builder = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    for d in &services.descriptors {
+        v1_builder = v1_builder.register_encoded_file_descriptor_set(d);
+        alpha_builder = alpha_builder.register_encoded_file_descriptor_set(d);
+    }
+    let reflection = v1_builder
+        .build_v1()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let reflection_alpha = alpha_builder
+        .build_v1alpha()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let mut routes = services.routes;
+    routes.add_service(health_service);
+    routes.add_service(reflection);
+    routes.add_service(reflection_alpha);
+    tracing::info!(addr = %bound.addr, services = ?services.serving, "serving");
+    tonic::transport::Server::builder()
+        .add_routes(routes.routes())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(bound.listener), shutdown)
+        .await?;
+    for name in &services.serving {
+        health
+            .set_service_status(*name, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
+    Ok(())
+}
+
+/// Serves `Generation` from `engine` (the colocated server), with health and
+/// reflection, until `shutdown` completes.
 pub async fn serve(
     bound: Bound,
     engine: EngineHandle,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<v1::generation_server::GenerationServer<GenerationService>>()
-        .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(v1::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?;
-    let reflection_alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(v1::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .map_err(|e| ServeError::Reflection(e.to_string()))?;
-    let generation = v1::generation_server::GenerationServer::new(GenerationService::new(engine));
-    tracing::info!(addr = %bound.addr, "serving tandem.v1.Generation");
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
-        .add_service(generation)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(bound.listener), shutdown)
-        .await?;
-    health
-        .set_not_serving::<v1::generation_server::GenerationServer<GenerationService>>()
-        .await;
-    Ok(())
+    serve_services(
+        bound,
+        Services::generation(GenerationService::new(engine)),
+        shutdown,
+    )
+    .await
 }

@@ -22,10 +22,22 @@ use super::{BlockId, KvError};
 
 const NIL: u32 = u32::MAX;
 
+/// A change to the prefix cache, for routers that track which worker holds
+/// which prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// `hash` (whose parent block is `parent`, [`ROOT`](tandem_block_hash::ROOT)
+    /// for a first block) is now cached.
+    Stored { parent: BlockHash, hash: BlockHash },
+    /// `hash` was evicted.
+    Removed { hash: BlockHash },
+}
+
 #[derive(Debug, Clone)]
 struct BlockMeta {
     refcount: u32,
     hash: Option<BlockHash>,
+    parent: BlockHash,
     prev: u32,
     next: u32,
 }
@@ -50,6 +62,8 @@ struct State {
     num_free: usize,
     cached: HashMap<BlockHash, BlockId>,
     stats: PrefixCacheStats,
+    /// Changes since the last `drain_events`.
+    events: Vec<CacheEvent>,
 }
 
 impl State {
@@ -87,6 +101,7 @@ impl State {
         if let Some(h) = self.meta[b as usize].hash.take() {
             if self.cached.get(&h) == Some(&b) {
                 self.cached.remove(&h);
+                self.events.push(CacheEvent::Removed { hash: h });
             }
         }
     }
@@ -112,6 +127,7 @@ impl BlockAllocator {
                 BlockMeta {
                     refcount: 0,
                     hash: None,
+                    parent: 0,
                     prev: NIL,
                     next: NIL,
                 };
@@ -122,6 +138,7 @@ impl BlockAllocator {
             num_free: 0,
             cached: HashMap::new(),
             stats: PrefixCacheStats::default(),
+            events: Vec::new(),
         };
         // Low ids first, which keeps tests readable.
         for b in 0..num_blocks as BlockId {
@@ -262,13 +279,61 @@ impl BlockAllocator {
     /// Names a full, computed, referenced block by its hash so later
     /// requests can reuse it. A hash already cached under another block
     /// (two requests computed the same prefix at once) is left as it is.
-    pub(super) fn register(&self, block: BlockId, hash: BlockHash) {
+    pub(super) fn register(&self, block: BlockId, hash: BlockHash, parent: BlockHash) {
         let mut st = self.lock();
         if st.meta[block as usize].hash.is_some() || st.cached.contains_key(&hash) {
             return;
         }
         st.meta[block as usize].hash = Some(hash);
+        st.meta[block as usize].parent = parent;
         st.cached.insert(hash, block);
+        st.events.push(CacheEvent::Stored { parent, hash });
+    }
+
+    /// Takes the cache changes recorded since the last call.
+    pub fn drain_events(&self) -> Vec<CacheEvent> {
+        std::mem::take(&mut self.lock().events)
+    }
+
+    /// Every cached block as a `Stored` event, parents before children
+    /// (a snapshot for a new subscriber).
+    pub fn snapshot(&self) -> Vec<CacheEvent> {
+        let st = self.lock();
+        let mut out: Vec<CacheEvent> = Vec::with_capacity(st.cached.len());
+        let mut emitted = std::collections::HashSet::new();
+        // A chain's parent may itself be cached; emit parents first.
+        let mut pending: Vec<BlockHash> = st.cached.keys().copied().collect();
+        pending.sort_unstable();
+        while let Some(h) = pending.pop() {
+            if emitted.contains(&h) {
+                continue;
+            }
+            let mut chain = vec![h];
+            let mut cur = h;
+            loop {
+                let Some(&b) = st.cached.get(&cur) else { break };
+                let parent = st.meta[b as usize].parent;
+                if parent == tandem_block_hash::ROOT
+                    || emitted.contains(&parent)
+                    || !st.cached.contains_key(&parent)
+                {
+                    break;
+                }
+                chain.push(parent);
+                cur = parent;
+            }
+            for &x in chain.iter().rev() {
+                if emitted.insert(x) {
+                    if let Some(&b) = st.cached.get(&x) {
+                        out.push(CacheEvent::Stored {
+                            parent: st.meta[b as usize].parent,
+                            hash: x,
+                        });
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Drops a block's cached name (its contents are about to change).

@@ -21,7 +21,7 @@
 mod allocator;
 mod table;
 
-pub use allocator::{BlockAllocator, PrefixCacheStats};
+pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats};
 pub use table::{BlockCopy, BlockTable};
 
 /// A physical block index into the pool.
@@ -40,6 +40,14 @@ pub enum KvError {
     /// The pool was configured with nothing to give.
     #[error("KV cache must have at least one block of at least one token")]
     EmptyPool,
+    /// A whole-block write does not fit the cache.
+    #[error("bad KV block write: layer {layer}, block {block}, {len} values (a block holds {expected})")]
+    BadBlockWrite {
+        layer: usize,
+        block: BlockId,
+        len: usize,
+        expected: usize,
+    },
 }
 
 /// The shape of one worker's KV cache. Two workers can exchange blocks only
@@ -118,6 +126,42 @@ impl KvCache {
         for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
             layer.copy_within(s..s + n, d);
         }
+    }
+
+    /// One block's K and V in one layer (`[kv_head][slot][head_dim]` each),
+    /// e.g. to send it to another worker.
+    pub fn block(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
+        let n = self.layout.block_elems();
+        let s = block as usize * n;
+        (&self.k[layer][s..s + n], &self.v[layer][s..s + n])
+    }
+
+    /// Overwrites one block's K and V in one layer (a block received from
+    /// another worker).
+    pub fn write_block(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let n = self.layout.block_elems();
+        if layer >= self.layout.num_layers
+            || block as usize >= self.num_blocks
+            || k.len() != n
+            || v.len() != n
+        {
+            return Err(KvError::BadBlockWrite {
+                layer,
+                block,
+                len: k.len().max(v.len()),
+                expected: n,
+            });
+        }
+        let s = block as usize * n;
+        self.k[layer][s..s + n].copy_from_slice(k);
+        self.v[layer][s..s + n].copy_from_slice(v);
+        Ok(())
     }
 
     /// Writes one token's K and V rows (`[kv_head][head_dim]`) at `slot` of

@@ -118,8 +118,13 @@ impl BlockTable {
             .min(hashes.len())
             .min(self.blocks.len());
         let from = self.num_registered.min(full);
-        for (&block, &hash) in self.blocks[from..full].iter().zip(&hashes[from..full]) {
-            self.allocator.register(block, hash);
+        let blocks = self.blocks[from..full].iter();
+        for (i, (&block, &hash)) in (from..).zip(blocks.zip(&hashes[from..full])) {
+            let parent = match i {
+                0 => tandem_block_hash::ROOT,
+                _ => hashes[i - 1],
+            };
+            self.allocator.register(block, hash, parent);
         }
         self.num_registered = self.num_registered.max(full);
     }

@@ -14,16 +14,17 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
 use crate::kernels::MatmulPolicy;
-use crate::kv_cache::{BlockAllocator, KvCache, PrefixCacheStats};
+use crate::kv_cache::{BlockAllocator, BlockId, CacheEvent, KvCache, PrefixCacheStats};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler};
 use crate::tokenizer::Tokenizer;
 
 use super::output::TextOutput;
 use super::request::{
-    ChoiceSummary, Limits, RequestEvent, RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
+    ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, RemotePrefill, RequestEvent,
+    RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
 };
-use super::scheduler::{Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
+use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
 
 /// How big the KV pool is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +79,8 @@ pub struct EngineStats {
     pub cached_blocks: usize,
     pub running: usize,
     pub waiting: usize,
+    /// Waiting for a remote prefill.
+    pub parked: usize,
     pub steps: u64,
     pub preemptions: u64,
     /// Tokens run through the model (prefill and decode).
@@ -109,6 +112,20 @@ impl EngineStats {
         }
         1.0 - self.kv_token_steps as f64 / slots
     }
+}
+
+/// The prefix-cache feed a router follows: one snapshot, then numbered
+/// changes. Sequence numbers are per engine and increase by one per event,
+/// so a gap means a lost message (resubscribe for a new snapshot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvFeed {
+    /// Every cached block as of event `seq` (parents first).
+    Snapshot {
+        seq: u64,
+        events: Vec<CacheEvent>,
+    },
+    /// Changes numbered `seq`, in order.
+    Events(Vec<(u64, CacheEvent)>),
 }
 
 /// One request: its choices' shared bookkeeping.
@@ -148,6 +165,8 @@ pub struct EngineCore {
     limits: Limits,
     groups: HashMap<u64, Group>,
     next_seq: SeqId,
+    kv_subscribers: Vec<UnboundedSender<KvFeed>>,
+    kv_event_seq: u64,
     stats: EngineStats,
 }
 
@@ -235,6 +254,8 @@ impl EngineCore {
             limits,
             groups: HashMap::new(),
             next_seq: 0,
+            kv_subscribers: Vec::new(),
+            kv_event_seq: 0,
             stats,
         })
     }
@@ -288,8 +309,19 @@ impl EngineCore {
         let seq_id = self.next_seq;
         self.next_seq += 1;
         let prompt_len = req.prompt_ids.len();
-        self.scheduler
-            .add(seq_id, Sequence::new(id, 0, req.prompt_ids, sampler, text));
+        let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text);
+        match req.prefill {
+            PrefillMode::Local => {}
+            PrefillMode::Remote { min_uncached } => seq.remote_min_uncached = Some(min_uncached),
+            PrefillMode::Export { sink, from_block } => {
+                seq.export = Some(Export {
+                    sink,
+                    from_block,
+                    started: false,
+                })
+            }
+        }
+        self.scheduler.add(seq_id, seq);
         self.groups.insert(
             id,
             Group {
@@ -330,6 +362,7 @@ impl EngineCore {
             self.finish_seq(seq, FinishReason::Abort, None);
         }
         self.maybe_close(id);
+        self.refresh_gauges();
     }
 
     /// Counters and gauges.
@@ -340,6 +373,71 @@ impl EngineCore {
     /// Checks the block books (tests run it after every step).
     pub fn check_accounting(&self) -> std::result::Result<(), String> {
         self.scheduler.check_accounting()
+    }
+
+    /// Follows the prefix cache: `sink` gets a snapshot now, then every
+    /// change after each step.
+    pub fn subscribe_kv_events(&mut self, sink: UnboundedSender<KvFeed>) {
+        self.publish_kv_events();
+        let snapshot = KvFeed::Snapshot {
+            seq: self.kv_event_seq,
+            events: self.scheduler.allocator().snapshot(),
+        };
+        if sink.send(snapshot).is_ok() {
+            self.kv_subscribers.push(sink);
+        }
+    }
+
+    fn publish_kv_events(&mut self) {
+        let events = self.scheduler.allocator().drain_events();
+        if events.is_empty() {
+            return;
+        }
+        let numbered: Vec<(u64, CacheEvent)> = events
+            .into_iter()
+            .map(|e| {
+                self.kv_event_seq += 1;
+                (self.kv_event_seq, e)
+            })
+            .collect();
+        self.kv_subscribers
+            .retain(|s| s.send(KvFeed::Events(numbered.clone())).is_ok());
+    }
+
+    /// Writes one block of one layer received for remote prefill
+    /// `transfer`. Only the transfer's own destination blocks are writable.
+    pub fn write_kv(
+        &mut self,
+        transfer: u64,
+        layer: usize,
+        block: BlockId,
+        k: &[f32],
+        v: &[f32],
+    ) -> std::result::Result<(), String> {
+        let Some(blocks) = self.scheduler.parked_blocks(transfer) else {
+            return Err(format!("no remote prefill {transfer} is waiting for blocks"));
+        };
+        if !blocks.contains(&block) {
+            return Err(format!(
+                "block {block} is not a destination of remote prefill {transfer}"
+            ));
+        }
+        self.kv
+            .write_block(layer, block, k, v)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Ends remote prefill `transfer`: on success the request goes on here
+    /// from its last prompt token; on failure it is prefilled here.
+    pub fn finish_remote_prefill(&mut self, transfer: u64, outcome: std::result::Result<(), String>) {
+        if !self.scheduler.is_parked(transfer) {
+            return; // aborted, or already finished
+        }
+        if let Err(e) = &outcome {
+            tracing::warn!(transfer, error = %e, "remote prefill failed; prefilling locally");
+        }
+        self.scheduler.unpark(transfer, outcome.is_ok());
+        self.refresh_gauges();
     }
 
     /// Runs one step. Does nothing when there is no work.
@@ -356,6 +454,25 @@ impl EngineCore {
                     g.first_scheduled = Some(now);
                     g.cached_tokens = cached;
                 }
+            }
+        }
+        for (seq, blocks) in &plan.parked {
+            let Some(s) = self.scheduler.seq(*seq) else {
+                continue;
+            };
+            let ev = RequestEvent::RemotePrefill(RemotePrefill {
+                transfer: *seq,
+                tokens: s.tokens[..s.tokens.len() - 1].to_vec(),
+                cached_tokens: s.num_computed,
+                blocks: blocks.clone(),
+            });
+            let group = s.group;
+            let gone = self
+                .groups
+                .get(&group)
+                .is_none_or(|g| g.sink.send(ev).is_err());
+            if gone {
+                self.abort(group);
             }
         }
         if plan.scheduled.is_empty() {
@@ -394,7 +511,10 @@ impl EngineCore {
     }
 
     fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
+        let bs = self.scheduler.block_size();
         let mut inputs = Vec::with_capacity(plan.scheduled.len());
+        // Prefill-only sequences: which blocks each exports after every layer.
+        let mut exports: Vec<(Arc<dyn KvExport>, Vec<(usize, BlockId)>)> = Vec::new();
         for s in &plan.scheduled {
             let seq = self
                 .scheduler
@@ -409,8 +529,40 @@ impl EngineCore {
                 blocks: table.blocks(),
                 all_logits: false,
             });
+            if let Some(ex) = &seq.export {
+                // The first step also sends blocks that were cached here.
+                let lo = (ex.from_block * bs).max(if ex.started { seq.num_computed } else { 0 });
+                let hi = seq.num_computed + s.num_tokens;
+                let blocks = (lo / bs..hi.div_ceil(bs))
+                    .filter_map(|l| table.blocks().get(l).map(|&b| (l, b)))
+                    .collect();
+                exports.push((ex.sink.clone(), blocks));
+            }
         }
-        self.model.forward(&inputs, &mut self.kv)
+        let mut after_layer = |layer: usize, kv: &KvCache| {
+            for (sink, blocks) in &exports {
+                let data: Vec<ExportedBlock<'_>> = blocks
+                    .iter()
+                    .map(|&(logical, b)| {
+                        let (k, v) = kv.block(layer, b);
+                        ExportedBlock { logical, k, v }
+                    })
+                    .collect();
+                if !data.is_empty() {
+                    sink.layer_ready(layer, &data);
+                }
+            }
+        };
+        let out = self
+            .model
+            .forward_with_layer_hook(&inputs, &mut self.kv, &mut after_layer);
+        drop(inputs);
+        for s in &plan.scheduled {
+            if let Some(ex) = self.scheduler.seq_mut(s.seq).and_then(|q| q.export.as_mut()) {
+                ex.started = true;
+            }
+        }
+        out
     }
 
     fn sample_and_emit(&mut self, plan: &StepPlan, logits: &crate::model::Logits) {
@@ -421,6 +573,13 @@ impl EngineCore {
             };
             if seq.num_computed < seq.tokens.len() {
                 continue; // mid-prefill: nothing to sample yet
+            }
+            if seq.export.is_some() {
+                // Prefill-only: its blocks are all sent; nothing to sample.
+                let group = seq.group;
+                self.finish_seq(s.seq, FinishReason::Length, None);
+                self.maybe_close(group);
+                continue;
             }
             let group_id = seq.group;
             let row = logits.last(i);
@@ -542,6 +701,8 @@ impl EngineCore {
     /// aborted choice gets its finishing delta here (others carry the reason
     /// on their last token's delta).
     fn finish_seq(&mut self, seq_id: SeqId, reason: FinishReason, matched_stop: Option<String>) {
+        // An aborted remote prefill frees its blocks at once: a late write
+        // names a transfer that no longer exists and is refused.
         let Some(seq) = self.scheduler.remove(seq_id) else {
             return;
         };
@@ -549,6 +710,9 @@ impl EngineCore {
             return;
         };
         g.live.retain(|&s| s != seq_id);
+        if seq.export.is_some() {
+            return; // a prefill-only request has no choices
+        }
         g.choices.push(ChoiceSummary {
             index: seq.index,
             finish_reason: reason,
@@ -620,18 +784,26 @@ impl EngineCore {
         let _ = g.sink.send(RequestEvent::Error(msg.to_string()));
     }
 
+    /// Updates the gauges (and, after a step, the per-step sums).
     fn refresh_stats(&mut self) {
-        let a = self.scheduler.allocator();
+        self.refresh_gauges();
         let (tokens, slots, seqs) = self.scheduler.kv_usage();
+        let s = &mut self.stats;
+        s.kv_token_steps += tokens as u64;
+        s.kv_slot_steps += slots as u64;
+        s.kv_seq_steps += seqs as u64;
+    }
+
+    fn refresh_gauges(&mut self) {
+        self.publish_kv_events();
+        let a = self.scheduler.allocator();
         let s = &mut self.stats;
         s.free_blocks = a.num_free();
         s.cached_blocks = a.num_cached();
         s.prefix = a.prefix_stats();
         s.running = self.scheduler.num_running();
         s.waiting = self.scheduler.num_waiting();
+        s.parked = self.scheduler.num_parked();
         s.preemptions = self.scheduler.preemptions();
-        s.kv_token_steps += tokens as u64;
-        s.kv_slot_steps += slots as u64;
-        s.kv_seq_steps += seqs as u64;
     }
 }

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::error::{EngineError, Result};
 use crate::tokenizer::Tokenizer;
 
-use super::core::{EngineCore, EngineStats};
+use super::core::{EngineCore, EngineStats, KvFeed};
 use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
 
 enum Command {
@@ -29,6 +29,18 @@ enum Command {
         sink: UnboundedSender<RequestEvent>,
     },
     Abort(u64),
+    WriteKv {
+        transfer: u64,
+        layer: usize,
+        block: u32,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
+    FinishRemote {
+        transfer: u64,
+        outcome: std::result::Result<(), String>,
+    },
+    SubscribeKv(UnboundedSender<KvFeed>),
 }
 
 #[derive(Debug)]
@@ -54,6 +66,16 @@ impl std::fmt::Debug for Command {
         match self {
             Self::Add { id, .. } => write!(f, "Add({id})"),
             Self::Abort(id) => write!(f, "Abort({id})"),
+            Self::WriteKv {
+                transfer,
+                layer,
+                block,
+                ..
+            } => write!(f, "WriteKv({transfer}, layer {layer}, block {block})"),
+            Self::FinishRemote { transfer, outcome } => {
+                write!(f, "FinishRemote({transfer}, {outcome:?})")
+            }
+            Self::SubscribeKv(_) => write!(f, "SubscribeKv"),
         }
     }
 }
@@ -124,6 +146,32 @@ impl EngineHandle {
         })
     }
 
+    /// Hands one received block of one layer to remote prefill `transfer`
+    /// (applied in order with everything else sent to the engine).
+    pub fn write_kv(&self, transfer: u64, layer: usize, block: u32, k: Vec<f32>, v: Vec<f32>) {
+        let _ = self.commands.send(Command::WriteKv {
+            transfer,
+            layer,
+            block,
+            k,
+            v,
+        });
+    }
+
+    /// Ends remote prefill `transfer` (after all its `write_kv` calls).
+    pub fn finish_remote_prefill(&self, transfer: u64, outcome: std::result::Result<(), String>) {
+        let _ = self
+            .commands
+            .send(Command::FinishRemote { transfer, outcome });
+    }
+
+    /// Follows the prefix cache: a snapshot first, then numbered changes.
+    pub fn kv_events(&self) -> UnboundedReceiver<KvFeed> {
+        let (tx, rx) = unbounded_channel();
+        let _ = self.commands.send(Command::SubscribeKv(tx));
+        rx
+    }
+
     /// Waits for the engine thread to exit (after every handle but this one
     /// and every stream are dropped).
     pub fn join(self) {
@@ -191,6 +239,21 @@ fn handle(core: &mut EngineCore, cmd: Command) {
     match cmd {
         Command::Add { id, req, sink } => core.add_valid(id, req, sink),
         Command::Abort(id) => core.abort(id),
+        Command::WriteKv {
+            transfer,
+            layer,
+            block,
+            k,
+            v,
+        } => {
+            if let Err(e) = core.write_kv(transfer, layer, block, &k, &v) {
+                tracing::warn!(transfer, layer, block, error = %e, "dropped a KV block");
+            }
+        }
+        Command::FinishRemote { transfer, outcome } => {
+            core.finish_remote_prefill(transfer, outcome)
+        }
+        Command::SubscribeKv(sink) => core.subscribe_kv_events(sink),
     }
 }
 

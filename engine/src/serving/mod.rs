@@ -11,6 +11,13 @@
 //!   channel. Each request gets a [`RequestStream`] of [`RequestEvent`]s;
 //!   dropping the stream aborts the request, which frees its blocks at once.
 //!
+//! Disaggregation hooks, all without networking: a decode worker asks for
+//! [`PrefillMode::Remote`] and gets a [`RemotePrefill`] event naming the
+//! blocks to fill, feeds received blocks through `write_kv` and ends with
+//! `finish_remote_prefill`; a prefill worker runs [`PrefillMode::Export`]
+//! requests whose [`KvExport`] sink sees each layer's blocks as soon as the
+//! layer is computed.
+//!
 //! Requests are validated before they reach the loop ([`request`]), so the
 //! loop only sees work it can do; a request that could never fit the KV pool
 //! is refused up front rather than left waiting.
@@ -24,9 +31,9 @@ mod output;
 pub mod request;
 mod scheduler;
 
-pub use self::core::{EngineConfig, EngineCore, EngineStats, KvPoolSize};
+pub use self::core::{EngineConfig, EngineCore, EngineStats, KvFeed, KvPoolSize};
 pub use handle::{EngineHandle, RequestStream};
 pub use request::{
-    ChoiceSummary, Limits, Prompt, Request, RequestEvent, RequestSummary, Timings, TokenDelta,
-    Usage, MAX_LOGPROBS,
+    ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, Prompt, RemotePrefill, Request,
+    RequestEvent, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };

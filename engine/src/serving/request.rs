@@ -4,6 +4,7 @@
 //! engine loop, so a bad request costs the loop nothing and its error names
 //! the offending field (the gRPC layer turns it into `INVALID_ARGUMENT`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{EngineError, Result};
@@ -23,6 +24,46 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// Receives a prefill's K/V layer by layer, as soon as each layer is
+/// computed (the prefill worker forwards it to the decode worker). Called on
+/// the engine thread: implementations copy what they need and return fast.
+pub trait KvExport: Send + Sync + std::fmt::Debug {
+    /// Layer `layer` of these blocks is final.
+    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]);
+}
+
+/// One block of one layer, by its logical index in the sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct ExportedBlock<'a> {
+    /// Block `i` holds positions `i * block_size ..`.
+    pub logical: usize,
+    /// `[kv_head][slot][head_dim]`.
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// Where a request's prompt K/V is computed.
+#[derive(Debug, Clone, Default)]
+pub enum PrefillMode {
+    /// Here: the colocated default.
+    #[default]
+    Local,
+    /// By a prefill worker, when at least `min_uncached` prompt tokens are
+    /// not in this engine's prefix cache (shorter ones run here). The engine
+    /// allocates the blocks, emits [`RequestEvent::RemotePrefill`], accepts
+    /// the blocks through `write_kv` and resumes the request at
+    /// `finish_remote_prefill`; it computes the last prompt token itself, so
+    /// sampling stays here. A failed transfer falls back to local prefill.
+    Remote { min_uncached: usize },
+    /// Compute the prompt's K/V, hand every block from logical index
+    /// `from_block` on to `sink` layer by layer, and stop: nothing is
+    /// sampled, and the stream ends with a `Finished` without choices.
+    Export {
+        sink: Arc<dyn KvExport>,
+        from_block: usize,
+    },
+}
+
 /// A generation request as a client states it.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -40,6 +81,8 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Where the prompt is computed.
+    pub prefill: PrefillMode,
 }
 
 impl Request {
@@ -54,6 +97,7 @@ impl Request {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            prefill: PrefillMode::Local,
         }
     }
 }
@@ -80,6 +124,7 @@ pub(crate) struct ValidRequest {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    pub prefill: PrefillMode,
 }
 
 fn invalid(msg: String) -> EngineError {
@@ -104,6 +149,12 @@ pub(crate) fn validate(
         return Err(invalid(format!(
             "n must be between 1 and {} (max_num_seqs), got {}",
             limits.max_num_seqs, req.n
+        )));
+    }
+    if !matches!(req.prefill, PrefillMode::Local) && req.n != 1 {
+        return Err(invalid(format!(
+            "n must be 1 for disaggregated prefill, got {}",
+            req.n
         )));
     }
     if req.max_tokens == Some(0) {
@@ -187,6 +238,7 @@ pub(crate) fn validate(
         stop: req.stop,
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
+        prefill: req.prefill,
     })
 }
 
@@ -195,10 +247,26 @@ pub(crate) fn validate(
 pub enum RequestEvent {
     /// New tokens of one choice.
     Delta(TokenDelta),
+    /// The prompt's K/V is to be computed elsewhere (see
+    /// [`PrefillMode::Remote`]).
+    RemotePrefill(RemotePrefill),
     /// The last event: every choice is done.
     Finished(RequestSummary),
     /// The engine failed the request; nothing follows.
     Error(String),
+}
+
+/// What a prefill worker must compute and where the blocks go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemotePrefill {
+    /// Names the transfer in `write_kv` and `finish_remote_prefill`.
+    pub transfer: u64,
+    /// The prompt without its last token (computed here).
+    pub tokens: Vec<u32>,
+    /// Leading tokens already cached here (a whole number of blocks).
+    pub cached_tokens: usize,
+    /// Destination block ids for logical blocks `cached_tokens / block_size ..`.
+    pub blocks: Vec<u32>,
 }
 
 /// New tokens of one choice.

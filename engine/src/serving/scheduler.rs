@@ -12,6 +12,12 @@
 //!    budget and the free blocks allow, after a prefix-cache lookup that can
 //!    skip most of their prompt.
 //!
+//! A sequence whose prompt a prefill worker computes is *parked* at
+//! admission: its blocks are allocated (after the prefix-cache lookup) but it
+//! is not scheduled until the transfer ends; then it runs its last prompt
+//! token here and decodes as usual. Parked sequences are never preempted:
+//! another worker is writing into their blocks.
+//!
 //! When a running sequence cannot get a block, the newest running sequence
 //! not yet scheduled in this step is preempted: its blocks are freed (full
 //! ones stay in the prefix cache, so the recompute is often cheap) and it
@@ -26,10 +32,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use tandem_block_hash::{extend_block_hashes, BlockHash};
 
-use crate::kv_cache::{BlockAllocator, BlockCopy, BlockTable, KvError};
+use crate::kv_cache::{BlockAllocator, BlockCopy, BlockId, BlockTable, KvError};
 use crate::sampling::Sampler;
 
 use super::output::TextOutput;
+use super::request::KvExport;
 
 /// Internal sequence id (one per choice).
 pub(crate) type SeqId = u64;
@@ -63,6 +70,20 @@ pub(crate) struct Sequence {
     pub sampler: Sampler,
     /// `None` without a tokenizer.
     pub text: Option<TextOutput>,
+    /// Prefill remotely when at least this many prompt tokens are uncached.
+    pub remote_min_uncached: Option<usize>,
+    /// A prefill-only sequence that exports its blocks.
+    pub export: Option<Export>,
+}
+
+/// Where a prefill-only sequence's blocks go.
+#[derive(Debug, Clone)]
+pub(crate) struct Export {
+    pub sink: std::sync::Arc<dyn KvExport>,
+    pub from_block: usize,
+    /// Whether blocks computed before this sequence ran (prefix-cache hits
+    /// past `from_block`) have been sent.
+    pub started: bool,
 }
 
 impl Sequence {
@@ -83,6 +104,8 @@ impl Sequence {
             table: None,
             sampler,
             text,
+            remote_min_uncached: None,
+            export: None,
         }
     }
 
@@ -120,6 +143,9 @@ pub(crate) struct StepPlan {
     pub admitted: Vec<(SeqId, usize)>,
     /// Sequences preempted this step.
     pub preempted: Vec<SeqId>,
+    /// Sequences parked for remote prefill this step: their destination
+    /// blocks (logical blocks from `cached / block_size` on).
+    pub parked: Vec<(SeqId, Vec<BlockId>)>,
 }
 
 /// Queues, budget and preemption over one block pool.
@@ -130,6 +156,8 @@ pub(crate) struct Scheduler {
     seqs: HashMap<SeqId, Sequence>,
     waiting: VecDeque<SeqId>,
     running: Vec<SeqId>,
+    /// Admitted, blocks allocated, waiting for a remote prefill.
+    parked: Vec<SeqId>,
     preemptions: u64,
 }
 
@@ -141,6 +169,7 @@ impl Scheduler {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            parked: Vec::new(),
             preemptions: 0,
         }
     }
@@ -165,8 +194,51 @@ impl Scheduler {
         self.preemptions
     }
 
+    pub fn num_parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Whether a step could do anything (parked sequences wait on others).
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn is_parked(&self, id: SeqId) -> bool {
+        self.parked.contains(&id)
+    }
+
+    /// Ends a remote prefill: on success the blocks hold the prompt but its
+    /// last token, which runs here next; on failure the transferred part is
+    /// dropped and the prompt is computed here.
+    pub fn unpark(&mut self, id: SeqId, ok: bool) {
+        if !self.parked.contains(&id) {
+            return;
+        }
+        self.parked.retain(|&s| s != id);
+        let caching = self.cfg.enable_prefix_caching;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            if let Some(t) = seq.table.as_mut() {
+                if ok {
+                    seq.num_computed = t.num_tokens();
+                    if caching {
+                        t.register_computed(&seq.hashes, seq.num_computed);
+                    }
+                } else {
+                    t.truncate(t.num_tokens() - seq.num_computed);
+                }
+            }
+        }
+        self.running.push(id);
+    }
+
+    /// Destination blocks of a parked sequence (those a transfer may write).
+    pub fn parked_blocks(&self, id: SeqId) -> Option<&[BlockId]> {
+        if !self.parked.contains(&id) {
+            return None;
+        }
+        let seq = self.seqs.get(&id)?;
+        let table = seq.table.as_ref()?;
+        Some(&table.blocks()[seq.num_computed / self.block_size()..])
     }
 
     pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
@@ -206,6 +278,8 @@ impl Scheduler {
                 .text
                 .as_ref()
                 .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], p.text_stops())),
+            remote_min_uncached: None,
+            export: None,
         };
         self.seqs.insert(id, child);
         self.running.push(id);
@@ -215,6 +289,7 @@ impl Scheduler {
     /// Removes a sequence wherever it is; dropping it frees its blocks.
     pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
         self.running.retain(|&s| s != id);
+        self.parked.retain(|&s| s != id);
         self.waiting.retain(|&s| s != id);
         self.seqs.remove(&id)
     }
@@ -299,7 +374,7 @@ impl Scheduler {
 
     fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
         let bs = self.block_size();
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while budget > 0 && self.running.len() + self.parked.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
@@ -316,6 +391,35 @@ impl Scheduler {
             };
             let (hits, hits_free) = self.allocator.probe(cacheable);
             let cached = hits * bs;
+            // Remote prefill computes all but the last prompt token.
+            let remote_end = seq.tokens.len() - 1;
+            let fresh = seq.tokens.len() == seq.prompt_len;
+            if fresh
+                && seq
+                    .remote_min_uncached
+                    .is_some_and(|m| remote_end > cached && remote_end - cached >= m)
+            {
+                let need = remote_end.div_ceil(bs) - hits;
+                if need + hits_free > self.allocator.num_free() {
+                    break;
+                }
+                let hashes = cacheable[..hits].to_vec();
+                let mut table = BlockTable::from_cached_prefix(&self.allocator, &hashes);
+                if table.append(remote_end - cached).is_err() {
+                    break; // unreachable after the check above; wait
+                }
+                let blocks = table.blocks()[hits..].to_vec();
+                let Some(seq) = self.seqs.get_mut(&id) else {
+                    break;
+                };
+                seq.num_computed = cached;
+                seq.table = Some(table);
+                self.waiting.pop_front();
+                self.parked.push(id);
+                plan.admitted.push((id, cached));
+                plan.parked.push((id, blocks));
+                continue;
+            }
             let n = (seq.tokens.len() - cached)
                 .min(budget)
                 .min(self.cfg.max_prefill_chunk);
@@ -385,7 +489,8 @@ impl Scheduler {
             match &s.table {
                 Some(t) => {
                     refs += t.blocks().len();
-                    if t.num_tokens() != s.num_computed {
+                    let parked = self.parked.contains(id);
+                    if !parked && t.num_tokens() != s.num_computed {
                         return Err(format!(
                             "sequence {id}: table holds {} tokens, {} computed",
                             t.num_tokens(),

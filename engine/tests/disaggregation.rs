@@ -1,0 +1,262 @@
+//! Disaggregated prefill inside the engine, without a network: a "decode"
+//! core parks a request for remote prefill, a "prefill" core computes it in
+//! export mode, and the exported blocks are fed back in. The decode core
+//! must then produce exactly the tokens of colocated serving.
+
+use std::sync::{Arc, Mutex};
+
+use tandem_engine::serving::{
+    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, Prompt, RemotePrefill,
+    Request, RequestEvent,
+};
+use tandem_engine::{synth, Checkpoint, DType};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Every exported block, in order: (layer, logical block, k, v).
+#[derive(Debug, Default)]
+struct Collected(Mutex<Vec<(usize, usize, Vec<f32>, Vec<f32>)>>);
+
+impl KvExport for Collected {
+    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
+        let mut all = self.0.lock().expect("lock");
+        for b in blocks {
+            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
+        }
+    }
+}
+
+fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    synth::preset("tiny")
+        .expect("preset")
+        .write(tmp.path(), 3, DType::F32)
+        .expect("write");
+    let ck = Checkpoint::open(tmp.path()).expect("open");
+    (tmp, ck)
+}
+
+fn core(ck: &Checkpoint, chunk: usize) -> EngineCore {
+    let model = tandem_engine::Model::load(&ck.dir).expect("load");
+    let config = EngineConfig {
+        max_prefill_chunk: Some(chunk),
+        ..EngineConfig::default()
+    };
+    EngineCore::new(model, None, ck.eos_token_ids.clone(), &config).expect("core")
+}
+
+/// Steps until idle, checking the books; returns every event of `rx`.
+fn run(core: &mut EngineCore, rx: &mut UnboundedReceiver<RequestEvent>) -> Vec<RequestEvent> {
+    let mut events = Vec::new();
+    for _ in 0..10_000 {
+        core.step();
+        core.check_accounting().expect("books");
+        while let Ok(ev) = rx.try_recv() {
+            events.push(ev);
+        }
+        if !core.has_work() {
+            return events;
+        }
+    }
+    panic!("engine did not go idle");
+}
+
+fn tokens_of(events: &[RequestEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RequestEvent::Delta(d) => Some(d.token_ids.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+fn request(prompt: &[u32], mode: PrefillMode) -> Request {
+    let mut r = Request::new(Prompt::Tokens(prompt.to_vec()), 12);
+    r.ignore_eos = true;
+    r.prefill = mode;
+    r
+}
+
+fn colocated(ck: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
+    let mut c = core(ck, 2048);
+    let (tx, mut rx) = unbounded_channel();
+    c.add_request(0, request(prompt, PrefillMode::Local), tx)
+        .expect("valid");
+    tokens_of(&run(&mut c, &mut rx))
+}
+
+/// Runs the prefill side of `rp` on `prefill` and returns the exported blocks.
+fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<(usize, usize, Vec<f32>, Vec<f32>)> {
+    let sink = Arc::new(Collected::default());
+    let from_block = rp.cached_tokens / 16;
+    let (tx, mut rx) = unbounded_channel();
+    let mut req = request(&rp.tokens, PrefillMode::Export {
+        sink: sink.clone(),
+        from_block,
+    });
+    req.max_tokens = None;
+    prefill.add_request(id, req, tx).expect("valid export");
+    let events = run(prefill, &mut rx);
+    match events.last() {
+        Some(RequestEvent::Finished(s)) => assert!(s.choices.is_empty(), "{s:?}"),
+        other => panic!("export ended with {other:?}"),
+    }
+    assert!(tokens_of(&events).is_empty(), "an export samples nothing");
+    let s = prefill.stats();
+    assert_eq!(s.free_blocks, s.num_blocks, "the prefill side keeps no block");
+    let out = std::mem::take(&mut *sink.0.lock().expect("lock"));
+    out
+}
+
+fn parked(events: &[RequestEvent]) -> RemotePrefill {
+    match events.first() {
+        Some(RequestEvent::RemotePrefill(rp)) => rp.clone(),
+        other => panic!("expected a remote prefill, got {other:?}"),
+    }
+}
+
+#[test]
+fn remote_prefill_gives_the_colocated_tokens() {
+    let (_tmp, ck) = checkpoint();
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 7 + 3) % 256).collect();
+    let want = colocated(&ck, &prompt);
+
+    let mut decode = core(&ck, 2048);
+    let mut prefill = core(&ck, 32); // chunked: blocks are exported per chunk
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .expect("valid");
+    let events = run(&mut decode, &mut rx);
+    let rp = parked(&events);
+    assert_eq!(rp.tokens, prompt[..99]);
+    assert_eq!(rp.cached_tokens, 0);
+    assert_eq!(rp.blocks.len(), 7, "99 tokens in 16-token blocks");
+    assert_eq!(decode.stats().parked, 1);
+
+    let blocks = export(&mut prefill, 0, &rp);
+    let layers = 2;
+    // Every (layer, block) arrives; chunk boundaries resend partial blocks.
+    for layer in 0..layers {
+        for logical in 0..7 {
+            assert!(blocks.iter().any(|b| b.0 == layer && b.1 == logical));
+        }
+    }
+    for (layer, logical, k, v) in &blocks {
+        decode
+            .write_kv(rp.transfer, *layer, rp.blocks[*logical], k, v)
+            .expect("a destination block");
+    }
+    decode.finish_remote_prefill(rp.transfer, Ok(()));
+    let events = run(&mut decode, &mut rx);
+    assert_eq!(tokens_of(&events), want);
+    let s = decode.stats();
+    assert_eq!(s.free_blocks, s.num_blocks);
+}
+
+#[test]
+fn cached_prefixes_on_either_side_shrink_the_transfer() {
+    let (_tmp, ck) = checkpoint();
+    let prompt: Vec<u32> = (0..120).map(|i| (i * 11 + 5) % 256).collect();
+    let want = colocated(&ck, &prompt);
+    let mut decode = core(&ck, 2048);
+    let mut prefill = core(&ck, 2048);
+
+    // The decode side has the first 64 tokens cached; the prefill side has
+    // computed the whole prompt before (its cache holds more than needed).
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(9, request(&prompt[..70], PrefillMode::Local), tx)
+        .expect("valid");
+    run(&mut decode, &mut rx);
+    let (tx, mut rx) = unbounded_channel();
+    prefill
+        .add_request(9, request(&prompt, PrefillMode::Local), tx)
+        .expect("valid");
+    run(&mut prefill, &mut rx);
+
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .expect("valid");
+    let rp = parked(&run(&mut decode, &mut rx));
+    assert_eq!(rp.cached_tokens, 64);
+    assert_eq!(rp.blocks.len(), 8 - 4, "blocks 4..8 cover positions 64..119");
+    let blocks = export(&mut prefill, 0, &rp);
+    assert!(blocks.iter().all(|b| b.1 >= 4), "nothing the decode side has");
+    for (layer, logical, k, v) in &blocks {
+        decode
+            .write_kv(rp.transfer, *layer, rp.blocks[*logical - 4], k, v)
+            .expect("a destination block");
+    }
+    decode.finish_remote_prefill(rp.transfer, Ok(()));
+    assert_eq!(tokens_of(&run(&mut decode, &mut rx)), want);
+}
+
+#[test]
+fn short_prompts_stay_local_and_failed_transfers_fall_back() {
+    let (_tmp, ck) = checkpoint();
+    let prompt: Vec<u32> = (0..60).map(|i| (i * 5 + 1) % 256).collect();
+    let want = colocated(&ck, &prompt);
+    let mut decode = core(&ck, 2048);
+
+    // 59 uncached tokens < 64: prefilled here, never parked.
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 64 }), tx)
+        .expect("valid");
+    let events = run(&mut decode, &mut rx);
+    assert!(!events.iter().any(|e| matches!(e, RequestEvent::RemotePrefill(_))));
+    assert_eq!(tokens_of(&events), want);
+
+    // A transfer that fails is recomputed here, with the same result.
+    let mut decode = core(&ck, 2048);
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(1, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .expect("valid");
+    let rp = parked(&run(&mut decode, &mut rx));
+    // A write outside the transfer's blocks is refused.
+    let n = 2 * 16 * 16; // kv heads × block size × head dim of `tiny`
+    let stray = (0..64).find(|b| !rp.blocks.contains(b)).expect("a stray block");
+    assert!(decode
+        .write_kv(rp.transfer, 0, stray, &vec![0.0; n], &vec![0.0; n])
+        .is_err());
+    decode.finish_remote_prefill(rp.transfer, Err("prefill worker died".into()));
+    assert_eq!(tokens_of(&run(&mut decode, &mut rx)), want);
+    let s = decode.stats();
+    assert_eq!(s.free_blocks, s.num_blocks);
+}
+
+#[test]
+fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
+    let (_tmp, ck) = checkpoint();
+    let prompt: Vec<u32> = (0..80).collect();
+    let mut decode = core(&ck, 2048);
+    let (tx, mut rx) = unbounded_channel();
+    decode
+        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .expect("valid");
+    let rp = parked(&run(&mut decode, &mut rx));
+    decode.abort(0);
+    decode.check_accounting().expect("books");
+    let s = decode.stats();
+    assert_eq!(s.free_blocks, s.num_blocks, "freed at once");
+    // The blocks may now belong to someone else: a late write is refused
+    // and a late end of transfer changes nothing.
+    let n = 2 * 16 * 16;
+    assert!(decode
+        .write_kv(rp.transfer, 0, rp.blocks[0], &vec![1.0; n], &vec![1.0; n])
+        .is_err());
+    decode.finish_remote_prefill(rp.transfer, Ok(()));
+    decode.check_accounting().expect("books");
+    assert!(!decode.has_work());
+    let mut saw_abort = false;
+    while let Ok(ev) = rx.try_recv() {
+        if let RequestEvent::Finished(sum) = ev {
+            saw_abort = sum.choices[0].finish_reason == tandem_engine::FinishReason::Abort;
+        }
+    }
+    assert!(saw_abort);
+}

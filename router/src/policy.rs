@@ -1,0 +1,207 @@
+//! Routing policies: which worker of a pool gets a request.
+//!
+//! Every policy sees the same [`Candidate`] facts — the prefix blocks the
+//! worker already caches for this request and its load — and returns an
+//! index. `kv` is NVIDIA Dynamo's cost,
+//! `overlap_weight × new_prefill_blocks + active_blocks`, lowest wins, with
+//! SGLang's balance guard: when the busiest and idlest workers differ by
+//! more than `abs_threshold` requests and by more than `rel_threshold`
+//! times, the least-loaded worker wins regardless of cache, so one popular
+//! prefix cannot herd all traffic onto one worker.
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a policy knows about one worker for one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// Leading prompt blocks this worker has cached.
+    pub matched_blocks: usize,
+    /// Requests in flight (router-counted).
+    pub active_requests: usize,
+    /// KV blocks in use (worker-reported, plus the router's in-flight estimate).
+    pub active_blocks: usize,
+}
+
+/// A way to pick a worker.
+pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
+    /// Index into `candidates` (never empty) for a prompt of `prompt_blocks`
+    /// full blocks.
+    fn pick(&self, candidates: &[Candidate], prompt_blocks: usize) -> usize;
+}
+
+/// Policy names accepted on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    Kv,
+    LeastLoaded,
+    RoundRobin,
+    Random,
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(Self::Kv),
+            "least-loaded" => Ok(Self::LeastLoaded),
+            "round-robin" => Ok(Self::RoundRobin),
+            "random" => Ok(Self::Random),
+            other => Err(format!(
+                "unknown policy {other:?} (kv, least-loaded, round-robin, random)"
+            )),
+        }
+    }
+}
+
+impl PolicyKind {
+    /// The policy with default settings.
+    pub fn build(self) -> Box<dyn RoutingPolicy> {
+        match self {
+            Self::Kv => Box::new(KvPolicy::default()),
+            Self::LeastLoaded => Box::new(LeastLoaded),
+            Self::RoundRobin => Box::new(RoundRobin::default()),
+            Self::Random => Box::new(Random::default()),
+        }
+    }
+}
+
+/// Fewest requests in flight; ties to the lowest index.
+#[derive(Debug, Default)]
+pub struct LeastLoaded;
+
+fn least_loaded(c: &[Candidate]) -> usize {
+    (0..c.len())
+        .min_by_key(|&i| (c[i].active_requests, c[i].active_blocks))
+        .unwrap_or(0)
+}
+
+impl RoutingPolicy for LeastLoaded {
+    fn pick(&self, c: &[Candidate], _: usize) -> usize {
+        least_loaded(c)
+    }
+}
+
+/// Each worker in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobin(AtomicU64);
+
+impl RoutingPolicy for RoundRobin {
+    fn pick(&self, c: &[Candidate], _: usize) -> usize {
+        (self.0.fetch_add(1, Ordering::Relaxed) % c.len() as u64) as usize
+    }
+}
+
+/// Uniformly at random (xorshift; no seed needed).
+#[derive(Debug)]
+pub struct Random(AtomicU64);
+
+impl Default for Random {
+    fn default() -> Self {
+        Self(AtomicU64::new(0x9e37_79b9_7f4a_7c15))
+    }
+}
+
+impl RoutingPolicy for Random {
+    fn pick(&self, c: &[Candidate], _: usize) -> usize {
+        let mut x = self.0.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0.store(x, Ordering::Relaxed);
+        (x % c.len() as u64) as usize
+    }
+}
+
+/// Prefix-affinity cost with a balance guard.
+#[derive(Debug, Clone, Copy)]
+pub struct KvPolicy {
+    pub overlap_weight: f64,
+    pub abs_threshold: usize,
+    pub rel_threshold: f64,
+}
+
+impl Default for KvPolicy {
+    fn default() -> Self {
+        Self {
+            overlap_weight: 1.0,
+            abs_threshold: 8,
+            rel_threshold: 2.0,
+        }
+    }
+}
+
+impl RoutingPolicy for KvPolicy {
+    fn pick(&self, c: &[Candidate], prompt_blocks: usize) -> usize {
+        let max = c.iter().map(|x| x.active_requests).max().unwrap_or(0);
+        let min = c.iter().map(|x| x.active_requests).min().unwrap_or(0);
+        if max - min > self.abs_threshold && max as f64 > self.rel_threshold * min as f64 {
+            return least_loaded(c);
+        }
+        let cost = |x: &Candidate| {
+            let new_blocks = prompt_blocks.saturating_sub(x.matched_blocks) as f64;
+            self.overlap_weight * new_blocks + x.active_blocks as f64
+        };
+        (0..c.len())
+            .min_by(|&a, &b| {
+                cost(&c[a])
+                    .total_cmp(&cost(&c[b]))
+                    .then(c[a].active_requests.cmp(&c[b].active_requests))
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(matched: usize, reqs: usize, blocks: usize) -> Candidate {
+        Candidate {
+            matched_blocks: matched,
+            active_requests: reqs,
+            active_blocks: blocks,
+        }
+    }
+
+    #[test]
+    fn kv_prefers_the_cached_prefix() {
+        let p = KvPolicy::default();
+        let c = [cand(0, 1, 10), cand(30, 1, 10), cand(5, 0, 0)];
+        assert_eq!(p.pick(&c, 32), 1);
+    }
+
+    #[test]
+    fn kv_weighs_load_against_overlap() {
+        let p = KvPolicy::default();
+        // 4 cached blocks are not worth 100 busy blocks.
+        let c = [cand(4, 2, 100), cand(0, 2, 0)];
+        assert_eq!(p.pick(&c, 8), 1);
+    }
+
+    #[test]
+    fn the_balance_guard_stops_herding() {
+        let p = KvPolicy::default();
+        let c = [cand(32, 20, 0), cand(0, 2, 0)];
+        assert_eq!(p.pick(&c, 32), 1, "20 vs 2 in flight: balance wins");
+        let c = [cand(32, 5, 0), cand(0, 2, 0)];
+        assert_eq!(p.pick(&c, 32), 0, "a small imbalance keeps affinity");
+    }
+
+    #[test]
+    fn round_robin_cycles_and_least_loaded_picks_the_idlest() {
+        let rr = RoundRobin::default();
+        let c = [cand(0, 0, 0); 3];
+        let picks: Vec<usize> = (0..6).map(|_| rr.pick(&c, 1)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+        assert_eq!(LeastLoaded.pick(&[cand(0, 3, 0), cand(0, 1, 0)], 1), 1);
+        let r = Random::default();
+        assert!((0..50).all(|_| r.pick(&c, 1) < 3));
+    }
+
+    #[test]
+    fn policy_names_parse() {
+        assert_eq!("kv".parse::<PolicyKind>(), Ok(PolicyKind::Kv));
+        assert!("nope".parse::<PolicyKind>().is_err());
+    }
+}

@@ -1,0 +1,309 @@
+//! The router's view of its workers: who they are, whether they are alive,
+//! how loaded, and what they cache.
+//!
+//! Each worker gets two background tasks: a prober (`Info` until the worker
+//! is known, then `Load` every `probe_interval`; a failed probe marks it
+//! down at once, so a dead worker stops getting traffic within one interval)
+//! and a KV-event follower (a dump, then live events; a broken stream or a
+//! gap in sequence numbers clears the worker's index entries and
+//! resubscribes). A worker whose KV layout or model differs from the
+//! cluster's is refused and logged, never routed to.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use tandem_proto::worker::v1 as wv1;
+use tandem_proto::worker::v1::worker_client::WorkerClient;
+use tonic::transport::Channel;
+
+use crate::index::KvIndex;
+
+/// Which pool a worker serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+/// One worker as the router sees it.
+#[derive(Debug)]
+pub struct Worker {
+    /// Index in the cluster (stable; used by the KV index).
+    pub slot: usize,
+    pub role: Role,
+    /// gRPC `host:port`.
+    pub addr: String,
+    pub channel: Channel,
+    pub info: Mutex<Option<wv1::WorkerInfo>>,
+    healthy: AtomicBool,
+    /// Why it was refused, if it was.
+    refused: Mutex<Option<String>>,
+    /// Requests in flight through this router.
+    pub active_requests: AtomicUsize,
+    /// Blocks of the router's requests in flight (estimate).
+    pub inflight_blocks: AtomicUsize,
+    /// Blocks in use as the worker last reported.
+    pub reported_blocks: AtomicUsize,
+    /// Requests routed here since start.
+    pub routed: AtomicUsize,
+    /// Set when the worker leaves; its tasks stop.
+    gone: AtomicBool,
+}
+
+impl Worker {
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed) && !self.gone.load(Ordering::Relaxed)
+    }
+
+    /// Marks the worker down until the next successful probe.
+    pub fn mark_down(&self) {
+        self.healthy.store(false, Ordering::Relaxed);
+    }
+
+    pub fn refusal(&self) -> Option<String> {
+        lock(&self.refused).clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Counts one request against a worker while it lives.
+#[derive(Debug)]
+pub struct InFlight {
+    worker: Arc<Worker>,
+    blocks: usize,
+}
+
+impl InFlight {
+    pub fn new(worker: Arc<Worker>, blocks: usize) -> Self {
+        worker.active_requests.fetch_add(1, Ordering::Relaxed);
+        worker.inflight_blocks.fetch_add(blocks, Ordering::Relaxed);
+        worker.routed.fetch_add(1, Ordering::Relaxed);
+        Self { worker, blocks }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.worker.active_requests.fetch_sub(1, Ordering::Relaxed);
+        self.worker
+            .inflight_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
+/// What every worker of the cluster must agree on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub layout: wv1::KvLayout,
+    pub model: String,
+}
+
+/// All workers, the KV index and the cluster's expected layout.
+#[derive(Debug, Default)]
+pub struct Cluster {
+    workers: RwLock<Vec<Arc<Worker>>>,
+    pub index: Mutex<KvIndex>,
+    /// Set by the first worker that answers `Info` (or by configuration).
+    expected: Mutex<Option<Expected>>,
+    probe_interval_ms: AtomicUsize,
+}
+
+impl Cluster {
+    pub fn new(probe_interval: Duration) -> Arc<Self> {
+        let c = Self::default();
+        c.probe_interval_ms
+            .store(probe_interval.as_millis() as usize, Ordering::Relaxed);
+        Arc::new(c)
+    }
+
+    /// The block size all workers share, once one is known.
+    pub fn block_size(&self) -> Option<usize> {
+        lock(&self.expected)
+            .as_ref()
+            .map(|e| e.layout.block_size as usize)
+    }
+
+    /// Workers of `role` that may get traffic.
+    pub fn healthy(&self, role: Role) -> Vec<Arc<Worker>> {
+        self.all()
+            .into_iter()
+            .filter(|w| w.role == role && w.is_healthy())
+            .collect()
+    }
+
+    /// Every worker ever added and not removed.
+    pub fn all(&self) -> Vec<Arc<Worker>> {
+        self.workers
+            .read()
+            .map(|w| w.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    /// Adds a worker at `addr` and starts watching it. Adding a known
+    /// address again does nothing.
+    pub fn add(self: &Arc<Self>, role: Role, addr: &str) -> Result<(), String> {
+        let mut workers = self.workers.write().map_err(|_| "worker list poisoned")?;
+        if workers
+            .iter()
+            .any(|w| w.addr == addr && !w.gone.load(Ordering::Relaxed))
+        {
+            return Ok(());
+        }
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad worker address {addr}: {e}"))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        let w = Arc::new(Worker {
+            slot: workers.len(),
+            role,
+            addr: addr.to_string(),
+            channel,
+            info: Mutex::new(None),
+            healthy: AtomicBool::new(false),
+            refused: Mutex::new(None),
+            active_requests: AtomicUsize::new(0),
+            inflight_blocks: AtomicUsize::new(0),
+            reported_blocks: AtomicUsize::new(0),
+            routed: AtomicUsize::new(0),
+            gone: AtomicBool::new(false),
+        });
+        workers.push(w.clone());
+        drop(workers);
+        tokio::spawn(probe(self.clone(), w.clone()));
+        tokio::spawn(follow_kv_events(self.clone(), w));
+        Ok(())
+    }
+
+    /// Stops routing to the worker at `addr` (it left the membership).
+    pub fn remove(&self, addr: &str) {
+        for w in self.all() {
+            if w.addr == addr {
+                w.gone.store(true, Ordering::Relaxed);
+                lock(&self.index).clear(w.slot);
+            }
+        }
+    }
+
+    /// Checks a worker's info against the cluster's; the first one sets it.
+    fn admit(&self, info: &wv1::WorkerInfo) -> Result<(), String> {
+        let layout = info.layout.clone().unwrap_or_default();
+        let mut expected = lock(&self.expected);
+        match &*expected {
+            None => {
+                *expected = Some(Expected {
+                    layout,
+                    model: info.model.clone(),
+                });
+                Ok(())
+            }
+            Some(e) if e.layout != layout => Err(format!(
+                "KV layout {layout:?} differs from the cluster's {:?}",
+                e.layout
+            )),
+            Some(e) if e.model != info.model => Err(format!(
+                "model {:?} differs from the cluster's {:?}",
+                info.model, e.model
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn interval(&self) -> Duration {
+        Duration::from_millis(self.probe_interval_ms.load(Ordering::Relaxed).max(10) as u64)
+    }
+}
+
+async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
+    let mut client = WorkerClient::new(w.channel.clone());
+    while !w.gone.load(Ordering::Relaxed) {
+        let known = lock(&w.info).is_some();
+        let ok = if known {
+            match client.load(wv1::LoadRequest {}).await {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
+                    w.reported_blocks.store(used, Ordering::Relaxed);
+                    true
+                }
+                Err(_) => false,
+            }
+        } else {
+            match client.info(wv1::InfoRequest {}).await {
+                Ok(r) => {
+                    let info = r.into_inner();
+                    match cluster.admit(&info) {
+                        Ok(()) => {
+                            *lock(&w.info) = Some(info);
+                            *lock(&w.refused) = None;
+                            true
+                        }
+                        Err(e) => {
+                            let first = lock(&w.refused).replace(e.clone()).is_none();
+                            if first {
+                                tracing::error!(worker = %w.addr, error = %e, "worker refused");
+                            }
+                            false
+                        }
+                    }
+                }
+                Err(_) => false,
+            }
+        };
+        let was = w.healthy.swap(ok, Ordering::Relaxed);
+        if was != ok {
+            tracing::info!(worker = %w.addr, healthy = ok, "worker state");
+        }
+        tokio::time::sleep(cluster.interval()).await;
+    }
+}
+
+async fn follow_kv_events(cluster: Arc<Cluster>, w: Arc<Worker>) {
+    let mut client = WorkerClient::new(w.channel.clone());
+    while !w.gone.load(Ordering::Relaxed) {
+        if w.refusal().is_some() || lock(&w.info).is_none() {
+            tokio::time::sleep(cluster.interval()).await;
+            continue;
+        }
+        let stream = client.kv_events(wv1::KvEventsRequest { dump: true }).await;
+        if let Ok(stream) = stream {
+            let mut stream = stream.into_inner();
+            let mut last: Option<u64> = None;
+            loop {
+                let ev = match stream.message().await {
+                    Ok(Some(ev)) => ev,
+                    _ => break,
+                };
+                let mut index = lock(&cluster.index);
+                match ev.kind {
+                    Some(wv1::kv_event::Kind::Cleared(_)) => {
+                        index.clear(w.slot);
+                        last = Some(ev.seq);
+                        continue;
+                    }
+                    _ if last.is_some_and(|l| ev.seq > l + 1) => {
+                        tracing::warn!(worker = %w.addr, "KV event gap; resubscribing");
+                        break;
+                    }
+                    Some(wv1::kv_event::Kind::Stored(s)) => {
+                        for h in s.hashes {
+                            index.stored(w.slot, h);
+                        }
+                    }
+                    Some(wv1::kv_event::Kind::Removed(r)) => {
+                        for h in r.hashes {
+                            index.removed(w.slot, h);
+                        }
+                    }
+                    None => {}
+                }
+                last = Some(last.map_or(ev.seq, |l| l.max(ev.seq)));
+            }
+        }
+        lock(&cluster.index).clear(w.slot);
+        tokio::time::sleep(cluster.interval()).await;
+    }
+}

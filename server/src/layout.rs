@@ -1,0 +1,45 @@
+//! The KV layout in its three spellings: the engine's, the transport's
+//! handshake descriptor, and the worker protocol's message.
+
+use tandem_engine::KvLayout;
+use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor};
+use tandem_proto::worker::v1 as wv1;
+
+/// The transfer descriptor of an engine layout (the CPU engine stores f32).
+pub fn descriptor(l: &KvLayout) -> KvLayoutDescriptor {
+    KvLayoutDescriptor {
+        num_layers: l.num_layers as u32,
+        num_kv_heads: l.num_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        block_size: l.block_size as u32,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// The wire message of a descriptor.
+pub fn to_proto(d: &KvLayoutDescriptor) -> wv1::KvLayout {
+    wv1::KvLayout {
+        num_layers: d.num_layers,
+        num_kv_heads: d.num_kv_heads,
+        head_dim: d.head_dim,
+        block_size: d.block_size,
+        dtype: d.dtype.name().to_string(),
+    }
+}
+
+/// The descriptor of a wire message; unknown dtypes are an error.
+pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, String> {
+    let dtype = match p.dtype.as_str() {
+        "f32" => KvDtype::F32,
+        "bf16" => KvDtype::Bf16,
+        "f16" => KvDtype::F16,
+        other => return Err(format!("unknown KV dtype {other:?}")),
+    };
+    Ok(KvLayoutDescriptor {
+        num_layers: p.num_layers,
+        num_kv_heads: p.num_kv_heads,
+        head_dim: p.head_dim,
+        block_size: p.block_size,
+        dtype,
+    })
+}
