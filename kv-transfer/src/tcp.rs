@@ -15,8 +15,8 @@
 //! `FINISH`/`DONE` frames are not held back by Nagle's algorithm.
 //!
 //! Receiver: one task per connection reads a frame's header and block table,
-//! then the payloads in chunks of about 1 MiB of whole blocks into one
-//! reused buffer, and calls the sink per block; it writes `DONE` frames from
+//! then the payloads in chunks of about 256 KiB of whole blocks (cache-sized)
+//! into one reused buffer, and calls the sink per block; it writes `DONE` frames from
 //! the same task (a peer that does not read its acks stalls only itself).
 //! Every length is validated against the layout before anything is
 //! allocated, so memory per connection stays bounded whatever a peer sends.
@@ -47,7 +47,7 @@ use crate::session::{
 use crate::{token_eq, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
 
 /// Receive payloads in chunks of about this many bytes (whole blocks).
-const PAYLOAD_CHUNK_BYTES: usize = 1 << 20;
+const PAYLOAD_CHUNK_BYTES: usize = 256 << 10;
 /// Read buffer of a connection.
 const READ_BUFFER_BYTES: usize = 256 << 10;
 /// Slices per vectored write.
