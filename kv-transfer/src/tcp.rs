@@ -5,7 +5,7 @@
 //! sender streams frames that each carry many blocks, and the receiver sends
 //! back one `DONE` per transfer on the same connection.
 //!
-//! Sender: [`Session`](crate::Session) calls queue commands on a bounded
+//! Sender: [`Session`] calls queue commands on a bounded
 //! channel; one writer task packs them into `WRITE` frames of about 4 MiB
 //! (coalescing whatever else is queued) and writes each batch with vectored
 //! writes — the block headers of a frame are one buffer and the K/V payloads
