@@ -1,0 +1,620 @@
+//! KV transfer over plain TCP on tokio: works on every machine, no RDMA.
+//!
+//! One connection per session. After the handshake (magic, version, layout,
+//! cluster token; see the wire format in the `protocol` module's source) the
+//! sender streams frames that each carry many blocks, and the receiver sends
+//! back one `DONE` per transfer on the same connection.
+//!
+//! Sender: [`Session`] calls queue commands on a bounded
+//! channel; one writer task packs them into `WRITE` frames of about 4 MiB
+//! (coalescing whatever else is queued) and writes each batch with vectored
+//! writes — the block headers of a frame are one buffer and the K/V payloads
+//! go from the caller's `Bytes` to the socket with no copy and no per-block
+//! syscall. Nothing waits for a per-block reply. A second task reads the
+//! `DONE`s and resolves `finish` calls. `TCP_NODELAY` is set so the small
+//! `FINISH`/`DONE` frames are not held back by Nagle's algorithm.
+//!
+//! Receiver: one task per connection reads a frame's header and block table,
+//! then the payloads in chunks of about 256 KiB of whole blocks (cache-sized)
+//! into one reused buffer, and calls the sink per block; it writes `DONE` frames from
+//! the same task (a peer that does not read its acks stalls only itself).
+//! Every length is validated against the layout before anything is
+//! allocated, so memory per connection stays bounded whatever a peer sends.
+//! A protocol error closes that connection (after a best-effort `CLOSE`
+//! frame naming it) and fails its open transfers; the listener keeps
+//! accepting others.
+//!
+//! The cluster token is compared in constant time but travels in clear: it
+//! keeps workers of different clusters (or misconfigured ones) apart; it is
+//! not authentication against an attacker on the network.
+
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Buf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::protocol::{self, Segments};
+use crate::session::{
+    AbortOnDrop, ChannelSession, Command, Completions, Done, ReceiverCore, COMMAND_QUEUE,
+};
+use crate::{token_eq, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
+
+/// Receive payloads in chunks of about this many bytes (whole blocks).
+const PAYLOAD_CHUNK_BYTES: usize = 256 << 10;
+/// Read buffer of a connection.
+const READ_BUFFER_BYTES: usize = 256 << 10;
+/// Slices per vectored write.
+const MAX_IOVECS: usize = 256;
+
+/// Settings of a [`TcpTransport`].
+#[derive(Clone)]
+pub struct TcpConfig {
+    /// The shared secret every worker of one cluster is configured with; a
+    /// peer with another token is refused (at most 1024 bytes).
+    pub cluster_token: String,
+    /// Limit on establishing the TCP connection.
+    pub connect_timeout: Duration,
+    /// Limit on the handshake, on both sides (a peer that connects and says
+    /// nothing is dropped after it).
+    pub handshake_timeout: Duration,
+}
+
+impl TcpConfig {
+    /// Defaults (5 s connect, 5 s handshake) with `cluster_token`.
+    pub fn new(cluster_token: impl Into<String>) -> Self {
+        Self {
+            cluster_token: cluster_token.into(),
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl std::fmt::Debug for TcpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConfig")
+            .field("cluster_token", &"<redacted>")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish()
+    }
+}
+
+/// The TCP [`Transport`]. Endpoints are `"ip:port"`.
+#[derive(Debug, Clone)]
+pub struct TcpTransport {
+    config: Arc<TcpConfig>,
+}
+
+impl TcpTransport {
+    /// A transport with default timeouts and `cluster_token`.
+    pub fn new(cluster_token: impl Into<String>) -> Self {
+        Self::with_config(TcpConfig::new(cluster_token))
+    }
+
+    /// A transport with explicit settings.
+    pub fn with_config(config: TcpConfig) -> Self {
+        Self {
+            config: Arc::new(config),
+        }
+    }
+
+    fn check_config(&self) -> Result<(), TransferError> {
+        if self.config.cluster_token.len() > protocol::MAX_TOKEN_BYTES {
+            return Err(TransferError::Config(format!(
+                "the cluster token is {} bytes; at most {} are allowed",
+                self.config.cluster_token.len(),
+                protocol::MAX_TOKEN_BYTES
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What every connection of one listener needs.
+struct ListenCtx {
+    layout: KvLayoutDescriptor,
+    sink: Arc<dyn KvSink>,
+    config: Arc<TcpConfig>,
+}
+
+fn timeout_error(during: &'static str, limit: Duration) -> TransferError {
+    TransferError::Timeout {
+        during,
+        millis: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+/// Maps a read error to a lost connection (EOF mid-message included).
+fn lost(peer: &str, err: &std::io::Error) -> TransferError {
+    if err.kind() == std::io::ErrorKind::UnexpectedEof {
+        TransferError::ConnectionLost(format!("{peer} closed the connection mid-message"))
+    } else {
+        TransferError::ConnectionLost(format!("{peer}: {err}"))
+    }
+}
+
+#[async_trait]
+impl Transport for TcpTransport {
+    async fn listen(
+        &self,
+        bind: &str,
+        layout: KvLayoutDescriptor,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<Listener, TransferError> {
+        self.check_config()?;
+        layout.validate()?;
+        let listener = TcpListener::bind(bind)
+            .await
+            .map_err(|e| TransferError::BadEndpoint {
+                endpoint: bind.to_string(),
+                reason: format!("cannot listen: {e}"),
+            })?;
+        let endpoint = listener
+            .local_addr()
+            .map_err(|e| TransferError::io("reading the listener's address", &e))?
+            .to_string();
+        let ctx = Arc::new(ListenCtx {
+            layout,
+            sink,
+            config: self.config.clone(),
+        });
+        let task = tokio::spawn(accept_loop(listener, ctx));
+        Ok(Listener::new(endpoint, Box::new(AbortOnDrop(task))))
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        layout: KvLayoutDescriptor,
+    ) -> Result<Box<dyn Session>, TransferError> {
+        self.check_config()?;
+        layout.validate()?;
+        let config = &self.config;
+        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(endpoint))
+            .await
+            .map_err(|_| timeout_error("connecting", config.connect_timeout))?
+            .map_err(|e| TransferError::BadEndpoint {
+                endpoint: endpoint.to_string(),
+                reason: format!("cannot connect: {e}"),
+            })?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| TransferError::io("setting TCP_NODELAY", &e))?;
+        let (mut reader, mut writer) = stream.into_split();
+        let num_blocks = tokio::time::timeout(
+            config.handshake_timeout,
+            client_handshake(&mut reader, &mut writer, &layout, config, endpoint),
+        )
+        .await
+        .map_err(|_| {
+            timeout_error("waiting for the handshake reply", config.handshake_timeout)
+        })??;
+
+        let completions = Arc::new(Completions::default());
+        let (commands, queue) = mpsc::channel(COMMAND_QUEUE);
+        tokio::spawn(write_loop(
+            queue,
+            writer,
+            layout.block_layer_bytes(),
+            completions.clone(),
+            endpoint.to_string(),
+        ));
+        let acks = tokio::spawn(ack_loop(reader, completions.clone(), endpoint.to_string()));
+        Ok(Box::new(ChannelSession {
+            endpoint: endpoint.to_string(),
+            layout,
+            peer_num_blocks: num_blocks,
+            commands,
+            completions,
+            _tasks: vec![AbortOnDrop(acks)],
+        }))
+    }
+}
+
+/// The sender's half of the handshake; returns the receiver's pool size.
+async fn client_handshake(
+    reader: &mut OwnedReadHalf,
+    writer: &mut OwnedWriteHalf,
+    layout: &KvLayoutDescriptor,
+    config: &TcpConfig,
+    endpoint: &str,
+) -> Result<u32, TransferError> {
+    let hello = protocol::encode_hello(layout, config.cluster_token.as_bytes());
+    writer
+        .write_all(&hello)
+        .await
+        .map_err(|e| TransferError::io("sending the handshake", &e))?;
+    let mut bytes = [0u8; protocol::REPLY_LEN];
+    reader.read_exact(&mut bytes).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            TransferError::ConnectionLost(format!(
+                "{endpoint} closed the connection during the handshake (not a tandem KV \
+                 transfer listener?)"
+            ))
+        } else {
+            TransferError::io("reading the handshake reply", &e)
+        }
+    })?;
+    let reply = protocol::decode_reply(&bytes)?;
+    if reply.version != protocol::VERSION {
+        return Err(TransferError::VersionMismatch {
+            here: protocol::VERSION,
+            peer: reply.version,
+        });
+    }
+    let peer_layout = reply.layout?;
+    match reply.status {
+        protocol::STATUS_OK => {}
+        protocol::STATUS_TOKEN => return Err(TransferError::BadToken),
+        protocol::STATUS_LAYOUT_MISMATCH => {
+            layout.check_compatible(&peer_layout)?;
+            return Err(TransferError::Protocol(
+                "the peer refused our layout although it matches its own".into(),
+            ));
+        }
+        protocol::STATUS_LAYOUT_INVALID => {
+            return Err(TransferError::InvalidLayout(format!(
+                "the peer cannot use our layout ({layout})"
+            )))
+        }
+        protocol::STATUS_VERSION => {
+            return Err(TransferError::Protocol(
+                "the peer refused our protocol version".into(),
+            ))
+        }
+        other => {
+            return Err(TransferError::Protocol(format!(
+                "unknown handshake status {other}"
+            )))
+        }
+    }
+    layout.check_compatible(&peer_layout)?;
+    Ok(reply.num_blocks)
+}
+
+/// Drains the session's commands into the socket.
+async fn write_loop(
+    mut queue: mpsc::Receiver<Command>,
+    mut writer: OwnedWriteHalf,
+    block_layer_bytes: usize,
+    completions: Arc<Completions>,
+    endpoint: String,
+) {
+    let blocks_per_frame =
+        (protocol::TARGET_FRAME_BYTES / (2 * block_layer_bytes + protocol::WRITE_ENTRY)).max(1);
+    let encode = |out: &mut Segments, command: Command| match command {
+        Command::Write { transfer, blocks } => {
+            protocol::encode_writes(out, transfer, blocks, block_layer_bytes, blocks_per_frame)
+        }
+        Command::Finish(transfer) => {
+            protocol::encode_control(out, protocol::FRAME_FINISH, transfer)
+        }
+        Command::Abort(transfer) => protocol::encode_control(out, protocol::FRAME_ABORT, transfer),
+    };
+    let mut out = Segments::default();
+    while let Some(command) = queue.recv().await {
+        encode(&mut out, command);
+        while out.remaining() < protocol::TARGET_FRAME_BYTES {
+            match queue.try_recv() {
+                Ok(command) => encode(&mut out, command),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = write_segments(&mut writer, &mut out).await {
+            completions.fail_all(TransferError::ConnectionLost(format!(
+                "writing to {endpoint}: {e}"
+            )));
+            return;
+        }
+    }
+    let _ = writer.shutdown().await;
+}
+
+async fn write_segments<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    out: &mut Segments,
+) -> std::io::Result<()> {
+    while out.has_remaining() {
+        let written = {
+            let mut slices = [IoSlice::new(&[]); MAX_IOVECS];
+            let n = out.chunks_vectored(&mut slices);
+            writer.write_vectored(&slices[..n]).await?
+        };
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        out.advance(written);
+    }
+    Ok(())
+}
+
+/// Reads the receiver's `DONE`s until the connection ends, then fails what
+/// is still pending.
+async fn ack_loop(reader: OwnedReadHalf, completions: Arc<Completions>, endpoint: String) {
+    let mut reader = BufReader::new(reader);
+    let max_body = 11 + protocol::MAX_MESSAGE_BYTES;
+    let mut body = Vec::new();
+    let err = loop {
+        let mut header = [0u8; protocol::FRAME_HEADER];
+        match read_header(&mut reader, &mut header).await {
+            Ok(true) => {}
+            Ok(false) => {
+                break TransferError::ConnectionLost(format!("{endpoint} closed the connection"))
+            }
+            Err(e) => break lost(&endpoint, &e),
+        }
+        let len = frame_len(&header);
+        if len > max_body {
+            break TransferError::Protocol(format!(
+                "{endpoint} sent a frame of {len} bytes; acknowledgements are at most {max_body}"
+            ));
+        }
+        body.resize(len, 0);
+        if let Err(e) = reader.read_exact(&mut body).await {
+            break lost(&endpoint, &e);
+        }
+        let outcome = match header[0] {
+            protocol::FRAME_DONE => {
+                protocol::decode_done(&body).and_then(|done| completions.on_done(done))
+            }
+            protocol::FRAME_CLOSE => Err(match protocol::decode_close(&body) {
+                Ok(message) => TransferError::ConnectionLost(format!(
+                    "{endpoint} closed the connection: {message}"
+                )),
+                Err(e) => e,
+            }),
+            other => Err(TransferError::Protocol(format!(
+                "{endpoint} sent an unknown frame type {other:#04x}"
+            ))),
+        };
+        if let Err(e) = outcome {
+            break e;
+        }
+    };
+    completions.fail_all(err);
+}
+
+fn frame_len(header: &[u8; protocol::FRAME_HEADER]) -> usize {
+    u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize
+}
+
+/// Reads a frame header; `Ok(false)` on a clean end of stream before it.
+async fn read_header<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    header: &mut [u8; protocol::FRAME_HEADER],
+) -> std::io::Result<bool> {
+    if reader.read(&mut header[..1]).await? == 0 {
+        return Ok(false);
+    }
+    reader.read_exact(&mut header[1..]).await?;
+    Ok(true)
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<ListenCtx>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(serve_connection(stream, peer.to_string(), ctx.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off a little.
+                    tracing::warn!(error = %e, "KV transfer listener: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+fn report(ctx: &ListenCtx, peer: &str, err: &TransferError) {
+    tracing::warn!(%peer, error = %err, "KV transfer connection refused or failed");
+    ctx.sink.peer_error(peer, err);
+}
+
+async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) {
+    let _ = stream.set_nodelay(true);
+    let (reader, mut writer) = stream.into_split();
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
+    let limit = ctx.config.handshake_timeout;
+    let handshake = tokio::time::timeout(limit, server_handshake(&mut reader, &mut writer, &ctx))
+        .await
+        .unwrap_or_else(|_| Err(timeout_error("waiting for the sender's hello", limit)));
+    if let Err(e) = handshake {
+        report(&ctx, &peer, &e);
+        return;
+    }
+    let mut core = ReceiverCore::new(ctx.sink.clone(), &ctx.layout);
+    match receive_frames(&mut reader, &mut writer, &mut core, &ctx.layout, &peer).await {
+        Ok(()) => core.close("the sender closed the connection with the transfer open"),
+        Err(e) => {
+            let message = e.to_string();
+            core.close(&message);
+            report(&ctx, &peer, &e);
+            let close = protocol::encode_close(&message);
+            let _ = tokio::time::timeout(Duration::from_secs(1), writer.write_all(&close)).await;
+        }
+    }
+}
+
+/// The receiver's half of the handshake.
+async fn server_handshake<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    writer: &mut OwnedWriteHalf,
+    ctx: &ListenCtx,
+) -> Result<(), TransferError> {
+    let mut fixed = [0u8; protocol::HELLO_FIXED];
+    reader
+        .read_exact(&mut fixed)
+        .await
+        .map_err(|e| TransferError::io("reading the sender's hello", &e))?;
+    let (version, layout, token_len) = protocol::decode_hello_fixed(&fixed)?;
+    let mut token = vec![0u8; token_len];
+    reader
+        .read_exact(&mut token)
+        .await
+        .map_err(|e| TransferError::io("reading the sender's cluster token", &e))?;
+    let verdict = if version != protocol::VERSION {
+        Err((
+            protocol::STATUS_VERSION,
+            TransferError::VersionMismatch {
+                here: protocol::VERSION,
+                peer: version,
+            },
+        ))
+    } else if !token_eq(&token, ctx.config.cluster_token.as_bytes()) {
+        Err((protocol::STATUS_TOKEN, TransferError::BadToken))
+    } else {
+        match layout {
+            Err(e) => Err((protocol::STATUS_LAYOUT_INVALID, e)),
+            Ok(theirs) => match theirs.validate().and(ctx.layout.check_compatible(&theirs)) {
+                Ok(()) => Ok(()),
+                Err(e @ TransferError::LayoutMismatch { .. }) => {
+                    Err((protocol::STATUS_LAYOUT_MISMATCH, e))
+                }
+                Err(e) => Err((protocol::STATUS_LAYOUT_INVALID, e)),
+            },
+        }
+    };
+    let status = match &verdict {
+        Ok(()) => protocol::STATUS_OK,
+        Err((status, _)) => *status,
+    };
+    let reply = protocol::encode_reply(status, &ctx.layout, ctx.sink.num_blocks());
+    let sent = writer
+        .write_all(&reply)
+        .await
+        .map_err(|e| TransferError::io("sending the handshake reply", &e));
+    verdict.map_err(|(_, e)| e)?;
+    sent
+}
+
+async fn send_done<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    done: Done,
+    peer: &str,
+) -> Result<(), TransferError> {
+    writer
+        .write_all(&protocol::encode_done(done.0, &done.1))
+        .await
+        .map_err(|e| TransferError::ConnectionLost(format!("acknowledging to {peer}: {e}")))
+}
+
+/// Reads frames until the sender closes the connection (`Ok`) or breaks the
+/// protocol (`Err`).
+async fn receive_frames<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    reader: &mut R,
+    writer: &mut W,
+    core: &mut ReceiverCore,
+    layout: &KvLayoutDescriptor,
+    peer: &str,
+) -> Result<(), TransferError> {
+    let block_layer_bytes = layout.block_layer_bytes();
+    let per_block = 2 * block_layer_bytes;
+    let chunk_blocks = (PAYLOAD_CHUNK_BYTES / per_block).max(1);
+    let mut table = Vec::new();
+    let mut payload = Vec::new();
+    loop {
+        let mut header = [0u8; protocol::FRAME_HEADER];
+        if !read_header(reader, &mut header)
+            .await
+            .map_err(|e| lost(peer, &e))?
+        {
+            return Ok(());
+        }
+        let len = frame_len(&header);
+        match header[0] {
+            protocol::FRAME_WRITE => {
+                if !(protocol::WRITE_FIXED..=protocol::MAX_FRAME_BYTES).contains(&len) {
+                    return Err(TransferError::Protocol(format!(
+                        "WRITE frame of {len} bytes; frames are {} to {} bytes",
+                        protocol::WRITE_FIXED,
+                        protocol::MAX_FRAME_BYTES
+                    )));
+                }
+                let mut fixed = [0u8; protocol::WRITE_FIXED];
+                reader
+                    .read_exact(&mut fixed)
+                    .await
+                    .map_err(|e| lost(peer, &e))?;
+                let mut fixed = &fixed[..];
+                let transfer = crate::TransferId(fixed.get_u64_le());
+                let count = fixed.get_u32_le() as usize;
+                let expected = count
+                    .checked_mul(protocol::WRITE_ENTRY + per_block)
+                    .and_then(|n| n.checked_add(protocol::WRITE_FIXED));
+                if expected != Some(len) {
+                    return Err(TransferError::Protocol(format!(
+                        "WRITE frame of {len} bytes for {count} blocks; with {block_layer_bytes} \
+                         bytes of K and of V per block the layout needs {}",
+                        expected.map_or_else(|| "more than fits".to_string(), |n| n.to_string())
+                    )));
+                }
+                table.resize(count * protocol::WRITE_ENTRY, 0);
+                reader
+                    .read_exact(&mut table)
+                    .await
+                    .map_err(|e| lost(peer, &e))?;
+                core.begin(transfer)?;
+                let mut first = 0;
+                while first < count {
+                    let n = (count - first).min(chunk_blocks);
+                    if payload.len() < n * per_block {
+                        payload.resize(n * per_block, 0);
+                    }
+                    let chunk = &mut payload[..n * per_block];
+                    reader.read_exact(chunk).await.map_err(|e| lost(peer, &e))?;
+                    for j in 0..n {
+                        let mut entry = &table[(first + j) * protocol::WRITE_ENTRY..];
+                        let layer = entry.get_u32_le();
+                        let block = entry.get_u32_le();
+                        let (k, v) =
+                            chunk[j * per_block..(j + 1) * per_block].split_at(block_layer_bytes);
+                        if let Some(done) = core.block(transfer, layer, block, k, v) {
+                            send_done(writer, done, peer).await?;
+                        }
+                    }
+                    first += n;
+                }
+            }
+            kind @ (protocol::FRAME_FINISH | protocol::FRAME_ABORT) => {
+                if len != 8 {
+                    return Err(TransferError::Protocol(format!(
+                        "{} frame of {len} bytes; it is 8",
+                        if kind == protocol::FRAME_FINISH {
+                            "FINISH"
+                        } else {
+                            "ABORT"
+                        }
+                    )));
+                }
+                let mut id = [0u8; 8];
+                reader
+                    .read_exact(&mut id)
+                    .await
+                    .map_err(|e| lost(peer, &e))?;
+                let transfer = crate::TransferId(u64::from_le_bytes(id));
+                if kind == protocol::FRAME_ABORT {
+                    core.abort(transfer);
+                } else if let Some(done) = core.finish(transfer) {
+                    send_done(writer, done, peer).await?;
+                }
+            }
+            other => {
+                return Err(TransferError::Protocol(format!(
+                    "unknown frame type {other:#04x} (length {len})"
+                )))
+            }
+        }
+    }
+}

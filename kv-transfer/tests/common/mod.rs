@@ -1,0 +1,233 @@
+//! Shared helpers of the kv-transfer integration tests: a sink that records
+//! everything, deterministic block contents, bounded waits.
+
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tandem_kv_transfer::{
+    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferError, TransferId,
+};
+
+/// Upper bound on any wait in the tests.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub fn layout() -> KvLayoutDescriptor {
+    KvLayoutDescriptor {
+        num_layers: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        block_size: 16,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// One delivered block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivered {
+    pub transfer: TransferId,
+    pub layer: u32,
+    pub block: u32,
+    pub k: Vec<u8>,
+    pub v: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    writes: Vec<Delivered>,
+    finishes: Vec<(TransferId, Result<(), String>)>,
+    peer_errors: Vec<String>,
+}
+
+/// Records every call; optionally refuses writes to one block.
+#[derive(Debug)]
+pub struct RecordingSink {
+    num_blocks: u32,
+    refuse_block: Option<u32>,
+    state: Mutex<State>,
+}
+
+impl RecordingSink {
+    pub fn new(num_blocks: u32) -> Arc<Self> {
+        Arc::new(Self {
+            num_blocks,
+            refuse_block: None,
+            state: Mutex::default(),
+        })
+    }
+
+    pub fn refusing(num_blocks: u32, block: u32) -> Arc<Self> {
+        Arc::new(Self {
+            num_blocks,
+            refuse_block: Some(block),
+            state: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn writes_of(&self, transfer: TransferId) -> Vec<Delivered> {
+        self.lock()
+            .writes
+            .iter()
+            .filter(|w| w.transfer == transfer)
+            .cloned()
+            .collect()
+    }
+
+    pub fn finishes(&self) -> Vec<(TransferId, Result<(), String>)> {
+        self.lock().finishes.clone()
+    }
+
+    pub fn peer_errors(&self) -> Vec<String> {
+        self.lock().peer_errors.clone()
+    }
+
+    /// Waits (bounded) for `transfer`'s finish and checks it came exactly once.
+    pub async fn wait_finish(&self, transfer: TransferId) -> Result<(), String> {
+        let found = wait_for(|| {
+            let s = self.lock();
+            s.finishes
+                .iter()
+                .find(|(t, _)| *t == transfer)
+                .map(|(_, r)| r.clone())
+        })
+        .await;
+        let outcome = found.unwrap_or_else(|| panic!("no finish for {transfer} within {WAIT:?}"));
+        let count = self
+            .lock()
+            .finishes
+            .iter()
+            .filter(|(t, _)| *t == transfer)
+            .count();
+        assert_eq!(count, 1, "finish called {count} times for {transfer}");
+        outcome
+    }
+
+    /// Waits (bounded) until a peer error has been reported; returns them all.
+    pub async fn wait_peer_error(&self) -> Vec<String> {
+        wait_for(|| {
+            let s = self.lock();
+            (!s.peer_errors.is_empty()).then(|| s.peer_errors.clone())
+        })
+        .await
+        .unwrap_or_else(|| panic!("no peer error within {WAIT:?}"))
+    }
+}
+
+impl KvSink for RecordingSink {
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    fn write(
+        &self,
+        transfer: TransferId,
+        layer: u32,
+        block: u32,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), String> {
+        if self.refuse_block == Some(block) {
+            return Err(format!("block {block} is not allocated to this request"));
+        }
+        let mut s = self.lock();
+        s.writes.push(Delivered {
+            transfer,
+            layer,
+            block,
+            k: k.to_vec(),
+            v: v.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn finish(&self, transfer: TransferId, outcome: Result<(), String>) {
+        self.lock().finishes.push((transfer, outcome));
+    }
+
+    fn peer_error(&self, _peer: &str, error: &TransferError) {
+        self.lock().peer_errors.push(error.to_string());
+    }
+}
+
+/// Polls `probe` every 5 ms until it returns something or [`WAIT`] passes.
+pub async fn wait_for<T>(mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(found) = probe() {
+            return Some(found);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Deterministic bytes for (transfer, layer, block, K or V).
+pub fn pattern(transfer: u64, layer: u32, block: u32, which: u8, len: usize) -> Vec<u8> {
+    let mut x = transfer.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (u64::from(layer) << 40)
+        ^ (u64::from(block) << 8)
+        ^ u64::from(which)
+        ^ 0x2545_F491_4F6C_DD1D;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+pub fn block(layout: &KvLayoutDescriptor, transfer: u64, layer: u32, dst: u32) -> BlockWrite {
+    let len = layout.block_layer_bytes();
+    BlockWrite {
+        layer,
+        dst_block: dst,
+        k: Bytes::from(pattern(transfer, layer, dst, 0, len)),
+        v: Bytes::from(pattern(transfer, layer, dst, 1, len)),
+    }
+}
+
+/// Checks the sink got exactly `expected` for `transfer`, in order, byte for byte.
+pub fn assert_delivered(sink: &RecordingSink, transfer: TransferId, expected: &[BlockWrite]) {
+    let got = sink.writes_of(transfer);
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "number of blocks delivered for {transfer}"
+    );
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert_eq!(
+            (g.layer, g.block),
+            (e.layer, e.dst_block),
+            "block {i} of {transfer}"
+        );
+        assert!(
+            g.k == e.k.as_ref() && g.v == e.v.as_ref(),
+            "content of block {i} of {transfer}"
+        );
+    }
+}
+
+/// The TCP hello as the protocol defines it, for raw-socket tests.
+pub fn raw_hello(layout: &KvLayoutDescriptor, token: &str) -> Vec<u8> {
+    let mut out = b"TDMKVXF1".to_vec();
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&(token.len() as u16).to_le_bytes());
+    out.extend_from_slice(&layout.encode());
+    out.extend_from_slice(token.as_bytes());
+    out
+}
+
+/// Length of the listener's handshake reply.
+pub const REPLY_LEN: usize = 36;

@@ -1,0 +1,175 @@
+//! The handshake refuses a layout mismatch or a wrong cluster token on both
+//! sides, with errors that name the problem.
+
+mod common;
+
+use common::{layout, raw_hello, RecordingSink, REPLY_LEN, WAIT};
+use tandem_kv_transfer::inproc::InProcTransport;
+use tandem_kv_transfer::tcp::TcpTransport;
+use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, TransferError, Transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn block_size_32() -> KvLayoutDescriptor {
+    KvLayoutDescriptor {
+        block_size: 32,
+        ..layout()
+    }
+}
+
+#[tokio::test]
+async fn tcp_layout_mismatch_is_refused_on_both_sides() {
+    let transport = TcpTransport::new("t");
+    let sink = RecordingSink::new(16);
+    let listener = transport
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let err = transport
+        .connect(listener.endpoint(), block_size_32())
+        .await
+        .expect_err("a block size of 32 against 16 must be refused");
+    assert_eq!(
+        err.to_string(),
+        "KV layout mismatch: block_size 32 here, 16 at the peer"
+    );
+    assert!(matches!(
+        err,
+        TransferError::LayoutMismatch {
+            field: "block_size",
+            ..
+        }
+    ));
+    let errors = sink.wait_peer_error().await;
+    assert_eq!(
+        errors,
+        vec!["KV layout mismatch: block_size 16 here, 32 at the peer".to_string()]
+    );
+}
+
+#[tokio::test]
+async fn tcp_dtype_mismatch_names_dtype() {
+    let transport = TcpTransport::new("t");
+    let sink = RecordingSink::new(16);
+    let listener = transport
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let bf16 = KvLayoutDescriptor {
+        dtype: KvDtype::Bf16,
+        ..layout()
+    };
+    let err = transport
+        .connect(listener.endpoint(), bf16)
+        .await
+        .expect_err("refused");
+    assert!(
+        err.to_string().contains("dtype bf16 here, f32 at the peer"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn tcp_wrong_cluster_token_is_refused_on_both_sides() {
+    let sink = RecordingSink::new(16);
+    let listener = TcpTransport::new("cluster-a")
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let err = TcpTransport::new("cluster-b")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect_err("another cluster's token must be refused");
+    assert_eq!(err, TransferError::BadToken);
+    assert!(sink.wait_peer_error().await[0].contains("cluster token mismatch"));
+    // The right token still gets in afterwards.
+    TcpTransport::new("cluster-a")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect("the right token is accepted");
+}
+
+#[tokio::test]
+async fn inproc_refuses_mismatches_on_both_sides() {
+    let transport = InProcTransport::new("a");
+    let sink = RecordingSink::new(16);
+    let listener = transport
+        .listen("inproc://decode-0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    assert_eq!(listener.endpoint(), "inproc://decode-0");
+    let err = transport
+        .connect(listener.endpoint(), block_size_32())
+        .await
+        .expect_err("refused");
+    assert_eq!(
+        err.to_string(),
+        "KV layout mismatch: block_size 32 here, 16 at the peer"
+    );
+    let err = transport
+        .with_token("b")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect_err("refused");
+    assert_eq!(err, TransferError::BadToken);
+    assert_eq!(
+        sink.peer_errors(),
+        vec![
+            "KV layout mismatch: block_size 16 here, 32 at the peer".to_string(),
+            TransferError::BadToken.to_string(),
+        ]
+    );
+    drop(listener);
+    let err = transport
+        .connect("inproc://decode-0", layout())
+        .await
+        .expect_err("gone");
+    assert!(matches!(err, TransferError::BadEndpoint { .. }));
+}
+
+#[tokio::test]
+async fn tcp_connecting_to_something_else_fails_cleanly() {
+    // A server that answers with junk instead of a handshake reply.
+    let junk = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = junk.local_addr().expect("addr").to_string();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = junk.accept().await.expect("accept");
+        let _ = s.write_all(&[0x47; 64]).await;
+        tokio::time::sleep(WAIT).await;
+    });
+    let err = TcpTransport::new("t")
+        .connect(&addr, layout())
+        .await
+        .expect_err("junk");
+    assert!(err.to_string().contains("bad magic"), "{err}");
+    server.abort();
+}
+
+#[tokio::test]
+async fn tcp_raw_hello_gets_the_documented_reply() {
+    let transport = TcpTransport::new("tok");
+    let sink = RecordingSink::new(77);
+    let listener = transport
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let mut s = tokio::net::TcpStream::connect(listener.endpoint())
+        .await
+        .expect("connect");
+    s.write_all(&raw_hello(&layout(), "tok"))
+        .await
+        .expect("hello");
+    let mut reply = [0u8; REPLY_LEN];
+    tokio::time::timeout(WAIT, s.read_exact(&mut reply))
+        .await
+        .expect("timely")
+        .expect("reply");
+    assert_eq!(&reply[..8], b"TDMKVXF1");
+    assert_eq!(reply[10], 0, "status accepted");
+    assert_eq!(&reply[12..32], &layout().encode());
+    assert_eq!(
+        u32::from_le_bytes([reply[32], reply[33], reply[34], reply[35]]),
+        77
+    );
+}

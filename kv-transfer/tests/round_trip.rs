@@ -1,0 +1,223 @@
+//! Blocks arrive byte-exact and in order, over TCP and in-process; many
+//! transfers interleave on one session; abort and sink refusals end a
+//! transfer with an error on both sides.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{assert_delivered, block, layout, RecordingSink, WAIT};
+use tandem_kv_transfer::inproc::InProcTransport;
+use tandem_kv_transfer::tcp::TcpTransport;
+use tandem_kv_transfer::{BlockWrite, Session, TransferError, TransferId, Transport};
+
+const TOKEN: &str = "cluster-a";
+
+/// Both transports, each with the bind address it listens on.
+fn transports() -> Vec<(Box<dyn Transport>, &'static str)> {
+    vec![
+        (Box::new(TcpTransport::new(TOKEN)), "127.0.0.1:0"),
+        (Box::new(InProcTransport::new(TOKEN)), "inproc://"),
+    ]
+}
+
+async fn finish(session: &dyn Session, transfer: TransferId) -> Result<(), TransferError> {
+    tokio::time::timeout(WAIT, session.finish(transfer))
+        .await
+        .expect("finish did not resolve in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_blocks_across_layers_arrive_byte_exact() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::new(1024);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let session = transport
+            .connect(listener.endpoint(), l)
+            .await
+            .expect("connect");
+        assert_eq!(session.peer_num_blocks(), 1024);
+        let t = TransferId(1);
+        // Many small writes, then one big enough to be split into several frames.
+        let mut expected = Vec::new();
+        for chunk in 0..10u32 {
+            let blocks: Vec<BlockWrite> = (0..l.num_layers)
+                .flat_map(|layer| (0..8).map(move |b| (layer, chunk * 8 + b)))
+                .map(|(layer, dst)| block(&l, 1, layer, dst))
+                .collect();
+            expected.extend(blocks.clone());
+            session.write(t, blocks).await.expect("write");
+        }
+        let big: Vec<BlockWrite> = (0..l.num_layers)
+            .flat_map(|layer| (100..850).map(move |dst| (layer, dst)))
+            .map(|(layer, dst)| block(&l, 1, layer, dst))
+            .collect();
+        expected.extend(big.clone());
+        session.write(t, big).await.expect("write big");
+        finish(session.as_ref(), t).await.expect("finish");
+        // The sender's finish resolves only after the sink's finish(Ok).
+        assert_eq!(sink.finishes(), vec![(t, Ok(()))]);
+        assert_delivered(&sink, t, &expected);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_transfers_on_one_session() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::new(64);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let session: Arc<dyn Session> = Arc::from(
+            transport
+                .connect(listener.endpoint(), l)
+                .await
+                .expect("connect"),
+        );
+        let ids = [TransferId(10), TransferId(11), TransferId(12)];
+        let mut expected = vec![Vec::new(); ids.len()];
+        for round in 0..5u32 {
+            for (i, t) in ids.iter().enumerate() {
+                let blocks: Vec<BlockWrite> = (0..l.num_layers)
+                    .map(|layer| block(&l, t.0, layer, (i as u32 * 16 + round) % 64))
+                    .collect();
+                expected[i].extend(blocks.clone());
+                session.write(*t, blocks).await.expect("write");
+            }
+        }
+        // Finish them concurrently from separate tasks, in reverse order.
+        let mut tasks = Vec::new();
+        for t in ids.iter().rev().copied() {
+            let session = session.clone();
+            tasks.push(tokio::spawn(async move {
+                tokio::time::timeout(WAIT, session.finish(t)).await
+            }));
+        }
+        for task in tasks {
+            task.await.expect("task").expect("timely").expect("finish");
+        }
+        for (i, t) in ids.iter().enumerate() {
+            assert_delivered(&sink, *t, &expected[i]);
+            assert_eq!(sink.wait_finish(*t).await, Ok(()));
+        }
+        // An id may be reused once finished.
+        session
+            .write(ids[0], vec![block(&l, 99, 0, 1)])
+            .await
+            .expect("write");
+        finish(session.as_ref(), ids[0])
+            .await
+            .expect("finish reused id");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_fails_the_transfer_on_both_sides() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::new(64);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let session = transport
+            .connect(listener.endpoint(), l)
+            .await
+            .expect("connect");
+        let (aborted, kept) = (TransferId(1), TransferId(2));
+        session
+            .write(aborted, vec![block(&l, 1, 0, 3)])
+            .await
+            .expect("write");
+        session
+            .write(kept, vec![block(&l, 2, 0, 4)])
+            .await
+            .expect("write");
+        session.abort(aborted).await.expect("abort");
+        let outcome = sink.wait_finish(aborted).await;
+        assert!(outcome.is_err_and(|e| e.contains("aborted")));
+        // The other transfer on the session is untouched.
+        finish(session.as_ref(), kept).await.expect("finish");
+        assert_eq!(sink.wait_finish(kept).await, Ok(()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sink_refusal_fails_only_that_transfer() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::refusing(64, 13);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let session = transport
+            .connect(listener.endpoint(), l)
+            .await
+            .expect("connect");
+        let (bad, good) = (TransferId(1), TransferId(2));
+        let blocks = vec![
+            block(&l, 1, 0, 12),
+            block(&l, 1, 0, 13),
+            block(&l, 1, 0, 14),
+        ];
+        session.write(bad, blocks).await.expect("write");
+        // Writes after the failure are skipped, not delivered.
+        session
+            .write(bad, vec![block(&l, 1, 1, 15)])
+            .await
+            .expect("write");
+        session
+            .write(good, vec![block(&l, 2, 0, 1)])
+            .await
+            .expect("write");
+        let err = finish(session.as_ref(), bad).await;
+        assert!(
+            matches!(&err, Err(TransferError::Failed { reason, .. }) if reason.contains("block 13")),
+            "{err:?}"
+        );
+        assert_eq!(sink.writes_of(bad).len(), 1);
+        assert!(sink.wait_finish(bad).await.is_err());
+        finish(session.as_ref(), good).await.expect("good transfer");
+    }
+}
+
+#[tokio::test]
+async fn sender_refuses_bad_block_writes_before_sending() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::new(8);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let session = transport
+            .connect(listener.endpoint(), l)
+            .await
+            .expect("connect");
+        let t = TransferId(5);
+        let mut short = block(&l, 5, 0, 1);
+        short.v = short.v.slice(1..);
+        for (bad, needle) in [
+            (block(&l, 5, 4, 1), "layer 4"),
+            (block(&l, 5, 0, 8), "block 8"),
+            (short, "V 1023 bytes"),
+        ] {
+            let err = session.write(t, vec![bad]).await;
+            assert!(
+                matches!(&err, Err(TransferError::InvalidBlock(m)) if m.contains(needle)),
+                "{err:?}"
+            );
+        }
+        finish(session.as_ref(), t)
+            .await
+            .expect("an empty transfer finishes");
+        assert!(sink.writes_of(t).is_empty());
+    }
+}
