@@ -9,7 +9,10 @@ const INCLUDES: &[&str] = &["proto"];
 
 /// (proto files, descriptor set file name)
 const PACKAGES: &[(&[&str], &str)] = &[
-    (&["proto/tandem/v1/generate.proto"], "tandem_v1_descriptor.bin"),
+    (
+        &["proto/tandem/v1/generate.proto"],
+        "tandem_v1_descriptor.bin",
+    ),
     (
         &["proto/tandem/worker/v1/worker.proto"],
         "tandem_worker_v1_descriptor.bin",

@@ -69,10 +69,7 @@ pub struct StartedEngine {
 }
 
 /// Loads the model (default: the built-in one) and starts its engine thread.
-pub fn start_engine(
-    model: Option<&std::path::Path>,
-    args: &EngineArgs,
-) -> Result<StartedEngine> {
+pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Result<StartedEngine> {
     use anyhow::Context;
     use tandem_engine::serving::{EngineCore, EngineHandle};
 
@@ -91,9 +88,10 @@ pub fn start_engine(
         &config,
     )?;
     tracing::info!(model = %dir.display(), "model loaded");
-    let model_name = dir
-        .file_name()
-        .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let model_name = dir.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
     Ok(StartedEngine {
         handle: EngineHandle::spawn(core)?,
         kv_layout,

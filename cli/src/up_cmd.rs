@@ -4,7 +4,9 @@
 //! Children are this same binary (`tandem decode-worker`, ...) on free
 //! loopback ports; each prints its bound address first, which `up` reads
 //! and hands to the router (static membership: etcd comes later). `up`
-//! prints the router's address, then waits; Ctrl-C stops everything.
+//! prints the workers' addresses (`decode worker ADDR`, `prefill worker
+//! ADDR`) and then the router's (`listening on ADDR`), and waits; Ctrl-C
+//! stops everything.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -62,7 +64,10 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<String> {
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
-        .stdin(Stdio::null())
+        .arg("--exit-on-stdin-eof")
+        // A pipe nobody writes: it closes when `up` dies, however it dies,
+        // and the child then exits too.
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -147,16 +152,42 @@ pub fn run(args: UpArgs) -> Result<()> {
         prefills.len(),
         prefills.join(", ")
     );
+    // Scripts and tests read these: the workers, then the router last.
+    for d in &decodes {
+        println!("decode worker {d}");
+    }
+    for p in &prefills {
+        println!("prefill worker {p}");
+    }
     println!("listening on {addr}");
-    // Wait for Ctrl-C or for any child to die.
-    loop {
+    // Wait for Ctrl-C / SIGTERM or for any child to die; the children are
+    // killed on the way out.
+    let stop = stop_flag()?;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         for c in &mut children.0 {
             if let Some(status) = c.try_wait()? {
                 bail!("a cluster process exited ({status}); stopping the cluster");
             }
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(100));
     }
+    eprintln!("stopping the cluster");
+    Ok(())
+}
+
+/// A flag raised by Ctrl-C or SIGTERM.
+fn stop_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let raised = flag.clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the signal runtime")?;
+    std::thread::spawn(move || {
+        rt.block_on(crate::engine_args::shutdown_signal());
+        raised.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    Ok(flag)
 }
 
 fn rand_suffix() -> u64 {

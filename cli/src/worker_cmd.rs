@@ -30,6 +30,10 @@ pub struct WorkerArgs {
     /// Name in membership and logs (default: role and address).
     #[arg(long)]
     id: Option<String>,
+    /// Exit when standard input closes (set by `tandem up`, so workers die
+    /// with it).
+    #[arg(long, hide = true)]
+    exit_on_stdin_eof: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -47,7 +51,19 @@ pub struct DecodeWorkerArgs {
     remote_prefill_threshold: usize,
 }
 
+/// Exits the process once stdin reaches end of file.
+pub fn exit_on_stdin_eof() {
+    std::thread::spawn(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        std::process::exit(0);
+    });
+}
+
 pub fn run_prefill(args: WorkerArgs) -> Result<()> {
+    if args.exit_on_stdin_eof {
+        exit_on_stdin_eof();
+    }
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let bound = Bound::bind(args.addr).await?;
@@ -58,14 +74,23 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             model: engine.model_name,
             cluster_token: args.cluster_token,
         };
-        tandem_prefill_worker::run(engine.handle, engine.kv_layout, bound, config, shutdown_signal())
-            .await?;
+        tandem_prefill_worker::run(
+            engine.handle,
+            engine.kv_layout,
+            bound,
+            config,
+            shutdown_signal(),
+        )
+        .await?;
         Ok(())
     })
 }
 
 pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     let w = args.worker;
+    if w.exit_on_stdin_eof {
+        exit_on_stdin_eof();
+    }
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
         let bound = Bound::bind(w.addr).await?;
@@ -78,8 +103,14 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             transfer_bind: args.transfer_addr,
             remote_prefill_threshold: args.remote_prefill_threshold,
         };
-        tandem_decode_worker::run(engine.handle, engine.kv_layout, bound, config, shutdown_signal())
-            .await?;
+        tandem_decode_worker::run(
+            engine.handle,
+            engine.kv_layout,
+            bound,
+            config,
+            shutdown_signal(),
+        )
+        .await?;
         Ok(())
     })
 }
@@ -111,9 +142,15 @@ pub struct RouterArgs {
     /// How often each worker is probed (ms).
     #[arg(long, default_value_t = 500)]
     probe_interval_ms: u64,
+    /// Exit when standard input closes (set by `tandem up`).
+    #[arg(long, hide = true)]
+    exit_on_stdin_eof: bool,
 }
 
 pub fn run_router(args: RouterArgs) -> Result<()> {
+    if args.exit_on_stdin_eof {
+        exit_on_stdin_eof();
+    }
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,
@@ -135,6 +172,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         for p in &args.prefill {
             cluster.add(Role::Prefill, p).map_err(anyhow::Error::msg)?;
         }
+        cluster.wait_probed(Duration::from_secs(10)).await;
         let service = RouterService::new(
             cluster,
             tokenizer,

@@ -6,15 +6,18 @@
 use std::sync::{Arc, Mutex};
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, Prompt, RemotePrefill,
-    Request, RequestEvent,
+    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, Prompt, RemotePrefill, Request,
+    RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-/// Every exported block, in order: (layer, logical block, k, v).
+/// One exported block: (layer, logical block, k, v).
+type Block = (usize, usize, Vec<f32>, Vec<f32>);
+
+/// Every exported block, in order.
 #[derive(Debug, Default)]
-struct Collected(Mutex<Vec<(usize, usize, Vec<f32>, Vec<f32>)>>);
+struct Collected(Mutex<Vec<Block>>);
 
 impl KvExport for Collected {
     fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
@@ -87,14 +90,17 @@ fn colocated(ck: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
 }
 
 /// Runs the prefill side of `rp` on `prefill` and returns the exported blocks.
-fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<(usize, usize, Vec<f32>, Vec<f32>)> {
+fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<Block> {
     let sink = Arc::new(Collected::default());
     let from_block = rp.cached_tokens / 16;
     let (tx, mut rx) = unbounded_channel();
-    let mut req = request(&rp.tokens, PrefillMode::Export {
-        sink: sink.clone(),
-        from_block,
-    });
+    let mut req = request(
+        &rp.tokens,
+        PrefillMode::Export {
+            sink: sink.clone(),
+            from_block,
+        },
+    );
     req.max_tokens = None;
     prefill.add_request(id, req, tx).expect("valid export");
     let events = run(prefill, &mut rx);
@@ -104,7 +110,10 @@ fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<(usize, 
     }
     assert!(tokens_of(&events).is_empty(), "an export samples nothing");
     let s = prefill.stats();
-    assert_eq!(s.free_blocks, s.num_blocks, "the prefill side keeps no block");
+    assert_eq!(
+        s.free_blocks, s.num_blocks,
+        "the prefill side keeps no block"
+    );
     let out = std::mem::take(&mut *sink.0.lock().expect("lock"));
     out
 }
@@ -126,7 +135,11 @@ fn remote_prefill_gives_the_colocated_tokens() {
     let mut prefill = core(&ck, 32); // chunked: blocks are exported per chunk
     let (tx, mut rx) = unbounded_channel();
     decode
-        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .add_request(
+            0,
+            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            tx,
+        )
         .expect("valid");
     let events = run(&mut decode, &mut rx);
     let rp = parked(&events);
@@ -178,13 +191,24 @@ fn cached_prefixes_on_either_side_shrink_the_transfer() {
 
     let (tx, mut rx) = unbounded_channel();
     decode
-        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .add_request(
+            0,
+            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            tx,
+        )
         .expect("valid");
     let rp = parked(&run(&mut decode, &mut rx));
     assert_eq!(rp.cached_tokens, 64);
-    assert_eq!(rp.blocks.len(), 8 - 4, "blocks 4..8 cover positions 64..119");
+    assert_eq!(
+        rp.blocks.len(),
+        8 - 4,
+        "blocks 4..8 cover positions 64..119"
+    );
     let blocks = export(&mut prefill, 0, &rp);
-    assert!(blocks.iter().all(|b| b.1 >= 4), "nothing the decode side has");
+    assert!(
+        blocks.iter().all(|b| b.1 >= 4),
+        "nothing the decode side has"
+    );
     for (layer, logical, k, v) in &blocks {
         decode
             .write_kv(rp.transfer, *layer, rp.blocks[*logical - 4], k, v)
@@ -204,22 +228,34 @@ fn short_prompts_stay_local_and_failed_transfers_fall_back() {
     // 59 uncached tokens < 64: prefilled here, never parked.
     let (tx, mut rx) = unbounded_channel();
     decode
-        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 64 }), tx)
+        .add_request(
+            0,
+            request(&prompt, PrefillMode::Remote { min_uncached: 64 }),
+            tx,
+        )
         .expect("valid");
     let events = run(&mut decode, &mut rx);
-    assert!(!events.iter().any(|e| matches!(e, RequestEvent::RemotePrefill(_))));
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e, RequestEvent::RemotePrefill(_))));
     assert_eq!(tokens_of(&events), want);
 
     // A transfer that fails is recomputed here, with the same result.
     let mut decode = core(&ck, 2048);
     let (tx, mut rx) = unbounded_channel();
     decode
-        .add_request(1, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .add_request(
+            1,
+            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            tx,
+        )
         .expect("valid");
     let rp = parked(&run(&mut decode, &mut rx));
     // A write outside the transfer's blocks is refused.
     let n = 2 * 16 * 16; // kv heads × block size × head dim of `tiny`
-    let stray = (0..64).find(|b| !rp.blocks.contains(b)).expect("a stray block");
+    let stray = (0..64)
+        .find(|b| !rp.blocks.contains(b))
+        .expect("a stray block");
     assert!(decode
         .write_kv(rp.transfer, 0, stray, &vec![0.0; n], &vec![0.0; n])
         .is_err());
@@ -236,7 +272,11 @@ fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
     let mut decode = core(&ck, 2048);
     let (tx, mut rx) = unbounded_channel();
     decode
-        .add_request(0, request(&prompt, PrefillMode::Remote { min_uncached: 16 }), tx)
+        .add_request(
+            0,
+            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            tx,
+        )
         .expect("valid");
     let rp = parked(&run(&mut decode, &mut rx));
     decode.abort(0);

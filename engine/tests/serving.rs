@@ -444,8 +444,20 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     assert_eq!(
         got,
         vec![
-            (1, CacheEvent::Stored { parent: 0, hash: h[0] }),
-            (2, CacheEvent::Stored { parent: h[0], hash: h[1] }),
+            (
+                1,
+                CacheEvent::Stored {
+                    parent: 0,
+                    hash: h[0]
+                }
+            ),
+            (
+                2,
+                CacheEvent::Stored {
+                    parent: h[0],
+                    hash: h[1]
+                }
+            ),
         ]
     );
     // A prompt that needs the whole pool evicts them.
@@ -481,7 +493,10 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
             for (i, &hash) in hb.iter().enumerate() {
                 let at = stored.iter().position(|s| s.1 == hash).expect("listed");
                 if i > 0 {
-                    let parent_at = stored.iter().position(|s| s.1 == hb[i - 1]).expect("parent");
+                    let parent_at = stored
+                        .iter()
+                        .position(|s| s.1 == hb[i - 1])
+                        .expect("parent");
                     assert!(parent_at < at, "parents first");
                     assert_eq!(stored[at].0, hb[i - 1]);
                 }

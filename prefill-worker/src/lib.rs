@@ -40,7 +40,11 @@ pub struct PrefillService {
 }
 
 impl PrefillService {
-    pub fn new(engine: EngineHandle, transport: Arc<dyn Transport>, layout: KvLayoutDescriptor) -> Self {
+    pub fn new(
+        engine: EngineHandle,
+        transport: Arc<dyn Transport>,
+        layout: KvLayoutDescriptor,
+    ) -> Self {
         Self {
             engine,
             transport,
@@ -83,7 +87,9 @@ impl KvExport for Exporter {
         let batch: Vec<BlockWrite> = blocks
             .iter()
             .filter_map(|b| {
-                let dst = *self.dst_blocks.get(b.logical.checked_sub(self.from_block)?)?;
+                let dst = *self
+                    .dst_blocks
+                    .get(b.logical.checked_sub(self.from_block)?)?;
                 Some(BlockWrite {
                     layer: layer as u32,
                     dst_block: dst,
@@ -189,11 +195,13 @@ impl wv1::prefill_server::Prefill for PrefillService {
             }
             Err(e) => return Err(Status::internal(format!("transfer task: {e}"))),
         };
-        session.finish(transfer).await.map_err(|e| {
-            Status::unavailable(format!("KV transfer did not complete: {e}"))
-        })?;
+        session
+            .finish(transfer)
+            .await
+            .map_err(|e| Status::unavailable(format!("KV transfer did not complete: {e}")))?;
         guard.armed = false;
-        let blocks_sent = u32::try_from(sent / self.layout.num_layers.max(1) as usize).unwrap_or(u32::MAX);
+        let blocks_sent =
+            u32::try_from(sent / self.layout.num_layers.max(1) as usize).unwrap_or(u32::MAX);
         Ok(Response::new(wv1::PrefillReply {
             cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
             blocks_sent,
@@ -218,8 +226,9 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tandem_server::ServeError> {
     let layout = layout::descriptor(&kv_layout);
-    let transport: Arc<dyn Transport> =
-        Arc::new(tandem_kv_transfer::tcp::TcpTransport::new(config.cluster_token));
+    let transport: Arc<dyn Transport> = Arc::new(tandem_kv_transfer::tcp::TcpTransport::new(
+        config.cluster_token,
+    ));
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,

@@ -113,12 +113,14 @@ impl RoutingPolicy for Random {
     }
 }
 
-/// Prefix-affinity cost with a balance guard.
-#[derive(Debug, Clone, Copy)]
+/// Prefix-affinity cost with a balance guard. Ties (no worker has the
+/// prefix, equal load) rotate, so new prefixes spread over the pool.
+#[derive(Debug)]
 pub struct KvPolicy {
     pub overlap_weight: f64,
     pub abs_threshold: usize,
     pub rel_threshold: f64,
+    rotation: AtomicU64,
 }
 
 impl Default for KvPolicy {
@@ -127,6 +129,7 @@ impl Default for KvPolicy {
             overlap_weight: 1.0,
             abs_threshold: 8,
             rel_threshold: 2.0,
+            rotation: AtomicU64::new(0),
         }
     }
 }
@@ -142,13 +145,15 @@ impl RoutingPolicy for KvPolicy {
             let new_blocks = prompt_blocks.saturating_sub(x.matched_blocks) as f64;
             self.overlap_weight * new_blocks + x.active_blocks as f64
         };
-        (0..c.len())
-            .min_by(|&a, &b| {
-                cost(&c[a])
-                    .total_cmp(&cost(&c[b]))
-                    .then(c[a].active_requests.cmp(&c[b].active_requests))
-            })
-            .unwrap_or(0)
+        let key = |x: &Candidate| (cost(x), x.active_requests);
+        let best = c
+            .iter()
+            .map(key)
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let Some(best) = best else { return 0 };
+        let ties: Vec<usize> = (0..c.len()).filter(|&i| key(&c[i]) == best).collect();
+        let turn = self.rotation.fetch_add(1, Ordering::Relaxed) as usize;
+        ties[turn % ties.len()]
     }
 }
 

@@ -49,6 +49,8 @@ pub struct Worker {
     pub routed: AtomicUsize,
     /// Set when the worker leaves; its tasks stop.
     gone: AtomicBool,
+    /// Whether a probe has completed (either way).
+    probed: AtomicBool,
 }
 
 impl Worker {
@@ -170,12 +172,25 @@ impl Cluster {
             reported_blocks: AtomicUsize::new(0),
             routed: AtomicUsize::new(0),
             gone: AtomicBool::new(false),
+            probed: AtomicBool::new(false),
         });
         workers.push(w.clone());
         drop(workers);
         tokio::spawn(probe(self.clone(), w.clone()));
         tokio::spawn(follow_kv_events(self.clone(), w));
         Ok(())
+    }
+
+    /// Waits (at most `timeout`) until every worker has been probed once, so
+    /// a router that has just started does not refuse its first requests.
+    pub async fn wait_probed(&self, timeout: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if self.all().iter().all(|w| w.probed.load(Ordering::Relaxed)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Stops routing to the worker at `addr` (it left the membership).
@@ -254,6 +269,7 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
             }
         };
         let was = w.healthy.swap(ok, Ordering::Relaxed);
+        w.probed.store(true, Ordering::Relaxed);
         if was != ok {
             tracing::info!(worker = %w.addr, healthy = ok, "worker state");
         }

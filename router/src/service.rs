@@ -87,7 +87,10 @@ impl Proxy {
             }
             Err(status) => {
                 self.ended = true;
-                if matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Internal) {
+                if matches!(
+                    status.code(),
+                    Code::Unavailable | Code::Unknown | Code::Internal
+                ) {
                     self.decode.mark_down();
                 }
                 Some(Err(Status::unavailable(format!(

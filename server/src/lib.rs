@@ -24,8 +24,8 @@ use std::net::SocketAddr;
 use tandem_engine::serving::EngineHandle;
 use tandem_proto::v1;
 use tokio::net::TcpListener;
-use tonic::service::RoutesBuilder;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::RoutesBuilder;
 
 pub use convert::{event_to_proto, request_from_proto, BadRequest};
 pub use service::{status_from_engine, GenerationService, PrefillGuard, RemotePrefiller};

@@ -112,6 +112,7 @@ fn finish(mut s: RequestStream) -> Result<(RequestSummary, Vec<f64>)> {
             }
             RequestEvent::Finished(sum) => return Ok((sum, gaps)),
             RequestEvent::Error(e) => bail!("request failed: {e}"),
+            RequestEvent::RemotePrefill(_) => bail!("unexpected remote prefill"),
         }
     }
     Err(anyhow!("stream ended without a summary"))

@@ -310,8 +310,7 @@ impl BlockAllocator {
             }
             let mut chain = vec![h];
             let mut cur = h;
-            loop {
-                let Some(&b) = st.cached.get(&cur) else { break };
+            while let Some(&b) = st.cached.get(&cur) {
                 let parent = st.meta[b as usize].parent;
                 if parent == tandem_block_hash::ROOT
                     || emitted.contains(&parent)

@@ -41,7 +41,9 @@ pub enum KvError {
     #[error("KV cache must have at least one block of at least one token")]
     EmptyPool,
     /// A whole-block write does not fit the cache.
-    #[error("bad KV block write: layer {layer}, block {block}, {len} values (a block holds {expected})")]
+    #[error(
+        "bad KV block write: layer {layer}, block {block}, {len} values (a block holds {expected})"
+    )]
     BadBlockWrite {
         layer: usize,
         block: BlockId,

@@ -120,13 +120,14 @@ impl EngineStats {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvFeed {
     /// Every cached block as of event `seq` (parents first).
-    Snapshot {
-        seq: u64,
-        events: Vec<CacheEvent>,
-    },
+    Snapshot { seq: u64, events: Vec<CacheEvent> },
     /// Changes numbered `seq`, in order.
     Events(Vec<(u64, CacheEvent)>),
 }
+
+/// A prefill-only sequence's sink and the (logical, physical) blocks it
+/// gets after each layer of this step.
+type ExportPlan = (Arc<dyn KvExport>, Vec<(usize, BlockId)>);
 
 /// One request: its choices' shared bookkeeping.
 #[derive(Debug)]
@@ -415,7 +416,9 @@ impl EngineCore {
         v: &[f32],
     ) -> std::result::Result<(), String> {
         let Some(blocks) = self.scheduler.parked_blocks(transfer) else {
-            return Err(format!("no remote prefill {transfer} is waiting for blocks"));
+            return Err(format!(
+                "no remote prefill {transfer} is waiting for blocks"
+            ));
         };
         if !blocks.contains(&block) {
             return Err(format!(
@@ -429,7 +432,11 @@ impl EngineCore {
 
     /// Ends remote prefill `transfer`: on success the request goes on here
     /// from its last prompt token; on failure it is prefilled here.
-    pub fn finish_remote_prefill(&mut self, transfer: u64, outcome: std::result::Result<(), String>) {
+    pub fn finish_remote_prefill(
+        &mut self,
+        transfer: u64,
+        outcome: std::result::Result<(), String>,
+    ) {
         if !self.scheduler.is_parked(transfer) {
             return; // aborted, or already finished
         }
@@ -514,7 +521,7 @@ impl EngineCore {
         let bs = self.scheduler.block_size();
         let mut inputs = Vec::with_capacity(plan.scheduled.len());
         // Prefill-only sequences: which blocks each exports after every layer.
-        let mut exports: Vec<(Arc<dyn KvExport>, Vec<(usize, BlockId)>)> = Vec::new();
+        let mut exports: Vec<ExportPlan> = Vec::new();
         for s in &plan.scheduled {
             let seq = self
                 .scheduler
@@ -558,7 +565,11 @@ impl EngineCore {
             .forward_with_layer_hook(&inputs, &mut self.kv, &mut after_layer);
         drop(inputs);
         for s in &plan.scheduled {
-            if let Some(ex) = self.scheduler.seq_mut(s.seq).and_then(|q| q.export.as_mut()) {
+            if let Some(ex) = self
+                .scheduler
+                .seq_mut(s.seq)
+                .and_then(|q| q.export.as_mut())
+            {
                 ex.started = true;
             }
         }

@@ -1,0 +1,325 @@
+//! A local cluster of real processes (`tandem up`: router, prefill and
+//! decode workers on loopback) against the colocated server.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1;
+use tandem_proto::v1::generation_client::GenerationClient;
+use tandem_proto::worker::v1 as wv1;
+use tandem_proto::worker::v1::worker_client::WorkerClient;
+use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
+
+/// Kills the process (and with `tandem up`, its children) at the end.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SIGTERM lets `up` stop its children (they also exit when `up`'s
+        // end of their stdin closes).
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Started {
+    _proc: KillOnDrop,
+    addr: String,
+    decode: Vec<String>,
+    prefill: Vec<String>,
+}
+
+/// Runs `tandem <args>` and reads its address lines until `listening on`.
+fn start(args: &[&str]) -> Started {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tandem starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let proc = KillOnDrop(child);
+    let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("tandem {args:?} exited before listening"))
+            .expect("a line");
+        if let Some(a) = line.strip_prefix("decode worker ") {
+            decode.push(a.to_string());
+        } else if let Some(a) = line.strip_prefix("prefill worker ") {
+            prefill.push(a.to_string());
+        } else if let Some(a) = line.strip_prefix("listening on ") {
+            // Keep draining stdout so the child never blocks.
+            std::thread::spawn(move || for _ in lines {});
+            return Started {
+                _proc: proc,
+                addr: a.to_string(),
+                decode,
+                prefill,
+            };
+        }
+    }
+}
+
+fn gen_tiny(dir: &Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["gen-model", "--config", "tiny", "--out"])
+        .arg(dir)
+        .output()
+        .expect("gen-model");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn up(model: &Path, prefill: usize, decode: usize) -> Started {
+    start(&[
+        "up",
+        "--model",
+        model.to_str().expect("utf8"),
+        "--prefill",
+        &prefill.to_string(),
+        "--decode",
+        &decode.to_string(),
+        "--addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "32MiB",
+        "--remote-prefill-threshold",
+        "32",
+        "--worker-arg=--batch-invariant",
+    ])
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// What one call produced, and where the router sent it.
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    tokens: Vec<u32>,
+    decode: Option<String>,
+    prefill: Option<String>,
+}
+
+async fn generate(addr: &str, prompt: Vec<u32>, max_tokens: u32) -> Result<Outcome, tonic::Status> {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let resp = c.generate(req).await?;
+    let header = |k: &str| {
+        resp.metadata()
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let mut out = Outcome {
+        decode: header(ROUTED_DECODE_HEADER),
+        prefill: header(ROUTED_PREFILL_HEADER),
+        ..Outcome::default()
+    };
+    let mut stream = resp.into_inner();
+    let mut finished = false;
+    while let Some(msg) = stream.message().await? {
+        match msg.event {
+            Some(v1::generate_response::Event::Delta(d)) => out.tokens.extend(d.token_ids),
+            Some(v1::generate_response::Event::Finished(_)) => finished = true,
+            None => {}
+        }
+    }
+    assert!(finished, "no Finished message");
+    Ok(out)
+}
+
+/// 32 mixed requests: prompts of 5..~300 tokens, 4..24 new tokens.
+fn workload() -> Vec<(Vec<u32>, u32)> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    (0..32)
+        .map(|_| {
+            let len = 5 + next(300) as usize;
+            let prompt = (0..len).map(|_| next(256) as u32).collect();
+            (prompt, 4 + next(21) as u32)
+        })
+        .collect()
+}
+
+async fn run_all(addr: &str, work: &[(Vec<u32>, u32)]) -> Vec<Outcome> {
+    let calls = work
+        .iter()
+        .map(|(p, n)| tokio::spawn(generate_owned(addr.to_string(), p.clone(), *n)));
+    let mut out = Vec::new();
+    for c in calls.collect::<Vec<_>>() {
+        out.push(c.await.expect("task").expect("call"));
+    }
+    out
+}
+
+async fn generate_owned(addr: String, prompt: Vec<u32>, n: u32) -> Result<Outcome, tonic::Status> {
+    generate(&addr, prompt, n).await
+}
+
+async fn load(addr: &str) -> wv1::LoadReport {
+    let mut c = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("worker connects");
+    c.load(wv1::LoadRequest {})
+        .await
+        .expect("load")
+        .into_inner()
+}
+
+#[test]
+fn two_prefill_two_decode_workers_match_the_colocated_server() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_tiny(tmp.path());
+    let model = tmp.path().to_str().expect("utf8");
+    let serve = start(&[
+        "serve",
+        "--model",
+        model,
+        "--addr",
+        "127.0.0.1:0",
+        "--num-kv-blocks",
+        "2048",
+        "--batch-invariant",
+    ]);
+    let cluster = up(tmp.path(), 2, 2);
+    assert_eq!((cluster.prefill.len(), cluster.decode.len()), (2, 2));
+    let work = workload();
+    let rt = rt();
+    let want = rt.block_on(run_all(&serve.addr, &work));
+    let got = rt.block_on(run_all(&cluster.addr, &work));
+    let mut used_prefill: HashMap<String, usize> = HashMap::new();
+    for (i, ((w, g), (prompt, _))) in want.iter().zip(&got).zip(&work).enumerate() {
+        assert_eq!(
+            w.tokens,
+            g.tokens,
+            "request {i} ({} prompt tokens)",
+            prompt.len()
+        );
+        assert!(g
+            .decode
+            .as_ref()
+            .is_some_and(|d| cluster.decode.contains(d)));
+        match &g.prefill {
+            Some(p) => {
+                assert!(
+                    prompt.len() >= 32,
+                    "a {}-token prompt went to prefill",
+                    prompt.len()
+                );
+                *used_prefill.entry(p.clone()).or_default() += 1;
+            }
+            None => assert!(prompt.len() < 32 + 16 * 8 || prompt.len() < 32),
+        }
+    }
+    assert!(
+        !used_prefill.is_empty(),
+        "long prompts were prefilled remotely"
+    );
+    // Every block came back on every worker.
+    rt.block_on(async {
+        for w in cluster.decode.iter().chain(&cluster.prefill) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let l = load(w).await;
+                if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+}
+
+#[test]
+fn without_prefill_workers_the_cluster_still_serves() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_tiny(tmp.path());
+    let cluster = up(tmp.path(), 0, 1);
+    let rt = rt();
+    let prompt: Vec<u32> = (0..200).map(|i| i % 256).collect();
+    let out = rt
+        .block_on(generate(&cluster.addr, prompt, 6))
+        .expect("served");
+    assert_eq!(out.tokens.len(), 6);
+    assert_eq!(out.prefill, None);
+}
+
+#[test]
+fn a_shared_prefix_goes_back_to_the_worker_that_holds_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_tiny(tmp.path());
+    let cluster = up(tmp.path(), 0, 2);
+    let rt = rt();
+    let prefix = |p: u32| -> Vec<u32> { (0..256).map(|i| (i * 7 + p * 31) % 256).collect() };
+    let with = |p: u32, s: u32| {
+        let mut v = prefix(p);
+        v.extend([s, s + 1, s + 2]);
+        v
+    };
+    // New prefixes spread over both workers ...
+    let homes: Vec<String> = (0..6)
+        .map(|p| {
+            rt.block_on(generate(&cluster.addr, with(p, 1), 2))
+                .expect("call")
+                .decode
+                .expect("routed")
+        })
+        .collect();
+    assert!(
+        homes.iter().any(|h| h != &homes[0]),
+        "new prefixes all went to one worker: {homes:?}"
+    );
+    // ... and each comes back to the worker that holds it, once the KV-event
+    // feed has reached the router.
+    std::thread::sleep(Duration::from_millis(500));
+    for (p, home) in homes.iter().enumerate() {
+        let o = rt
+            .block_on(generate(&cluster.addr, with(p as u32, 9), 2))
+            .expect("call");
+        assert_eq!(o.decode.as_ref(), Some(home), "prefix {p} left its worker");
+    }
+}
