@@ -28,7 +28,18 @@ pub enum DiscoveryError {
         what: &'static str,
         after: Duration,
     },
-    /// etcd answered with an error, or the connection failed.
+    /// The connection to etcd failed (refused, reset, DNS): gRPC
+    /// `UNAVAILABLE`.
+    #[error(
+        "cannot reach etcd at {endpoints} ({what}): {source} (is etcd running there, \
+         and is the address right?)"
+    )]
+    Unavailable {
+        endpoints: String,
+        what: &'static str,
+        source: etcd_client::Error,
+    },
+    /// etcd answered with an error.
     #[error("etcd at {endpoints} failed {what}: {source}")]
     Request {
         endpoints: String,

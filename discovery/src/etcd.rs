@@ -69,6 +69,11 @@ pub(crate) async fn call<T>(
 ) -> Result<T, DiscoveryError> {
     match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
         Ok(Ok(value)) => Ok(value),
+        Ok(Err(source)) if is_unavailable(&source) => Err(DiscoveryError::Unavailable {
+            endpoints: shown(endpoints),
+            what,
+            source,
+        }),
         Ok(Err(source)) => Err(DiscoveryError::Request {
             endpoints: shown(endpoints),
             what,
@@ -79,6 +84,16 @@ pub(crate) async fn call<T>(
             what,
             after: REQUEST_TIMEOUT,
         }),
+    }
+}
+
+/// A connection failure (refused, reset, unresolvable), as opposed to etcd
+/// answering with an error.
+fn is_unavailable(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::Unavailable,
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        _ => false,
     }
 }
 
