@@ -2,6 +2,8 @@
 //! (their fixtures live in `tests/fixtures/`).
 //!
 //! [`python`] builds a Python gRPC client environment (grpcio, stubs generated
-//! from `proto/`) for end-to-end tests of `tandem serve`.
+//! from `proto/`) for end-to-end tests of `tandem serve`. [`etcd`] runs a real,
+//! throwaway `etcd` server on loopback ports for membership tests.
 
+pub mod etcd;
 pub mod python;

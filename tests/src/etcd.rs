@@ -1,0 +1,280 @@
+//! A real, throwaway `etcd` server for membership tests.
+//!
+//! [`EtcdServer::start`] runs the `etcd` binary (Debian/Ubuntu package
+//! `etcd-server`, 3.4 or newer) as a single-member cluster on two free
+//! loopback ports, with its data in a fresh temporary directory, and returns
+//! once it answers. Dropping the value kills the process and removes the
+//! directory.
+//!
+//! Tests do not skip when `etcd` is missing: [`EtcdServer::start`] fails with
+//! an error that says to install it, because a membership test that silently
+//! passes without etcd tests nothing.
+//!
+//! # How readiness is decided
+//!
+//! etcd serves `GET /health` over plain HTTP/1.1 on its client URL and
+//! answers `{"health":"true"}` once the member has a leader and can serve
+//! requests. The harness polls that with a std `TcpStream` (no async runtime,
+//! no etcd client here) every 50 ms for up to [`START_TIMEOUT`]. If the
+//! process exits meanwhile (for example the port was taken between choosing
+//! it and etcd binding it), its log is in the error.
+//!
+//! # Restarts
+//!
+//! [`EtcdServer::stop`] kills the process but keeps the ports and the data
+//! directory; [`EtcdServer::restart`] starts it again on both, which is what
+//! an etcd crash and recovery looks like to clients: the same endpoint, the
+//! same keys and leases, a broken connection in between.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long [`EtcdServer::start`] waits for etcd to answer `/health`.
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The etcd program, overridable with `$TANDEM_ETCD`.
+fn etcd_program() -> String {
+    std::env::var("TANDEM_ETCD").unwrap_or_else(|_| "etcd".to_string())
+}
+
+/// Why an etcd server could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// The binary could not be run at all.
+    #[error(
+        "could not run {program}: {source}; install etcd (Debian/Ubuntu: `apt-get install \
+         etcd-server`) or set $TANDEM_ETCD to the etcd binary"
+    )]
+    NotInstalled {
+        program: String,
+        source: std::io::Error,
+    },
+    /// A filesystem or socket operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    /// etcd exited before it became ready.
+    #[error("etcd exited during start-up ({status}); its log:\n{log}")]
+    Exited {
+        status: std::process::ExitStatus,
+        log: String,
+    },
+    /// etcd did not answer `/health` in time.
+    #[error("etcd at {endpoint} was not healthy within {timeout:?}; its log:\n{log}")]
+    NotReady {
+        endpoint: String,
+        timeout: Duration,
+        log: String,
+    },
+}
+
+/// A running single-member etcd on 127.0.0.1 (see the module doc).
+#[derive(Debug)]
+pub struct EtcdServer {
+    client_port: u16,
+    peer_port: u16,
+    /// Owns the temporary directory: removed on drop.
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl EtcdServer {
+    /// Starts etcd on two free loopback ports with a fresh data directory
+    /// and waits (at most [`START_TIMEOUT`]) until it is healthy.
+    pub fn start() -> Result<EtcdServer, EtcdError> {
+        let dir = tempfile::Builder::new()
+            .prefix("tandem-etcd-")
+            .tempdir()
+            .map_err(|source| EtcdError::Io {
+                what: "creating a temporary directory for etcd".to_string(),
+                source,
+            })?;
+        let (client_port, peer_port) = (free_port()?, free_port()?);
+        let mut server = EtcdServer {
+            client_port,
+            peer_port,
+            dir,
+            child: None,
+        };
+        server.spawn_and_wait()?;
+        Ok(server)
+    }
+
+    /// The client URL, `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The client URL as a one-element list, the shape discovery takes.
+    pub fn endpoints(&self) -> Vec<String> {
+        vec![self.endpoint()]
+    }
+
+    /// The data directory (kept across [`EtcdServer::restart`]).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Kills etcd (SIGKILL) and reaps it; keeps the ports and the data. A
+    /// no-op when it is not running.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops etcd if it runs, then starts it again on the same ports and
+    /// data directory and waits until it is healthy.
+    pub fn restart(&mut self) -> Result<(), EtcdError> {
+        self.stop();
+        self.spawn_and_wait()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("etcd.log")
+    }
+
+    fn spawn_and_wait(&mut self) -> Result<(), EtcdError> {
+        let log_path = self.log_path();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| EtcdError::Io {
+                what: format!("opening {}", log_path.display()),
+                source,
+            })?;
+        let log_err = log.try_clone().map_err(|source| EtcdError::Io {
+            what: format!("opening {}", log_path.display()),
+            source,
+        })?;
+        let client_url = self.endpoint();
+        let peer_url = format!("http://127.0.0.1:{}", self.peer_port);
+        let program = etcd_program();
+        let child = Command::new(&program)
+            .arg("--name")
+            .arg("tandem-test")
+            .arg("--data-dir")
+            .arg(self.data_dir())
+            .arg("--listen-client-urls")
+            .arg(&client_url)
+            .arg("--advertise-client-urls")
+            .arg(&client_url)
+            .arg("--listen-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-cluster")
+            .arg(format!("tandem-test={peer_url}"))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(|source| EtcdError::NotInstalled { program, source })?;
+        self.child = Some(child);
+        let deadline = Instant::now() + START_TIMEOUT;
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.client_port));
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    return Err(EtcdError::Exited {
+                        status,
+                        log: read_log(&log_path),
+                    });
+                }
+            }
+            if healthy(addr) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.stop();
+                return Err(EtcdError::NotReady {
+                    endpoint: self.endpoint(),
+                    timeout: START_TIMEOUT,
+                    log: read_log(&log_path),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A loopback port that was free a moment ago (bind to port 0, read, drop).
+fn free_port() -> Result<u16, EtcdError> {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).map_err(|source| EtcdError::Io {
+        what: "binding 127.0.0.1:0 to pick a free port".to_string(),
+        source,
+    })?;
+    let port = listener
+        .local_addr()
+        .map_err(|source| EtcdError::Io {
+            what: "reading the picked port".to_string(),
+            source,
+        })?
+        .port();
+    Ok(port)
+}
+
+/// One `GET /health` with short timeouts; true when etcd says healthy.
+fn healthy(addr: SocketAddr) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(500)));
+    let request =
+        format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAccept: */*\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut response = Vec::new();
+    // Bounded: the read timeout ends a stalled read, and the response is
+    // capped at 64 KiB.
+    let _ = stream.take(64 * 1024).read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    text.starts_with("HTTP/1.1 200") && text.replace(' ', "").contains("\"health\":\"true\"")
+}
+
+fn read_log(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| format!("(could not read the log: {e})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_loopback_ports() {
+        let port = free_port().expect("a free port");
+        assert_ne!(port, 0);
+        TcpListener::bind(("127.0.0.1", port)).expect("the port is free again");
+    }
+
+    #[test]
+    fn health_is_false_when_nothing_listens() {
+        let port = free_port().expect("a free port");
+        assert!(!healthy(SocketAddr::from(([127, 0, 0, 1], port))));
+    }
+
+    #[test]
+    fn a_missing_binary_says_what_to_install() {
+        let err = EtcdError::NotInstalled {
+            program: "etcd".to_string(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        assert!(err.to_string().contains("etcd-server"), "{err}");
+    }
+}
