@@ -2,8 +2,10 @@
 //! router, each its own process — serving one model, with no arguments.
 //!
 //! Children are this same binary (`tandem decode-worker`, ...) on free
-//! loopback ports; each prints its bound address first, which `up` reads
-//! and hands to the router (static membership: etcd comes later). `up`
+//! loopback ports; each prints its bound address first. When `etcd` is
+//! installed, `up` starts a private one and the workers register there (the
+//! router watches it, so workers may come and go); otherwise `up` hands the
+//! addresses to the router as static lists. `up`
 //! prints the workers' addresses (`decode worker ADDR`, `prefill worker
 //! ADDR`) and then the router's (`listening on ADDR`), and waits; Ctrl-C
 //! stops everything.
@@ -43,6 +45,78 @@ pub struct UpArgs {
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
+    /// Static membership even when etcd is installed.
+    #[arg(long)]
+    no_etcd: bool,
+    /// Worker lease TTL (seconds) with etcd.
+    #[arg(long, default_value_t = 10)]
+    lease_ttl_s: u64,
+}
+
+/// A private etcd for the cluster: killed and its data removed at the end.
+struct Etcd {
+    child: Child,
+    endpoint: String,
+    dir: PathBuf,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Starts etcd on free loopback ports if the binary is installed.
+fn start_etcd() -> Result<Option<Etcd>> {
+    let installed = Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !installed {
+        return Ok(None);
+    }
+    let (client, peer) = (free_port()?, free_port()?);
+    let dir = std::env::temp_dir().join(format!("tandem-up-etcd-{}", std::process::id()));
+    let endpoint = format!("http://127.0.0.1:{client}");
+    let child = Command::new("etcd")
+        .arg("--data-dir")
+        .arg(&dir)
+        .args([
+            "--listen-client-urls",
+            &endpoint,
+            "--advertise-client-urls",
+            &endpoint,
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting etcd")?;
+    let etcd = Etcd {
+        child,
+        endpoint,
+        dir,
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+        if std::time::Instant::now() > deadline {
+            bail!("etcd did not start on 127.0.0.1:{client}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Some(etcd))
 }
 
 /// Children are killed when `up` ends, however it ends.
@@ -59,8 +133,8 @@ impl Drop for Children {
     }
 }
 
-/// Starts `tandem <args>` and returns it with the address it printed.
-fn spawn(children: &mut Children, args: &[String]) -> Result<String> {
+/// Starts `tandem <args>`; returns the address it printed and its pid.
+fn spawn(children: &mut Children, args: &[String]) -> Result<(String, u32)> {
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
@@ -73,6 +147,7 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<String> {
         .spawn()
         .with_context(|| format!("starting tandem {}", args.join(" ")))?;
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let pid = child.id();
     children.0.push(child);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -87,7 +162,7 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<String> {
         .map_err(|_| anyhow!("tandem {} did not start", args[0]))?
         .ok_or_else(|| anyhow!("tandem {} exited before listening", args[0]))??;
     line.strip_prefix("listening on ")
-        .map(str::to_string)
+        .map(|a| (a.to_string(), pid))
         .ok_or_else(|| anyhow!("tandem {} printed {line:?}", args[0]))
 }
 
@@ -101,6 +176,19 @@ pub fn run(args: UpArgs) -> Result<()> {
     };
     let model = model.display().to_string();
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
+    let etcd = if args.no_etcd { None } else { start_etcd()? };
+    let cluster_name = format!("up-{}", std::process::id());
+    let membership: Vec<String> = match &etcd {
+        Some(e) => vec![
+            "--etcd".into(),
+            e.endpoint.clone(),
+            "--cluster".into(),
+            cluster_name.clone(),
+            "--lease-ttl-s".into(),
+            args.lease_ttl_s.to_string(),
+        ],
+        None => Vec::new(),
+    };
     let mut children = Children(Vec::new());
     let worker = |role: &str| -> Vec<String> {
         let mut a = vec![
@@ -112,6 +200,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             "--kv-cache-memory".into(),
             args.kv_cache_memory.clone(),
         ];
+        a.extend(membership.iter().cloned());
         a.extend(args.worker_args.iter().cloned());
         a
     };
@@ -128,45 +217,63 @@ pub fn run(args: UpArgs) -> Result<()> {
     for _ in 0..args.prefill {
         prefills.push(spawn(&mut children, &worker("prefill-worker"))?);
     }
+    let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
+    let prefill_addrs: Vec<String> = prefills.iter().map(|p| p.0.clone()).collect();
     let mut router = vec![
         "router".to_string(),
         "--addr".into(),
         args.addr.clone(),
         "--model".into(),
         model.clone(),
-        "--decode".into(),
-        decodes.join(","),
         "--decode-policy".into(),
         args.decode_policy.clone(),
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
     ];
-    if !prefills.is_empty() {
-        router.extend(["--prefill".into(), prefills.join(",")]);
+    if etcd.is_some() {
+        router.extend(membership.iter().cloned());
+    } else {
+        router.extend(["--decode".into(), decode_addrs.join(",")]);
+        if !prefills.is_empty() {
+            router.extend(["--prefill".into(), prefill_addrs.join(",")]);
+        }
     }
-    let addr = spawn(&mut children, &router)?;
+    let (addr, _) = spawn(&mut children, &router)?;
+    if let Some(e) = &etcd {
+        println!("etcd {} {cluster_name}", e.endpoint);
+    }
     eprintln!(
         "tandem cluster: {} decode ({}), {} prefill ({}); router on {addr}",
         decodes.len(),
-        decodes.join(", "),
+        decode_addrs.join(", "),
         prefills.len(),
-        prefills.join(", ")
+        prefill_addrs.join(", ")
     );
     // Scripts and tests read these: the workers, then the router last.
-    for d in &decodes {
-        println!("decode worker {d}");
+    for (d, pid) in &decodes {
+        println!("decode worker {d} {pid}");
     }
-    for p in &prefills {
-        println!("prefill worker {p}");
+    for (p, pid) in &prefills {
+        println!("prefill worker {p} {pid}");
     }
+
     println!("listening on {addr}");
-    // Wait for Ctrl-C / SIGTERM or for any child to die; the children are
-    // killed on the way out.
+    // Wait for Ctrl-C / SIGTERM or for the router to die; a worker that
+    // dies is reported and left out (the router stops sending to it). The
+    // children are killed on the way out.
     let stop = stop_flag()?;
+    let router_at = children.0.len() - 1;
+    let mut reported = vec![false; children.0.len()];
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        for c in &mut children.0 {
+        for (i, c) in children.0.iter_mut().enumerate() {
             if let Some(status) = c.try_wait()? {
-                bail!("a cluster process exited ({status}); stopping the cluster");
+                if i == router_at {
+                    bail!("the router exited ({status}); stopping the cluster");
+                }
+                if !reported[i] {
+                    reported[i] = true;
+                    eprintln!("a worker (pid {}) exited: {status}", c.id());
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -1,6 +1,7 @@
 //! `tandem prefill-worker`, `tandem decode-worker` and `tandem router`: the
 //! cluster's processes (`tandem up` starts them for you).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,7 +36,63 @@ pub struct WorkerArgs {
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
     #[command(flatten)]
+    membership: MembershipArgs,
+    #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// Where cluster membership lives.
+#[derive(Args, Debug, Clone)]
+pub struct MembershipArgs {
+    /// etcd endpoints (`http://host:port`, comma-separated). Without them,
+    /// membership is the router's static lists.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// Cluster name: the etcd key prefix `/tandem/<cluster>/workers/`.
+    #[arg(long, default_value = "local")]
+    cluster: String,
+    /// Lease TTL in seconds: a worker that stops renewing leaves after this.
+    #[arg(long, default_value_t = 10)]
+    lease_ttl_s: u64,
+}
+
+/// Registers a worker in etcd (when configured).
+async fn register(
+    m: &MembershipArgs,
+    role: tandem_discovery::Role,
+    id: &str,
+    addr: SocketAddr,
+) -> Result<Option<tandem_discovery::Registration>> {
+    if m.etcd.is_empty() {
+        return Ok(None);
+    }
+    let record = tandem_discovery::WorkerRecord {
+        role,
+        id: id.to_string(),
+        addr: addr.to_string(),
+        payload: Vec::new(),
+    };
+    let reg = tandem_discovery::Registration::register(
+        &m.etcd,
+        &m.cluster,
+        record,
+        Duration::from_secs(m.lease_ttl_s.max(1)),
+    )
+    .await?;
+    tracing::info!(key = reg.key(), "registered");
+    Ok(Some(reg))
+}
+
+/// The shutdown future of a worker: on SIGTERM or Ctrl-C it leaves the
+/// membership first (the router stops sending), then the server drains.
+async fn leave_then_drain(reg: Option<tandem_discovery::Registration>) {
+    shutdown_signal().await;
+    if let Some(reg) = reg {
+        if let Err(e) = reg.deregister().await {
+            tracing::warn!(error = %e, "deregistering");
+        }
+    }
+    tracing::info!("draining");
 }
 
 #[derive(Args, Debug)]
@@ -68,9 +125,14 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let bound = Bound::bind(args.addr).await?;
         let addr = bound.local_addr();
+        let id = args
+            .id
+            .unwrap_or_else(|| format!("prefill-{}", addr.port()));
+        let reg = register(&args.membership, tandem_discovery::Role::Prefill, &id, addr).await?;
+        // Printed once registered, so whoever reads it can route to us.
         println!("listening on {addr}");
         let config = PrefillWorkerConfig {
-            id: args.id.unwrap_or_else(|| format!("prefill-{addr}")),
+            id,
             model: engine.model_name,
             cluster_token: args.cluster_token,
         };
@@ -79,7 +141,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             engine.kv_layout,
             bound,
             config,
-            shutdown_signal(),
+            leave_then_drain(reg),
         )
         .await?;
         Ok(())
@@ -95,9 +157,12 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let bound = Bound::bind(w.addr).await?;
         let addr = bound.local_addr();
+        let id = w.id.unwrap_or_else(|| format!("decode-{}", addr.port()));
+        let reg = register(&w.membership, tandem_discovery::Role::Decode, &id, addr).await?;
+        // Printed once registered, so whoever reads it can route to us.
         println!("listening on {addr}");
         let config = DecodeWorkerConfig {
-            id: w.id.unwrap_or_else(|| format!("decode-{addr}")),
+            id,
             model: engine.model_name,
             cluster_token: w.cluster_token,
             transfer_bind: args.transfer_addr,
@@ -108,7 +173,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             engine.kv_layout,
             bound,
             config,
-            shutdown_signal(),
+            leave_then_drain(reg),
         )
         .await?;
         Ok(())
@@ -120,8 +185,9 @@ pub struct RouterArgs {
     /// Public gRPC address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     addr: SocketAddr,
-    /// Decode workers (`host:port`, comma-separated).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Decode workers (`host:port`, comma-separated), when membership is
+    /// static.
+    #[arg(long, value_delimiter = ',')]
     decode: Vec<String>,
     /// Prefill workers (`host:port`, comma-separated); none means decode
     /// workers prefill everything themselves.
@@ -145,6 +211,48 @@ pub struct RouterArgs {
     /// Exit when standard input closes (set by `tandem up`).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
+    #[command(flatten)]
+    membership: MembershipArgs,
+}
+
+fn router_role(r: tandem_discovery::Role) -> Role {
+    match r {
+        tandem_discovery::Role::Prefill => Role::Prefill,
+        tandem_discovery::Role::Decode => Role::Decode,
+    }
+}
+
+/// Follows etcd membership: workers that register get traffic, workers
+/// that leave (or whose lease expires) stop getting it.
+async fn follow_membership(cluster: Arc<Cluster>, m: MembershipArgs) -> Result<()> {
+    let (snapshot, mut events) = tandem_discovery::watch(&m.etcd, &m.cluster).await?;
+    let mut addrs = HashMap::new();
+    for r in snapshot {
+        cluster
+            .add(router_role(r.role), &r.addr)
+            .map_err(anyhow::Error::msg)?;
+        addrs.insert((r.role, r.id), r.addr);
+    }
+    tokio::spawn(async move {
+        while let Some(ev) = events.recv().await {
+            match ev {
+                tandem_discovery::MembershipEvent::Up(r) => {
+                    tracing::info!(role = %r.role, id = %r.id, addr = %r.addr, "worker joined");
+                    if let Err(e) = cluster.add(router_role(r.role), &r.addr) {
+                        tracing::warn!(error = %e, "ignoring worker");
+                    }
+                    addrs.insert((r.role, r.id), r.addr);
+                }
+                tandem_discovery::MembershipEvent::Down { role, id } => {
+                    if let Some(addr) = addrs.remove(&(role, id.clone())) {
+                        tracing::info!(%role, %id, %addr, "worker left");
+                        cluster.remove(&addr);
+                    }
+                }
+            }
+        }
+    });
+    Ok(())
 }
 
 pub fn run_router(args: RouterArgs) -> Result<()> {
@@ -165,7 +273,13 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         None
     };
     runtime()?.block_on(async move {
+        if args.membership.etcd.is_empty() && args.decode.is_empty() {
+            anyhow::bail!("give --decode workers, or --etcd for dynamic membership");
+        }
         let cluster = Cluster::new(Duration::from_millis(args.probe_interval_ms));
+        if !args.membership.etcd.is_empty() {
+            follow_membership(cluster.clone(), args.membership.clone()).await?;
+        }
         for d in &args.decode {
             cluster.add(Role::Decode, d).map_err(anyhow::Error::msg)?;
         }

@@ -40,6 +40,10 @@ struct Started {
     addr: String,
     decode: Vec<String>,
     prefill: Vec<String>,
+    /// Worker address → pid.
+    pids: HashMap<String, u32>,
+    /// etcd endpoint and cluster name, when `up` started etcd.
+    etcd: Option<(String, String)>,
 }
 
 /// Runs `tandem <args>` and reads its address lines until `listening on`.
@@ -53,17 +57,28 @@ fn start(args: &[&str]) -> Started {
         .expect("tandem starts");
     let stdout = child.stdout.take().expect("stdout");
     let proc = KillOnDrop(child);
-    let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+    let (mut decode, mut prefill, mut pids, mut etcd) =
+        (Vec::new(), Vec::new(), HashMap::new(), None);
     let mut lines = BufReader::new(stdout).lines();
+    let mut worker = |rest: &str, into: &mut Vec<String>| {
+        let mut parts = rest.split(' ');
+        let addr = parts.next().expect("address").to_string();
+        let pid: u32 = parts.next().and_then(|p| p.parse().ok()).expect("pid");
+        pids.insert(addr.clone(), pid);
+        into.push(addr);
+    };
     loop {
         let line = lines
             .next()
             .unwrap_or_else(|| panic!("tandem {args:?} exited before listening"))
             .expect("a line");
-        if let Some(a) = line.strip_prefix("decode worker ") {
-            decode.push(a.to_string());
-        } else if let Some(a) = line.strip_prefix("prefill worker ") {
-            prefill.push(a.to_string());
+        if let Some(rest) = line.strip_prefix("decode worker ") {
+            worker(rest, &mut decode);
+        } else if let Some(rest) = line.strip_prefix("prefill worker ") {
+            worker(rest, &mut prefill);
+        } else if let Some(rest) = line.strip_prefix("etcd ") {
+            let (e, c) = rest.split_once(' ').expect("endpoint and cluster");
+            etcd = Some((e.to_string(), c.to_string()));
         } else if let Some(a) = line.strip_prefix("listening on ") {
             // Keep draining stdout so the child never blocks.
             std::thread::spawn(move || for _ in lines {});
@@ -72,6 +87,8 @@ fn start(args: &[&str]) -> Started {
                 addr: a.to_string(),
                 decode,
                 prefill,
+                pids,
+                etcd,
             };
         }
     }
@@ -322,4 +339,248 @@ fn a_shared_prefix_goes_back_to_the_worker_that_holds_it() {
             .expect("call");
         assert_eq!(o.decode.as_ref(), Some(home), "prefix {p} left its worker");
     }
+}
+
+fn gen_model(dir: &Path, preset: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["gen-model", "--config", preset, "--out"])
+        .arg(dir)
+        .output()
+        .expect("gen-model");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // Big enough that a long generation is still running when we kill.
+    gen_model(tmp.path(), "small");
+    let model = tmp.path().to_str().expect("utf8");
+    let cluster = start(&[
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "64MiB",
+        "--lease-ttl-s",
+        "2",
+    ]);
+    let (etcd, name) = cluster
+        .etcd
+        .clone()
+        .expect("`tandem up` starts etcd when installed");
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = GenerationClient::connect(format!("http://{}", cluster.addr))
+            .await
+            .expect("router");
+        let long = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                ids: (1..20).collect(),
+            })),
+            max_tokens: Some(1800),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let resp = c.generate(long).await.expect("call");
+        let victim = resp
+            .metadata()
+            .get(ROUTED_DECODE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .expect("routed")
+            .to_string();
+        let mut stream = resp.into_inner();
+        stream.message().await.expect("a message").expect("a delta");
+        let pid = cluster.pids[&victim];
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+        // The in-flight request ends with UNAVAILABLE, not a hang.
+        let end = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return None,
+                    Err(s) => return Some(s.code()),
+                }
+            }
+        })
+        .await
+        .expect("the stream ended");
+        assert_eq!(end, Some(tonic::Code::Unavailable));
+        // Within the lease TTL + 2 s, every request goes to the survivor.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        for i in 0..8u32 {
+            let o = generate(&cluster.addr, vec![i, i + 1, i + 2], 2)
+                .await
+                .expect("served elsewhere");
+            assert_ne!(o.decode.as_deref(), Some(victim.as_str()));
+        }
+    });
+    // A worker started later joins without a router restart.
+    let mut late = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "decode-worker",
+            "--model",
+            model,
+            "--etcd",
+            &etcd,
+            "--cluster",
+            &name,
+            "--lease-ttl-s",
+            "2",
+            "--kv-cache-memory",
+            "64MiB",
+            "--exit-on-stdin-eof",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("late worker");
+    let mut line = String::new();
+    BufReader::new(late.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("its address");
+    let late = KillOnDrop(late);
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("listening")
+        .to_string();
+    let reached = rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut i = 100u32;
+        while Instant::now() < deadline {
+            i += 1;
+            if let Ok(o) = generate(&cluster.addr, vec![i, i * 3 % 256, 7], 2).await {
+                if o.decode.as_deref() == Some(addr.as_str()) {
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    });
+    assert!(reached, "the late worker {addr} never got a request");
+    drop(late);
+}
+
+#[test]
+fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_model(tmp.path(), "small");
+    let model = tmp.path().to_str().expect("utf8");
+    let cluster = start(&[
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "64MiB",
+        "--remote-prefill-threshold",
+        "32",
+    ]);
+    let (etcd, name) = cluster
+        .etcd
+        .clone()
+        .expect("`tandem up` starts etcd when installed");
+    // A decode worker with another block size joins the membership ...
+    let mut odd = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "decode-worker",
+            "--model",
+            model,
+            "--etcd",
+            &etcd,
+            "--cluster",
+            &name,
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--exit-on-stdin-eof",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("odd worker");
+    let mut line = String::new();
+    BufReader::new(odd.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("its address");
+    let _odd = KillOnDrop(odd);
+    let odd_addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("listening")
+        .to_string();
+    std::thread::sleep(Duration::from_secs(1));
+    let rt = rt();
+    rt.block_on(async {
+        // ... and never gets a request.
+        for i in 0..12u32 {
+            let o = generate(&cluster.addr, vec![i, 2 * i, 3], 2)
+                .await
+                .expect("served");
+            assert_ne!(o.decode.as_deref(), Some(odd_addr.as_str()));
+        }
+        // A request prefilled remotely, cancelled mid-stream, frees its
+        // blocks on the decode and the prefill worker.
+        let mut c = GenerationClient::connect(format!("http://{}", cluster.addr))
+            .await
+            .expect("router");
+        let req = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                ids: (0..600).map(|i| i % 256).collect(),
+            })),
+            max_tokens: Some(1200),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let resp = c.generate(req).await.expect("call");
+        assert!(
+            resp.metadata().get(ROUTED_PREFILL_HEADER).is_some(),
+            "prefilled remotely"
+        );
+        let mut stream = resp.into_inner();
+        stream.message().await.expect("message").expect("a delta");
+        let busy = load(&cluster.decode[0]).await;
+        assert!(busy.free_blocks < busy.num_blocks);
+        drop(stream);
+        drop(c);
+        for w in cluster.decode.iter().chain(&cluster.prefill) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let l = load(w).await;
+                if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let decoded = load(&cluster.decode[0]).await.computed_tokens;
+        assert!(
+            decoded < 600 + 1200 / 2,
+            "the request ran on after the client left"
+        );
+    });
 }
