@@ -11,9 +11,9 @@ use tandem_engine::{generate, Checkpoint, GenerateOptions, GenerateRequest, Samp
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Send the request to a running server (`host:port`) instead of loading
-    /// a model here.
-    #[arg(long, conflicts_with_all = ["model", "block_size"])]
+    /// Send the request to a running server or router (`host:port`; also
+    /// `--router`) instead of loading a model here.
+    #[arg(long, alias = "router", conflicts_with_all = ["model", "block_size"])]
     pub server: Option<String>,
     /// Hugging Face checkpoint directory (default: the built-in model).
     #[arg(long)]
