@@ -1,0 +1,249 @@
+//! Cluster benchmark: local `tandem up` clusters of real processes.
+//!
+//! ```text
+//! cargo build --release -p tandem -p tandem-bench
+//! target/release/cluster-bench --tandem target/release/tandem --out cluster.json
+//! ```
+//!
+//! * **Overlap.** On an idle cluster (1 prefill + 1 decode worker), the
+//!   engine-measured TTFT of 1k-token prompts prefilled remotely (pushed
+//!   layer by layer) against the same prompts prefilled on the decode worker
+//!   itself (threshold above the prompt length). Target: remote ≤ 1.2x local.
+//! * **Prefix affinity.** Over 4 decode workers, a workload of requests that
+//!   share a few long prefixes, routed with `kv` and with `round-robin`;
+//!   mean TTFT of each. Target: kv ≤ 0.5x round-robin.
+//!
+//! Each measurement starts its own cluster; ratios compare runs made one
+//! after the other on the same machine.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Parser;
+use serde_json::json;
+use tandem_engine::{synth, DType};
+use tandem_proto::v1;
+use tandem_proto::v1::generation_client::GenerationClient;
+
+#[derive(Parser, Debug)]
+#[command(about = "tandem cluster benchmark (JSON output)")]
+struct Args {
+    /// The tandem binary.
+    #[arg(long, default_value = "target/release/tandem")]
+    tandem: PathBuf,
+    /// Checkpoint directory (default: generate bench-100m in bf16).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt length for the overlap test.
+    #[arg(long, default_value_t = 1024)]
+    prompt_len: usize,
+    /// Prompts per overlap measurement.
+    #[arg(long, default_value_t = 4)]
+    overlap_prompts: usize,
+    /// Shared prefixes (not a multiple of the 4 workers, so round-robin does
+    /// not land on affinity by accident), prefix length, and requests per
+    /// prefix (affinity test).
+    #[arg(long, default_value_t = 5)]
+    prefixes: usize,
+    #[arg(long, default_value_t = 512)]
+    prefix_len: usize,
+    #[arg(long, default_value_t = 4)]
+    per_prefix: usize,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// A running `tandem up`; stopped with SIGTERM (it stops its children).
+struct Up(Child, String);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+fn up(args: &Args, model: &str, extra: &[&str]) -> Result<Up> {
+    let mut child = Command::new(&args.tandem)
+        .args([
+            "up",
+            "--model",
+            model,
+            "--addr",
+            "127.0.0.1:0",
+            "--kv-cache-memory",
+            "1GiB",
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", args.tandem.display()))?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(a) = line.strip_prefix("listening on ") {
+            let addr = a.to_string();
+            std::thread::spawn(move || for _ in lines {});
+            return Ok(Up(child, addr));
+        }
+    }
+    bail!("tandem up exited before listening")
+}
+
+/// Engine-measured TTFT of one greedy 1-token request.
+async fn ttft(addr: &str, prompt: Vec<u32>) -> Result<f64> {
+    let mut c = GenerationClient::connect(format!("http://{addr}")).await?;
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(1),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await?.into_inner();
+    while let Some(msg) = s.message().await? {
+        if let Some(v1::generate_response::Event::Finished(f)) = msg.event {
+            return Ok(f.timings.map_or(0.0, |t| t.ttft_s));
+        }
+    }
+    bail!("no Finished message")
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, m: u64) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % m) as u32
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let _tmp;
+    let model = match &args.model {
+        Some(d) => d.display().to_string(),
+        None => {
+            let tmp = tempfile::tempdir()?;
+            eprintln!("generating bench-100m (bf16) in {}", tmp.path().display());
+            synth::preset("bench-100m")?.write(tmp.path(), 0, DType::Bf16)?;
+            let p = tmp.path().display().to_string();
+            _tmp = tmp;
+            p
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let vocab = 8000;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+
+    // Overlap: remote against local prefill, same prompts (fresh each, so
+    // nothing is cached).
+    let prompts: Vec<Vec<u32>> = (0..args.overlap_prompts)
+        .map(|_| (0..args.prompt_len).map(|_| rng.next(vocab)).collect())
+        .collect();
+    let mut results = Vec::new();
+    for (mode, threshold) in [("remote", "256"), ("local", "1000000")] {
+        let cluster = up(
+            &args,
+            &model,
+            &[
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--remote-prefill-threshold",
+                threshold,
+            ],
+        )?;
+        let t: Vec<f64> = rt.block_on(async {
+            // One warm-up request (page cache, connections), not counted.
+            let warm: Vec<u32> = (0..64).map(|i| i + 1).collect();
+            ttft(&cluster.1, warm).await?;
+            let mut t = Vec::new();
+            for p in &prompts {
+                t.push(ttft(&cluster.1, p.clone()).await?);
+            }
+            Ok::<_, anyhow::Error>(t)
+        })?;
+        eprintln!("{mode} prefill: mean TTFT {:.3}s over {t:?}", mean(&t));
+        results.push((mode, t));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (remote, local) = (mean(&results[0].1), mean(&results[1].1));
+
+    // Prefix affinity over 4 decode workers.
+    let prefixes: Vec<Vec<u32>> = (0..args.prefixes)
+        .map(|_| (0..args.prefix_len).map(|_| rng.next(vocab)).collect())
+        .collect();
+    let mut work = Vec::new();
+    for round in 0..args.per_prefix {
+        for p in &prefixes {
+            let mut v = p.clone();
+            v.extend((0..32).map(|_| rng.next(vocab)));
+            work.push((round, v));
+        }
+    }
+    let mut affinity = Vec::new();
+    for policy in ["kv", "round-robin"] {
+        let cluster = up(
+            &args,
+            &model,
+            &["--prefill", "0", "--decode", "4", "--decode-policy", policy],
+        )?;
+        let t: Vec<f64> = rt.block_on(async {
+            let mut t = Vec::new();
+            for (_, p) in &work {
+                t.push(ttft(&cluster.1, p.clone()).await?);
+                // Let the KV events reach the router between requests.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok::<_, anyhow::Error>(t)
+        })?;
+        eprintln!("{policy}: mean TTFT {:.3}s", mean(&t));
+        affinity.push((policy, t));
+    }
+    let (kv, rr) = (mean(&affinity[0].1), mean(&affinity[1].1));
+    let report = json!({
+        "model": model,
+        "overlap": {
+            "prompt_len": args.prompt_len,
+            "remote_ttft_s": results[0].1, "local_ttft_s": results[1].1,
+            "remote_mean_s": remote, "local_mean_s": local,
+            "remote_over_local": remote / local, "target_max": 1.2,
+        },
+        "affinity": {
+            "decode_workers": 4, "prefixes": args.prefixes, "prefix_len": args.prefix_len,
+            "requests": work.len(),
+            "kv_ttft_s": affinity[0].1, "round_robin_ttft_s": affinity[1].1,
+            "kv_mean_s": kv, "round_robin_mean_s": rr,
+            "kv_over_round_robin": kv / rr, "target_max": 0.5,
+        },
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, &text)?;
+    }
+    Ok(())
+}
