@@ -205,6 +205,10 @@ pub struct RouterArgs {
     /// Use a prefill worker only from this many uncached prompt tokens.
     #[arg(long, default_value_t = 256)]
     remote_prefill_threshold: usize,
+    /// Prefill locally when every prefill worker has this many requests in
+    /// flight (the prefill pool is saturated).
+    #[arg(long, default_value_t = 8)]
+    max_prefill_queue: usize,
     /// How often each worker is probed (ms).
     #[arg(long, default_value_t = 500)]
     probe_interval_ms: u64,
@@ -293,6 +297,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             args.decode_policy.build(),
             args.prefill_policy.build(),
             args.remote_prefill_threshold,
+            args.max_prefill_queue,
         );
         let bound = Bound::bind(args.addr).await?;
         println!("listening on {}", bound.local_addr());

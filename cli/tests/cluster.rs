@@ -259,16 +259,16 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
             .decode
             .as_ref()
             .is_some_and(|d| cluster.decode.contains(d)));
-        match &g.prefill {
-            Some(p) => {
-                assert!(
-                    prompt.len() >= 32,
-                    "a {}-token prompt went to prefill",
-                    prompt.len()
-                );
-                *used_prefill.entry(p.clone()).or_default() += 1;
-            }
-            None => assert!(prompt.len() < 32 + 16 * 8 || prompt.len() < 32),
+        // Without a prefill worker: short, mostly cached, or the prefill pool
+        // was saturated (`--max-prefill-queue`), so prefilled on the decode
+        // worker.
+        if let Some(p) = &g.prefill {
+            assert!(
+                prompt.len() >= 32,
+                "a {}-token prompt went to prefill",
+                prompt.len()
+            );
+            *used_prefill.entry(p.clone()).or_default() += 1;
         }
     }
     assert!(

@@ -25,6 +25,9 @@ pub struct RouterService {
     /// Prefill remotely only when this many prompt tokens are not cached at
     /// the chosen decode worker.
     remote_prefill_threshold: usize,
+    /// A prefill worker with this many requests in flight is saturated;
+    /// when all are, the decode worker prefills locally.
+    max_prefill_queue: usize,
 }
 
 impl RouterService {
@@ -34,6 +37,7 @@ impl RouterService {
         decode_policy: Box<dyn RoutingPolicy>,
         prefill_policy: Box<dyn RoutingPolicy>,
         remote_prefill_threshold: usize,
+        max_prefill_queue: usize,
     ) -> Self {
         Self {
             cluster,
@@ -41,6 +45,7 @@ impl RouterService {
             decode_policy,
             prefill_policy,
             remote_prefill_threshold,
+            max_prefill_queue: max_prefill_queue.max(1),
         }
     }
 
@@ -149,8 +154,15 @@ impl v1::generation_server::Generation for RouterService {
         let decode = decodes[di].clone();
         let uncached = prompt_len.saturating_sub(cands[di].matched_blocks * bs);
 
+        // Conditional disaggregation: remote only for a long uncached part
+        // and an unsaturated prefill pool.
         let prefill = if uncached >= self.remote_prefill_threshold.max(1) {
-            let pool = self.cluster.healthy(Role::Prefill);
+            let pool: Vec<Arc<Worker>> = self
+                .cluster
+                .healthy(Role::Prefill)
+                .into_iter()
+                .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
+                .collect();
             if pool.is_empty() {
                 None
             } else {
