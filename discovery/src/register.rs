@@ -77,7 +77,7 @@ impl Registration {
             .unwrap_or(i64::MAX)
             .max(1);
         let (lease_id, granted) =
-            grant_and_put(&mut client, endpoints, &key, &value, ttl_secs).await?;
+            grant_and_put(&mut client, endpoints, &key, &value, ttl_secs, |_| {}).await?;
         let lease = Arc::new(AtomicI64::new(lease_id));
         let keeper = KeepAlive {
             client: client.clone(),
@@ -167,13 +167,15 @@ impl Drop for Registration {
 }
 
 /// Grants a lease of `ttl_secs` and puts `key` under it. Returns the lease
-/// id and the TTL etcd granted.
+/// id and the TTL etcd granted. `granted` hears the new lease id before the
+/// put, so by the time a watcher sees the key, the id is already published.
 async fn grant_and_put(
     client: &mut Client,
     endpoints: &[String],
     key: &str,
     value: &[u8],
     ttl_secs: i64,
+    granted: impl FnOnce(i64),
 ) -> Result<(i64, i64), DiscoveryError> {
     let grant = call(
         endpoints,
@@ -192,6 +194,7 @@ async fn grant_and_put(
         });
     }
     let id = grant.id();
+    granted(id);
     let put = call(
         endpoints,
         "putting the worker's key",
@@ -293,12 +296,14 @@ impl KeepAlive {
     /// Grants a new lease and puts the key again, retrying until it works.
     async fn regrant(&mut self, backoff: &mut Backoff) {
         loop {
+            let lease = Arc::clone(&self.lease);
             let result = grant_and_put(
                 &mut self.client,
                 &self.endpoints,
                 &self.key,
                 &self.value,
                 self.ttl_secs,
+                |id| lease.store(id, Ordering::Release),
             )
             .await;
             match result {
