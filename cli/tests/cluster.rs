@@ -94,19 +94,6 @@ fn start(args: &[&str]) -> Started {
     }
 }
 
-fn gen_tiny(dir: &Path) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["gen-model", "--config", "tiny", "--out"])
-        .arg(dir)
-        .output()
-        .expect("gen-model");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn up(model: &Path, prefill: usize, decode: usize) -> Started {
     start(&[
         "up",
@@ -226,10 +213,51 @@ async fn load(addr: &str) -> wv1::LoadReport {
         .into_inner()
 }
 
+/// Waits (at most 10 s per worker) until every worker of the cluster has
+/// freed all its blocks and has nothing running, waiting or parked.
+async fn all_blocks_free(cluster: &Started) {
+    for w in cluster.decode.iter().chain(&cluster.prefill) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let l = load(w).await;
+            if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Starts `tandem decode-worker <args>` (dying with the test) and returns it
+/// with the address it listens on.
+fn decode_worker(args: &[&str]) -> (KillOnDrop, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .arg("decode-worker")
+        .args(args)
+        .arg("--exit-on-stdin-eof")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("decode worker starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("its address");
+    let child = KillOnDrop(child);
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("listening")
+        .to_string();
+    (child, addr)
+}
+
 #[test]
 fn two_prefill_two_decode_workers_match_the_colocated_server() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    gen_tiny(tmp.path());
+    gen_model(tmp.path(), "tiny");
     let model = tmp.path().to_str().expect("utf8");
     let serve = start(&[
         "serve",
@@ -277,24 +305,14 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
     );
     // Every block came back on every worker.
     rt.block_on(async {
-        for w in cluster.decode.iter().chain(&cluster.prefill) {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let l = load(w).await;
-                if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
-                    break;
-                }
-                assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        all_blocks_free(&cluster).await;
     });
 }
 
 #[test]
 fn without_prefill_workers_the_cluster_still_serves() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    gen_tiny(tmp.path());
+    gen_model(tmp.path(), "tiny");
     let cluster = up(tmp.path(), 0, 1);
     let rt = rt();
     let prompt: Vec<u32> = (0..200).map(|i| i % 256).collect();
@@ -308,7 +326,7 @@ fn without_prefill_workers_the_cluster_still_serves() {
 #[test]
 fn a_shared_prefix_goes_back_to_the_worker_that_holds_it() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    gen_tiny(tmp.path());
+    gen_model(tmp.path(), "tiny");
     let cluster = up(tmp.path(), 0, 2);
     let rt = rt();
     let prefix = |p: u32| -> Vec<u32> { (0..256).map(|i| (i * 7 + p * 31) % 256).collect() };
@@ -429,36 +447,18 @@ fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
         }
     });
     // A worker started later joins without a router restart.
-    let mut late = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "decode-worker",
-            "--model",
-            model,
-            "--etcd",
-            &etcd,
-            "--cluster",
-            &name,
-            "--lease-ttl-s",
-            "2",
-            "--kv-cache-memory",
-            "64MiB",
-            "--exit-on-stdin-eof",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("late worker");
-    let mut line = String::new();
-    BufReader::new(late.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("its address");
-    let late = KillOnDrop(late);
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("listening")
-        .to_string();
+    let (late, addr) = decode_worker(&[
+        "--model",
+        model,
+        "--etcd",
+        &etcd,
+        "--cluster",
+        &name,
+        "--lease-ttl-s",
+        "2",
+        "--kv-cache-memory",
+        "64MiB",
+    ]);
     let reached = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut i = 100u32;
@@ -502,36 +502,18 @@ fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
         .clone()
         .expect("`tandem up` starts etcd when installed");
     // A decode worker with another block size joins the membership ...
-    let mut odd = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "decode-worker",
-            "--model",
-            model,
-            "--etcd",
-            &etcd,
-            "--cluster",
-            &name,
-            "--block-size",
-            "32",
-            "--kv-cache-memory",
-            "64MiB",
-            "--exit-on-stdin-eof",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("odd worker");
-    let mut line = String::new();
-    BufReader::new(odd.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("its address");
-    let _odd = KillOnDrop(odd);
-    let odd_addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("listening")
-        .to_string();
+    let (_odd, odd_addr) = decode_worker(&[
+        "--model",
+        model,
+        "--etcd",
+        &etcd,
+        "--cluster",
+        &name,
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "64MiB",
+    ]);
     std::thread::sleep(Duration::from_secs(1));
     let rt = rt();
     rt.block_on(async {
@@ -566,17 +548,7 @@ fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
         assert!(busy.free_blocks < busy.num_blocks);
         drop(stream);
         drop(c);
-        for w in cluster.decode.iter().chain(&cluster.prefill) {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let l = load(w).await;
-                if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
-                    break;
-                }
-                assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        all_blocks_free(&cluster).await;
         let decoded = load(&cluster.decode[0]).await.computed_tokens;
         assert!(
             decoded < 600 + 1200 / 2,
