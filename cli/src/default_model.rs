@@ -109,7 +109,12 @@ pub fn default_model_dir() -> Result<PathBuf> {
 }
 
 fn is_complete(dir: &Path) -> bool {
-    ["config.json", "model.safetensors", "tokenizer.json"]
-        .iter()
-        .all(|f| dir.join(f).is_file())
+    [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    .iter()
+    .all(|f| dir.join(f).is_file())
 }

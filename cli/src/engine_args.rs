@@ -66,6 +66,8 @@ pub struct StartedEngine {
     pub kv_layout: tandem_engine::KvLayout,
     /// The model's name for membership checks (its directory name).
     pub model_name: String,
+    /// The checkpoint directory.
+    pub model_dir: std::path::PathBuf,
 }
 
 /// Loads the model (default: the built-in one) and starts its engine thread.
@@ -96,6 +98,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         handle: EngineHandle::spawn(core)?,
         kv_layout,
         model_name,
+        model_dir: dir,
     })
 }
 

@@ -8,6 +8,7 @@
 mod default_model;
 mod engine_args;
 mod generate_cmd;
+mod http_args;
 mod plan_cmd;
 mod remote;
 mod serve_cmd;

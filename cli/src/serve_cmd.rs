@@ -6,7 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use tandem_server::Bound;
+use std::sync::Arc;
+
+use tandem_proto::v1;
+use tandem_server::{Bound, GenerationService, Services};
 
 use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
 
@@ -20,15 +23,25 @@ pub struct ServeArgs {
     addr: SocketAddr,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let bound = Bound::bind(args.addr).await?;
+        let service = Arc::new(GenerationService::new(engine.handle.clone()));
+        args.http.start(&engine.model_dir, service.clone()).await?;
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.
         println!("listening on {}", bound.local_addr());
-        tandem_server::serve(bound, engine.handle, shutdown_signal()).await?;
+        let mut services = Services::default();
+        services.add(
+            v1::generation_server::GenerationServer::from_arc(service),
+            v1::GENERATION_SERVICE,
+            v1::FILE_DESCRIPTOR_SET,
+        );
+        tandem_server::serve_services(bound, services, shutdown_signal()).await?;
         Ok(())
     })
 }

@@ -7,8 +7,9 @@
 //! router watches it, so workers may come and go); otherwise `up` hands the
 //! addresses to the router as static lists. `up`
 //! prints the workers' addresses (`decode worker ADDR`, `prefill worker
-//! ADDR`) and then the router's (`listening on ADDR`), and waits; Ctrl-C
-//! stops everything.
+//! ADDR`), the router's OpenAI HTTP API (`http listening on ADDR`, unless
+//! `--no-http`) and then the router's gRPC address (`listening on ADDR`),
+//! and waits; Ctrl-C stops everything.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -45,6 +46,16 @@ pub struct UpArgs {
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
+    /// The OpenAI-compatible HTTP API of the router.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    http_addr: String,
+    /// No HTTP API (gRPC only).
+    #[arg(long)]
+    no_http: bool,
+    /// The model name HTTP clients pass (default: the checkpoint
+    /// directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
     /// Static membership even when etcd is installed.
     #[arg(long)]
     no_etcd: bool,
@@ -133,8 +144,17 @@ impl Drop for Children {
     }
 }
 
-/// Starts `tandem <args>`; returns the address it printed and its pid.
-fn spawn(children: &mut Children, args: &[String]) -> Result<(String, u32)> {
+/// A started child: the address it listens on, its pid, and its HTTP API
+/// address if it serves one.
+struct Spawned {
+    addr: String,
+    pid: u32,
+    http: Option<String>,
+}
+
+/// Starts `tandem <args>` and reads its startup lines up to
+/// `listening on ADDR` (an `http listening on ADDR` line may come first).
+fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
@@ -152,18 +172,42 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<(String, u32)> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut lines = BufReader::new(stdout).lines();
-        let first = lines.next();
-        let _ = tx.send(first);
+        for line in lines.by_ref() {
+            let last = line
+                .as_ref()
+                .map_or(true, |l| l.starts_with("listening on "));
+            let _ = tx.send(line);
+            if last {
+                break;
+            }
+        }
+        drop(tx);
         // Keep draining so the child never blocks on a full pipe.
         for _ in lines {}
     });
-    let line = rx
-        .recv_timeout(Duration::from_secs(300))
-        .map_err(|_| anyhow!("tandem {} did not start", args[0]))?
-        .ok_or_else(|| anyhow!("tandem {} exited before listening", args[0]))??;
-    line.strip_prefix("listening on ")
-        .map(|a| (a.to_string(), pid))
-        .ok_or_else(|| anyhow!("tandem {} printed {line:?}", args[0]))
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let mut http = None;
+    loop {
+        let wait = deadline.saturating_duration_since(std::time::Instant::now());
+        let line = match rx.recv_timeout(wait) {
+            Ok(line) => line?,
+            Err(mpsc::RecvTimeoutError::Timeout) => bail!("tandem {} did not start", args[0]),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                bail!("tandem {} exited before listening", args[0])
+            }
+        };
+        if let Some(a) = line.strip_prefix("http listening on ") {
+            http = Some(a.to_string());
+        } else if let Some(a) = line.strip_prefix("listening on ") {
+            return Ok(Spawned {
+                addr: a.to_string(),
+                pid,
+                http,
+            });
+        } else {
+            bail!("tandem {} printed {line:?}", args[0]);
+        }
+    }
 }
 
 pub fn run(args: UpArgs) -> Result<()> {
@@ -211,11 +255,13 @@ pub fn run(args: UpArgs) -> Result<()> {
             "--remote-prefill-threshold".into(),
             args.remote_prefill_threshold.to_string(),
         ]);
-        decodes.push(spawn(&mut children, &a)?);
+        let d = spawn(&mut children, &a)?;
+        decodes.push((d.addr, d.pid));
     }
     let mut prefills = Vec::new();
     for _ in 0..args.prefill {
-        prefills.push(spawn(&mut children, &worker("prefill-worker"))?);
+        let p = spawn(&mut children, &worker("prefill-worker"))?;
+        prefills.push((p.addr, p.pid));
     }
     let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
     let prefill_addrs: Vec<String> = prefills.iter().map(|p| p.0.clone()).collect();
@@ -230,6 +276,12 @@ pub fn run(args: UpArgs) -> Result<()> {
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
     ];
+    if !args.no_http {
+        router.extend(["--http-addr".into(), args.http_addr.clone()]);
+        if let Some(name) = &args.served_model_name {
+            router.extend(["--served-model-name".into(), name.clone()]);
+        }
+    }
     if etcd.is_some() {
         router.extend(membership.iter().cloned());
     } else {
@@ -238,7 +290,7 @@ pub fn run(args: UpArgs) -> Result<()> {
             router.extend(["--prefill".into(), prefill_addrs.join(",")]);
         }
     }
-    let (addr, _) = spawn(&mut children, &router)?;
+    let Spawned { addr, http, .. } = spawn(&mut children, &router)?;
     if let Some(e) = &etcd {
         println!("etcd {} {cluster_name}", e.endpoint);
     }
@@ -257,6 +309,10 @@ pub fn run(args: UpArgs) -> Result<()> {
         println!("prefill worker {p} {pid}");
     }
 
+    if let Some(h) = &http {
+        eprintln!("OpenAI-compatible HTTP API on http://{h}/v1");
+        println!("http listening on {h}");
+    }
     println!("listening on {addr}");
     // Wait for Ctrl-C / SIGTERM or for the router to die; a worker that
     // dies is reported and left out (the router stops sending to it). The

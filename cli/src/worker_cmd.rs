@@ -217,6 +217,8 @@ pub struct RouterArgs {
     exit_on_stdin_eof: bool,
     #[command(flatten)]
     membership: MembershipArgs,
+    #[command(flatten)]
+    http: crate::http_args::HttpArgs,
 }
 
 fn router_role(r: tandem_discovery::Role) -> Role {
@@ -291,19 +293,20 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             cluster.add(Role::Prefill, p).map_err(anyhow::Error::msg)?;
         }
         cluster.wait_probed(Duration::from_secs(10)).await;
-        let service = RouterService::new(
+        let service = Arc::new(RouterService::new(
             cluster,
             tokenizer,
             args.decode_policy.build(),
             args.prefill_policy.build(),
             args.remote_prefill_threshold,
             args.max_prefill_queue,
-        );
+        ));
         let bound = Bound::bind(args.addr).await?;
+        args.http.start(&dir, service.clone()).await?;
         println!("listening on {}", bound.local_addr());
         let mut services = Services::default();
         services.add(
-            v1::generation_server::GenerationServer::new(service),
+            v1::generation_server::GenerationServer::from_arc(service),
             v1::GENERATION_SERVICE,
             v1::FILE_DESCRIPTOR_SET,
         );

@@ -1,97 +1,18 @@
 //! A local cluster of real processes (`tandem up`: router, prefill and
 //! decode workers on loopback) against the colocated server.
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
-use tandem_proto::worker::v1 as wv1;
-use tandem_proto::worker::v1::worker_client::WorkerClient;
 use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
+use tandem_tests::cluster::{all_blocks_free, load, KillOnDrop, Started};
 
-/// Kills the process (and with `tandem up`, its children) at the end.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        // SIGTERM lets `up` stop its children (they also exit when `up`'s
-        // end of their stdin closes).
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct Started {
-    _proc: KillOnDrop,
-    addr: String,
-    decode: Vec<String>,
-    prefill: Vec<String>,
-    /// Worker address → pid.
-    pids: HashMap<String, u32>,
-    /// etcd endpoint and cluster name, when `up` started etcd.
-    etcd: Option<(String, String)>,
-}
-
-/// Runs `tandem <args>` and reads its address lines until `listening on`.
 fn start(args: &[&str]) -> Started {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("tandem starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let proc = KillOnDrop(child);
-    let (mut decode, mut prefill, mut pids, mut etcd) =
-        (Vec::new(), Vec::new(), HashMap::new(), None);
-    let mut lines = BufReader::new(stdout).lines();
-    let mut worker = |rest: &str, into: &mut Vec<String>| {
-        let mut parts = rest.split(' ');
-        let addr = parts.next().expect("address").to_string();
-        let pid: u32 = parts.next().and_then(|p| p.parse().ok()).expect("pid");
-        pids.insert(addr.clone(), pid);
-        into.push(addr);
-    };
-    loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("tandem {args:?} exited before listening"))
-            .expect("a line");
-        if let Some(rest) = line.strip_prefix("decode worker ") {
-            worker(rest, &mut decode);
-        } else if let Some(rest) = line.strip_prefix("prefill worker ") {
-            worker(rest, &mut prefill);
-        } else if let Some(rest) = line.strip_prefix("etcd ") {
-            let (e, c) = rest.split_once(' ').expect("endpoint and cluster");
-            etcd = Some((e.to_string(), c.to_string()));
-        } else if let Some(a) = line.strip_prefix("listening on ") {
-            // Keep draining stdout so the child never blocks.
-            std::thread::spawn(move || for _ in lines {});
-            return Started {
-                _proc: proc,
-                addr: a.to_string(),
-                decode,
-                prefill,
-                pids,
-                etcd,
-            };
-        }
-    }
+    tandem_tests::cluster::start(Path::new(env!("CARGO_BIN_EXE_tandem")), args)
 }
 
 fn up(model: &Path, prefill: usize, decode: usize) -> Started {
@@ -104,6 +25,8 @@ fn up(model: &Path, prefill: usize, decode: usize) -> Started {
         "--decode",
         &decode.to_string(),
         "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
         "127.0.0.1:0",
         "--kv-cache-memory",
         "32MiB",
@@ -203,32 +126,6 @@ async fn generate_owned(addr: String, prompt: Vec<u32>, n: u32) -> Result<Outcom
     generate(&addr, prompt, n).await
 }
 
-async fn load(addr: &str) -> wv1::LoadReport {
-    let mut c = WorkerClient::connect(format!("http://{addr}"))
-        .await
-        .expect("worker connects");
-    c.load(wv1::LoadRequest {})
-        .await
-        .expect("load")
-        .into_inner()
-}
-
-/// Waits (at most 10 s per worker) until every worker of the cluster has
-/// freed all its blocks and has nothing running, waiting or parked.
-async fn all_blocks_free(cluster: &Started) {
-    for w in cluster.decode.iter().chain(&cluster.prefill) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let l = load(w).await;
-            if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
 /// Starts `tandem decode-worker <args>` (dying with the test) and returns it
 /// with the address it listens on.
 fn decode_worker(args: &[&str]) -> (KillOnDrop, String) {
@@ -265,6 +162,8 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
         model,
         "--addr",
         "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
         "--num-kv-blocks",
         "2048",
         "--batch-invariant",
@@ -275,7 +174,8 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
     let rt = rt();
     let want = rt.block_on(run_all(&serve.addr, &work));
     let got = rt.block_on(run_all(&cluster.addr, &work));
-    let mut used_prefill: HashMap<String, usize> = HashMap::new();
+    let mut used_prefill: std::collections::HashMap<String, usize> =
+        std::collections::HashMap::new();
     for (i, ((w, g), (prompt, _))) in want.iter().zip(&got).zip(&work).enumerate() {
         assert_eq!(
             w.tokens,
@@ -388,6 +288,8 @@ fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
         "2",
         "--addr",
         "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
         "--kv-cache-memory",
         "64MiB",
         "--lease-ttl-s",
@@ -491,6 +393,8 @@ fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
         "--decode",
         "1",
         "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
         "127.0.0.1:0",
         "--kv-cache-memory",
         "64MiB",

@@ -1,7 +1,8 @@
 //! Deterministic random-weight checkpoints in Hugging Face format.
 //!
 //! `tandem gen-model` writes `config.json`, `generation_config.json`,
-//! `model.safetensors` and a byte-level BPE `tokenizer.json`, so tests and
+//! `model.safetensors`, a byte-level BPE `tokenizer.json` and a
+//! `tokenizer_config.json` with a chat template, so tests and
 //! benchmarks need no downloads. The same preset and seed always give the
 //! same bytes. Weights follow Hugging Face's Llama initialisation
 //! (normal, std = `initializer_range`), norms are ones.
@@ -17,6 +18,11 @@ use serde_json::{json, Value};
 use crate::error::{EngineError, Result};
 use crate::sampling::Rng;
 use crate::weights::DType;
+
+/// The chat template of generated models (written to their
+/// `tokenizer_config.json`): each message on its own line as `role: text`,
+/// ended by EOS, after one BOS.
+pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
 
 /// The shape of a generated model.
 #[derive(Debug, Clone, PartialEq)]
@@ -257,6 +263,15 @@ impl SynthConfig {
             &json!({"bos_token_id": BOS, "eos_token_id": EOS}),
         )?;
         write_json("tokenizer.json", &byte_level_tokenizer(self.vocab_size))?;
+        write_json(
+            "tokenizer_config.json",
+            &json!({
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": true,
+                "chat_template": CHAT_TEMPLATE,
+            }),
+        )?;
         Ok(())
     }
 }

@@ -27,6 +27,24 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` without added special tokens: for text that
+    /// already spells them out, such as a rendered chat template.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of one token on its own, special tokens included (what
+    /// logprob reports show for it).
+    pub fn token_text(&self, id: u32) -> Result<String> {
+        self.inner
+            .decode(&[id], false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
     /// Text of `ids`, skipping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

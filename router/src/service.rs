@@ -155,8 +155,9 @@ impl v1::generation_server::Generation for RouterService {
         let uncached = prompt_len.saturating_sub(cands[di].matched_blocks * bs);
 
         // Conditional disaggregation: remote only for a long uncached part
-        // and an unsaturated prefill pool.
-        let prefill = if uncached >= self.remote_prefill_threshold.max(1) {
+        // and an unsaturated prefill pool, and for one choice (the engine
+        // forks `n > 1` choices from a local prefill).
+        let prefill = if req.n <= 1 && uncached >= self.remote_prefill_threshold.max(1) {
             let pool: Vec<Arc<Worker>> = self
                 .cluster
                 .healthy(Role::Prefill)

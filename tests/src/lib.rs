@@ -4,6 +4,8 @@
 //! [`python`] builds a Python gRPC client environment (grpcio, stubs generated
 //! from `proto/`) for end-to-end tests of `tandem serve`. [`etcd`] runs a real,
 //! throwaway `etcd` server on loopback ports for membership tests.
+//! [`cluster`] starts real `tandem` processes and reads their addresses.
 
+pub mod cluster;
 pub mod etcd;
 pub mod python;

@@ -49,6 +49,8 @@ pub const REQUIREMENTS: &[&str] = &[
     "grpcio-health-checking==1.85.1",
     "grpcio-reflection==1.85.1",
     "protobuf==7.36.2",
+    // The official OpenAI SDK, for the HTTP API's tests.
+    "openai==3.57.0",
 ];
 
 /// Written last into a venv; its presence means the venv is complete.

@@ -76,6 +76,7 @@ fn up(args: &Args, model: &str, extra: &[&str]) -> Result<Up> {
             model,
             "--addr",
             "127.0.0.1:0",
+            "--no-http",
             "--kv-cache-memory",
             "1GiB",
         ])

@@ -1,0 +1,74 @@
+//! The OpenAI-compatible HTTP API beside a gRPC server (`router` and
+//! `serve`): its flags and its start.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use tandem_openai::{Backend, ChatTemplate, OpenAi};
+
+#[derive(Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Serve the OpenAI-compatible HTTP API (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/models`, `/health`) on this address.
+    #[arg(long)]
+    pub http_addr: Option<SocketAddr>,
+    /// The model name HTTP clients pass (default: the checkpoint
+    /// directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+impl HttpArgs {
+    /// Binds the HTTP port and starts serving `backend` on it (until a
+    /// shutdown signal); prints `http listening on ADDR`. Nothing when no
+    /// `--http-addr` was given.
+    pub async fn start(&self, model_dir: &Path, backend: Arc<dyn Backend>) -> Result<()> {
+        let Some(addr) = self.http_addr else {
+            return Ok(());
+        };
+        let tok_path = model_dir.join("tokenizer.json");
+        let tokenizer = Arc::new(
+            tandem_engine::tokenizer::Tokenizer::from_file(&tok_path)
+                .with_context(|| format!("the HTTP API needs {}", tok_path.display()))?,
+        );
+        let chat = match ChatTemplate::from_model_dir(model_dir) {
+            Ok(Some(t)) => Some(t),
+            Ok(None) => {
+                tracing::warn!("the model has no chat template; /v1/chat/completions is off");
+                None
+            }
+            Err(e) => {
+                tracing::warn!("chat template unusable ({e}); /v1/chat/completions is off");
+                None
+            }
+        };
+        let name = self.served_model_name.clone().unwrap_or_else(|| {
+            model_dir.file_name().map_or_else(
+                || "tandem".to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            )
+        });
+        let api = OpenAi::builder(tokenizer)
+            .model_name(name)
+            .chat_template(chat)
+            .build(backend);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the HTTP API on {addr}"))?;
+        let bound = listener.local_addr()?;
+        println!("http listening on {bound}");
+        tracing::info!(addr = %bound, model = api.model_name(), "OpenAI HTTP API");
+        tokio::spawn(async move {
+            if let Err(e) = api
+                .serve(listener, crate::engine_args::shutdown_signal())
+                .await
+            {
+                tracing::error!("HTTP API: {e}");
+            }
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,312 @@
+//! The router's OpenAI-compatible HTTP API on a real local cluster
+//! (`tandem up`: router, prefill and decode workers), driven by the official
+//! `openai` Python SDK and by raw HTTP for cancellation.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tandem_proto::v1;
+use tandem_proto::v1::generation_client::GenerationClient;
+use tandem_tests::cluster::{all_blocks_free, load, Started};
+
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then";
+const USER_MESSAGE: &str = "Tell me a story about a fox and a dog, please.";
+const MAX_TOKENS: u32 = 16;
+
+fn gen_model(dir: &Path, preset: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["gen-model", "--config", preset, "--out"])
+        .arg(dir)
+        .output()
+        .expect("gen-model");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One prefill and one decode worker; prompts from 8 uncached tokens are
+/// prefilled remotely, so the test prompts cross both workers.
+fn up(model: &Path) -> Started {
+    tandem_tests::cluster::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &[
+            "up",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--served-model-name",
+            "tiny",
+            "--kv-cache-memory",
+            "32MiB",
+            "--remote-prefill-threshold",
+            "8",
+            "--worker-arg=--batch-invariant",
+        ],
+    )
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// The greedy text of `prompt` over gRPC (the reference path).
+async fn grpc_greedy(addr: &str, prompt: v1::generate_request::Prompt) -> String {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let mut stream = c
+        .generate(v1::GenerateRequest {
+            prompt: Some(prompt),
+            sampling: Some(v1::SamplingParams {
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            max_tokens: Some(MAX_TOKENS),
+            ..Default::default()
+        })
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut text = String::new();
+    while let Some(msg) = stream.message().await.expect("message") {
+        if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+            text.push_str(&d.text);
+        }
+    }
+    text
+}
+
+fn case<'a>(results: &'a [Value], name: &str) -> &'a Value {
+    results
+        .iter()
+        .find(|r| r["case"] == name)
+        .unwrap_or_else(|| panic!("no case {name} in {results:?}"))
+}
+
+#[test]
+fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
+    let py = tandem_tests::python::grpc_python().expect("python env");
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_model(tmp.path(), "tiny");
+    let cluster = up(tmp.path());
+    let http = cluster.http.clone().expect("the router serves HTTP");
+    let script = py.scripts.join("openai_client.py");
+    let results = py
+        .run_script_json(
+            &script,
+            [
+                "--base-url",
+                &format!("http://{http}/v1"),
+                "--model",
+                "tiny",
+                "--prompt",
+                PROMPT,
+                "--user-message",
+                USER_MESSAGE,
+                "--max-tokens",
+                &MAX_TOKENS.to_string(),
+            ],
+            Duration::from_secs(300),
+        )
+        .expect("the SDK suite runs");
+
+    // The chat prompt as the API renders it: the model's template, no added
+    // special tokens.
+    let tokenizer =
+        tandem_engine::tokenizer::Tokenizer::from_file(&tmp.path().join("tokenizer.json"))
+            .expect("tokenizer");
+    let template = tandem_openai::ChatTemplate::from_model_dir(tmp.path())
+        .expect("loads")
+        .expect("generated models have a chat template");
+    let rendered = template
+        .render(
+            &[tandem_openai::chat::Message {
+                role: "user".into(),
+                content: USER_MESSAGE.into(),
+            }],
+            true,
+        )
+        .expect("renders");
+    let chat_ids = tokenizer.encode_plain(&rendered).expect("encodes");
+
+    let rt = rt();
+    let completion_ref = rt.block_on(grpc_greedy(
+        &cluster.addr,
+        v1::generate_request::Prompt::Text(PROMPT.into()),
+    ));
+    let chat_ref = rt.block_on(grpc_greedy(
+        &cluster.addr,
+        v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: chat_ids.clone(),
+        }),
+    ));
+    assert!(!completion_ref.is_empty() && !chat_ref.is_empty());
+
+    assert_eq!(case(&results, "models")["ids"], serde_json::json!(["tiny"]));
+    let c = case(&results, "completion");
+    assert_eq!(c["text"], completion_ref.as_str());
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(c["usage"]["completion_tokens"], MAX_TOKENS);
+    let c = case(&results, "completion_stream");
+    assert_eq!(c["text"], completion_ref.as_str());
+    assert_eq!(c["finish_reason"], "length");
+    assert!(c["chunks"].as_u64().unwrap_or(0) > 1, "{c}");
+
+    let c = case(&results, "chat");
+    assert_eq!(c["text"], chat_ref.as_str());
+    assert_eq!(c["role"], "assistant");
+    assert_eq!(c["usage"]["prompt_tokens"], chat_ids.len());
+    let c = case(&results, "chat_stream");
+    assert_eq!(c["text"], chat_ref.as_str());
+    assert_eq!(c["roles"], serde_json::json!(["assistant"]));
+    assert_eq!(c["usage"]["completion_tokens"], MAX_TOKENS);
+    assert_eq!(c["usage"]["prompt_tokens"], chat_ids.len());
+    assert_eq!(c["last_choices"], 0, "the usage chunk has no choices");
+
+    let c = case(&results, "n_seed");
+    assert_eq!(c["indices"], serde_json::json!([0, 1, 2]));
+    assert_eq!(c["same_again"], true, "a seed makes sampling reproducible");
+
+    let c = case(&results, "completion_logprobs");
+    assert_eq!(c["tokens"].as_array().map(Vec::len), Some(4));
+    // Completions key the alternatives by token text, so two tokens with
+    // the same text (e.g. two halves of UTF-8 characters) share an entry.
+    for top in c["top"].as_array().expect("top") {
+        assert!((1..=2).contains(&top.as_u64().unwrap_or(0)), "{c}");
+    }
+    for lp in c["token_logprobs"].as_array().expect("logprobs") {
+        assert!(lp.as_f64().is_some_and(|x| x <= 0.0), "{lp}");
+    }
+    let c = case(&results, "chat_logprobs");
+    assert_eq!(c["top"], serde_json::json!([3, 3, 3, 3]));
+
+    let c = case(&results, "stop");
+    let (full, stop) = (
+        c["full"].as_str().expect("full"),
+        c["stop"].as_str().expect("stop"),
+    );
+    let cut = full.find(stop).expect("the stop string is in the text");
+    assert_eq!(c["text"], &full[..cut]);
+    assert_eq!(c["finish_reason"], "stop");
+
+    for (name, status) in [
+        ("unknown_model", 404),
+        ("bad_temperature", 400),
+        ("bad_max_tokens", 400),
+        ("bad_role", 400),
+        ("malformed_json", 400),
+    ] {
+        let c = case(&results, name);
+        assert_eq!(c["status"], status, "{c}");
+        assert_eq!(c["error"]["type"], "invalid_request_error", "{c}");
+        assert!(
+            !c["error"]["message"].as_str().unwrap_or("").is_empty(),
+            "{c}"
+        );
+    }
+    assert_eq!(
+        case(&results, "unknown_model")["error"]["code"],
+        "model_not_found"
+    );
+    rt.block_on(all_blocks_free(&cluster));
+}
+
+/// Sends a raw HTTP/1.1 POST and returns the open connection.
+fn post(http: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(http).expect("connects");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {http}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    s
+}
+
+/// Waits (bounded) until the decode worker runs something.
+async fn wait_running(cluster: &Started) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let l = load(&cluster.decode[0]).await;
+        if l.running > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the request never ran: {l:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Tokens the decode worker has computed so far.
+async fn computed(cluster: &Started) -> u64 {
+    load(&cluster.decode[0]).await.computed_tokens
+}
+
+#[test]
+fn a_client_that_disconnects_cancels_its_request() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // `small` decodes slowly enough that 1900 tokens take seconds.
+    gen_model(tmp.path(), "small");
+    let cluster = up(tmp.path());
+    let http = cluster.http.clone().expect("the router serves HTTP");
+    let rt = rt();
+    const MAX: u64 = 1900;
+    let long = format!(r#""max_tokens": {MAX}, "ignore_eos": true, "temperature": 0"#);
+
+    // Streamed: read the first event, then hang up.
+    let before = rt.block_on(computed(&cluster));
+    let mut s = post(
+        &http,
+        "/v1/chat/completions",
+        &format!(
+            r#"{{"messages": [{{"role": "user", "content": "{USER_MESSAGE}"}}], "stream": true, {long}}}"#
+        ),
+    );
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while !seen.contains("data: ") {
+        let n = s.read(&mut buf).expect("reads");
+        assert!(n > 0, "closed before the first event: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    rt.block_on(wait_running(&cluster));
+    drop(s);
+    rt.block_on(all_blocks_free(&cluster));
+    let spent = rt.block_on(computed(&cluster)) - before;
+    assert!(spent < MAX, "the streamed request ran on: {spent} tokens");
+
+    // Not streamed: hang up while the body is being generated.
+    let before = rt.block_on(computed(&cluster));
+    let s = post(
+        &http,
+        "/v1/completions",
+        &format!(r#"{{"prompt": "{PROMPT}", {long}}}"#),
+    );
+    rt.block_on(wait_running(&cluster));
+    drop(s);
+    rt.block_on(all_blocks_free(&cluster));
+    let spent = rt.block_on(computed(&cluster)) - before;
+    assert!(
+        spent < MAX,
+        "the non-streamed request ran on: {spent} tokens"
+    );
+}

@@ -1,0 +1,198 @@
+//! Chat templates: a model's `chat_template` (Jinja, from
+//! `tokenizer_config.json`) rendered with minijinja the way Hugging Face
+//! renders it (`trim_blocks`, `lstrip_blocks`, Python string methods,
+//! `raise_exception`).
+//!
+//! The rendered text already spells out the template's special tokens, so
+//! it is tokenized without adding any (as vLLM and transformers'
+//! `apply_chat_template` do).
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+
+/// Why a template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatTemplateError {
+    #[error("reading {path}: {message}")]
+    Config { path: String, message: String },
+    #[error("chat template: {0}")]
+    Template(#[from] minijinja::Error),
+}
+
+/// One chat message, its content already flattened to text.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// A compiled chat template and the special tokens it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Compiles `source`.
+    pub fn new(
+        source: &str,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self, ChatTemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// The template of the checkpoint in `dir`: `tokenizer_config.json`'s
+    /// `chat_template` (a string, or a list of named templates of which
+    /// `default` is taken), else a `chat_template.jinja` file. `None` when
+    /// the checkpoint has neither.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, ChatTemplateError> {
+        let path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| ChatTemplateError::Config {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => {
+                return Err(ChatTemplateError::Config {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                })
+            }
+        };
+        let source = match &config["chat_template"] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or_else(|| named.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
+        let Some(source) = source else {
+            return Ok(None);
+        };
+        Self::new(
+            &source,
+            special_token(&config["bos_token"]),
+            special_token(&config["eos_token"]),
+        )
+        .map(Some)
+    }
+
+    /// Renders `messages`, ending with the assistant's turn opened when
+    /// `add_generation_prompt` is set.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let template = self.env.get_template(TEMPLATE_NAME)?;
+        Ok(template.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })?)
+    }
+}
+
+/// `bos_token` / `eos_token` are a string or an added-token object.
+fn special_token(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> Message {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    #[test]
+    fn renders_the_generated_models_template() {
+        let t = ChatTemplate::new(tandem_engine::synth::CHAT_TEMPLATE, "<s>", "</s>")
+            .expect("compiles");
+        let text = t
+            .render(&[msg("system", "be brief"), msg("user", "hi")], true)
+            .expect("renders");
+        assert_eq!(text, "<s>system: be brief</s>\nuser: hi</s>\nassistant:");
+        let text = t.render(&[msg("user", "hi")], false).expect("renders");
+        assert_eq!(text, "<s>user: hi</s>\n");
+    }
+
+    /// The Qwen2/ChatML style: Python string methods, `raise_exception`,
+    /// loop variables and whitespace control.
+    #[test]
+    fn renders_hugging_face_style_templates() {
+        let src = "{% for message in messages %}{% if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + message.role) }}{% endif %}\
+                   {{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}\
+                   {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+        let t = ChatTemplate::new(src, "", "<|im_end|>").expect("compiles");
+        let text = t.render(&[msg("user", "  hello ")], true).expect("renders");
+        assert_eq!(
+            text,
+            "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let err = t
+            .render(&[msg("wizard", "x")], true)
+            .expect_err("raise_exception fails the render");
+        assert!(err.to_string().contains("bad role wizard"), "{err}");
+    }
+
+    #[test]
+    fn loads_from_tokenizer_config() {
+        let dir = std::env::temp_dir().join(format!("tandem-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        assert!(ChatTemplate::from_model_dir(&dir).expect("ok").is_none());
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<B>"}, "eos_token": "<E>",
+                "chat_template": [{"name": "tool_use", "template": "x"},
+                                  {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}]}"#,
+        )
+        .expect("write");
+        let t = ChatTemplate::from_model_dir(&dir)
+            .expect("loads")
+            .expect("has a template");
+        assert_eq!(
+            t.render(&[msg("user", "q")], true).expect("renders"),
+            "<B>q<E>"
+        );
+        std::fs::write(dir.join("tokenizer_config.json"), "{not json").expect("write");
+        assert!(ChatTemplate::from_model_dir(&dir).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,143 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
+//! with the status code OpenAI uses for the same failure.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tonic::Code;
+
+/// A failed API call, as the client sees it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{status}: {message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// The request parameter at fault, if one is.
+    pub param: Option<&'static str>,
+    /// OpenAI's machine-readable code, e.g. `model_not_found`.
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400 `invalid_request_error`.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 400 about one parameter.
+    pub fn bad_param(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param),
+            ..Self::bad_request(message)
+        }
+    }
+
+    /// 404 `model_not_found`.
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            param: Some("model"),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 404 for a path the API does not have.
+    pub fn no_route(path: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("No route for {path}."),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// OpenAI's `type` for this status.
+    pub fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 | 404 | 405 | 413 | 415 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            429 => "rate_limit_error",
+            _ => "server_error",
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl From<tonic::Status> for ApiError {
+    /// The backend's gRPC status, mapped the way HTTP gateways map it.
+    fn from(s: tonic::Status) -> Self {
+        let status = match s.code() {
+            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+                StatusCode::BAD_REQUEST
+            }
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        Self {
+            status,
+            message: s.message().to_string(),
+            param: None,
+            code: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_codes_map_to_http_statuses() {
+        let cases = [
+            (Code::InvalidArgument, 400),
+            (Code::NotFound, 404),
+            (Code::ResourceExhausted, 429),
+            (Code::Unavailable, 503),
+            (Code::Internal, 500),
+        ];
+        for (code, http) in cases {
+            let e = ApiError::from(tonic::Status::new(code, "m"));
+            assert_eq!(e.status.as_u16(), http, "{code:?}");
+            assert_eq!(e.message, "m");
+        }
+    }
+
+    #[test]
+    fn body_has_openai_shape() {
+        let b = ApiError::model_not_found("gpt-x").body();
+        assert_eq!(b["error"]["code"], "model_not_found");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["param"], "model");
+        assert!(b["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("gpt-x"));
+    }
+}

@@ -1,0 +1,395 @@
+//! The OpenAI-compatible HTTP API: `POST /v1/completions`,
+//! `POST /v1/chat/completions`, `GET /v1/models` and `GET /health`.
+//!
+//! It is a translator in front of any [`Backend`], a `tandem.v1.Generation`
+//! service called in-process: the router's (which routes over a cluster) or
+//! the colocated server's. Each OpenAI request becomes one `GenerateRequest`
+//! per prompt, so greedy outputs are the gRPC path's by construction.
+//!
+//! * Completions send text prompts as text (the backend tokenizes them, with
+//!   the tokenizer's special tokens, as on gRPC); chat renders the messages
+//!   with the model's chat template ([`chat`]) and sends the token ids of
+//!   the rendered text.
+//! * `stream: true` answers with server-sent events, one chunk per token
+//!   delta, ending with `data: [DONE]`; with
+//!   `stream_options.include_usage` a last chunk carries the usage.
+//! * Cancellation: the backend stream lives inside the HTTP response (the
+//!   SSE body, or the handler future of a non-streamed call). When the
+//!   client goes away hyper drops it, which cancels the backend call, and
+//!   the engine frees the request's KV blocks, as a cancelled gRPC call does.
+//! * Errors have OpenAI's JSON shape and status codes ([`ApiError`]).
+//!
+//! **Architecture Invariant:** this crate knows the `Generation` API and the
+//! tokenizer, never the engine's scheduler or the cluster: anything that
+//! serves `tandem.v1.Generation` can sit behind it.
+
+pub mod chat;
+mod error;
+pub mod params;
+mod response;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use futures_util::stream::{self, SelectAll};
+use futures_util::{Stream, StreamExt};
+use serde_json::{json, Value};
+use tandem_engine::tokenizer::Tokenizer;
+use tandem_proto::v1;
+
+pub use chat::ChatTemplate;
+pub use error::ApiError;
+use params::{ChatRequest, CompletionRequest, Plan};
+use response::{Chunker, Collector, Endpoint, Header};
+
+/// The backend's token stream.
+pub type GenerateStream =
+    Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, tonic::Status>> + Send>>;
+
+/// What the API calls: one `Generate` per prompt.
+#[async_trait::async_trait]
+pub trait Backend: Send + Sync + 'static {
+    async fn generate(&self, req: v1::GenerateRequest) -> Result<GenerateStream, tonic::Status>;
+}
+
+#[async_trait::async_trait]
+impl<S: v1::generation_server::Generation> Backend for S {
+    async fn generate(&self, req: v1::GenerateRequest) -> Result<GenerateStream, tonic::Status> {
+        let response =
+            v1::generation_server::Generation::generate(self, tonic::Request::new(req)).await?;
+        Ok(Box::pin(response.into_inner()))
+    }
+}
+
+/// The API over one backend serving one model.
+#[derive(Clone)]
+pub struct OpenAi {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    tokenizer: Arc<Tokenizer>,
+    chat: Option<ChatTemplate>,
+    model: String,
+    created: u64,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for OpenAi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAi")
+            .field("model", &self.inner.model)
+            .field("chat_template", &self.inner.chat.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`OpenAi`].
+#[derive(Debug)]
+pub struct OpenAiBuilder {
+    tokenizer: Arc<Tokenizer>,
+    chat: Option<ChatTemplate>,
+    model: String,
+}
+
+impl OpenAiBuilder {
+    /// The name clients pass as `model` (default `tandem`).
+    pub fn model_name(mut self, name: impl Into<String>) -> Self {
+        self.model = name.into();
+        self
+    }
+
+    /// The chat template; without one, chat completions answer 400.
+    pub fn chat_template(mut self, template: Option<ChatTemplate>) -> Self {
+        self.chat = template;
+        self
+    }
+
+    pub fn build(self, backend: Arc<dyn Backend>) -> OpenAi {
+        OpenAi {
+            inner: Arc::new(Inner {
+                backend,
+                tokenizer: self.tokenizer,
+                chat: self.chat,
+                model: self.model,
+                created: unix_now(),
+                next_id: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl OpenAi {
+    /// `tokenizer` names tokens in logprobs and tokenizes chat prompts.
+    pub fn builder(tokenizer: Arc<Tokenizer>) -> OpenAiBuilder {
+        OpenAiBuilder {
+            tokenizer,
+            chat: None,
+            model: "tandem".to_string(),
+        }
+    }
+
+    /// The served model name.
+    pub fn model_name(&self) -> &str {
+        &self.inner.model
+    }
+
+    /// The axum router of the API.
+    pub fn router(&self) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/models", get(models))
+            .route("/health", get(health))
+            .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
+            .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+                ApiError {
+                    status: StatusCode::METHOD_NOT_ALLOWED,
+                    message: format!("{method} is not allowed on {}.", uri.path()),
+                    param: None,
+                    code: None,
+                }
+            })
+            .with_state(self.inner.clone())
+    }
+
+    /// Serves the API on `listener` until `shutdown` completes.
+    pub async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(shutdown)
+            .await
+    }
+}
+
+impl Inner {
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model => Err(ApiError::model_not_found(m)),
+            _ => Ok(()),
+        }
+    }
+
+    fn header(&self, endpoint: Endpoint) -> Header {
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        };
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        Header {
+            id: format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.created),
+            created: unix_now(),
+            model: self.model.clone(),
+            endpoint,
+            tokenizer: self.tokenizer.clone(),
+        }
+    }
+
+    /// Starts one backend call per prompt. A failure of any cancels the
+    /// others (their streams are dropped).
+    async fn start(
+        &self,
+        id: &str,
+        plan: &Plan,
+        prompts: Vec<v1::generate_request::Prompt>,
+    ) -> Result<SelectAll<IndexedStream>, ApiError> {
+        let many = prompts.len() > 1;
+        let calls = prompts.into_iter().enumerate().map(|(i, prompt)| {
+            let mut req = plan.template.clone();
+            req.request_id = if many {
+                format!("{id}-{i}")
+            } else {
+                id.to_string()
+            };
+            req.prompt = Some(prompt);
+            let backend = self.backend.clone();
+            async move {
+                let s = backend.generate(req).await?;
+                Ok::<IndexedStream, tonic::Status>(Box::pin(s.map(move |r| (i, r))))
+            }
+        });
+        let streams = futures_util::future::try_join_all(calls).await?;
+        Ok(stream::select_all(streams))
+    }
+}
+
+type IndexedStream =
+    Pin<Box<dyn Stream<Item = (usize, Result<v1::GenerateResponse, tonic::Status>)> + Send>>;
+
+/// Parses a JSON body; malformed JSON and wrong types are 400s (axum's
+/// extractor would answer 422 in its own shape).
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "We could not parse the JSON body of your request: {e}"
+        ))
+    })
+}
+
+async fn completions(State(api): State<Arc<Inner>>, body: Bytes) -> Response {
+    let run = async {
+        let req: CompletionRequest = parse(&body)?;
+        api.check_model(req.common.model.as_deref())?;
+        let plan = req.plan()?;
+        let prompts = req.prompts()?;
+        Ok::<_, ApiError>((plan, prompts))
+    };
+    match run.await {
+        Ok((plan, prompts)) => respond(&api, Endpoint::Completions, plan, prompts).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(api): State<Arc<Inner>>, body: Bytes) -> Response {
+    let run = || {
+        let req: ChatRequest = parse(&body)?;
+        api.check_model(req.common.model.as_deref())?;
+        let plan = req.plan()?;
+        let messages = req.messages()?;
+        let template = api.chat.as_ref().ok_or_else(|| {
+            ApiError::bad_request("this model has no chat template; use /v1/completions")
+        })?;
+        let text = template
+            .render(&messages, req.add_generation_prompt.unwrap_or(true))
+            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+        let ids = api
+            .tokenizer
+            .encode_plain(&text)
+            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+        let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
+        Ok::<_, ApiError>((plan, vec![prompt]))
+    };
+    match run() {
+        Ok((plan, prompts)) => respond(&api, Endpoint::Chat, plan, prompts).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn respond(
+    api: &Inner,
+    endpoint: Endpoint,
+    plan: Plan,
+    prompts: Vec<v1::generate_request::Prompt>,
+) -> Response {
+    let header = api.header(endpoint);
+    let count = prompts.len();
+    let want_logprobs = plan.template.logprobs.is_some();
+    let mut events = match api.start(&header.id, &plan, prompts).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    tracing::debug!(id = %header.id, prompts = count, n = plan.n, stream = plan.stream, "openai request");
+    if !plan.stream {
+        let mut collector = Collector::new(header, count, plan.n, want_logprobs);
+        while let Some((i, item)) = events.next().await {
+            let added = item
+                .map_err(ApiError::from)
+                .and_then(|msg| collector.add(i, msg));
+            if let Err(e) = added {
+                return e.into_response();
+            }
+        }
+        return Json(collector.finish()).into_response();
+    }
+    let chunker = Chunker::new(header, count, plan.n, want_logprobs);
+    let opening: Vec<Value> = chunker.opening();
+    let state = StreamState {
+        events,
+        chunker,
+        include_usage: plan.include_usage,
+        phase: Phase::Events,
+    };
+    let body = stream::iter(opening.into_iter().map(data))
+        .chain(stream::unfold(state, next_events).flat_map(stream::iter));
+    Sse::new(body.map(Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+fn data(v: Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+enum Phase {
+    Events,
+    Done,
+}
+
+struct StreamState {
+    events: SelectAll<IndexedStream>,
+    chunker: Chunker,
+    include_usage: bool,
+    phase: Phase,
+}
+
+/// The next SSE events: chunks while the backend streams, then the usage
+/// chunk (if asked for) and `[DONE]`. A backend error mid-stream is sent as
+/// an error object and ends the stream (the status line is long gone).
+async fn next_events(mut s: StreamState) -> Option<(Vec<Event>, StreamState)> {
+    if matches!(s.phase, Phase::Done) {
+        return None;
+    }
+    loop {
+        match s.events.next().await {
+            Some((i, Ok(msg))) => {
+                if let Some(chunk) = s.chunker.chunk(i, msg) {
+                    return Some((vec![data(chunk)], s));
+                }
+            }
+            Some((_, Err(status))) => {
+                s.phase = Phase::Done;
+                let e = ApiError::from(status);
+                return Some((vec![data(e.body()), Event::default().data("[DONE]")], s));
+            }
+            None => {
+                s.phase = Phase::Done;
+                let mut out = Vec::new();
+                if s.include_usage {
+                    out.push(data(s.chunker.usage_chunk()));
+                }
+                out.push(Event::default().data("[DONE]"));
+                return Some((out, s));
+            }
+        }
+    }
+}
+
+async fn models(State(api): State<Arc<Inner>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": api.model,
+            "object": "model",
+            "created": api.created,
+            "owned_by": "tandem",
+        }],
+    }))
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}

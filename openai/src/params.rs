@@ -1,0 +1,474 @@
+//! The request bodies of `/v1/completions` and `/v1/chat/completions`, and
+//! their translation into `tandem.v1.GenerateRequest`.
+//!
+//! Ranges are OpenAI's (temperature in [0, 2], penalties in [-2, 2], ...);
+//! the engine checks its own limits (context length, vocabulary) and its
+//! errors come back as 400s too. vLLM's extensions `top_k`, `min_p`,
+//! `repetition_penalty`, `ignore_eos` and `stop_token_ids` are accepted.
+//! Unknown fields are ignored, as vLLM ignores them.
+
+use serde::Deserialize;
+use tandem_proto::v1;
+
+use crate::error::ApiError;
+
+/// Most choices per prompt.
+pub const MAX_N: u32 = 128;
+/// Most top alternatives per token (the engine's limit).
+pub const MAX_TOP_LOGPROBS: u32 = tandem_engine::serving::MAX_LOGPROBS as u32;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Parameters both endpoints share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    pub user: Option<String>,
+    // vLLM's extensions.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub stop_token_ids: Option<Vec<u32>>,
+}
+
+/// `prompt` of `/v1/completions`: text, texts, token ids, or lists of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    /// Top alternatives per token (0: only the chosen token's logprob).
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// Message content: text or a list of typed parts (only `text` parts).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessageIn>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Default true: end the prompt with the assistant's turn opened.
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// What a parsed request asks of the backend, besides the prompt.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub template: v1::GenerateRequest,
+    pub n: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn in_range(
+    param: &'static str,
+    v: Option<f32>,
+    lo: f32,
+    hi: f32,
+) -> Result<Option<f32>, ApiError> {
+    match v {
+        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::bad_param(
+            param,
+            format!("{param} must be between {lo} and {hi}, got {x}"),
+        )),
+        other => Ok(other),
+    }
+}
+
+impl CommonParams {
+    /// Checks the shared parameters and fills everything of a
+    /// `GenerateRequest` but its prompt and logprobs.
+    pub fn plan(&self) -> Result<Plan, ApiError> {
+        let temperature = in_range("temperature", self.temperature, 0.0, 2.0)?;
+        let top_p = match self.top_p {
+            Some(p) if !(p > 0.0 && p <= 1.0) => {
+                return Err(ApiError::bad_param(
+                    "top_p",
+                    format!("top_p must be in (0, 1], got {p}"),
+                ))
+            }
+            p => p,
+        };
+        let presence = in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        let frequency = in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        let min_p = in_range("min_p", self.min_p, 0.0, 1.0)?;
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=i64::from(MAX_N)).contains(&n) => n as u32,
+            Some(n) => {
+                return Err(ApiError::bad_param(
+                    "n",
+                    format!("n must be between 1 and {MAX_N}, got {n}"),
+                ))
+            }
+        };
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => Some(("max_completion_tokens", m)),
+            (None, Some(m)) => Some(("max_tokens", m)),
+            (None, None) => None,
+        };
+        let max_tokens = match max_tokens {
+            None => None,
+            Some((_, m)) if m >= 1 && m <= i64::from(u32::MAX) => Some(m as u32),
+            Some((param, m)) => {
+                return Err(ApiError::bad_param(
+                    param,
+                    format!("{param} must be at least 1, got {m}"),
+                ))
+            }
+        };
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= i64::from(u32::MAX) => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad_param(
+                    "top_k",
+                    format!("top_k must be -1 (off) or positive, got {k}"),
+                ))
+            }
+        };
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(ApiError::bad_param(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::bad_param(
+                "stop",
+                "stop strings must not be empty",
+            ));
+        }
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::bad_param(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+            ));
+        }
+        Ok(Plan {
+            template: v1::GenerateRequest {
+                request_id: String::new(),
+                prompt: None,
+                sampling: Some(v1::SamplingParams {
+                    // OpenAI's default temperature is 1.
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p: min_p.unwrap_or(0.0),
+                    repetition_penalty: self.repetition_penalty,
+                    presence_penalty: presence.unwrap_or(0.0),
+                    frequency_penalty: frequency.unwrap_or(0.0),
+                    seed: self.seed.map(|s| s as u64),
+                }),
+                max_tokens,
+                n,
+                stop,
+                stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+                ignore_eos: self.ignore_eos.unwrap_or(false),
+                logprobs: None,
+            },
+            n,
+            stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+impl CompletionRequest {
+    /// The plan, with completions' `logprobs` (an integer) checked.
+    pub fn plan(&self) -> Result<Plan, ApiError> {
+        let mut plan = self.common.plan()?;
+        if self.echo == Some(true) {
+            return Err(ApiError::bad_param("echo", "echo is not supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::bad_param("suffix", "suffix is not supported"));
+        }
+        if let Some(b) = self.best_of {
+            if b != i64::from(plan.n) {
+                return Err(ApiError::bad_param(
+                    "best_of",
+                    "best_of must equal n (beam-style best_of is not supported)",
+                ));
+            }
+        }
+        plan.template.logprobs = match self.logprobs {
+            None => None,
+            Some(k) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&k) => Some(k as u32),
+            Some(k) => {
+                return Err(ApiError::bad_param(
+                    "logprobs",
+                    format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+                ))
+            }
+        };
+        Ok(plan)
+    }
+
+    /// One backend prompt per prompt of the request.
+    pub fn prompts(&self) -> Result<Vec<v1::generate_request::Prompt>, ApiError> {
+        use v1::generate_request::Prompt;
+        let prompts: Vec<Prompt> = match &self.prompt {
+            PromptInput::Text(t) => vec![Prompt::Text(t.clone())],
+            PromptInput::Texts(ts) => ts.iter().cloned().map(Prompt::Text).collect(),
+            PromptInput::Tokens(ids) => vec![Prompt::TokenIds(v1::TokenIds { ids: ids.clone() })],
+            PromptInput::TokenLists(l) => l
+                .iter()
+                .map(|ids| Prompt::TokenIds(v1::TokenIds { ids: ids.clone() }))
+                .collect(),
+        };
+        if prompts.is_empty() {
+            return Err(ApiError::bad_param("prompt", "prompt must not be empty"));
+        }
+        let empty = |p: &Prompt| match p {
+            Prompt::Text(t) => t.is_empty(),
+            Prompt::TokenIds(ids) => ids.ids.is_empty(),
+        };
+        if prompts.iter().any(empty) {
+            return Err(ApiError::bad_param("prompt", "prompt must not be empty"));
+        }
+        Ok(prompts)
+    }
+}
+
+impl ChatRequest {
+    /// The plan, with chat's `logprobs` (a flag) and `top_logprobs` checked.
+    pub fn plan(&self) -> Result<Plan, ApiError> {
+        let mut plan = self.common.plan()?;
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::bad_param("tools", "tools are not supported"));
+        }
+        let top = match self.top_logprobs {
+            None => 0,
+            Some(k) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&k) => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad_param(
+                    "top_logprobs",
+                    format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+                ))
+            }
+        };
+        plan.template.logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (true, _) => Some(top),
+            (false, Some(_)) => {
+                return Err(ApiError::bad_param(
+                    "top_logprobs",
+                    "top_logprobs requires logprobs to be true",
+                ))
+            }
+            (false, None) => None,
+        };
+        Ok(plan)
+    }
+
+    /// The messages with their content flattened to text.
+    pub fn messages(&self) -> Result<Vec<crate::chat::Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_param(
+                "messages",
+                "messages must hold at least one message",
+            ));
+        }
+        self.messages
+            .iter()
+            .map(|m| {
+                if !matches!(
+                    m.role.as_str(),
+                    "system" | "developer" | "user" | "assistant" | "tool"
+                ) {
+                    return Err(ApiError::bad_param(
+                        "messages",
+                        format!("unknown message role `{}`", m.role),
+                    ));
+                }
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => text.push_str(t),
+                                (kind, _) => {
+                                    return Err(ApiError::bad_param(
+                                        "messages",
+                                        format!("content part type `{kind}` is not supported"),
+                                    ))
+                                }
+                            }
+                        }
+                        text
+                    }
+                };
+                Ok(crate::chat::Message {
+                    role: m.role.clone(),
+                    content,
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn common(json: &str) -> CommonParams {
+        serde_json::from_str(json).expect("parses")
+    }
+
+    #[test]
+    fn maps_sampling_parameters() {
+        let p = common(
+            r#"{"temperature": 0.5, "top_p": 0.9, "n": 3, "max_tokens": 7, "seed": 42,
+                "stop": "x", "presence_penalty": 1.0, "top_k": 5, "stream": true,
+                "stream_options": {"include_usage": true}}"#,
+        )
+        .plan()
+        .expect("valid");
+        let s = p.template.sampling.expect("sampling");
+        assert_eq!(s.temperature, Some(0.5));
+        assert_eq!(s.top_p, Some(0.9));
+        assert_eq!(s.top_k, 5);
+        assert_eq!(s.seed, Some(42));
+        assert_eq!(s.presence_penalty, 1.0);
+        assert_eq!(p.template.max_tokens, Some(7));
+        assert_eq!(p.template.stop, vec!["x".to_string()]);
+        assert_eq!((p.n, p.stream, p.include_usage), (3, true, true));
+    }
+
+    #[test]
+    fn max_completion_tokens_wins() {
+        let p = common(r#"{"max_tokens": 7, "max_completion_tokens": 9}"#)
+            .plan()
+            .expect("valid");
+        assert_eq!(p.template.max_tokens, Some(9));
+    }
+
+    #[test]
+    fn rejects_out_of_range_values() {
+        for (json, param) in [
+            (r#"{"temperature": 2.5}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"n": 0}"#, "n"),
+            (r#"{"max_tokens": 0}"#, "max_tokens"),
+            (r#"{"max_completion_tokens": -1}"#, "max_completion_tokens"),
+            (r#"{"frequency_penalty": -3}"#, "frequency_penalty"),
+            (r#"{"top_k": -2}"#, "top_k"),
+            (r#"{"stop": ["a", ""]}"#, "stop"),
+            (r#"{"logit_bias": {"1": 5}}"#, "logit_bias"),
+            (
+                r#"{"stream_options": {"include_usage": true}}"#,
+                "stream_options",
+            ),
+        ] {
+            let err = common(json).plan().expect_err(json);
+            assert_eq!(err.status.as_u16(), 400, "{json}");
+            assert_eq!(err.param, Some(param), "{json}");
+        }
+    }
+
+    #[test]
+    fn completion_logprobs_and_prompts() {
+        let r: CompletionRequest = serde_json::from_str(
+            r#"{"prompt": [[1, 2], [3]], "logprobs": 2, "n": 2, "best_of": 2}"#,
+        )
+        .expect("parses");
+        assert_eq!(r.plan().expect("valid").template.logprobs, Some(2));
+        assert_eq!(r.prompts().expect("valid").len(), 2);
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "", "logprobs": 21}"#).expect("parses");
+        assert_eq!(r.plan().expect_err("too many").param, Some("logprobs"));
+        assert_eq!(r.prompts().expect_err("empty").param, Some("prompt"));
+    }
+
+    #[test]
+    fn chat_logprobs_and_messages() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                "logprobs": true, "top_logprobs": 3}"#,
+        )
+        .expect("parses");
+        assert_eq!(r.plan().expect("valid").template.logprobs, Some(3));
+        assert_eq!(r.messages().expect("valid")[0].content, "ab");
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "wizard", "content": "x"}], "top_logprobs": 3}"#,
+        )
+        .expect("parses");
+        assert_eq!(
+            r.plan().expect_err("needs logprobs").param,
+            Some("top_logprobs")
+        );
+        assert!(r.messages().is_err());
+    }
+}

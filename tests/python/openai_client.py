@@ -1,0 +1,118 @@
+"""Drives tandem's OpenAI-compatible HTTP API with the official `openai` SDK.
+
+Usage: openai_client.py --base-url http://HOST:PORT/v1 --model NAME
+                        --prompt TEXT --user-message TEXT --max-tokens N
+
+Runs a fixed suite of calls and prints one JSON object per case on stdout;
+the Rust test (cli/tests/openai.rs) compares them with the gRPC path and
+checks their shapes. Any exception fails the script (non-zero exit).
+"""
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+
+import openai
+
+
+def emit(case, **fields):
+    print(json.dumps({"case": case, **fields}), flush=True)
+
+
+def error_case(case, fn):
+    """Runs fn, which must raise an openai.APIStatusError."""
+    try:
+        fn()
+    except openai.APIStatusError as e:
+        # The SDK unwraps the `error` object of the body.
+        body = e.body if isinstance(e.body, dict) else {}
+        emit(case, status=e.status_code, error=body)
+        return
+    raise AssertionError(f"{case}: expected an error")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--user-message", required=True)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    a = ap.parse_args()
+    client = openai.OpenAI(base_url=a.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    models = client.models.list()
+    emit("models", ids=[m.id for m in models.data])
+
+    # Completions, greedy: not streamed, then streamed.
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens, temperature=0)
+    emit("completion", text=r.choices[0].text, finish_reason=r.choices[0].finish_reason,
+         usage=r.usage.model_dump())
+    chunks = list(client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens,
+                                            temperature=0, stream=True))
+    emit("completion_stream", text="".join(c.choices[0].text for c in chunks if c.choices),
+         chunks=len(chunks), finish_reason=[c.choices[0].finish_reason for c in chunks if c.choices][-1])
+
+    # Chat, greedy: not streamed, then streamed with usage.
+    messages = [{"role": "user", "content": a.user_message}]
+    r = client.chat.completions.create(model=a.model, messages=messages, max_tokens=a.max_tokens,
+                                       temperature=0)
+    emit("chat", text=r.choices[0].message.content, role=r.choices[0].message.role,
+         finish_reason=r.choices[0].finish_reason, usage=r.usage.model_dump())
+    chunks = list(client.chat.completions.create(model=a.model, messages=messages,
+                                                 max_completion_tokens=a.max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    content = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    emit("chat_stream", text=content, roles=roles,
+         usage=chunks[-1].usage.model_dump() if chunks[-1].usage else None,
+         last_choices=len(chunks[-1].choices))
+
+    # n samples with a seed: reproducible, one choice per index.
+    def sampled():
+        r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=8, n=3, seed=7,
+                                      temperature=1.0, top_p=0.9)
+        return [(c.index, c.text) for c in sorted(r.choices, key=lambda c: c.index)]
+    first, again = sampled(), sampled()
+    emit("n_seed", indices=[i for i, _ in first], texts=[t for _, t in first],
+         same_again=first == again)
+
+    # Logprobs on both endpoints.
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    emit("completion_logprobs", tokens=lp.tokens, token_logprobs=lp.token_logprobs,
+         top=[len(t) for t in lp.top_logprobs])
+    r = client.chat.completions.create(model=a.model, messages=messages, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    emit("chat_logprobs", tokens=[c.token for c in content], logprobs=[c.logprob for c in content],
+         top=[len(c.top_logprobs) for c in content])
+
+    # A stop string cuts the text before it.
+    full = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens,
+                                  temperature=0, stop=[stop])
+    emit("stop", full=full, stop=stop, text=r.choices[0].text, finish_reason=r.choices[0].finish_reason)
+
+    # Errors: the SDK raises typed errors from OpenAI-shaped bodies.
+    error_case("unknown_model", lambda: client.completions.create(model="no-such-model", prompt="x"))
+    error_case("bad_temperature", lambda: client.chat.completions.create(
+        model=a.model, messages=messages, temperature=5))
+    error_case("bad_max_tokens", lambda: client.completions.create(
+        model=a.model, prompt=a.prompt, max_tokens=0))
+    error_case("bad_role", lambda: client.chat.completions.create(
+        model=a.model, messages=[{"role": "wizard", "content": "x"}]))
+    req = urllib.request.Request(a.base_url + "/completions", data=b'{"model": "x", "prompt": ',
+                                 headers={"content-type": "application/json"}, method="POST")
+    try:
+        urllib.request.urlopen(req, timeout=60)
+        raise AssertionError("malformed JSON was accepted")
+    except urllib.error.HTTPError as e:
+        emit("malformed_json", status=e.code, error=json.loads(e.read())["error"])
+
+
+if __name__ == "__main__":
+    main()

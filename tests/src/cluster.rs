@@ -1,0 +1,133 @@
+//! Real `tandem` processes for end-to-end tests: a local cluster
+//! (`tandem up`) read from its startup lines, and the workers' load probes.
+//!
+//! The binary's path is a parameter (`env!("CARGO_BIN_EXE_tandem")` is only
+//! known inside the `tandem` package's own tests).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_proto::worker::v1 as wv1;
+use tandem_proto::worker::v1::worker_client::WorkerClient;
+
+/// Stops the process (and with `tandem up`, its children) at the end:
+/// SIGTERM first, so `up` stops its children, then SIGKILL after 10 s.
+#[derive(Debug)]
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SIGTERM lets `up` stop its children (they also exit when `up`'s
+        // end of their stdin closes).
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A started `tandem up` (or `serve`/`router`): what its startup lines said.
+#[derive(Debug)]
+pub struct Started {
+    pub process: KillOnDrop,
+    /// The gRPC address (`listening on ADDR`).
+    pub addr: String,
+    /// The OpenAI HTTP API (`http listening on ADDR`), if served.
+    pub http: Option<String>,
+    pub decode: Vec<String>,
+    pub prefill: Vec<String>,
+    /// Worker address → pid.
+    pub pids: HashMap<String, u32>,
+    /// etcd endpoint and cluster name, when `up` started etcd.
+    pub etcd: Option<(String, String)>,
+}
+
+/// Runs `<tandem> <args>` and reads its startup lines until `listening on`.
+/// Panics if it exits first.
+pub fn start(tandem: &Path, args: &[&str]) -> Started {
+    let mut child = Command::new(tandem)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tandem starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let process = KillOnDrop(child);
+    let (mut decode, mut prefill, mut pids, mut etcd, mut http) =
+        (Vec::new(), Vec::new(), HashMap::new(), None, None);
+    let mut lines = BufReader::new(stdout).lines();
+    let mut worker = |rest: &str, into: &mut Vec<String>| {
+        let mut parts = rest.split(' ');
+        let addr = parts.next().expect("address").to_string();
+        let pid: u32 = parts.next().and_then(|p| p.parse().ok()).expect("pid");
+        pids.insert(addr.clone(), pid);
+        into.push(addr);
+    };
+    loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("tandem {args:?} exited before listening"))
+            .expect("a line");
+        if let Some(rest) = line.strip_prefix("decode worker ") {
+            worker(rest, &mut decode);
+        } else if let Some(rest) = line.strip_prefix("prefill worker ") {
+            worker(rest, &mut prefill);
+        } else if let Some(rest) = line.strip_prefix("etcd ") {
+            let (e, c) = rest.split_once(' ').expect("endpoint and cluster");
+            etcd = Some((e.to_string(), c.to_string()));
+        } else if let Some(a) = line.strip_prefix("http listening on ") {
+            http = Some(a.to_string());
+        } else if let Some(a) = line.strip_prefix("listening on ") {
+            // Keep draining stdout so the child never blocks.
+            std::thread::spawn(move || for _ in lines {});
+            return Started {
+                process,
+                addr: a.to_string(),
+                http,
+                decode,
+                prefill,
+                pids,
+                etcd,
+            };
+        }
+    }
+}
+
+/// One worker's load report.
+pub async fn load(addr: &str) -> wv1::LoadReport {
+    let mut c = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("worker connects");
+    c.load(wv1::LoadRequest {})
+        .await
+        .expect("load")
+        .into_inner()
+}
+
+/// Waits (at most 10 s per worker) until every worker of the cluster has
+/// freed all its blocks and has nothing running, waiting or parked.
+pub async fn all_blocks_free(cluster: &Started) {
+    for w in cluster.decode.iter().chain(&cluster.prefill) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let l = load(w).await;
+            if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{w} holds blocks: {l:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
