@@ -5,6 +5,7 @@
 //! a deterministic random checkpoint) and `plan` (KV pool and concurrency for
 //! a memory budget). Later: `up`, `bench`.
 
+mod bench_cmd;
 mod default_model;
 mod engine_args;
 mod generate_cmd;
@@ -47,6 +48,8 @@ enum Command {
     GenModel(default_model::GenModelArgs),
     /// Size the KV pool and the concurrency for a memory budget.
     Plan(plan_cmd::PlanArgs),
+    /// Benchmarks against a running server (`bench serve`).
+    Bench(bench_cmd::BenchArgs),
 }
 
 fn main() {
@@ -69,6 +72,7 @@ fn main() {
         Command::Generate(args) => generate_cmd::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

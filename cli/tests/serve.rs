@@ -241,3 +241,73 @@ fn python_client_reflects_checks_health_and_streams_tokens() {
         }
     }
 }
+
+/// `tandem bench serve` against a real server: every request completes, the
+/// metrics are consistent with the workload, and the JSON report has them.
+#[test]
+fn bench_serve_measures_a_running_server() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_tiny(tmp.path());
+    let (_server, addr) = serve(tmp.path());
+    let out = tmp.path().join("bench.json");
+    let model = tmp.path().to_str().expect("utf8");
+    let run = tandem(&[
+        "bench",
+        "serve",
+        "--router",
+        &addr,
+        "--model",
+        model,
+        "--num-requests",
+        "12",
+        "--request-rate",
+        "50",
+        "--input-len",
+        "uniform:8-40",
+        "--output-len",
+        "fixed:6",
+        "--prefix-len",
+        "16",
+        "--prefix-groups",
+        "2",
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "60000",
+        "--out",
+    ])
+    .arg(&out)
+    .output()
+    .expect("bench runs");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("report")).expect("json");
+    let s = &report["summary"];
+    assert_eq!(s["completed"], 12, "{s}");
+    assert_eq!(s["failed"], 0);
+    assert_eq!(s["slo_attainment"], 1.0, "generous SLOs hold");
+    let requests = report["requests"].as_array().expect("records");
+    assert_eq!(requests.len(), 12);
+    for r in requests {
+        assert_eq!(r["output_tokens"], 6, "ignore_eos makes outputs exact: {r}");
+        let input = r["input_tokens"].as_u64().expect("input");
+        assert!((16 + 8..=16 + 40).contains(&input), "{r}");
+        assert_eq!(r["itls"].as_array().map(Vec::len), Some(5), "{r}");
+        let (ttft, e2e) = (
+            r["ttft"].as_f64().expect("ttft"),
+            r["e2e"].as_f64().expect("e2e"),
+        );
+        assert!(0.0 < ttft && ttft <= e2e, "{r}");
+    }
+    // Offered at 50 req/s: the sends spread over time (Poisson), not all at 0.
+    let last_send = requests
+        .iter()
+        .filter_map(|r| r["sent_at"].as_f64())
+        .fold(0.0, f64::max);
+    assert!(last_send > 0.05, "{last_send}");
+    assert!(s["output_token_throughput"].as_f64().unwrap_or(0.0) > 0.0);
+}
