@@ -120,9 +120,9 @@ fn serve(args: &ServeBenchArgs) -> Result<()> {
     let arrival = match (args.concurrency, args.request_rate) {
         (Some(0), _) => bail!("--concurrency must be at least 1"),
         (Some(n), _) => Arrival::Concurrency(n),
-        (None, Some(r)) if !(r > 0.0) => bail!("--request-rate must be positive"),
+        (None, Some(r)) if r.is_nan() || r <= 0.0 => bail!("--request-rate must be positive"),
         (None, r) => {
-            if !(args.burstiness > 0.0) {
+            if args.burstiness.is_nan() || args.burstiness <= 0.0 {
                 bail!("--burstiness must be positive");
             }
             Arrival::Rate {
