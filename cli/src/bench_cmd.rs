@@ -19,13 +19,14 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// Load a running router (or `tandem serve`) and measure it.
     Serve(ServeBenchArgs),
+    /// Offer a workload at rising request rates to one or more running
+    /// configurations and find each one's goodput; JSON and PNG plots.
+    Sweep(SweepArgs),
 }
 
+/// What to send and how to judge it, shared by `serve` and `sweep`.
 #[derive(Args, Debug, Clone)]
-pub struct ServeBenchArgs {
-    /// The gRPC address of the router or server.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    router: String,
+pub struct WorkloadArgs {
     /// The served checkpoint, for its vocabulary size (default: the
     /// built-in model).
     #[arg(long)]
@@ -50,22 +51,16 @@ pub struct ServeBenchArgs {
     /// `max_tokens`) instead of synthetic ones.
     #[arg(long)]
     dataset: Option<PathBuf>,
-    /// Requests to send.
+    /// Requests to send (per rate, in a sweep).
     #[arg(long, default_value_t = 100)]
     num_requests: usize,
-    /// Stop sending after this many seconds.
+    /// Stop sending after this many seconds (per rate, in a sweep).
     #[arg(long)]
     duration_s: Option<f64>,
-    /// Open loop: mean requests per second (default: all at once).
-    #[arg(long, conflicts_with = "concurrency")]
-    request_rate: Option<f64>,
     /// Gamma shape of the inter-arrival times: 1 is Poisson, below 1
     /// burstier.
     #[arg(long, default_value_t = 1.0)]
     burstiness: f64,
-    /// Closed loop: keep this many requests in flight.
-    #[arg(long)]
-    concurrency: Option<usize>,
     /// Sampling temperature (default: the server's).
     #[arg(long)]
     temperature: Option<f32>,
@@ -80,21 +75,52 @@ pub struct ServeBenchArgs {
     /// Cancel and fail a request that runs longer (s).
     #[arg(long, default_value_t = 600.0)]
     request_timeout_s: f64,
-    /// Write the config, summary and per-request records here as JSON.
-    #[arg(long)]
-    out: Option<PathBuf>,
     /// No progress line.
     #[arg(long)]
     no_progress: bool,
 }
 
+#[derive(Args, Debug, Clone)]
+pub struct ServeBenchArgs {
+    /// The gRPC address of the router or server.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    router: String,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Open loop: mean requests per second (default: all at once).
+    #[arg(long, conflicts_with = "concurrency")]
+    request_rate: Option<f64>,
+    /// Closed loop: keep this many requests in flight.
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Write the config, summary and per-request records here as JSON.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SweepArgs {
+    /// A configuration to sweep, `NAME=HOST:PORT` (repeat to compare).
+    #[arg(long = "target", required = true)]
+    targets: Vec<String>,
+    /// Request rates to offer (req/s), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    rates: Vec<f64>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Where `sweep.json` and the PNG plots go.
+    #[arg(long, default_value = "sweep")]
+    out_dir: PathBuf,
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.command {
         BenchCommand::Serve(a) => serve(&a),
+        BenchCommand::Sweep(a) => sweep(&a),
     }
 }
 
-fn vocab_size(args: &ServeBenchArgs) -> Result<u32> {
+fn vocab_size(args: &WorkloadArgs) -> Result<u32> {
     if let Some(v) = args.vocab_size {
         return Ok(v);
     }
@@ -113,78 +139,103 @@ fn vocab_size(args: &ServeBenchArgs) -> Result<u32> {
         .with_context(|| format!("{} has no vocab_size", path.display()))
 }
 
-fn serve(args: &ServeBenchArgs) -> Result<()> {
-    if args.num_requests == 0 {
-        bail!("--num-requests must be at least 1");
+impl WorkloadArgs {
+    fn items(&self) -> Result<Vec<tandem_loadgen::WorkItem>> {
+        self.items_seeded(self.seed)
     }
+
+    /// The workload with synthetic prompts drawn from `seed` (a dataset's
+    /// prompts are the same whatever the seed).
+    fn items_seeded(&self, seed: u64) -> Result<Vec<tandem_loadgen::WorkItem>> {
+        if self.num_requests == 0 {
+            bail!("--num-requests must be at least 1");
+        }
+        Ok(match &self.dataset {
+            Some(path) => tandem_loadgen::workload::from_jsonl(
+                path,
+                self.num_requests,
+                self.output_len
+                    .sample(&mut tandem_loadgen::rng::Rng::new(self.seed)),
+            )?,
+            None => WorkloadSpec {
+                input: self.input_len,
+                output: self.output_len,
+                shared_prefix: (self.prefix_len > 0).then_some(SharedPrefix {
+                    len: self.prefix_len,
+                    groups: self.prefix_groups,
+                }),
+                vocab_size: vocab_size(self)?,
+                seed,
+            }
+            .generate(self.num_requests)?,
+        })
+    }
+
+    fn slo(&self) -> Slo {
+        Slo {
+            ttft_s: self.slo_ttft_ms.map(|ms| ms / 1e3),
+            tpot_s: self.slo_tpot_ms.map(|ms| ms / 1e3),
+        }
+    }
+
+    fn options(&self, arrival: Arrival) -> Result<tandem_loadgen::RunOptions> {
+        if self.burstiness.is_nan() || self.burstiness <= 0.0 {
+            bail!("--burstiness must be positive");
+        }
+        Ok(tandem_loadgen::RunOptions {
+            arrival,
+            max_duration: self.duration_s.map(Duration::from_secs_f64),
+            request_timeout: Duration::from_secs_f64(self.request_timeout_s),
+            temperature: self.temperature,
+            seed: self.seed,
+            progress: !self.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        })
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        json!({
+            "input_len": format!("{:?}", self.input_len),
+            "output_len": format!("{:?}", self.output_len),
+            "prefix_len": self.prefix_len,
+            "prefix_groups": self.prefix_groups,
+            "dataset": self.dataset,
+            "num_requests": self.num_requests,
+            "duration_s": self.duration_s,
+            "burstiness": self.burstiness,
+            "seed": self.seed,
+        })
+    }
+}
+
+fn serve(args: &ServeBenchArgs) -> Result<()> {
+    let w = &args.workload;
     let arrival = match (args.concurrency, args.request_rate) {
         (Some(0), _) => bail!("--concurrency must be at least 1"),
         (Some(n), _) => Arrival::Concurrency(n),
         (None, Some(r)) if r.is_nan() || r <= 0.0 => bail!("--request-rate must be positive"),
-        (None, r) => {
-            if args.burstiness.is_nan() || args.burstiness <= 0.0 {
-                bail!("--burstiness must be positive");
-            }
-            Arrival::Rate {
-                rate: r.unwrap_or(f64::INFINITY),
-                burstiness: args.burstiness,
-            }
-        }
+        (None, r) => Arrival::Rate {
+            rate: r.unwrap_or(f64::INFINITY),
+            burstiness: w.burstiness,
+        },
     };
-    let items = match &args.dataset {
-        Some(path) => tandem_loadgen::workload::from_jsonl(
-            path,
-            args.num_requests,
-            args.output_len
-                .sample(&mut tandem_loadgen::rng::Rng::new(args.seed)),
-        )?,
-        None => WorkloadSpec {
-            input: args.input_len,
-            output: args.output_len,
-            shared_prefix: (args.prefix_len > 0).then_some(SharedPrefix {
-                len: args.prefix_len,
-                groups: args.prefix_groups,
-            }),
-            vocab_size: vocab_size(args)?,
-            seed: args.seed,
-        }
-        .generate(args.num_requests)?,
-    };
-    let slo = Slo {
-        ttft_s: args.slo_ttft_ms.map(|ms| ms / 1e3),
-        tpot_s: args.slo_tpot_ms.map(|ms| ms / 1e3),
-    };
-    let opts = tandem_loadgen::RunOptions {
-        arrival,
-        max_duration: args.duration_s.map(Duration::from_secs_f64),
-        request_timeout: Duration::from_secs_f64(args.request_timeout_s),
-        temperature: args.temperature,
-        seed: args.seed,
-        progress: !args.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr()),
-    };
+    let items = w.items()?;
+    let opts = w.options(arrival)?;
     let rt = crate::engine_args::runtime()?;
     let records = rt.block_on(async {
         let channel = tandem_loadgen::connect(&args.router).await?;
         Ok::<_, anyhow::Error>(tandem_loadgen::run(channel, items, &opts).await)
     })?;
-    let summary = tandem_loadgen::summarize(&records, slo);
+    let summary = tandem_loadgen::summarize(&records, w.slo());
     print_summary(&summary);
     if let Some(first) = records.iter().find_map(|r| r.error.as_deref()) {
         eprintln!("first error: {first}");
     }
     if let Some(path) = &args.out {
+        let mut config = w.config_json();
+        config["router"] = json!(args.router);
+        config["arrival"] = json!(format!("{arrival:?}"));
         let report = json!({
-            "config": {
-                "router": args.router,
-                "input_len": format!("{:?}", args.input_len),
-                "output_len": format!("{:?}", args.output_len),
-                "prefix_len": args.prefix_len,
-                "prefix_groups": args.prefix_groups,
-                "dataset": args.dataset,
-                "num_requests": args.num_requests,
-                "arrival": format!("{arrival:?}"),
-                "seed": args.seed,
-            },
+            "config": config,
             "summary": summary,
             "requests": records,
         });
@@ -192,6 +243,72 @@ fn serve(args: &ServeBenchArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
+    Ok(())
+}
+
+fn sweep(args: &SweepArgs) -> Result<()> {
+    let w = &args.workload;
+    if args.rates.iter().any(|r| r.is_nan() || *r <= 0.0) {
+        bail!("--rates must be positive");
+    }
+    let targets: Vec<(String, String)> = args
+        .targets
+        .iter()
+        .map(|t| {
+            t.split_once('=')
+                .map(|(n, a)| (n.to_string(), a.to_string()))
+                .with_context(|| format!("--target {t:?}: want NAME=HOST:PORT"))
+        })
+        .collect::<Result<_>>()?;
+    // Fresh prompts for every rate (and the warm-up), so no rate rides on
+    // the prefix cache an earlier one filled.
+    let workloads = (0..=args.rates.len())
+        .map(|i| w.items_seeded(w.seed.wrapping_add(i as u64)))
+        .collect::<Result<Vec<_>>>()?;
+    let workload = |i: usize| workloads[i.min(args.rates.len())].clone();
+    let opts = w.options(Arrival::poisson(1.0))?;
+    let rt = crate::engine_args::runtime()?;
+    let mut sweeps = Vec::new();
+    for (name, addr) in &targets {
+        let s = rt.block_on(async {
+            let channel = tandem_loadgen::connect(addr).await?;
+            Ok::<_, anyhow::Error>(
+                tandem_loadgen::sweep::sweep(name, channel, workload, &args.rates, &opts, w.slo())
+                    .await,
+            )
+        })?;
+        for p in &s.points {
+            println!(
+                "{name} @ {:.2} req/s: attainment {:.1}%, TTFT p99 {:.1} ms, TPOT p99 {:.2} ms, {} failed",
+                p.rate,
+                p.summary.slo_attainment * 100.0,
+                p.summary.ttft.p99 * 1e3,
+                p.summary.tpot.p99 * 1e3,
+                p.summary.failed
+            );
+        }
+        match s.goodput {
+            Some(g) => println!("{name}: goodput {g:.2} req/s"),
+            None => println!("{name}: no rate met the SLOs"),
+        }
+        sweeps.push(s);
+    }
+    std::fs::create_dir_all(&args.out_dir)
+        .with_context(|| format!("creating {}", args.out_dir.display()))?;
+    let path = args.out_dir.join("sweep.json");
+    let mut config = w.config_json();
+    config["rates"] = json!(args.rates);
+    config["slo"] = json!(w.slo());
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&json!({"config": config, "sweeps": sweeps}))?,
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
+    tandem_loadgen::sweep::plot_sweeps(&args.out_dir, &sweeps)?;
+    println!(
+        "wrote {} and attainment.png, ttft_cdf.png, tpot_cdf.png",
+        path.display()
+    );
     Ok(())
 }
 

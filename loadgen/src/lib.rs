@@ -14,7 +14,9 @@
 pub mod arrival;
 pub mod client;
 pub mod metrics;
+pub mod plot;
 pub mod rng;
+pub mod sweep;
 pub mod workload;
 
 pub use arrival::Arrival;

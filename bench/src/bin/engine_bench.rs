@@ -32,7 +32,7 @@ struct Args {
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
     /// Decode batch sizes.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     batches: Vec<usize>,
     /// Context already in the cache for each decoding sequence.
     #[arg(long, default_value_t = 128)]
@@ -49,6 +49,9 @@ struct Args {
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write the decode roofline chart (step time against batch) here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -171,6 +174,9 @@ fn main() -> Result<()> {
             batch as f64 * (ctx + args.decode_steps / 2) as f64 * cfg.kv_bytes_per_token() as f64;
         let bytes = model.weight_bytes() as f64 + kv_read;
         let ideal = bytes / bw;
+        // Linear layers: 2 FLOPs per weight per token.
+        let params = model.weight_bytes() as f64 / model.weight_dtype().size() as f64;
+        let compute = 2.0 * params * batch as f64 / gemm_flops;
         let entry = json!({
             "batch": batch,
             "context": ctx,
@@ -180,6 +186,8 @@ fn main() -> Result<()> {
             "bytes_per_step": bytes,
             "roofline_step_ms": ideal * 1e3,
             "roofline_fraction": ideal / median,
+            "compute_bound_step_ms": compute * 1e3,
+            "bound": if compute > ideal { "compute" } else { "bandwidth" },
         });
         eprintln!(
             "decode batch {batch}: {:.1} tok/s, step {:.2} ms, roofline {:.0}%",
@@ -188,6 +196,48 @@ fn main() -> Result<()> {
             100.0 * ideal / median
         );
         decode.push(entry);
+    }
+
+    // Where the bounds cross: the batch from which a decode step's linear
+    // FLOPs take longer at the GEMM peak than reading the weights does.
+    let params = model.weight_bytes() as f64 / model.weight_dtype().size() as f64;
+    let crossover_batch = (model.weight_bytes() as f64 / bw) / (2.0 * params / gemm_flops);
+    let measured_compute_bound = decode
+        .iter()
+        .find(|d| d["bound"] == "compute")
+        .map(|d| d["batch"].clone());
+    if let Some(path) = &args.plot {
+        let series = |name: &str, key: &str| {
+            tandem_loadgen::plot::Series::new(
+                name,
+                decode
+                    .iter()
+                    .filter_map(|d| Some((d["batch"].as_f64()?, d[key].as_f64()?)))
+                    .collect(),
+            )
+        };
+        tandem_loadgen::plot::line_chart(
+            path,
+            &tandem_loadgen::plot::Chart {
+                title: format!(
+                    "decode step time against batch ({:.0} GB/s, {:.0} GFLOP/s peak)",
+                    bw / 1e9,
+                    gemm_flops / 1e9
+                ),
+                x_label: "batch (sequences)".into(),
+                y_label: "step time (ms)".into(),
+                x_log: true,
+                series: vec![
+                    series("measured p50", "step_ms_p50"),
+                    series("bandwidth bound (weights + KV)", "roofline_step_ms"),
+                    series(
+                        "compute bound (linear FLOPs at GEMM peak)",
+                        "compute_bound_step_ms",
+                    ),
+                ],
+            },
+        )?;
+        eprintln!("wrote {}", path.display());
     }
 
     let report = json!({
@@ -211,6 +261,8 @@ fn main() -> Result<()> {
             "fraction_of_gemm_peak": prefill_flops / prefill_best / gemm_flops,
         },
         "decode": decode,
+        "roofline_crossover_batch": crossover_batch,
+        "first_compute_bound_batch": measured_compute_bound,
     });
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

@@ -69,6 +69,9 @@ struct Args {
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write the TTFT CDF of the batching modes here (PNG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 struct Rng(u64);
@@ -254,6 +257,7 @@ fn run_workload(
         "output_tokens": useful,
         "seconds": secs,
         "output_tok_per_s": useful as f64 / secs,
+        "ttft_s": ttfts,
         "ttft_p50_s": percentile(&ttfts, 50.0),
         "ttft_p99_s": percentile(&ttfts, 99.0),
         "tpot_p50_s": percentile(&tpots, 50.0),
@@ -317,6 +321,40 @@ fn main() -> Result<()> {
     println!("{text}");
     if let Some(p) = &args.out {
         std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        use tandem_loadgen::plot::{cdf, line_chart, Chart, Series};
+        let series = [&continuous, &classic, &early]
+            .iter()
+            .map(|r| {
+                let ms: Vec<f64> = r["ttft_s"]
+                    .as_array()
+                    .map(|v| {
+                        v.iter()
+                            .filter_map(|x| x.as_f64())
+                            .map(|x| x * 1e3)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let name = format!(
+                    "{} ({:.0} tok/s)",
+                    r["mode"].as_str().unwrap_or("?"),
+                    r["output_tok_per_s"].as_f64().unwrap_or(0.0)
+                );
+                Series::new(name, cdf(&ms))
+            })
+            .collect();
+        line_chart(
+            path,
+            &Chart {
+                title: "TTFT: continuous against static batching (same workload)".into(),
+                x_label: "TTFT (ms)".into(),
+                y_label: "fraction of requests".into(),
+                x_log: false,
+                series,
+            },
+        )?;
+        eprintln!("wrote {}", path.display());
     }
     Ok(())
 }
