@@ -174,7 +174,13 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
         let addr = bound.local_addr();
         let id = w.id.unwrap_or_else(|| format!("decode-{}", addr.port()));
         let advertised = tandem_server::advertised_addr(w.advertise_host.as_deref(), addr);
-        let reg = register(&w.membership, tandem_discovery::Role::Decode, &id, advertised).await?;
+        let reg = register(
+            &w.membership,
+            tandem_discovery::Role::Decode,
+            &id,
+            advertised,
+        )
+        .await?;
         // Printed once registered, so whoever reads it can route to us.
         println!("listening on {addr}");
         let config = DecodeWorkerConfig {

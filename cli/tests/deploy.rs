@@ -196,7 +196,10 @@ impl Manifests {
                 .unwrap_or_else(|| panic!("{}: no ConfigMap {cm}", self.overlay));
             for (k, v) in at(cm, "data").and_then(Value::as_mapping).expect("data") {
                 let v = v.as_str().expect("ConfigMap values are strings");
-                env.insert(k.as_str().expect("key").into(), EnvSource::Literal(v.into()));
+                env.insert(
+                    k.as_str().expect("key").into(),
+                    EnvSource::Literal(v.into()),
+                );
             }
         }
         for e in seq(c, "env") {
@@ -291,9 +294,7 @@ fn parse(argv: &[String]) -> (String, clap::ArgMatches) {
     if let Err(e) = Cli::try_parse_from(argv) {
         panic!("tandem refuses {argv:?}:\n{e}");
     }
-    let m = Cli::command()
-        .try_get_matches_from(argv)
-        .expect("matches");
+    let m = Cli::command().try_get_matches_from(argv).expect("matches");
     let (sub, sm) = m.subcommand().expect("a subcommand");
     (sub.to_string(), sm.clone())
 }
@@ -305,8 +306,12 @@ fn container_ports(c: &Value) -> Vec<(Option<String>, u16)> {
         .map(|p| {
             (
                 at(p, "name").and_then(Value::as_str).map(str::to_string),
-                u16::try_from(at(p, "containerPort").and_then(Value::as_u64).expect("port"))
-                    .expect("port range"),
+                u16::try_from(
+                    at(p, "containerPort")
+                        .and_then(Value::as_u64)
+                        .expect("port"),
+                )
+                .expect("port range"),
             )
         })
         .collect()
@@ -340,16 +345,14 @@ fn placeholder_env(m: &Manifests, env: &BTreeMap<String, EnvSource>) -> BTreeMap
                     "status.podIP" => "10.1.2.3".into(),
                     other => panic!("{}: unexpected field {other}", m.overlay),
                 },
-                EnvSource::Secret { name, key } => {
-                    m.secret(name, key).unwrap_or_else(|| {
-                        assert_eq!(
-                            name, OPERATOR_SECRET,
-                            "{}: Secret {name} is neither rendered nor the operator's",
-                            m.overlay
-                        );
-                        "operator-secret".into()
-                    })
-                }
+                EnvSource::Secret { name, key } => m.secret(name, key).unwrap_or_else(|| {
+                    assert_eq!(
+                        name, OPERATOR_SECRET,
+                        "{}: Secret {name} is neither rendered nor the operator's",
+                        m.overlay
+                    );
+                    "operator-secret".into()
+                }),
             };
             (k.clone(), v)
         })
@@ -389,14 +392,22 @@ fn check_overlay(overlay: &str) {
     // Controllers: selectors match their own pods and no other workload's.
     for w in &workloads {
         let sel = labels(at(w.obj, "spec.selector.matchLabels"));
-        assert!(selects(&sel, &w.labels), "{o}: {} selects not its pods", w.name);
+        assert!(
+            selects(&sel, &w.labels),
+            "{o}: {} selects not its pods",
+            w.name
+        );
         let also: Vec<_> = m
             .selected(&sel)
             .into_iter()
             .filter(|x| x.name != w.name)
             .map(|x| x.name)
             .collect();
-        assert!(also.is_empty(), "{o}: {}'s selector also takes {also:?}", w.name);
+        assert!(
+            also.is_empty(),
+            "{o}: {}'s selector also takes {also:?}",
+            w.name
+        );
         if w.kind == "StatefulSet" {
             let svc = s(w.obj, "spec.serviceName");
             let svc = m
@@ -410,7 +421,10 @@ fn check_overlay(overlay: &str) {
         }
         // The pod's account exists and carries no API token.
         let sa = s(w.pod, "serviceAccountName");
-        assert!(m.find("ServiceAccount", sa).is_some(), "{o}: no ServiceAccount {sa}");
+        assert!(
+            m.find("ServiceAccount", sa).is_some(),
+            "{o}: no ServiceAccount {sa}"
+        );
         assert_eq!(
             at(w.pod, "automountServiceAccountToken").and_then(Value::as_bool),
             Some(false),
@@ -445,7 +459,12 @@ fn check_overlay(overlay: &str) {
                 );
             }
             // Requests and limits on every container.
-            for r in ["requests.cpu", "requests.memory", "limits.cpu", "limits.memory"] {
+            for r in [
+                "requests.cpu",
+                "requests.memory",
+                "limits.cpu",
+                "limits.memory",
+            ] {
                 assert!(
                     at(c, &format!("resources.{r}")).is_some(),
                     "{o}: {} container {} has no {r}",
@@ -460,7 +479,11 @@ fn check_overlay(overlay: &str) {
     for svc in m.of_kind("Service") {
         let sel = labels(at(svc, "spec.selector"));
         let targets = m.selected(&sel);
-        assert!(!targets.is_empty(), "{o}: Service {} selects no pods", name(svc));
+        assert!(
+            !targets.is_empty(),
+            "{o}: Service {} selects no pods",
+            name(svc)
+        );
         for p in seq(svc, "spec.ports") {
             let target = at(p, "targetPort").or_else(|| at(p, "port")).expect("port");
             for w in &targets {
@@ -479,7 +502,11 @@ fn check_overlay(overlay: &str) {
     // PDBs select pods; HPAs scale workloads whose replicas they own.
     for pdb in m.of_kind("PodDisruptionBudget") {
         let sel = labels(at(pdb, "spec.selector.matchLabels"));
-        assert!(!m.selected(&sel).is_empty(), "{o}: PDB {} selects nothing", name(pdb));
+        assert!(
+            !m.selected(&sel).is_empty(),
+            "{o}: PDB {} selects nothing",
+            name(pdb)
+        );
     }
     let mut scaled = BTreeSet::new();
     for hpa in m.of_kind("HorizontalPodAutoscaler") {
@@ -540,8 +567,7 @@ fn check_overlay(overlay: &str) {
                 .map(|(_, p)| *p)
                 .expect("a gRPC address");
             for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
-                let p = at(c, probe)
-                    .unwrap_or_else(|| panic!("{o}: {} has no {probe}", w.name));
+                let p = at(c, probe).unwrap_or_else(|| panic!("{o}: {} has no {probe}", w.name));
                 let port = at(p, "grpc.port")
                     .and_then(Value::as_u64)
                     .unwrap_or_else(|| panic!("{o}: {}'s {probe} is not gRPC health", w.name));
@@ -550,7 +576,10 @@ fn check_overlay(overlay: &str) {
             if sub != "router" {
                 // Workers must advertise a reachable host when bound to all
                 // interfaces.
-                let bound: SocketAddr = matches.get_one::<SocketAddr>("addr").copied().expect("addr");
+                let bound: SocketAddr = matches
+                    .get_one::<SocketAddr>("addr")
+                    .copied()
+                    .expect("addr");
                 if bound.ip().is_unspecified() {
                     assert!(
                         matches.get_one::<String>("advertise_host").is_some(),
@@ -565,7 +594,9 @@ fn check_overlay(overlay: &str) {
                 }
             }
             if sub == "decode-worker" {
-                let t = matches.get_one::<String>("transfer_addr").expect("transfer");
+                let t = matches
+                    .get_one::<String>("transfer_addr")
+                    .expect("transfer");
                 kv_ports.push((w.labels.clone(), host_port(t).1));
             }
             if sub == "router" {
@@ -621,14 +652,22 @@ fn check_overlay(overlay: &str) {
     for np in m.of_kind("NetworkPolicy") {
         let sel = labels(at(np, "spec.podSelector.matchLabels"));
         let targets = m.selected(&sel);
-        assert!(!targets.is_empty(), "{o}: NetworkPolicy {} selects nothing", name(np));
+        assert!(
+            !targets.is_empty(),
+            "{o}: NetworkPolicy {} selects nothing",
+            name(np)
+        );
         for rule in seq(np, "spec.ingress") {
             let peers: Vec<Vec<Workload>> = seq(rule, "from")
                 .iter()
                 .map(|f| {
                     let ps = labels(at(f, "podSelector.matchLabels"));
                     let peers = m.selected(&ps);
-                    assert!(!peers.is_empty(), "{o}: {} allows a peer that matches no pod", name(np));
+                    assert!(
+                        !peers.is_empty(),
+                        "{o}: {} allows a peer that matches no pod",
+                        name(np)
+                    );
                     peers
                 })
                 .collect();
@@ -636,15 +675,17 @@ fn check_overlay(overlay: &str) {
                 let port = at(p, "port").expect("port");
                 for w in &targets {
                     assert!(
-                        seq(w.pod, "containers").iter().any(|c| resolve_port(c, port).is_some()),
+                        seq(w.pod, "containers")
+                            .iter()
+                            .any(|c| resolve_port(c, port).is_some()),
                         "{o}: NetworkPolicy {} opens {port:?} that {} does not declare",
                         name(np),
                         w.name
                     );
                 }
                 for (decode_labels, kv) in &kv_ports {
-                    let opens_kv = port.as_u64() == Some(u64::from(*kv))
-                        && selects(&sel, decode_labels);
+                    let opens_kv =
+                        port.as_u64() == Some(u64::from(*kv)) && selects(&sel, decode_labels);
                     if opens_kv {
                         assert!(!peers.is_empty(), "{o}: the KV port is open to everyone");
                         for w in peers.iter().flatten() {
@@ -663,17 +704,24 @@ fn check_overlay(overlay: &str) {
     assert!(!kv_ports.is_empty());
     for (decode_labels, _) in &kv_ports {
         assert!(
-            m.of_kind("NetworkPolicy")
-                .any(|np| selects(&labels(at(np, "spec.podSelector.matchLabels")), decode_labels)),
+            m.of_kind("NetworkPolicy").any(|np| selects(
+                &labels(at(np, "spec.podSelector.matchLabels")),
+                decode_labels
+            )),
             "{o}: a decode worker without a NetworkPolicy"
         );
     }
 
     if overlay.starts_with("gpu") {
-        for w in workloads.iter().filter(|w| w.labels.contains_key("tandem/role")) {
+        for w in workloads
+            .iter()
+            .filter(|w| w.labels.contains_key("tandem/role"))
+        {
             for c in seq(w.pod, "containers") {
                 assert!(
-                    at(c, "resources.limits").and_then(|l| l.get("nvidia.com/gpu")).is_some(),
+                    at(c, "resources.limits")
+                        .and_then(|l| l.get("nvidia.com/gpu"))
+                        .is_some(),
                     "{o}: {} has no GPUs",
                     w.name
                 );
@@ -771,27 +819,31 @@ fn local_pod(m: &Manifests, w: &Workload, root: &Path, etcd: &str) -> LocalPod {
         .collect();
     let resolve = |c: &Value| -> BTreeMap<String, String> {
         m.env(c)
-        .into_iter()
-        .map(|(k, src)| {
-            let v = match src {
-                EnvSource::Literal(v) if k == "TANDEM_ETCD" => {
-                    // The etcd Service's address → the test's etcd.
-                    assert!(v.contains("etcd"), "{v}");
-                    etcd.to_string()
-                }
-                EnvSource::Literal(v) => v,
-                EnvSource::Field(f) => match f.as_str() {
-                    "metadata.name" => format!("{}-0", w.name),
-                    "status.podIP" => "127.0.0.1".into(),
-                    other => panic!("unexpected field {other}"),
-                },
-                EnvSource::Secret { name, key } => m.secret(&name, &key).expect("cpu renders its Secret"),
-            };
-            (k, v)
-        })
-        .collect()
+            .into_iter()
+            .map(|(k, src)| {
+                let v = match src {
+                    EnvSource::Literal(v) if k == "TANDEM_ETCD" => {
+                        // The etcd Service's address → the test's etcd.
+                        assert!(v.contains("etcd"), "{v}");
+                        etcd.to_string()
+                    }
+                    EnvSource::Literal(v) => v,
+                    EnvSource::Field(f) => match f.as_str() {
+                        "metadata.name" => format!("{}-0", w.name),
+                        "status.podIP" => "127.0.0.1".into(),
+                        other => panic!("unexpected field {other}"),
+                    },
+                    EnvSource::Secret { name, key } => {
+                        m.secret(&name, &key).expect("cpu renders its Secret")
+                    }
+                };
+                (k, v)
+            })
+            .collect()
     };
-    let env = containers(w.pod).map(|c| (name_of(c), resolve(c))).collect();
+    let env = containers(w.pod)
+        .map(|c| (name_of(c), resolve(c)))
+        .collect();
     LocalPod {
         ports,
         volumes,
@@ -809,7 +861,12 @@ fn start_pod(tandem: &Path, w: &Workload, pod: &LocalPod) -> KillOnDrop {
             .stdout(Stdio::null())
             .status()
             .expect("init container runs");
-        assert!(status.success(), "{}: init container {} failed", w.name, name_of(c));
+        assert!(
+            status.success(),
+            "{}: init container {} failed",
+            w.name,
+            name_of(c)
+        );
     }
     let main = &seq(w.pod, "containers")[0];
     let mut child = pod
@@ -840,15 +897,17 @@ async fn probe(w: &Workload<'_>, pod: &LocalPod) {
     let main = &seq(w.pod, "containers")[0];
     for kind in ["startupProbe", "livenessProbe", "readinessProbe"] {
         let p = at(main, kind).expect("probe");
-        let port = u16::try_from(at(p, "grpc.port").and_then(Value::as_u64).expect("grpc"))
-            .expect("port");
+        let port =
+            u16::try_from(at(p, "grpc.port").and_then(Value::as_u64).expect("grpc")).expect("port");
         let service = at(p, "grpc.service").and_then(Value::as_str).unwrap_or("");
-        let channel =
-            tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", pod.ports[&port]))
-                .expect("url")
-                .connect()
-                .await
-                .expect("health connects");
+        let channel = tonic::transport::Channel::from_shared(format!(
+            "http://127.0.0.1:{}",
+            pod.ports[&port]
+        ))
+        .expect("url")
+        .connect()
+        .await
+        .expect("health connects");
         let mut c = HealthClient::new(channel);
         let r = c
             .check(tonic_health::pb::HealthCheckRequest {
@@ -897,7 +956,9 @@ fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
             .expect("router connects");
         let resp = client
             .generate(v1::GenerateRequest {
-                prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: prompt })),
+                prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                    ids: prompt,
+                })),
                 sampling: Some(v1::SamplingParams {
                     temperature: Some(0.0),
                     ..Default::default()
@@ -916,8 +977,14 @@ fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
         };
         // The router reached both workers at the addresses they advertised
         // in etcd.
-        assert_eq!(header(ROUTED_DECODE_HEADER).as_deref(), Some(decode.as_str()));
-        assert_eq!(header(ROUTED_PREFILL_HEADER).as_deref(), Some(prefill.as_str()));
+        assert_eq!(
+            header(ROUTED_DECODE_HEADER).as_deref(),
+            Some(decode.as_str())
+        );
+        assert_eq!(
+            header(ROUTED_PREFILL_HEADER).as_deref(),
+            Some(prefill.as_str())
+        );
         let mut stream = resp.into_inner();
         let (mut tokens, mut finished) = (0, false);
         while let Some(msg) = stream.message().await.expect("stream") {
@@ -932,8 +999,16 @@ fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
         // The prefill worker computed the prompt; the decode worker only
         // its last token and the new ones (no local fallback).
         let (p, d) = (load(&prefill).await, load(&decode).await);
-        assert!(p.computed_tokens >= 299, "prefill computed {}", p.computed_tokens);
-        assert!(d.computed_tokens < 32, "decode computed {}", d.computed_tokens);
+        assert!(
+            p.computed_tokens >= 299,
+            "prefill computed {}",
+            p.computed_tokens
+        );
+        assert!(
+            d.computed_tokens < 32,
+            "decode computed {}",
+            d.computed_tokens
+        );
     });
     drop(running);
 }
