@@ -10,11 +10,12 @@
 //!   the KV-transfer port is open only to prefill workers;
 //! - every argument and environment variable given to `tandem` is accepted
 //!   by its own clap definitions (`tandem_cli::Cli`);
-//! - the `cpu` overlay's router and workers, started as local processes with
-//!   exactly the manifests' arguments and environment (ports moved to free
-//!   loopback ports, `/models` to a temporary directory, etcd to a test
-//!   etcd), pass their probes and serve a request through the router with
-//!   the prompt prefilled remotely.
+//! - the `cpu` overlay's etcd members, router and workers, started as local
+//!   processes with exactly the manifests' arguments and environment
+//!   (`$(VAR)` expanded as the kubelet does; member DNS names and ports
+//!   moved to free loopback ports, volumes to temporary directories, the
+//!   etcd Service to its members' URLs), pass their probes and serve a
+//!   request through the router with the prompt prefilled remotely.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
@@ -446,6 +447,20 @@ fn check_overlay(overlay: &str) {
                 assert!(
                     m.find("PersistentVolumeClaim", claim).is_some(),
                     "{o}: no PVC {claim}"
+                );
+            }
+        }
+        // A preStop hook runs inside the grace period: leave time for the
+        // drain after it.
+        let grace = at(w.pod, "terminationGracePeriodSeconds")
+            .and_then(Value::as_u64)
+            .unwrap_or(30);
+        for c in seq(w.pod, "containers") {
+            if let Some(sleep) = at(c, "lifecycle.preStop.sleep.seconds").and_then(Value::as_u64) {
+                assert!(
+                    grace >= sleep + 30,
+                    "{o}: {} sleeps {sleep} s in preStop of a {grace} s grace period",
+                    w.name
                 );
             }
         }
@@ -920,18 +935,129 @@ async fn probe(w: &Workload<'_>, pod: &LocalPod) {
     }
 }
 
+/// Expands `$(VAR)` as the kubelet does in a container's arguments.
+fn expand(arg: &str, env: &BTreeMap<String, String>) -> String {
+    env.iter().fold(arg.to_string(), |a, (k, v)| {
+        a.replace(&format!("$({k})"), v)
+    })
+}
+
+/// GET `path` on a local port until etcd says it is healthy (at most 20 s).
+fn wait_etcd_healthy(port: u16, path: &str) {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let mut body = String::new();
+        if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            let _ = write!(c, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+            let _ = c.read_to_string(&mut body);
+        }
+        if body.contains(r#""health":"true""#) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "etcd on port {port} not healthy: {body}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// The etcd StatefulSet's members as local `etcd` processes with the
+/// manifest's arguments: `$(POD_NAME)`, `$(POD_NAMESPACE)` expanded, member
+/// DNS names and listen addresses moved to loopback ports, the data volume
+/// to a directory. Returns them and their client URLs.
+fn start_etcd(m: &Manifests, root: &Path) -> (Vec<KillOnDrop>, Vec<String>) {
+    let w = m.workload("etcd");
+    let replicas = at(w.obj, "spec.replicas")
+        .and_then(Value::as_u64)
+        .expect("replicas");
+    let c = &seq(w.pod, "containers")[0];
+    let service = s(w.obj, "spec.serviceName");
+    let namespace = "tandem";
+    let ports: Vec<HashMap<u16, u16>> = (0..replicas)
+        .map(|_| {
+            container_ports(c)
+                .into_iter()
+                .map(|(_, p)| (p, free_port()))
+                .collect()
+        })
+        .collect();
+    let member = |j: u64| format!("{}-{j}", w.name);
+    let mut procs = Vec::new();
+    for i in 0..replicas {
+        let env: BTreeMap<String, String> = m
+            .env(c)
+            .into_iter()
+            .map(|(k, src)| {
+                let v = match src {
+                    EnvSource::Field(f) if f == "metadata.name" => member(i),
+                    EnvSource::Field(f) if f == "metadata.namespace" => namespace.into(),
+                    other => panic!("etcd: unexpected env {k}: {other:?}"),
+                };
+                (k, v)
+            })
+            .collect();
+        let args: Vec<String> = arg_strings(c)
+            .iter()
+            .map(|a| {
+                let mut a = expand(a, &env);
+                for (j, pj) in ports.iter().enumerate() {
+                    let host = format!("{}.{service}.{namespace}.svc", member(j as u64));
+                    for (port, local) in pj {
+                        a = a.replace(&format!("{host}:{port}"), &format!("127.0.0.1:{local}"));
+                    }
+                }
+                for (port, local) in &ports[i as usize] {
+                    a = a.replace(&format!("0.0.0.0:{port}"), &format!("127.0.0.1:{local}"));
+                }
+                for mnt in seq(c, "volumeMounts") {
+                    let dir = root.join(member(i)).join(s(mnt, "name"));
+                    a = a.replace(s(mnt, "mountPath"), &dir.display().to_string());
+                }
+                assert!(
+                    !a.contains("svc") && !a.contains("$("),
+                    "etcd arg left: {a}"
+                );
+                a
+            })
+            .collect();
+        // The image's /usr/local/bin/etcd is the installed etcd here.
+        let child = Command::new("etcd")
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd starts (install etcd-server)");
+        procs.push(KillOnDrop(child));
+    }
+    let clients: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{}", p[&2379]))
+        .collect();
+    // Ready as the kubelet's readiness probe sees it.
+    let probe = at(c, "readinessProbe.httpGet").expect("etcd readiness probe");
+    let port = resolve_port(c, at(probe, "port").expect("port")).expect("probe port");
+    for p in &ports {
+        wait_etcd_healthy(p[&port], s(probe, "path"));
+    }
+    (procs, clients)
+}
+
 #[test]
 fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
     let tandem = Path::new(env!("CARGO_BIN_EXE_tandem"));
     let m = Manifests::load("cpu");
-    let etcd = tandem_tests::etcd::EtcdServer::start().expect("etcd (install etcd-server)");
     let root = tempfile::tempdir().expect("tempdir");
+    // The etcd client Service balances over the members: give all three.
+    let (etcd, etcd_clients) = start_etcd(&m, root.path());
     let mut running = Vec::new();
     let mut pods = HashMap::new();
     // Workers first: the router admits what is registered when it starts.
     for n in ["prefill-worker", "decode-worker", "router"] {
         let w = m.workload(n);
-        let pod = local_pod(&m, &w, root.path(), &etcd.endpoint());
+        let pod = local_pod(&m, &w, root.path(), &etcd_clients.join(","));
         running.push(start_pod(tandem, &w, &pod));
         pods.insert(n, pod);
     }
@@ -1011,6 +1137,7 @@ fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
         );
     });
     drop(running);
+    drop(etcd);
 }
 
 #[test]
