@@ -28,9 +28,16 @@ pub struct WorkerArgs {
     /// Shared secret every KV transfer handshake must present.
     #[arg(long, env = "TANDEM_CLUSTER_TOKEN", default_value = "tandem-local")]
     cluster_token: String,
-    /// Name in membership and logs (default: role and address).
-    #[arg(long)]
+    /// Name in membership and logs, unique in the cluster (default: role
+    /// and port). In Kubernetes: the pod's name.
+    #[arg(long, env = "TANDEM_WORKER_ID")]
     id: Option<String>,
+    /// Host (IP or DNS name) peers reach this worker on, with the bound
+    /// ports: what it registers in etcd and, on a decode worker, its KV
+    /// transfer endpoint. Needed when binding `0.0.0.0` (in Kubernetes: the
+    /// pod's IP). Default: the bound address.
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST")]
+    advertise_host: Option<String>,
     /// Exit when standard input closes (set by `tandem up`, so workers die
     /// with it).
     #[arg(long, hide = true)]
@@ -46,13 +53,13 @@ pub struct WorkerArgs {
 pub struct MembershipArgs {
     /// etcd endpoints (`http://host:port`, comma-separated). Without them,
     /// membership is the router's static lists.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',')]
     etcd: Vec<String>,
     /// Cluster name: the etcd key prefix `/tandem/<cluster>/workers/`.
-    #[arg(long, default_value = "local")]
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
     cluster: String,
     /// Lease TTL in seconds: a worker that stops renewing leaves after this.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
     lease_ttl_s: u64,
 }
 
@@ -61,7 +68,7 @@ async fn register(
     m: &MembershipArgs,
     role: tandem_discovery::Role,
     id: &str,
-    addr: SocketAddr,
+    addr: String,
 ) -> Result<Option<tandem_discovery::Registration>> {
     if m.etcd.is_empty() {
         return Ok(None);
@@ -69,7 +76,7 @@ async fn register(
     let record = tandem_discovery::WorkerRecord {
         role,
         id: id.to_string(),
-        addr: addr.to_string(),
+        addr,
         payload: Vec::new(),
     };
     let reg = tandem_discovery::Registration::register(
@@ -128,13 +135,21 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
         let id = args
             .id
             .unwrap_or_else(|| format!("prefill-{}", addr.port()));
-        let reg = register(&args.membership, tandem_discovery::Role::Prefill, &id, addr).await?;
+        let advertised = tandem_server::advertised_addr(args.advertise_host.as_deref(), addr);
+        let reg = register(
+            &args.membership,
+            tandem_discovery::Role::Prefill,
+            &id,
+            advertised,
+        )
+        .await?;
         // Printed once registered, so whoever reads it can route to us.
         println!("listening on {addr}");
         let config = PrefillWorkerConfig {
             id,
             model: engine.model_name,
             cluster_token: args.cluster_token,
+            advertise_host: args.advertise_host,
         };
         tandem_prefill_worker::run(
             engine.handle,
@@ -158,7 +173,14 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
         let bound = Bound::bind(w.addr).await?;
         let addr = bound.local_addr();
         let id = w.id.unwrap_or_else(|| format!("decode-{}", addr.port()));
-        let reg = register(&w.membership, tandem_discovery::Role::Decode, &id, addr).await?;
+        let advertised = tandem_server::advertised_addr(w.advertise_host.as_deref(), addr);
+        let reg = register(
+            &w.membership,
+            tandem_discovery::Role::Decode,
+            &id,
+            advertised,
+        )
+        .await?;
         // Printed once registered, so whoever reads it can route to us.
         println!("listening on {addr}");
         let config = DecodeWorkerConfig {
@@ -166,6 +188,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             model: engine.model_name,
             cluster_token: w.cluster_token,
             transfer_bind: args.transfer_addr,
+            advertise_host: w.advertise_host,
             remote_prefill_threshold: args.remote_prefill_threshold,
         };
         tandem_decode_worker::run(

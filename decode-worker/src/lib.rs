@@ -178,6 +178,10 @@ pub struct DecodeWorkerConfig {
     pub cluster_token: String,
     /// Where the transfer listener binds (`ip:port`, port 0 for any).
     pub transfer_bind: String,
+    /// Host peers reach this worker on (e.g. the pod IP), for its gRPC
+    /// address and its transfer endpoint, when it differs from the bound
+    /// addresses (e.g. `0.0.0.0`).
+    pub advertise_host: Option<String>,
     /// Remote prefill only from this many uncached prompt tokens.
     pub remote_prefill_threshold: usize,
 }
@@ -211,13 +215,19 @@ pub async fn run(
             Arc::new(EngineSink::new(engine.clone())),
         )
         .await?;
-    let endpoint = listener.endpoint().to_string();
+    let endpoint = match (&config.advertise_host, listener.endpoint().parse()) {
+        (Some(host), Ok(bound)) => tandem_server::advertised_addr(Some(host), bound),
+        _ => listener.endpoint().to_string(),
+    };
     tracing::info!(%endpoint, "receiving KV blocks");
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,
         role: wv1::Role::Decode as i32,
-        address: bound.local_addr().to_string(),
+        address: tandem_server::advertised_addr(
+            config.advertise_host.as_deref(),
+            bound.local_addr(),
+        ),
         model: config.model,
         layout: Some(layout::to_proto(&layout)),
         transfer_endpoint: endpoint.clone(),

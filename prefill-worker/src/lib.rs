@@ -215,6 +215,9 @@ pub struct PrefillWorkerConfig {
     pub id: String,
     pub model: String,
     pub cluster_token: String,
+    /// Host peers reach this worker on (e.g. the pod IP), when it differs
+    /// from the bound address (e.g. `0.0.0.0`).
+    pub advertise_host: Option<String>,
 }
 
 /// Serves `Prefill` and `Worker` on `bound` until `shutdown`.
@@ -233,7 +236,10 @@ pub async fn run(
     let info = wv1::WorkerInfo {
         id: config.id,
         role: wv1::Role::Prefill as i32,
-        address: bound.local_addr().to_string(),
+        address: tandem_server::advertised_addr(
+            config.advertise_host.as_deref(),
+            bound.local_addr(),
+        ),
         model: config.model,
         layout: Some(layout::to_proto(&layout)),
         transfer_endpoint: String::new(),

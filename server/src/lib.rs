@@ -72,6 +72,17 @@ impl Bound {
     }
 }
 
+/// The address peers should dial for a listener bound to `bound`: its port
+/// on `host` (an IPv6 literal gets brackets), or `bound` itself when no host
+/// is given. A worker bound to `0.0.0.0` in a pod advertises the pod's IP.
+pub fn advertised_addr(host: Option<&str>, bound: SocketAddr) -> String {
+    match host {
+        None => bound.to_string(),
+        Some(h) if h.contains(':') && !h.starts_with('[') => format!("[{h}]:{}", bound.port()),
+        Some(h) => format!("{h}:{}", bound.port()),
+    }
+}
+
 /// What one gRPC server offers: services, the names health reports as
 /// SERVING, and the descriptor sets reflection describes.
 #[derive(Debug, Default)]

@@ -1,0 +1,73 @@
+//! `tandem`: the command line for people, as a library so tests can parse
+//! arguments with the binary's own definitions (`Cli::try_parse_from`).
+//! `main.rs` parses, sets up logging and calls [`run`].
+//!
+//! Subcommands: `up` (a local cluster), `serve` (the colocated server: one
+//! process, the public gRPC API), `prefill-worker`, `decode-worker` and
+//! `router` (the cluster's processes), `generate` (run one prompt through a
+//! model), `gen-model` (write a deterministic random checkpoint), `plan` (KV
+//! pool and concurrency for a memory budget) and `bench serve`.
+
+mod bench_cmd;
+mod default_model;
+mod engine_args;
+mod generate_cmd;
+mod http_args;
+mod plan_cmd;
+mod remote;
+mod serve_cmd;
+mod up_cmd;
+mod worker_cmd;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// The `tandem` command line.
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem",
+    version,
+    about = "Disaggregated prefill/decode LLM serving"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Start a local cluster (router, prefill and decode workers).
+    Up(up_cmd::UpArgs),
+    /// Serve the gRPC API from one process doing prefill and decode.
+    Serve(serve_cmd::ServeArgs),
+    /// Run a prefill worker.
+    PrefillWorker(worker_cmd::WorkerArgs),
+    /// Run a decode worker.
+    DecodeWorker(worker_cmd::DecodeWorkerArgs),
+    /// Run the router.
+    Router(worker_cmd::RouterArgs),
+    /// Generate a continuation of one prompt.
+    Generate(generate_cmd::GenerateArgs),
+    /// Write a deterministic random-weight checkpoint in Hugging Face format.
+    GenModel(default_model::GenModelArgs),
+    /// Size the KV pool and the concurrency for a memory budget.
+    Plan(plan_cmd::PlanArgs),
+    /// Benchmarks against a running server (`bench serve`).
+    Bench(bench_cmd::BenchArgs),
+}
+
+/// Runs one parsed command.
+pub fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Up(args) => up_cmd::run(args),
+        Command::Serve(args) => serve_cmd::run(args),
+        Command::PrefillWorker(args) => worker_cmd::run_prefill(args),
+        Command::DecodeWorker(args) => worker_cmd::run_decode(args),
+        Command::Router(args) => worker_cmd::run_router(args),
+        Command::Generate(args) => generate_cmd::run(args),
+        Command::GenModel(args) => default_model::run_gen_model(args),
+        Command::Plan(args) => plan_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
+    }
+}
