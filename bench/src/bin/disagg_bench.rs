@@ -62,7 +62,7 @@ struct Args {
     slo_ttft_ms: Option<f64>,
     #[arg(long)]
     slo_tpot_ms: Option<f64>,
-    /// Rate of the interference comparison (default: the first rate).
+    /// Rate of the interference comparison (default: the second rate).
     #[arg(long)]
     interference_rate: Option<f64>,
     #[arg(long, default_value = "disagg-results")]
@@ -224,7 +224,7 @@ fn main() -> Result<()> {
     };
     let interference_rate = args
         .interference_rate
-        .or_else(|| args.rates.first().copied())
+        .or_else(|| args.rates.get(1).or(args.rates.first()).copied())
         .unwrap_or(1.0);
     let mut sweeps: Vec<Sweep> = Vec::new();
     let mut results = Vec::new();
