@@ -37,11 +37,7 @@ fn up(model: &Path, prefill: usize, decode: usize) -> Started {
 }
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    tandem_tests::cluster::runtime()
 }
 
 /// What one call produced, and where the router sent it.
@@ -260,16 +256,7 @@ fn a_shared_prefix_goes_back_to_the_worker_that_holds_it() {
 }
 
 fn gen_model(dir: &Path, preset: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["gen-model", "--config", preset, "--out"])
-        .arg(dir)
-        .output()
-        .expect("gen-model");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tandem_tests::cluster::gen_model(Path::new(env!("CARGO_BIN_EXE_tandem")), dir, preset);
 }
 
 #[test]

@@ -5,7 +5,6 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -18,16 +17,7 @@ const USER_MESSAGE: &str = "Tell me a story about a fox and a dog, please.";
 const MAX_TOKENS: u32 = 16;
 
 fn gen_model(dir: &Path, preset: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["gen-model", "--config", preset, "--out"])
-        .arg(dir)
-        .output()
-        .expect("gen-model");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tandem_tests::cluster::gen_model(Path::new(env!("CARGO_BIN_EXE_tandem")), dir, preset);
 }
 
 /// One prefill and one decode worker; prompts from 8 uncached tokens are
@@ -59,11 +49,7 @@ fn up(model: &Path) -> Started {
 }
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    tandem_tests::cluster::runtime()
 }
 
 /// The greedy text of `prompt` over gRPC (the reference path).

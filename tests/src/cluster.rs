@@ -105,6 +105,30 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
     }
 }
 
+/// Writes a generated model (`<tandem> gen-model --config <preset>`) into
+/// `dir`; panics with its stderr if that fails.
+pub fn gen_model(tandem: &Path, dir: &Path, preset: &str) {
+    let out = Command::new(tandem)
+        .args(["gen-model", "--config", preset, "--out"])
+        .arg(dir)
+        .output()
+        .expect("gen-model");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A 2-thread runtime for a test's async clients.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// One worker's load report.
 pub async fn load(addr: &str) -> wv1::LoadReport {
     let mut c = WorkerClient::connect(format!("http://{addr}"))
