@@ -36,6 +36,6 @@ pub use kv_cache::{
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
-pub use weights::DType;
 /// Constrained decoding (grammars, token masks), re-exported for servers.
 pub use tandem_structured as structured;
+pub use weights::DType;

@@ -260,7 +260,10 @@ fn json_schemas_and_regexes_always_validate_at_temperature_one() {
         HashMap::new();
     for (id, schema, rx) in ids {
         for c in d.choices(id) {
-            distinct.entry((schema, rx)).or_default().insert(c.text.clone());
+            distinct
+                .entry((schema, rx))
+                .or_default()
+                .insert(c.text.clone());
             assert_eq!(c.finish, Some(FinishReason::Stop), "{:?}", c.text);
             if let Some(i) = schema {
                 let v: serde_json::Value = serde_json::from_str(&c.text)
@@ -277,7 +280,10 @@ fn json_schemas_and_regexes_always_validate_at_temperature_one() {
             checked += 1;
         }
     }
-    assert_eq!(checked, (schemas.len() + REGEXES.len()) * REQUESTS as usize * N);
+    assert_eq!(
+        checked,
+        (schemas.len() + REGEXES.len()) * REQUESTS as usize * N
+    );
     // Sampled, not forced: each format gets varied outputs.
     for (k, texts) in &distinct {
         assert!(texts.len() >= 4, "{k:?}: {texts:?}");
@@ -313,11 +319,7 @@ fn without_the_constraint_the_model_does_not_write_valid_json() {
 fn choices_and_a_lark_grammar_end_with_stop() {
     let (_tmp, ck) = checkpoint();
     let mut d = Driver::new(core(&ck, &EngineConfig::default()));
-    let choices = vec![
-        "positive".to_string(),
-        "negative".into(),
-        "neutral".into(),
-    ];
+    let choices = vec!["positive".to_string(), "negative".into(), "neutral".into()];
     let lark = r#"
         start: "[" item ("," item)* "]"
         item: NUM | WORD
@@ -346,10 +348,7 @@ fn choices_and_a_lark_grammar_end_with_stop() {
         ));
     }
     // Greedy decoding honours the mask too.
-    let mut greedy = Request::new(
-        Prompt::Text("Sentiment:".into()),
-        50,
-    );
+    let mut greedy = Request::new(Prompt::Text("Sentiment:".into()), 50);
     greedy.response_format = Some(ResponseFormat::Choice(choices.clone()));
     ids.push((d.add(greedy), true));
     d.run();
@@ -391,7 +390,10 @@ fn logprobs_are_those_of_the_masked_distribution() {
     assert_eq!(lp.top.len(), 2, "only the allowed tokens: {lp:?}");
     assert!(lp.top.iter().all(|(t, _)| allowed.contains(t)));
     let mass: f32 = lp.top.iter().map(|(_, l)| l.exp()).sum();
-    assert!((mass - 1.0).abs() < 1e-4, "renormalised over the allowed: {mass}");
+    assert!(
+        (mass - 1.0).abs() < 1e-4,
+        "renormalised over the allowed: {mass}"
+    );
 }
 
 #[test]
@@ -399,13 +401,22 @@ fn invalid_formats_are_refused_at_admission_with_the_engine_message() {
     let (_tmp, ck) = checkpoint();
     let mut d = Driver::new(core(&ck, &EngineConfig::default()));
     for (f, field) in [
-        (ResponseFormat::JsonSchema("{not json".into()), "response_format.json_schema"),
+        (
+            ResponseFormat::JsonSchema("{not json".into()),
+            "response_format.json_schema",
+        ),
         (
             ResponseFormat::JsonSchema(r#"{"type": "integer", "minimum": 3, "maximum": 1}"#.into()),
             "response_format.json_schema",
         ),
-        (ResponseFormat::Regex("([a-z]".into()), "response_format.regex"),
-        (ResponseFormat::Grammar("start: missing_rule".into()), "response_format.grammar"),
+        (
+            ResponseFormat::Regex("([a-z]".into()),
+            "response_format.regex",
+        ),
+        (
+            ResponseFormat::Grammar("start: missing_rule".into()),
+            "response_format.grammar",
+        ),
         (ResponseFormat::Choice(vec![]), "response_format.choice"),
     ] {
         let err = d
@@ -488,7 +499,11 @@ fn remote_prefill_samples_the_first_token_under_the_constraint() {
     r.response_format = Some(ResponseFormat::JsonSchema(schema.to_string()));
     let id = decode.add(r);
     decode.core.step();
-    let (_, rx) = decode.streams.iter_mut().find(|s| s.0 == id).expect("stream");
+    let (_, rx) = decode
+        .streams
+        .iter_mut()
+        .find(|s| s.0 == id)
+        .expect("stream");
     let rp = match rx.try_recv() {
         Ok(RequestEvent::RemotePrefill(rp)) => rp,
         other => panic!("expected a remote prefill, got {other:?}"),
@@ -508,7 +523,11 @@ fn remote_prefill_samples_the_first_token_under_the_constraint() {
     while prefill.has_work() {
         prefill.step();
     }
-    assert_eq!(prefill.stats().mask_steps, 0, "the prefill side computes no mask");
+    assert_eq!(
+        prefill.stats().mask_steps,
+        0,
+        "the prefill side computes no mask"
+    );
     for (layer, logical, k, v) in sink.0.lock().expect("lock").iter() {
         decode
             .core

@@ -100,7 +100,10 @@ mod tests {
             (ResponseFormat::JsonSchema("3".into()), "JSON object"),
             (ResponseFormat::Regex(String::new()), "empty"),
             (ResponseFormat::Choice(vec![]), "empty"),
-            (ResponseFormat::Choice(vec!["a".into(), String::new()]), "empty"),
+            (
+                ResponseFormat::Choice(vec!["a".into(), String::new()]),
+                "empty",
+            ),
             (ResponseFormat::Grammar("  \n".into()), "empty"),
         ] {
             let err = f.to_grammar().expect_err("invalid").to_string();

@@ -31,7 +31,13 @@ fn vocab() -> Vocabulary {
     for (b, c) in chars.iter().enumerate() {
         v.insert(c.to_string(), serde_json::json!(b));
     }
-    let pairs = [("\"", "a"), ("a", "b"), ("{", "\""), ("\"", ":"), ("1", "2")];
+    let pairs = [
+        ("\"", "a"),
+        ("a", "b"),
+        ("{", "\""),
+        ("\"", ":"),
+        ("1", "2"),
+    ];
     let mut merges = Vec::new();
     for (i, (a, b)) in pairs.iter().enumerate() {
         v.insert(format!("{a}{b}"), serde_json::json!(257 + i));
@@ -211,7 +217,10 @@ fn forks_are_independent_and_drafts_can_be_checked_and_undone() {
     let mut a = g.start();
     let mut b = a.fork();
     assert!(!a.commit(u32::from(b'a')).expect("a").stopped);
-    assert!(b.commit(u32::from(b'a')).is_ok(), "the fork has its own parser");
+    assert!(
+        b.commit(u32::from(b'a')).is_ok(),
+        "the fork has its own parser"
+    );
     let mut c2 = g.start();
     // Drafted "b", "b": only the first fits.
     assert_eq!(

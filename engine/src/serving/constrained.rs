@@ -135,7 +135,11 @@ impl MaskWorkers {
     }
 
     /// Computes `jobs`' masks while `forward` runs; returns its result.
-    pub fn overlap<R>(&mut self, jobs: &mut [MaskJob], forward: impl FnOnce() -> R) -> (R, MaskTiming) {
+    pub fn overlap<R>(
+        &mut self,
+        jobs: &mut [MaskJob],
+        forward: impl FnOnce() -> R,
+    ) -> (R, MaskTiming) {
         let pool = if self.inline { None } else { self.pool() };
         let Some(pool) = pool else {
             let t0 = Instant::now();
