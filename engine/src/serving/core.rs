@@ -489,6 +489,7 @@ impl EngineCore {
 
     /// Runs one step. Does nothing when there is no work.
     pub fn step(&mut self) {
+        self.stats.last_step_mask_time = None;
         let plan = self.scheduler.schedule();
         let now = Instant::now();
         for &(seq, cached) in &plan.admitted {
@@ -533,7 +534,6 @@ impl EngineCore {
         // their masks computed while it runs.
         let mut jobs = self.take_mask_jobs(&plan);
         let result = if jobs.is_empty() {
-            self.stats.last_step_mask_time = None;
             self.forward(&plan)
         } else {
             let mut masks = std::mem::take(&mut self.masks);
