@@ -472,9 +472,12 @@ fn preempted_constrained_sequences_resume_in_their_grammar() {
     }
 }
 
-/// Every exported block: (layer, logical block, k, v).
+/// One exported block: (layer, logical block, k, v).
+type Block = (usize, usize, Vec<f32>, Vec<f32>);
+
+/// Every exported block, in order.
 #[derive(Debug, Default)]
-struct Collected(Mutex<Vec<(usize, usize, Vec<f32>, Vec<f32>)>>);
+struct Collected(Mutex<Vec<Block>>);
 
 impl KvExport for Collected {
     fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {

@@ -272,7 +272,7 @@ async fn invalid_response_formats_are_invalid_argument_with_the_engine_message()
     }
     let mut empty = constrained(Format::Regex("a".into()), 0);
     empty.response_format = Some(v1::ResponseFormat { format: None });
-    let err = c.generate(empty).await.err().expect("refused");
+    let err = c.generate(empty).await.expect_err("refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
         err.message().starts_with("response_format"),

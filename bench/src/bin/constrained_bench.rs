@@ -183,7 +183,7 @@ fn run(
         }
         Ok(())
     };
-    while produced.iter().any(|&p| p == 0) {
+    while produced.contains(&0) {
         core.step();
         drain(&mut streams, &mut produced, &mut finished)?;
     }
