@@ -212,8 +212,8 @@ const REGEXES: [&str; 4] = [
     r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
 ];
 
-/// Samples per format (4 requests × n = 4).
-const REQUESTS: u64 = 4;
+/// Samples per format (8 requests × n = 4).
+const REQUESTS: u64 = 8;
 const N: usize = 4;
 
 #[test]
