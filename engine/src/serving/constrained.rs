@@ -10,11 +10,11 @@
 //! * Each constrained sequence owns a [`Constraint`]. The mask for its next
 //!   token depends only on the tokens already committed, so at the start of
 //!   step t every sequence that will sample in step t can have its mask
-//!   computed *during* step t's forward pass: [`MaskWorkers::overlap`] moves
-//!   those constraints onto a small dedicated thread pool (never rayon's
-//!   global pool, which the forward pass saturates), runs the forward on the
-//!   engine thread, and joins before sampling. What the engine waited for
-//!   after the forward is recorded as exposed mask time.
+//!   computed *during* step t's forward pass: [`MaskWorkers::overlap`] takes
+//!   those constraints out of their sequences and runs the mask jobs and
+//!   the forward pass as one `rayon::join` on the global pool, then puts
+//!   them back before sampling. What the step waited for after the forward
+//!   pass is recorded as exposed mask time.
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -98,12 +98,11 @@ pub(crate) struct MaskTiming {
     pub exposed: Duration,
 }
 
-/// The threads that compute masks.
+/// Where masks are computed.
 #[derive(Debug, Default)]
 pub(crate) struct MaskWorkers {
-    pool: Option<Arc<rayon::ThreadPool>>,
-    /// Off: compute masks on the engine thread before the forward pass (for
-    /// measuring what the overlap saves).
+    /// Compute masks on the engine thread before the forward pass instead
+    /// of beside it (for measuring what the overlap saves).
     pub inline: bool,
 }
 
@@ -112,36 +111,27 @@ fn compute(jobs: &mut [MaskJob]) {
         .for_each(|j| j.result = j.constraint.compute_mask());
 }
 
-impl MaskWorkers {
-    /// A quarter of the cores (1 to 8): masks are cheap, and every thread
-    /// here is one the forward pass does not get.
-    fn pool(&mut self) -> Option<Arc<rayon::ThreadPool>> {
-        if self.pool.is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let threads = (cores / 4).clamp(1, 8);
-            match rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("tandem-mask-{i}"))
-                .build()
-            {
-                Ok(p) => self.pool = Some(Arc::new(p)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no mask threads; computing masks inline");
-                    self.inline = true;
-                }
-            }
-        }
-        self.pool.clone()
+fn compute_sequential(jobs: &mut [MaskJob]) {
+    for j in jobs {
+        j.result = j.constraint.compute_mask();
     }
+}
 
+impl MaskWorkers {
     /// Computes `jobs`' masks while `forward` runs; returns its result.
-    pub fn overlap<R>(
+    ///
+    /// Both go to rayon's global pool as one `join`: the forward pass's
+    /// parallel loops and the mask jobs share the same workers, so masks
+    /// take a core only when the forward pass leaves one free and nothing
+    /// is oversubscribed. (A separate mask pool would add threads the
+    /// forward pass's fork-join loops compete with on a CPU-only machine,
+    /// where one descheduled worker stalls the whole step.)
+    pub fn overlap<R: Send>(
         &mut self,
         jobs: &mut [MaskJob],
-        forward: impl FnOnce() -> R,
+        forward: impl FnOnce() -> R + Send,
     ) -> (R, MaskTiming) {
-        let pool = if self.inline { None } else { self.pool() };
-        let Some(pool) = pool else {
+        if self.inline {
             let t0 = Instant::now();
             compute_sequential(jobs);
             let wall = t0.elapsed();
@@ -150,30 +140,20 @@ impl MaskWorkers {
                 exposed: wall,
             };
             return (forward(), timing);
-        };
-        let mut wall = Duration::ZERO;
-        let mut forward_end = None;
-        let out = {
-            let wall = &mut wall;
-            let forward_end = &mut forward_end;
-            pool.in_place_scope(move |s| {
-                s.spawn(move |_| {
-                    let t0 = Instant::now();
-                    compute(jobs);
-                    *wall = t0.elapsed();
-                });
+        }
+        let ((out, forward_end), (wall, masks_end)) = rayon::join(
+            || {
                 let out = forward();
-                *forward_end = Some(Instant::now());
-                out
-            })
-        };
-        let exposed = forward_end.map_or(Duration::ZERO, |t| t.elapsed());
+                (out, Instant::now())
+            },
+            || {
+                let t0 = Instant::now();
+                compute(jobs);
+                let end = Instant::now();
+                (end - t0, end)
+            },
+        );
+        let exposed = masks_end.saturating_duration_since(forward_end);
         (out, MaskTiming { wall, exposed })
-    }
-}
-
-fn compute_sequential(jobs: &mut [MaskJob]) {
-    for j in jobs {
-        j.result = j.constraint.compute_mask();
     }
 }
