@@ -14,7 +14,7 @@
 //! strings, enums, numbers) with `minItems` high enough that no sequence
 //! finishes early, so the batch stays full and every step masks every
 //! sequence. Three variants: unconstrained; constrained with masks computed
-//! beside the forward pass (one `rayon::join`, the default); constrained with
+//! on the compute pool during the forward pass (the default); constrained with
 //! masks computed on the engine thread before it (`overlap: false`), which
 //! shows what the overlap hides. Mask times are per step (all the step's
 //! sequences), from `EngineStats::last_step_mask_time`; "exposed" is what the

@@ -11,9 +11,9 @@
 //!   token depends only on the tokens already committed, so at the start of
 //!   step t every sequence that will sample in step t can have its mask
 //!   computed *during* step t's forward pass: [`MaskWorkers::overlap`] takes
-//!   those constraints out of their sequences and runs the mask jobs and
-//!   the forward pass as one `rayon::join` on the global pool, then puts
-//!   them back before sampling. What the step waited for after the forward
+//!   those constraints out of their sequences, spawns the mask jobs into
+//!   rayon's global pool, runs the forward pass on the engine thread, and
+//!   puts them back before sampling. What the step waited for after the forward
 //!   pass is recorded as exposed mask time.
 
 use std::sync::{Arc, OnceLock};
@@ -120,16 +120,17 @@ fn compute_sequential(jobs: &mut [MaskJob]) {
 impl MaskWorkers {
     /// Computes `jobs`' masks while `forward` runs; returns its result.
     ///
-    /// Both go to rayon's global pool as one `join`: the forward pass's
-    /// parallel loops and the mask jobs share the same workers, so masks
-    /// take a core only when the forward pass leaves one free and nothing
-    /// is oversubscribed. (A separate mask pool would add threads the
-    /// forward pass's fork-join loops compete with on a CPU-only machine,
-    /// where one descheduled worker stalls the whole step.)
-    pub fn overlap<R: Send>(
+    /// The forward pass runs here, on the engine thread, exactly as without
+    /// constraints (its layer hooks too); the mask jobs are spawned into
+    /// rayon's global pool, whose workers the forward pass's parallel loops
+    /// also use, so masks take a core when the forward pass leaves one free
+    /// and nothing is oversubscribed. (A separate mask pool would add
+    /// threads that the forward pass's fork-join loops compete with on a
+    /// CPU-only machine, where one descheduled worker stalls the step.)
+    pub fn overlap<R>(
         &mut self,
         jobs: &mut [MaskJob],
-        forward: impl FnOnce() -> R + Send,
+        forward: impl FnOnce() -> R,
     ) -> (R, MaskTiming) {
         if self.inline {
             let t0 = Instant::now();
@@ -141,18 +142,23 @@ impl MaskWorkers {
             };
             return (forward(), timing);
         }
-        let ((out, forward_end), (wall, masks_end)) = rayon::join(
-            || {
+        let mut wall = Duration::ZERO;
+        let mut masks_end = None;
+        let (out, forward_end) = {
+            let (wall, masks_end) = (&mut wall, &mut masks_end);
+            rayon::in_place_scope(move |s| {
+                s.spawn(move |_| {
+                    let t0 = Instant::now();
+                    compute(jobs);
+                    let end = Instant::now();
+                    *wall = end - t0;
+                    *masks_end = Some(end);
+                });
                 let out = forward();
                 (out, Instant::now())
-            },
-            || {
-                let t0 = Instant::now();
-                compute(jobs);
-                let end = Instant::now();
-                (end - t0, end)
-            },
-        );
+            })
+        };
+        let masks_end = masks_end.unwrap_or(forward_end);
         let exposed = masks_end.saturating_duration_since(forward_end);
         (out, MaskTiming { wall, exposed })
     }
