@@ -263,7 +263,7 @@ fn hex_decode(text: &str) -> Result<Vec<u8>, String> {
         }
     }
     let bytes = text.as_bytes();
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(format!(
             "the payload has an odd number ({}) of hex digits",
             bytes.len()

@@ -226,7 +226,7 @@ impl ModelConfig {
                 "attention needs at least one head".into(),
             ));
         }
-        if raw.num_attention_heads % num_kv_heads != 0 {
+        if !raw.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
                 raw.num_attention_heads
@@ -235,7 +235,7 @@ impl ModelConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "head_dim {head_dim} must be even and positive for rotary embeddings"
             )));

@@ -36,4 +36,6 @@ pub use kv_cache::{
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
+/// Constrained decoding (grammars, token masks), re-exported for servers.
+pub use tandem_structured as structured;
 pub use weights::DType;

@@ -7,11 +7,20 @@
 //! Logprobs report the model's raw distribution (log-softmax of unpenalised
 //! logits), as vLLM does by default, so they are comparable across settings.
 //!
+//! A constrained request ([`Sampler::sample_masked`]) first sets the logits
+//! of every token its grammar forbids to −∞, before anything else: greedy and
+//! sampled draws alike can only pick an allowed token, and logprobs are those
+//! of the masked distribution (renormalised over the allowed tokens; the top
+//! alternatives list only allowed ones) — as in vLLM V1, which applies the
+//! grammar bitmask to the logits the sampler (and its logprobs) then sees.
+//!
 //! A seed makes the draws reproducible: the generator is xoshiro256** seeded
 //! through SplitMix64, owned by the request, independent of batch-mates.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
+
+use tandem_structured::TokenMask;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::log_softmax;
@@ -191,8 +200,17 @@ impl Sampler {
 
     /// Picks the next token from one row of logits and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
-        let logprob = self.params.logprobs.map(|n| (n, raw_logprobs(logits)));
+        self.sample_masked(logits, None)
+    }
+
+    /// Picks the next token among those `mask` allows (all without one).
+    /// The mask must allow at least one token.
+    pub fn sample_masked(&mut self, logits: &[f32], mask: Option<&TokenMask>) -> Sampled {
         let mut z = logits.to_vec();
+        if let Some(m) = mask {
+            m.apply(&mut z);
+        }
+        let logprob = self.params.logprobs.map(|n| (n, raw_logprobs(&z)));
         self.apply_penalties(&mut z);
         let token = if self.params.temperature == 0.0 {
             argmax(&z)
@@ -240,9 +258,11 @@ impl Sampler {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Masked-out tokens (−∞) are never candidates.
         let mut cand: Vec<(u32, f32)> = z
             .iter()
             .enumerate()
+            .filter(|&(_, &v)| v > f32::NEG_INFINITY)
             .map(|(i, &v)| (i as u32, ((v - max) * inv_t).exp()))
             .collect();
         if p.top_k > 0 && p.top_k < cand.len() {
@@ -297,7 +317,13 @@ fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
 }
 
 fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = lp.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    // Masked-out tokens (−∞) are not alternatives.
+    let mut all: Vec<(u32, f32)> = lp
+        .iter()
+        .enumerate()
+        .filter(|&(_, &v)| v > f32::NEG_INFINITY)
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
     let n = n.min(all.len());
     if n == 0 {
         return Vec::new();
@@ -412,6 +438,31 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(r.sample(&logits).token, 1, "prompt token 0 is penalised");
+    }
+
+    #[test]
+    fn a_mask_restricts_greedy_and_sampled_draws_and_the_logprobs() {
+        let logits = [5.0f32, 1.0, 0.0, 2.0];
+        let mask = TokenMask::from_tokens(4, &[1, 2]);
+        let mut g = sampler(SamplingParams {
+            logprobs: Some(3),
+            ..Default::default()
+        });
+        let out = g.sample_masked(&logits, Some(&mask));
+        assert_eq!(out.token, 1, "the best allowed token");
+        let lp = out.logprob.expect("logprobs");
+        let z = 1.0f32.exp() + 1.0;
+        assert!((lp.logprob - (1.0 - z.ln())).abs() < 1e-6, "renormalised");
+        assert_eq!(lp.top.len(), 2, "only allowed alternatives");
+        let mut s = sampler(SamplingParams {
+            temperature: 1.0,
+            seed: Some(5),
+            ..Default::default()
+        });
+        for _ in 0..500 {
+            let t = s.sample_masked(&logits, Some(&mask)).token;
+            assert!(t == 1 || t == 2, "{t}");
+        }
     }
 
     #[test]

@@ -199,8 +199,8 @@ impl SynthConfig {
     pub fn write(&self, dir: &Path, seed: u64, dtype: DType) -> Result<()> {
         if self.num_heads == 0
             || self.num_kv_heads == 0
-            || self.hidden_size % self.num_heads != 0
-            || self.num_heads % self.num_kv_heads != 0
+            || !self.hidden_size.is_multiple_of(self.num_heads)
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
             || self.vocab_size < 258
         {
             return Err(EngineError::InvalidRequest(format!(

@@ -45,6 +45,11 @@ impl Tokenizer {
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
+    /// The underlying Hugging Face tokenizer.
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Text of `ids`, skipping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

@@ -101,7 +101,7 @@ impl<T: bytemuck::Pod> Buf<T> {
     fn from_map(map: &Arc<Mmap>, bytes: &[u8]) -> Self {
         let size = std::mem::size_of::<T>();
         let len = bytes.len() / size;
-        if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+        if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
             Self {
                 inner: BufInner::Mapped {
                     _map: Arc::clone(map),

@@ -233,6 +233,8 @@ impl CommonParams {
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 ignore_eos: self.ignore_eos.unwrap_or(false),
                 logprobs: None,
+                // OpenAI's `response_format` is not mapped yet.
+                response_format: None,
             },
             n,
             stream,

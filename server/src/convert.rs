@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use tandem_engine::serving::{
-    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestSummary, TokenDelta,
+    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestSummary, ResponseFormat,
+    TokenDelta,
 };
 use tandem_engine::{FinishReason, SamplingParams, TokenLogprob};
 use tandem_proto::v1;
@@ -53,6 +54,27 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
         prefill: PrefillMode::Local,
+        response_format: req.response_format.map(format_from_proto).transpose()?,
+    })
+}
+
+/// The engine's format for a `ResponseFormat` (compiled, and checked, by the
+/// engine at admission).
+fn format_from_proto(f: v1::ResponseFormat) -> Result<ResponseFormat, BadRequest> {
+    use v1::response_format::Format;
+    Ok(match f.format {
+        Some(Format::JsonSchema(s)) => ResponseFormat::JsonSchema(s),
+        Some(Format::JsonObject(_)) => ResponseFormat::JsonObject,
+        Some(Format::Regex(r)) => ResponseFormat::Regex(r),
+        Some(Format::Choice(c)) => ResponseFormat::Choice(c.choices),
+        Some(Format::Grammar(g)) => ResponseFormat::Grammar(g),
+        None => {
+            return Err(BadRequest(
+                "response_format: one of json_schema, json_object, regex, choice or grammar \
+                 is required"
+                    .into(),
+            ))
+        }
     })
 }
 
@@ -153,6 +175,34 @@ mod tests {
         assert_eq!(r.n, 1);
         assert_eq!(r.max_tokens, None);
         assert_eq!(r.sampling.logprobs, None);
+    }
+
+    #[test]
+    fn response_formats_map_and_an_empty_one_is_named() {
+        use v1::response_format::Format;
+        let with = |f: Option<Format>| v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text("hi".into())),
+            response_format: Some(v1::ResponseFormat { format: f }),
+            ..Default::default()
+        };
+        let r = request_from_proto(with(Some(Format::Choice(v1::Choice {
+            choices: vec!["a".into(), "b".into()],
+        }))))
+        .expect("valid");
+        assert_eq!(
+            r.response_format,
+            Some(ResponseFormat::Choice(vec!["a".into(), "b".into()]))
+        );
+        let r = request_from_proto(with(Some(Format::JsonObject(v1::JsonObject {})))).expect("ok");
+        assert_eq!(r.response_format, Some(ResponseFormat::JsonObject));
+        let err = request_from_proto(with(None)).expect_err("empty format");
+        assert!(err.0.starts_with("response_format"), "{err}");
+        let plain = request_from_proto(v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text("hi".into())),
+            ..Default::default()
+        })
+        .expect("valid");
+        assert_eq!(plain.response_format, None);
     }
 
     #[test]

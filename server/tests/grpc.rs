@@ -157,6 +157,132 @@ async fn invalid_parameters_are_invalid_argument_naming_the_field() {
     while ok.message().await.expect("message").is_some() {}
 }
 
+fn constrained(format: v1::response_format::Format, seed: u64) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Text("Answer:".into())),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(1.0),
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        max_tokens: Some(300),
+        n: 2,
+        response_format: Some(v1::ResponseFormat {
+            format: Some(format),
+        }),
+        ..Default::default()
+    }
+}
+
+/// Each choice's text and finish reason.
+async fn texts(
+    c: &mut GenerationClient<tonic::transport::Channel>,
+    req: v1::GenerateRequest,
+) -> Vec<(String, i32)> {
+    let mut stream = c.generate(req).await.expect("call").into_inner();
+    let mut out = vec![(String::new(), 0); 2];
+    while let Some(msg) = stream.message().await.expect("message") {
+        if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+            let (text, finish) = &mut out[d.index as usize];
+            text.push_str(&d.text);
+            if d.finish_reason != 0 {
+                *finish = d.finish_reason;
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_formats_constrain_the_output() {
+    use v1::response_format::Format;
+    let s = start().await;
+    let mut c = client(&s.url).await;
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 6},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 9}
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": false
+    });
+    let validator = jsonschema::validator_for(&schema).expect("schema");
+    for seed in 0..3 {
+        for (text, finish) in texts(
+            &mut c,
+            constrained(Format::JsonSchema(schema.to_string()), seed),
+        )
+        .await
+        {
+            assert_eq!(finish, v1::FinishReason::Stop as i32, "{text:?}");
+            let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+            assert!(validator.is_valid(&v), "{text:?}");
+        }
+    }
+    let choices = vec!["alpha".to_string(), "beta".into()];
+    let req = constrained(
+        Format::Choice(v1::Choice {
+            choices: choices.clone(),
+        }),
+        7,
+    );
+    for (text, finish) in texts(&mut c, req).await {
+        assert_eq!(finish, v1::FinishReason::Stop as i32);
+        assert!(choices.contains(&text), "{text:?}");
+    }
+    let stats = s.handle.stats();
+    assert!(stats.mask_steps > 0, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_response_formats_are_invalid_argument_with_the_engine_message() {
+    use v1::response_format::Format;
+    let s = start().await;
+    let mut c = client(&s.url).await;
+    for (format, field) in [
+        (
+            Format::JsonSchema("{".into()),
+            "response_format.json_schema",
+        ),
+        (
+            Format::JsonSchema(r#"{"type": "string", "minLength": 5, "maxLength": 2}"#.into()),
+            "response_format.json_schema",
+        ),
+        (Format::Regex("[a-".into()), "response_format.regex"),
+        (
+            Format::Grammar("start: nowhere".into()),
+            "response_format.grammar",
+        ),
+        (
+            Format::Choice(v1::Choice { choices: vec![] }),
+            "response_format.choice",
+        ),
+    ] {
+        let err = match c.generate(constrained(format.clone(), 0)).await {
+            Ok(_) => panic!("{format:?} was accepted"),
+            Err(e) => e,
+        };
+        assert_eq!(err.code(), Code::InvalidArgument, "{format:?}: {err:?}");
+        assert!(
+            err.message().starts_with(field) && err.message().len() > field.len() + 2,
+            "{:?} should name {field} and say why",
+            err.message()
+        );
+    }
+    let mut empty = constrained(Format::Regex("a".into()), 0);
+    empty.response_format = Some(v1::ResponseFormat { format: None });
+    let err = c.generate(empty).await.expect_err("refused");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().starts_with("response_format"),
+        "{}",
+        err.message()
+    );
+    let st = s.handle.stats();
+    assert_eq!(st.free_blocks, st.num_blocks, "nothing was admitted");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_frees_its_blocks() {
     // Big enough that the request cannot finish on its own during the test.

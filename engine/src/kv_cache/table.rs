@@ -78,7 +78,7 @@ impl BlockTable {
     pub fn append(&mut self, n: usize) -> Result<Option<BlockCopy>, KvError> {
         let total = self.num_tokens + n;
         let grow = self.blocks_needed(total);
-        let partial = self.num_tokens % self.allocator.block_size() != 0;
+        let partial = !self.num_tokens.is_multiple_of(self.allocator.block_size());
         let shared_tail = match self.blocks.last() {
             Some(&b) if n > 0 && partial => self.allocator.refcount(b) > 1,
             _ => false,

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -19,6 +19,7 @@ use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler};
 use crate::tokenizer::Tokenizer;
 
+use super::constrained::{Grammars, MaskJob, MaskWorkers};
 use super::output::TextOutput;
 use super::request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, RemotePrefill, RequestEvent,
@@ -92,6 +93,19 @@ pub struct EngineStats {
     pub kv_slot_steps: u64,
     /// ... and sequences holding blocks.
     pub kv_seq_steps: u64,
+    /// Constrained decoding: steps that computed token masks ...
+    pub mask_steps: u64,
+    /// ... the masks computed ...
+    pub masks_computed: u64,
+    /// ... their summed wall time per step (from the first mask's start to
+    /// the last one's end) ...
+    pub mask_time: Duration,
+    /// ... the part the engine waited for after the forward pass (the rest
+    /// was hidden behind it) ...
+    pub mask_exposed: Duration,
+    /// ... and the wall time of the latest step's masks (`None` when that
+    /// step computed none).
+    pub last_step_mask_time: Option<Duration>,
 }
 
 impl EngineStats {
@@ -169,6 +183,9 @@ pub struct EngineCore {
     kv_subscribers: Vec<UnboundedSender<KvFeed>>,
     kv_event_seq: u64,
     stats: EngineStats,
+    /// Compiles response formats; `None` without a tokenizer.
+    grammars: Option<Arc<Grammars>>,
+    masks: MaskWorkers,
 }
 
 impl EngineCore {
@@ -246,10 +263,15 @@ impl EngineCore {
             free_blocks: num_blocks,
             ..EngineStats::default()
         };
+        let grammars = tokenizer
+            .as_ref()
+            .map(|t| Arc::new(Grammars::new(t.clone(), mc.vocab_size, eos.clone())));
         Ok(Self {
             model,
             kv,
             tokenizer,
+            grammars,
+            masks: MaskWorkers::default(),
             eos,
             scheduler,
             limits,
@@ -276,6 +298,18 @@ impl EngineCore {
         self.limits.num_blocks * self.kv.layout().block_bytes()
     }
 
+    /// The format compiler shared with the handle.
+    pub(crate) fn grammars(&self) -> Option<Arc<Grammars>> {
+        self.grammars.clone()
+    }
+
+    /// Whether token masks are computed on mask threads during the forward
+    /// pass (the default) or on the engine thread before it (to measure
+    /// what the overlap saves).
+    pub fn set_mask_overlap(&mut self, overlap: bool) {
+        self.masks.inline = !overlap;
+    }
+
     /// Validates and queues a request under the caller's `id`; its events go
     /// to `sink`.
     pub fn add_request(
@@ -284,7 +318,12 @@ impl EngineCore {
         req: super::Request,
         sink: UnboundedSender<RequestEvent>,
     ) -> Result<()> {
-        let valid = super::request::validate(req, self.tokenizer.as_deref(), &self.limits)?;
+        let valid = super::request::validate(
+            req,
+            self.tokenizer.as_deref(),
+            self.grammars.as_deref(),
+            &self.limits,
+        )?;
         self.add_valid(id, valid, sink);
         Ok(())
     }
@@ -311,6 +350,7 @@ impl EngineCore {
         self.next_seq += 1;
         let prompt_len = req.prompt_ids.len();
         let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text);
+        seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
         match req.prefill {
             PrefillMode::Local => {}
             PrefillMode::Remote { min_uncached } => seq.remote_min_uncached = Some(min_uncached),
@@ -449,6 +489,7 @@ impl EngineCore {
 
     /// Runs one step. Does nothing when there is no work.
     pub fn step(&mut self) {
+        self.stats.last_step_mask_time = None;
         let plan = self.scheduler.schedule();
         let now = Instant::now();
         for &(seq, cached) in &plan.admitted {
@@ -489,7 +530,24 @@ impl EngineCore {
         for &copy in &plan.copies {
             self.kv.copy_block(copy);
         }
-        let result = self.forward(&plan);
+        // Constrained sequences that sample after this forward pass get
+        // their masks computed while it runs.
+        let mut jobs = self.take_mask_jobs(&plan);
+        let result = if jobs.is_empty() {
+            self.forward(&plan)
+        } else {
+            let mut masks = std::mem::take(&mut self.masks);
+            let (result, timing) = masks.overlap(&mut jobs, || self.forward(&plan));
+            self.masks = masks;
+            let s = &mut self.stats;
+            s.mask_steps += 1;
+            s.masks_computed += jobs.len() as u64;
+            s.mask_time += timing.wall;
+            s.mask_exposed += timing.exposed;
+            s.last_step_mask_time = Some(timing.wall);
+            self.return_mask_jobs(jobs);
+            result
+        };
         match result {
             Ok(logits) => {
                 self.scheduler.complete(&plan);
@@ -515,6 +573,43 @@ impl EngineCore {
         }
         self.stats.steps += 1;
         self.refresh_stats();
+    }
+
+    /// Takes the constraints of the step's sequences that will sample and
+    /// still need a mask.
+    fn take_mask_jobs(&mut self, plan: &StepPlan) -> Vec<MaskJob> {
+        let mut jobs = Vec::new();
+        for s in &plan.scheduled {
+            let Some(seq) = self.scheduler.seq_mut(s.seq) else {
+                continue;
+            };
+            if !seq.samples_after(s.num_tokens)
+                || !seq.constraint.as_ref().is_some_and(|c| c.needs_mask())
+            {
+                continue;
+            }
+            if let Some(c) = seq.constraint.take() {
+                jobs.push(MaskJob::new(s.seq, c));
+            }
+        }
+        jobs
+    }
+
+    /// Puts the constraints back; a failed mask fails its request.
+    fn return_mask_jobs(&mut self, jobs: Vec<MaskJob>) {
+        let mut failed = Vec::new();
+        for job in jobs {
+            let Some(seq) = self.scheduler.seq_mut(job.seq) else {
+                continue;
+            };
+            seq.constraint = Some(job.constraint);
+            if let Err(e) = job.result {
+                failed.push((seq.group, e.to_string()));
+            }
+        }
+        for (group, msg) in failed {
+            self.fail_group(group, &format!("response_format: {msg}"));
+        }
     }
 
     fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
@@ -623,16 +718,35 @@ impl EngineCore {
                 let Some(seq) = self.scheduler.seq_mut(seq_id) else {
                     continue;
                 };
-                let sampled = seq.sampler.sample(row);
+                let (sampled, grammar_done) = match seq.constraint.as_deref_mut() {
+                    None => (seq.sampler.sample(row), false),
+                    Some(c) => {
+                        // Normally computed during the forward pass; a
+                        // sequence that skipped it (a fresh fork) does it now.
+                        let step = c.compute_mask().and_then(|_| {
+                            let sampled = seq.sampler.sample_masked(row, c.mask());
+                            c.commit(sampled.token).map(|k| (sampled, k.stopped))
+                        });
+                        match step {
+                            Ok(v) => v,
+                            Err(e) => {
+                                let group = seq.group;
+                                self.fail_group(group, &format!("response_format: {e}"));
+                                continue;
+                            }
+                        }
+                    }
+                };
                 seq.push_token(sampled.token, bs);
-                self.emit_token(seq_id, sampled);
+                self.emit_token(seq_id, sampled, grammar_done);
             }
         }
     }
 
     /// Streams one new token of one choice and ends the choice if a stop
-    /// condition holds.
-    fn emit_token(&mut self, seq_id: SeqId, sampled: Sampled) {
+    /// condition holds (`grammar_done`: its grammar is complete and nothing
+    /// may follow).
+    fn emit_token(&mut self, seq_id: SeqId, sampled: Sampled, grammar_done: bool) {
         let tokenizer = self.tokenizer.clone();
         let Some(seq) = self.scheduler.seq_mut(seq_id) else {
             return;
@@ -667,9 +781,13 @@ impl EngineCore {
         }
         if finish.is_none() {
             let produced = seq.tokens.len() - seq.prompt_len;
+            // A constrained choice samples end-of-sequence only where its
+            // grammar is complete, so it ends there even with `ignore_eos`.
+            let constrained = seq.constraint.is_some();
             if g.stop_token_ids.contains(&token) {
                 finish = Some((FinishReason::Stop, Some(token.to_string())));
-            } else if !g.ignore_eos && self.eos.contains(&token) {
+            } else if grammar_done || ((!g.ignore_eos || constrained) && self.eos.contains(&token))
+            {
                 finish = Some((FinishReason::Stop, None));
             } else if produced >= g.max_tokens || seq.tokens.len() >= self.limits.max_model_len {
                 finish = Some((FinishReason::Length, None));

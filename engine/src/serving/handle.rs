@@ -19,6 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::error::{EngineError, Result};
 use crate::tokenizer::Tokenizer;
 
+use super::constrained::Grammars;
 use super::core::{EngineCore, EngineStats, KvFeed};
 use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
 
@@ -47,6 +48,7 @@ enum Command {
 struct Shared {
     limits: Limits,
     tokenizer: Option<Arc<Tokenizer>>,
+    grammars: Option<Arc<Grammars>>,
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
     kv_pool_bytes: usize,
@@ -86,6 +88,7 @@ impl EngineHandle {
         let shared = Arc::new(Shared {
             limits: core.limits(),
             tokenizer: core.tokenizer().cloned(),
+            grammars: core.grammars(),
             stats: Mutex::new(core.stats()),
             next_id: AtomicU64::new(0),
             kv_pool_bytes: core.kv_pool_bytes(),
@@ -128,7 +131,13 @@ impl EngineHandle {
 
     /// Validates a request and queues it. Errors name the field at fault.
     pub fn submit(&self, req: Request) -> Result<RequestStream> {
-        let valid = validate(req, self.shared.tokenizer.as_deref(), &self.shared.limits)?;
+        // Compiles the response format here, on the caller's thread.
+        let valid = validate(
+            req,
+            self.shared.tokenizer.as_deref(),
+            self.shared.grammars.as_deref(),
+            &self.shared.limits,
+        )?;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (sink, events) = unbounded_channel();
         self.commands

@@ -25,6 +25,7 @@
 //! **Architecture Invariant:** nothing here knows about gRPC or the network:
 //! servers turn their messages into a [`Request`] and consume events.
 
+mod constrained;
 mod core;
 mod handle;
 mod output;
@@ -37,3 +38,4 @@ pub use request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, Prompt, RemotePrefill, Request,
     RequestEvent, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
+pub use tandem_structured::ResponseFormat;

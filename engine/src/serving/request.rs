@@ -12,6 +12,9 @@ use crate::generate::FinishReason;
 use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
+use super::constrained::Grammars;
+use tandem_structured::{CompiledGrammar, ResponseFormat};
+
 /// Most alternatives a request may ask logprobs for (vLLM's default cap).
 pub const MAX_LOGPROBS: usize = 20;
 
@@ -83,6 +86,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Where the prompt is computed.
     pub prefill: PrefillMode,
+    /// Constrains the output to a JSON schema, regex, choice or grammar
+    /// (compiled at validation; see [`tandem_structured`]).
+    pub response_format: Option<ResponseFormat>,
 }
 
 impl Request {
@@ -98,6 +104,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             prefill: PrefillMode::Local,
+            response_format: None,
         }
     }
 }
@@ -125,16 +132,20 @@ pub(crate) struct ValidRequest {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub prefill: PrefillMode,
+    /// The compiled `response_format`.
+    pub grammar: Option<Arc<CompiledGrammar>>,
 }
 
 fn invalid(msg: String) -> EngineError {
     EngineError::InvalidRequest(msg)
 }
 
-/// Checks and tokenizes a request; every error names the field at fault.
+/// Checks and tokenizes a request and compiles its response format; every
+/// error names the field at fault.
 pub(crate) fn validate(
     req: Request,
     tokenizer: Option<&Tokenizer>,
+    grammars: Option<&Grammars>,
     limits: &Limits,
 ) -> Result<ValidRequest> {
     req.sampling.validate()?;
@@ -229,6 +240,19 @@ pub(crate) fn validate(
             limits.num_blocks
         )));
     }
+    // Last: compiling is the most expensive check (cached by format).
+    let grammar = match (&req.response_format, &req.prefill) {
+        (None, _) | (Some(_), PrefillMode::Export { .. }) => None,
+        (Some(format), _) => {
+            let g = grammars.ok_or_else(|| {
+                invalid(format!(
+                    "response_format.{}: constrained decoding needs a tokenizer and the model has none",
+                    format.kind()
+                ))
+            })?;
+            Some(g.compile(format)?)
+        }
+    };
     Ok(ValidRequest {
         request_id: req.request_id,
         prompt_ids,
@@ -239,6 +263,7 @@ pub(crate) fn validate(
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
         prefill: req.prefill,
+        grammar,
     })
 }
 

@@ -74,6 +74,9 @@ pub(crate) struct Sequence {
     pub remote_min_uncached: Option<usize>,
     /// A prefill-only sequence that exports its blocks.
     pub export: Option<Export>,
+    /// The grammar state of a constrained choice. Taken out while its mask
+    /// is computed on a mask thread, and put back before sampling.
+    pub constraint: Option<Box<tandem_structured::Constraint>>,
 }
 
 /// Where a prefill-only sequence's blocks go.
@@ -106,6 +109,7 @@ impl Sequence {
             text,
             remote_min_uncached: None,
             export: None,
+            constraint: None,
         }
     }
 
@@ -118,6 +122,12 @@ impl Sequence {
     pub fn push_token(&mut self, token: u32, block_size: usize) {
         self.tokens.push(token);
         extend_block_hashes(&mut self.hashes, &self.tokens, block_size);
+    }
+
+    /// Whether computing `num_tokens` more tokens this step leaves it ready
+    /// to sample (its pending tokens all computed).
+    pub fn samples_after(&self, num_tokens: usize) -> bool {
+        self.export.is_none() && self.num_computed + num_tokens >= self.tokens.len()
     }
 
     fn is_decoding(&self) -> bool {
@@ -280,6 +290,8 @@ impl Scheduler {
                 .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], p.text_stops())),
             remote_min_uncached: None,
             export: None,
+            // Same place in the grammar, its own parser.
+            constraint: p.constraint.as_ref().map(|c| Box::new(c.fork())),
         };
         self.seqs.insert(id, child);
         self.running.push(id);
