@@ -192,7 +192,27 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     assert_eq!(c["text"], &full[..cut]);
     assert_eq!(c["finish_reason"], "stop");
 
+    let c = case(&results, "json_schema");
+    assert_eq!(c["finish_reason"], "stop", "{c}");
+    let person: Value = serde_json::from_str(c["text"].as_str().expect("text"))
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {c}"));
+    assert!(
+        person["name"]
+            .as_str()
+            .is_some_and(|n| n.chars().count() <= 8),
+        "{person}"
+    );
+    assert!(person["age"].as_u64().is_some_and(|a| a <= 120), "{person}");
+    assert_eq!(person.as_object().map(|o| o.len()), Some(2), "{person}");
+    let c = case(&results, "choice");
+    assert!(
+        ["red", "green", "blue"].contains(&c["text"].as_str().unwrap_or("")),
+        "{c}"
+    );
+    assert_eq!(c["finish_reason"], "stop", "{c}");
+
     for (name, status) in [
+        ("bad_schema", 400),
         ("unknown_model", 404),
         ("bad_temperature", 400),
         ("bad_max_tokens", 400),

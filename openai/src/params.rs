@@ -31,6 +31,33 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// OpenAI's `response_format`: `{"type": "text" | "json_object" |
+/// "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponseFormatIn {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub json_schema: Option<JsonSchemaIn>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaIn {
+    pub name: Option<String>,
+    pub schema: Option<serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+/// vLLM's `structured_outputs`: exactly one of `json` (a schema),
+/// `regex`, `choice`, `grammar` (Lark), or `json_object: true`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredOutputsIn {
+    pub json: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+}
+
 /// Parameters both endpoints share.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct CommonParams {
@@ -55,6 +82,10 @@ pub struct CommonParams {
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Structured output, OpenAI's way.
+    pub response_format: Option<ResponseFormatIn>,
+    /// Structured output, vLLM's way (regex, choice, grammar too).
+    pub structured_outputs: Option<StructuredOutputsIn>,
 }
 
 /// `prompt` of `/v1/completions`: text, texts, token ids, or lists of them.
@@ -137,6 +168,82 @@ fn in_range(
 }
 
 impl CommonParams {
+    /// The constraint on the output, from `response_format` or
+    /// `structured_outputs` (not both). The engine compiles it and answers
+    /// 400 with the grammar engine's message when it is invalid.
+    fn response_format(&self) -> Result<Option<v1::ResponseFormat>, ApiError> {
+        use v1::response_format::Format;
+        let from_openai = match &self.response_format {
+            None => None,
+            Some(r) => match r.kind.as_str() {
+                "text" => None,
+                "json_object" => Some(Format::JsonObject(v1::JsonObject {})),
+                "json_schema" => {
+                    let schema = r
+                        .json_schema
+                        .as_ref()
+                        .and_then(|j| j.schema.as_ref())
+                        .ok_or_else(|| {
+                            ApiError::bad_param(
+                                "response_format",
+                                "response_format.json_schema.schema is required",
+                            )
+                        })?;
+                    Some(Format::JsonSchema(schema.to_string()))
+                }
+                other => {
+                    return Err(ApiError::bad_param(
+                        "response_format",
+                        format!(
+                            "response_format.type must be text, json_object or json_schema, got `{other}`"
+                        ),
+                    ))
+                }
+            },
+        };
+        let from_vllm = match &self.structured_outputs {
+            None => None,
+            Some(so) => {
+                let mut given = Vec::new();
+                if let Some(j) = &so.json {
+                    // A schema may come as an object or as its JSON text.
+                    given.push(Format::JsonSchema(match j {
+                        serde_json::Value::String(text) => text.clone(),
+                        other => other.to_string(),
+                    }));
+                }
+                if let Some(r) = &so.regex {
+                    given.push(Format::Regex(r.clone()));
+                }
+                if let Some(c) = &so.choice {
+                    given.push(Format::Choice(v1::Choice { choices: c.clone() }));
+                }
+                if let Some(g) = &so.grammar {
+                    given.push(Format::Grammar(g.clone()));
+                }
+                if so.json_object == Some(true) {
+                    given.push(Format::JsonObject(v1::JsonObject {}));
+                }
+                if given.len() > 1 {
+                    return Err(ApiError::bad_param(
+                        "structured_outputs",
+                        "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                    ));
+                }
+                given.pop()
+            }
+        };
+        match (from_openai, from_vllm) {
+            (Some(_), Some(_)) => Err(ApiError::bad_param(
+                "response_format",
+                "give response_format or structured_outputs, not both",
+            )),
+            (f, None) | (None, f) => Ok(f.map(|format| v1::ResponseFormat {
+                format: Some(format),
+            })),
+        }
+    }
+
     /// Checks the shared parameters and fills everything of a
     /// `GenerateRequest` but its prompt and logprobs.
     pub fn plan(&self) -> Result<Plan, ApiError> {
@@ -233,8 +340,7 @@ impl CommonParams {
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 ignore_eos: self.ignore_eos.unwrap_or(false),
                 logprobs: None,
-                // OpenAI's `response_format` is not mapped yet.
-                response_format: None,
+                response_format: self.response_format()?,
             },
             n,
             stream,
@@ -407,6 +513,55 @@ mod tests {
         assert_eq!(p.template.max_tokens, Some(7));
         assert_eq!(p.template.stop, vec!["x".to_string()]);
         assert_eq!((p.n, p.stream, p.include_usage), (3, true, true));
+    }
+
+    #[test]
+    fn maps_structured_output_requests() {
+        use v1::response_format::Format;
+        let format = |json: &str| {
+            common(json)
+                .plan()
+                .map(|p| p.template.response_format.and_then(|r| r.format))
+        };
+        assert_eq!(
+            format(r#"{"response_format": {"type": "text"}}"#).ok(),
+            Some(None)
+        );
+        assert_eq!(
+            format(r#"{"response_format": {"type": "json_object"}}"#).ok(),
+            Some(Some(Format::JsonObject(v1::JsonObject {})))
+        );
+        let Ok(Some(Format::JsonSchema(text))) = format(
+            r#"{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}}"#,
+        ) else {
+            panic!("a schema")
+        };
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&text).ok(),
+            Some(serde_json::json!({"type": "integer"}))
+        );
+        assert_eq!(
+            format(r#"{"structured_outputs": {"choice": ["a", "b"]}}"#).ok(),
+            Some(Some(Format::Choice(v1::Choice {
+                choices: vec!["a".into(), "b".into()]
+            })))
+        );
+        assert_eq!(
+            format(r#"{"structured_outputs": {"regex": "[0-9]+"}}"#).ok(),
+            Some(Some(Format::Regex("[0-9]+".into())))
+        );
+        for bad in [
+            r#"{"response_format": {"type": "xml"}}"#,
+            r#"{"response_format": {"type": "json_schema"}}"#,
+            r#"{"structured_outputs": {"regex": "a", "choice": ["b"]}}"#,
+            r#"{"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}"#,
+        ] {
+            assert_eq!(
+                format(bad).map_err(|e| e.status.as_u16()).err(),
+                Some(400),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

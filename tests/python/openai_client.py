@@ -97,6 +97,24 @@ def main():
                                   temperature=0, stop=[stop])
     emit("stop", full=full, stop=stop, text=r.choices[0].text, finish_reason=r.choices[0].finish_reason)
 
+    # Structured output: a JSON schema (OpenAI's response_format) and a
+    # choice list (vLLM's structured_outputs), sampled at temperature 1.
+    schema = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=a.model, messages=messages, max_tokens=200, temperature=1.0, seed=3,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    emit("json_schema", text=r.choices[0].message.content, finish_reason=r.choices[0].finish_reason)
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=20, temperature=1.0,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    emit("choice", text=r.choices[0].text, finish_reason=r.choices[0].finish_reason)
+    error_case("bad_schema", lambda: client.chat.completions.create(
+        model=a.model, messages=messages,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}))
+
     # Errors: the SDK raises typed errors from OpenAI-shaped bodies.
     error_case("unknown_model", lambda: client.completions.create(model="no-such-model", prompt="x"))
     error_case("bad_temperature", lambda: client.chat.completions.create(
