@@ -92,6 +92,27 @@ async fn register(
 
 /// The shutdown future of a worker: on SIGTERM or Ctrl-C it leaves the
 /// membership first (the router stops sending), then the server drains.
+impl WorkerArgs {
+    /// Binds the worker's gRPC port, names it (`--id`, else `ROLE-PORT`),
+    /// registers its advertised address, and prints `listening on ADDR`
+    /// once registered, so whoever reads it can route to it.
+    async fn bind_and_register(
+        &self,
+        role: tandem_discovery::Role,
+    ) -> Result<(Bound, String, Option<tandem_discovery::Registration>)> {
+        let bound = Bound::bind(self.addr).await?;
+        let addr = bound.local_addr();
+        let id = self
+            .id
+            .clone()
+            .unwrap_or_else(|| format!("{role}-{}", addr.port()));
+        let advertised = tandem_server::advertised_addr(self.advertise_host.as_deref(), addr);
+        let reg = register(&self.membership, role, &id, advertised).await?;
+        println!("listening on {addr}");
+        Ok((bound, id, reg))
+    }
+}
+
 async fn leave_then_drain(reg: Option<tandem_discovery::Registration>) {
     shutdown_signal().await;
     if let Some(reg) = reg {
@@ -130,21 +151,9 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
     }
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
-        let bound = Bound::bind(args.addr).await?;
-        let addr = bound.local_addr();
-        let id = args
-            .id
-            .unwrap_or_else(|| format!("prefill-{}", addr.port()));
-        let advertised = tandem_server::advertised_addr(args.advertise_host.as_deref(), addr);
-        let reg = register(
-            &args.membership,
-            tandem_discovery::Role::Prefill,
-            &id,
-            advertised,
-        )
-        .await?;
-        // Printed once registered, so whoever reads it can route to us.
-        println!("listening on {addr}");
+        let (bound, id, reg) = args
+            .bind_and_register(tandem_discovery::Role::Prefill)
+            .await?;
         let config = PrefillWorkerConfig {
             id,
             model: engine.model_name,
@@ -170,19 +179,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     }
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
-        let bound = Bound::bind(w.addr).await?;
-        let addr = bound.local_addr();
-        let id = w.id.unwrap_or_else(|| format!("decode-{}", addr.port()));
-        let advertised = tandem_server::advertised_addr(w.advertise_host.as_deref(), addr);
-        let reg = register(
-            &w.membership,
-            tandem_discovery::Role::Decode,
-            &id,
-            advertised,
-        )
-        .await?;
-        // Printed once registered, so whoever reads it can route to us.
-        println!("listening on {addr}");
+        let (bound, id, reg) = w.bind_and_register(tandem_discovery::Role::Decode).await?;
         let config = DecodeWorkerConfig {
             id,
             model: engine.model_name,
