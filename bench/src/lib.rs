@@ -70,3 +70,33 @@ mod tests {
         assert!(bw.is_finite() && bw > 1e8, "{bw}");
     }
 }
+
+/// The checkpoint a benchmark runs on: the one given, or a generated preset
+/// (bf16, seed 0) in a temporary directory removed when this is dropped.
+#[derive(Debug)]
+pub struct BenchModel {
+    pub dir: std::path::PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl BenchModel {
+    /// `given`, else the synthetic `preset` written to a fresh temp dir.
+    pub fn given_or_generated(
+        given: Option<&std::path::Path>,
+        preset: &str,
+    ) -> anyhow::Result<Self> {
+        if let Some(d) = given {
+            return Ok(Self {
+                dir: d.to_path_buf(),
+                _tmp: None,
+            });
+        }
+        let tmp = tempfile::tempdir()?;
+        eprintln!("generating {preset} (bf16) in {}", tmp.path().display());
+        tandem_engine::synth::preset(preset)?.write(tmp.path(), 0, tandem_engine::DType::Bf16)?;
+        Ok(Self {
+            dir: tmp.path().to_path_buf(),
+            _tmp: Some(tmp),
+        })
+    }
+}

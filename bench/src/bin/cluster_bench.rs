@@ -24,7 +24,6 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_engine::{synth, DType};
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
 
@@ -143,18 +142,9 @@ fn mean(v: &[f64]) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let _tmp;
-    let model = match &args.model {
-        Some(d) => d.display().to_string(),
-        None => {
-            let tmp = tempfile::tempdir()?;
-            eprintln!("generating bench-100m (bf16) in {}", tmp.path().display());
-            synth::preset("bench-100m")?.write(tmp.path(), 0, DType::Bf16)?;
-            let p = tmp.path().display().to_string();
-            _tmp = tmp;
-            p
-        }
-    };
+    let bench_model =
+        tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let model = bench_model.dir.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -40,7 +40,7 @@ use tandem_bench::percentile;
 use tandem_engine::serving::{
     EngineConfig, EngineCore, KvPoolSize, Prompt, Request, RequestEvent, ResponseFormat,
 };
-use tandem_engine::{synth, Checkpoint, DType, FinishReason, SamplingParams};
+use tandem_engine::{Checkpoint, FinishReason, SamplingParams};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 #[derive(Parser, Debug)]
@@ -232,18 +232,9 @@ fn mean(v: &[f64]) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let _tmp;
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let tmp = tempfile::tempdir()?;
-            eprintln!("generating bench-100m (bf16) in {}", tmp.path().display());
-            synth::preset("bench-100m")?.write(tmp.path(), 0, DType::Bf16)?;
-            let p = tmp.path().to_path_buf();
-            _tmp = tmp;
-            p
-        }
-    };
+    let bench_model =
+        tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let dir = bench_model.dir.clone();
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let vocab = ck.model.config().vocab_size;
     let threads = rayon::current_num_threads();

@@ -29,7 +29,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_engine::{synth, DType};
+use tandem_engine::synth;
 use tandem_loadgen::sweep::{sweep, Sweep};
 use tandem_loadgen::{Arrival, LengthDist, RunOptions, Slo, WorkloadSpec};
 
@@ -174,18 +174,8 @@ fn disaggregated(tandem: &Path, model: &str) -> Result<Config> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let _tmp;
-    let model = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let tmp = tempfile::tempdir()?;
-            eprintln!("generating the small preset in {}", tmp.path().display());
-            synth::preset("small")?.write(tmp.path(), 0, DType::Bf16)?;
-            let p = tmp.path().to_path_buf();
-            _tmp = tmp;
-            p
-        }
-    };
+    let bench_model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "small")?;
+    let model = bench_model.dir.clone();
     let model_str = model
         .to_str()
         .ok_or_else(|| anyhow!("model path is not UTF-8"))?;

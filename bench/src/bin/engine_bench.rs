@@ -18,9 +18,8 @@ use clap::Parser;
 use serde_json::json;
 use tandem_bench::{percentile, read_bandwidth};
 use tandem_engine::kernels::{linear, MatmulPolicy};
-use tandem_engine::synth;
 use tandem_engine::weights::{Matrix, WeightData};
-use tandem_engine::{BlockAllocator, BlockTable, DType, KvCache, Model, SeqInput};
+use tandem_engine::{BlockAllocator, BlockTable, KvCache, Model, SeqInput};
 
 #[derive(Parser, Debug)]
 #[command(about = "tandem engine benchmark (JSON output)")]
@@ -56,18 +55,9 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let _tmp;
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let tmp = tempfile::tempdir()?;
-            eprintln!("generating bench-100m (bf16) in {}", tmp.path().display());
-            synth::preset("bench-100m")?.write(tmp.path(), 0, DType::Bf16)?;
-            let p = tmp.path().to_path_buf();
-            _tmp = tmp;
-            p
-        }
-    };
+    let bench_model =
+        tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let dir = bench_model.dir.clone();
     let model = Model::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
     let cfg = model.config().clone();
     let bs = args.block_size;

@@ -35,7 +35,7 @@ use tandem_engine::serving::{
     EngineConfig, EngineCore, EngineHandle, KvPoolSize, Prompt, Request, RequestEvent,
     RequestStream, RequestSummary,
 };
-use tandem_engine::{synth, Checkpoint, DType};
+use tandem_engine::Checkpoint;
 
 #[derive(Parser, Debug)]
 #[command(about = "tandem serving benchmark (JSON output)")]
@@ -273,18 +273,9 @@ fn main() -> Result<()> {
     if args.batch == 0 || args.requests == 0 {
         bail!("--batch and --requests must be positive");
     }
-    let _tmp;
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let tmp = tempfile::tempdir()?;
-            eprintln!("generating bench-100m (bf16) in {}", tmp.path().display());
-            synth::preset("bench-100m")?.write(tmp.path(), 0, DType::Bf16)?;
-            let p = tmp.path().to_path_buf();
-            _tmp = tmp;
-            p
-        }
-    };
+    let bench_model =
+        tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let dir = bench_model.dir.clone();
     let ck = Checkpoint::open(&dir).with_context(|| format!("loading {}", dir.display()))?;
     let vocab = ck.model.config().vocab_size;
     let threads = rayon::current_num_threads();
