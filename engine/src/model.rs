@@ -91,6 +91,17 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// Logits computed elsewhere (another backend): `data` holds rows of
+    /// `vocab` floats and sequence `i` owns rows `starts[i]..starts[i + 1]`.
+    pub fn from_rows(data: Vec<f32>, vocab: usize, starts: Vec<usize>) -> Self {
+        debug_assert_eq!(data.len(), starts.last().copied().unwrap_or(0) * vocab);
+        Self {
+            data,
+            vocab,
+            starts,
+        }
+    }
+
     /// Rows of sequence `i` (one row unless it asked for all logits).
     pub fn seq(&self, i: usize) -> &[f32] {
         &self.data[self.starts[i] * self.vocab..self.starts[i + 1] * self.vocab]

@@ -54,6 +54,11 @@ impl RopeTable {
         }
     }
 
+    /// The inverse frequency of each rotated pair (`head_dim / 2` of them).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Fills `cos` and `sin` (each `head_dim / 2` long) for one position.
     pub fn angles(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
         for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {

@@ -1,0 +1,1122 @@
+//! [`CudaModel`]: the engine's flattened-batch forward pass on a GPU.
+//!
+//! Same semantics as `tandem_engine::Model::forward`: a batch of sequences,
+//! each with new tokens, a start position and a block table, in one pass.
+//! Weights live in device memory as f32 or bf16, with q/k/v and gate/up
+//! fused into one matrix each (one GEMM instead of three and two);
+//! activations are f32; the KV pool is `[layer][block][kv_head][slot][dim]`
+//! as on the CPU, in f32 or bf16.
+//!
+//! A step: the host flattens the batch ([`StepLayout`]) and uploads it into
+//! fixed device buffers, then the layer loop runs on the stream. A decode
+//! batch that fits a captured size replays a CUDA graph of that loop instead
+//! of launching ~12 kernels per layer.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use tandem_engine::kernels::RopeTable;
+use tandem_engine::weights::{Matrix, WeightData, WeightStore};
+use tandem_engine::{BlockCopy, BlockId, Logits, ModelConfig, SeqInput};
+
+use crate::device::{Arg, DevBuf, GemmType, Gpu};
+use crate::error::CudaError;
+use crate::graphs::GraphSizes;
+use crate::layout::{choose_splits, heads_per_cta, LayoutShape, StepLayout};
+
+type Result<T> = std::result::Result<T, CudaError>;
+
+/// Storage type of weights or KV on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceDType {
+    F32,
+    Bf16,
+}
+
+impl DeviceDType {
+    fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+
+    fn gemm(self) -> GemmType {
+        match self {
+            Self::F32 => GemmType::F32,
+            Self::Bf16 => GemmType::Bf16,
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// How to build a [`CudaModel`].
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    pub device: usize,
+    /// Weight storage: f32 for exact parity with the CPU engine, bf16 for speed.
+    pub weights: DeviceDType,
+    pub kv: DeviceDType,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Most rows (new tokens) one step may have.
+    pub max_tokens: usize,
+    /// Most sequences one step may have.
+    pub max_seqs: usize,
+    /// Most rows whose logits one step may ask for.
+    pub max_logit_rows: usize,
+    /// Context limit; sets the block-table stride.
+    pub max_model_len: usize,
+    /// Largest decode batch replayed from a CUDA graph; 0 turns graphs off.
+    pub graph_max_batch: usize,
+    pub ptx_cache: PathBuf,
+}
+
+impl CudaOptions {
+    /// Defaults for `config`: bf16 weights and KV, 16-token blocks.
+    pub fn new(config: &ModelConfig, num_blocks: usize) -> Self {
+        Self {
+            device: 0,
+            weights: DeviceDType::Bf16,
+            kv: DeviceDType::Bf16,
+            block_size: 16,
+            num_blocks,
+            max_tokens: 4096,
+            max_seqs: 256,
+            max_logit_rows: 256,
+            max_model_len: config.max_position_embeddings,
+            graph_max_batch: 256,
+            ptx_cache: crate::ptx::default_cache_dir(),
+        }
+    }
+}
+
+/// A row-major `[rows, cols]` weight matrix on the device.
+#[derive(Debug)]
+struct DevMatrix {
+    buf: DevBuf,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct DevLayer {
+    input_norm: DevBuf,
+    qkv: DevMatrix,
+    qkv_bias: Option<DevBuf>,
+    o: DevMatrix,
+    o_bias: Option<DevBuf>,
+    post_norm: DevBuf,
+    gate_up: DevMatrix,
+    gate_up_bias: Option<DevBuf>,
+    down: DevMatrix,
+    down_bias: Option<DevBuf>,
+}
+
+/// Fixed device buffers for one step's inputs and activations.
+#[derive(Debug)]
+struct Scratch {
+    x: DevBuf,
+    h: DevBuf,
+    qkv: DevBuf,
+    attn: DevBuf,
+    attn_in: DevBuf,
+    gate_up: DevBuf,
+    act: DevBuf,
+    final_h: DevBuf,
+    logits: DevBuf,
+    part_o: DevBuf,
+    part_ml: DevBuf,
+    tokens: DevBuf,
+    positions: DevBuf,
+    slots: DevBuf,
+    tiles: DevBuf,
+    block_tables: DevBuf,
+    logit_rows: DevBuf,
+    inv_freq: DevBuf,
+    sampled: DevBuf,
+    temperature: DevBuf,
+    top_k: DevBuf,
+    top_p: DevBuf,
+    uniform: DevBuf,
+    /// cuBLAS workspace, set explicitly so graph capture never allocates.
+    _blas_workspace: DevBuf,
+}
+
+/// What a step left on the device: logits rows and where each sequence's start.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// Rows of logits computed (padding included).
+    pub rows: usize,
+    /// Per real sequence, its first logits row, plus an end marker.
+    pub starts: Vec<usize>,
+}
+
+/// Most flash-decoding splits per (row, head).
+const MAX_SPLITS: usize = 16;
+/// Splitting is only used for steps of at most this many rows.
+const SPLIT_ROWS: usize = 512;
+/// Steps of at most this many rows use the GEMV kernel (`GEMV_MAX_ROWS`).
+const GEMV_MAX_ROWS: usize = 8;
+
+/// The model on a GPU, with its KV pool.
+pub struct CudaModel {
+    gpu: Gpu,
+    config: ModelConfig,
+    opts: CudaOptions,
+    embed: DevMatrix,
+    layers: Vec<DevLayer>,
+    final_norm: DevBuf,
+    lm_head: Option<DevMatrix>,
+    /// Per layer: (K pool, V pool).
+    kv: Vec<(DevBuf, DevBuf)>,
+    scratch: Scratch,
+    shape: LayoutShape,
+    hpc: usize,
+    graph_sizes: GraphSizes,
+    graphs: HashMap<usize, cudarc::driver::CudaGraph>,
+}
+
+impl std::fmt::Debug for CudaModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaModel")
+            .field("gpu", &self.gpu)
+            .field("layers", &self.layers.len())
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+/// Converts a checkpoint matrix to the device storage type, row-major.
+fn host_elems(m: &Matrix, ty: DeviceDType, out: &mut Vec<u8>) {
+    match (ty, &m.data) {
+        (DeviceDType::F32, WeightData::F32(b)) => {
+            out.extend(b.iter().flat_map(|v| v.to_le_bytes()))
+        }
+        (DeviceDType::F32, WeightData::Bf16(b)) => {
+            out.extend(b.iter().flat_map(|v| v.to_f32().to_le_bytes()))
+        }
+        (DeviceDType::F32, WeightData::F16(b)) => {
+            out.extend(b.iter().flat_map(|v| v.to_f32().to_le_bytes()))
+        }
+        (DeviceDType::Bf16, WeightData::Bf16(b)) => {
+            out.extend(b.iter().flat_map(|v| v.to_bits().to_le_bytes()))
+        }
+        (DeviceDType::Bf16, WeightData::F32(b)) => out.extend(
+            b.iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
+        ),
+        (DeviceDType::Bf16, WeightData::F16(b)) => out.extend(
+            b.iter()
+                .flat_map(|v| half::bf16::from_f32(v.to_f32()).to_bits().to_le_bytes()),
+        ),
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl CudaModel {
+    /// Loads a Hugging Face checkpoint onto the GPU.
+    pub fn load(dir: &Path, opts: CudaOptions) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let ws = WeightStore::open(dir)?;
+        let gpu = Gpu::open(opts.device, &opts.ptx_cache)?;
+        let c = &config;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out, inter) = (c.num_heads * d, c.num_kv_heads * d, c.intermediate_size);
+        let ty = opts.weights;
+        let upload_fused = |names: &[(&str, usize)], cols: usize| -> Result<DevMatrix> {
+            let mut bytes = Vec::new();
+            let mut rows = 0;
+            for &(name, r) in names {
+                let m = ws.matrix(name, r, cols)?;
+                host_elems(&m, ty, &mut bytes);
+                rows += r;
+            }
+            let buf = gpu.alloc(bytes.len())?;
+            gpu.upload(buf.ptr, buf.bytes, &bytes)?;
+            Ok(DevMatrix { buf, rows, cols })
+        };
+        let upload_f32 = |v: &[f32]| -> Result<DevBuf> {
+            let bytes = f32_bytes(v);
+            let buf = gpu.alloc(bytes.len())?;
+            gpu.upload(buf.ptr, buf.bytes, &bytes)?;
+            Ok(buf)
+        };
+        // A fused bias: present if any part has one, zeros for the others.
+        let fused_bias = |names: &[(&str, usize)]| -> Result<Option<DevBuf>> {
+            let mut any = false;
+            let mut all = Vec::new();
+            for &(name, r) in names {
+                match ws.optional_vector(name, r)? {
+                    Some(b) => {
+                        any = true;
+                        all.extend(b);
+                    }
+                    None => all.extend(std::iter::repeat_n(0.0, r)),
+                }
+            }
+            if any {
+                Ok(Some(upload_f32(&all)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let embed = upload_fused(&[("model.embed_tokens.weight", c.vocab_size)], h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let a = |s: &str| format!("{p}.self_attn.{s}");
+            let m = |s: &str| format!("{p}.mlp.{s}");
+            let (qw, kw, vw) = (a("q_proj.weight"), a("k_proj.weight"), a("v_proj.weight"));
+            let (qb, kb, vb) = (a("q_proj.bias"), a("k_proj.bias"), a("v_proj.bias"));
+            let (gw, uw, gb, ub) = (
+                m("gate_proj.weight"),
+                m("up_proj.weight"),
+                m("gate_proj.bias"),
+                m("up_proj.bias"),
+            );
+            layers.push(DevLayer {
+                input_norm: upload_f32(&ws.vector(&format!("{p}.input_layernorm.weight"), h)?)?,
+                qkv: upload_fused(&[(&qw, q_out), (&kw, kv_out), (&vw, kv_out)], h)?,
+                qkv_bias: fused_bias(&[(&qb, q_out), (&kb, kv_out), (&vb, kv_out)])?,
+                o: upload_fused(&[(&a("o_proj.weight"), h)], q_out)?,
+                o_bias: fused_bias(&[(&a("o_proj.bias"), h)])?,
+                post_norm: upload_f32(
+                    &ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                )?,
+                gate_up: upload_fused(&[(&gw, inter), (&uw, inter)], h)?,
+                gate_up_bias: fused_bias(&[(&gb, inter), (&ub, inter)])?,
+                down: upload_fused(&[(&m("down_proj.weight"), h)], inter)?,
+                down_bias: fused_bias(&[(&m("down_proj.bias"), h)])?,
+            });
+        }
+        let final_norm = upload_f32(&ws.vector("model.norm.weight", h)?)?;
+        let lm_head = if ws.contains("lm_head.weight") {
+            Some(upload_fused(&[("lm_head.weight", c.vocab_size)], h)?)
+        } else if c.tie_word_embeddings {
+            None
+        } else {
+            return Err(CudaError::Unsupported(
+                "tensor `lm_head.weight` is missing and tie_word_embeddings is false".into(),
+            ));
+        };
+        Self::assemble(gpu, config, opts, embed, layers, final_norm, lm_head)
+    }
+
+    /// A model of `config`'s shape with uniform random bf16 weights made on
+    /// the device (for benchmarks of shapes no checkpoint is at hand for).
+    pub fn random(config: ModelConfig, opts: CudaOptions, seed: u64) -> Result<Self> {
+        if opts.weights != DeviceDType::Bf16 {
+            return Err(CudaError::Unsupported("random models are bf16 only".into()));
+        }
+        let gpu = Gpu::open(opts.device, &opts.ptx_cache)?;
+        let c = &config;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out, inter) = (c.num_heads * d, c.num_kv_heads * d, c.intermediate_size);
+        let mut n = 0u64;
+        let mut rand = |rows: usize, cols: usize| -> Result<DevMatrix> {
+            let buf = gpu.alloc(rows * cols * 2)?;
+            n += 1;
+            let scale = 1.0 / (cols as f32).sqrt();
+            gpu.launch(
+                "fill_uniform_bf16",
+                (1024, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(buf.ptr),
+                    Arg::I64((rows * cols) as i64),
+                    Arg::U64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(n)),
+                    Arg::F32(scale),
+                ],
+            )?;
+            Ok(DevMatrix { buf, rows, cols })
+        };
+        let ones = |len: usize| -> Result<DevBuf> {
+            let buf = gpu.alloc(len * 4)?;
+            gpu.launch(
+                "fill_f32",
+                (64, 1, 1),
+                256,
+                0,
+                &[Arg::Ptr(buf.ptr), Arg::I64(len as i64), Arg::F32(1.0)],
+            )?;
+            Ok(buf)
+        };
+        let embed = rand(c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            layers.push(DevLayer {
+                input_norm: ones(h)?,
+                qkv: rand(q_out + 2 * kv_out, h)?,
+                qkv_bias: None,
+                o: rand(h, q_out)?,
+                o_bias: None,
+                post_norm: ones(h)?,
+                gate_up: rand(2 * inter, h)?,
+                gate_up_bias: None,
+                down: rand(h, inter)?,
+                down_bias: None,
+            });
+        }
+        let final_norm = ones(h)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(rand(c.vocab_size, h)?)
+        };
+        Self::assemble(gpu, config, opts, embed, layers, final_norm, lm_head)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        gpu: Gpu,
+        config: ModelConfig,
+        opts: CudaOptions,
+        embed: DevMatrix,
+        layers: Vec<DevLayer>,
+        final_norm: DevBuf,
+        lm_head: Option<DevMatrix>,
+    ) -> Result<Self> {
+        let c = &config;
+        let d = c.head_dim;
+        if !c.num_heads.is_multiple_of(c.num_kv_heads) {
+            return Err(CudaError::Unsupported(format!(
+                "{} query heads over {} KV heads",
+                c.num_heads, c.num_kv_heads
+            )));
+        }
+        let bs = opts.block_size;
+        if !(1..=32).contains(&bs) {
+            return Err(CudaError::Unsupported(format!(
+                "block size {bs} (the attention kernel keeps one key per lane: 1 to 32)"
+            )));
+        }
+        attention_kernel(opts.kv, d, false)?;
+        let max_blocks = opts.max_model_len.div_ceil(bs);
+        let shape = LayoutShape {
+            block_size: bs,
+            tile_tokens: (crate::ATTN_WARPS / heads_per_cta(c.num_heads, c.num_kv_heads)).max(1),
+            max_blocks,
+            num_blocks: opts.num_blocks,
+        };
+        let hpc = heads_per_cta(c.num_heads, c.num_kv_heads);
+        let block_elems = c.num_kv_heads * bs * d;
+        let mut kv = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            let bytes = opts.num_blocks * block_elems * opts.kv.size();
+            kv.push((gpu.alloc(bytes)?, gpu.alloc(bytes)?));
+        }
+        let (t, h, inter) = (opts.max_tokens, c.hidden_size, c.intermediate_size);
+        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let nl = opts.max_logit_rows;
+        let split_rows = t.min(SPLIT_ROWS);
+        let half = d / 2;
+        let workspace = gpu.alloc(32 << 20)?;
+        let scratch = Scratch {
+            x: gpu.alloc(t * h * 4)?,
+            h: gpu.alloc(t * h * 4)?,
+            qkv: gpu.alloc(t * (q_out + 2 * kv_out) * 4)?,
+            attn: gpu.alloc(t * q_out * 4)?,
+            attn_in: gpu.alloc(t * q_out * 2)?,
+            gate_up: gpu.alloc(t * 2 * inter * 4)?,
+            act: gpu.alloc(t * inter * 4)?,
+            final_h: gpu.alloc(nl * h * 4)?,
+            logits: gpu.alloc(nl * c.vocab_size * 4)?,
+            part_o: gpu.alloc(split_rows * c.num_heads * MAX_SPLITS * d * 4)?,
+            part_ml: gpu.alloc(split_rows * c.num_heads * MAX_SPLITS * 2 * 4)?,
+            tokens: gpu.alloc(t * 4)?,
+            positions: gpu.alloc(t * 4)?,
+            slots: gpu.alloc(t * 4)?,
+            tiles: gpu.alloc(t * 4 * 4)?,
+            block_tables: gpu
+                .alloc(opts.max_seqs.max(t.min(opts.graph_max_batch)) * max_blocks * 4)?,
+            logit_rows: gpu.alloc(nl * 4)?,
+            inv_freq: gpu.alloc(half * 4)?,
+            sampled: gpu.alloc(nl * 4)?,
+            temperature: gpu.alloc(nl * 4)?,
+            top_k: gpu.alloc(nl * 4)?,
+            top_p: gpu.alloc(nl * 4)?,
+            uniform: gpu.alloc(nl * 4)?,
+            _blas_workspace: workspace,
+        };
+        gpu.set_blas_workspace(scratch._blas_workspace.ptr, scratch._blas_workspace.bytes)?;
+        let rope = RopeTable::new(&config);
+        gpu.upload(
+            scratch.inv_freq.ptr,
+            scratch.inv_freq.bytes,
+            rope.inv_freq(),
+        )?;
+        let graph_max = opts
+            .graph_max_batch
+            .min(opts.max_seqs)
+            .min(opts.max_logit_rows)
+            .min(t);
+        let model = Self {
+            gpu,
+            config,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            kv,
+            scratch,
+            shape,
+            hpc,
+            graph_sizes: GraphSizes::up_to(graph_max),
+            graphs: HashMap::new(),
+            opts,
+        };
+        model.gpu.sync()?;
+        Ok(model)
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The options the model was built with.
+    pub fn options(&self) -> &CudaOptions {
+        &self.opts
+    }
+
+    /// Bytes of weights read by one forward pass (every matrix once).
+    pub fn weight_bytes(&self) -> usize {
+        let m = |x: &DevMatrix| x.buf.bytes;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| m(&l.qkv) + m(&l.o) + m(&l.gate_up) + m(&l.down))
+            .sum();
+        layers + m(self.head())
+    }
+
+    fn head(&self) -> &DevMatrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Uploads a step's layout: every per-step buffer the kernels read.
+    fn upload_layout(&self, l: &StepLayout) -> Result<()> {
+        let s = &self.scratch;
+        let g = &self.gpu;
+        if l.rows() > self.opts.max_tokens {
+            return Err(CudaError::InvalidBatch(format!(
+                "{} tokens in one step (at most {})",
+                l.rows(),
+                self.opts.max_tokens
+            )));
+        }
+        if l.logit_rows.len() > self.opts.max_logit_rows {
+            return Err(CudaError::InvalidBatch(format!(
+                "{} logits rows in one step (at most {})",
+                l.logit_rows.len(),
+                self.opts.max_logit_rows
+            )));
+        }
+        g.upload(s.tokens.ptr, s.tokens.bytes, &l.tokens)?;
+        g.upload(s.positions.ptr, s.positions.bytes, &l.positions)?;
+        g.upload(s.slots.ptr, s.slots.bytes, &l.slots)?;
+        g.upload(s.tiles.ptr, s.tiles.bytes, &l.tiles)?;
+        g.upload(s.block_tables.ptr, s.block_tables.bytes, &l.block_tables)?;
+        g.upload(s.logit_rows.ptr, s.logit_rows.bytes, &l.logit_rows)
+    }
+
+    /// Runs one step: writes the new tokens' K/V into their blocks and leaves
+    /// the asked-for logits on the device (read them with [`Self::logits`],
+    /// [`Self::argmax`] or [`Self::sample`]).
+    pub fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput> {
+        if batch.len() > self.opts.max_seqs {
+            return Err(CudaError::InvalidBatch(format!(
+                "{} sequences in one step (at most {})",
+                batch.len(),
+                self.opts.max_seqs
+            )));
+        }
+        if let Some(&bad) = batch
+            .iter()
+            .flat_map(|s| s.tokens)
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(CudaError::InvalidBatch(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            )));
+        }
+        let decode_only = batch.iter().all(|s| s.tokens.len() == 1 && !s.all_logits);
+        let graph_size = if decode_only && self.opts.graph_max_batch > 0 {
+            self.graph_sizes.pick(batch.len())
+        } else {
+            None
+        };
+        let layout = StepLayout::build(batch, self.shape, graph_size)?;
+        self.upload_layout(&layout)?;
+        let starts = layout.logit_starts.clone();
+        match graph_size {
+            Some(p) => {
+                if !self.graphs.contains_key(&p) {
+                    let graph = self.capture(p)?;
+                    self.graphs.insert(p, graph);
+                }
+                if let Some(graph) = self.graphs.get(&p) {
+                    graph
+                        .launch()
+                        .map_err(|e| CudaError::driver("graph launch", e))?;
+                }
+                Ok(StepOutput { rows: p, starts })
+            }
+            None => {
+                let splits =
+                    self.splits_for(layout.rows(), layout.num_tiles(), layout.max_context_blocks);
+                self.run(
+                    layout.rows(),
+                    layout.num_tiles(),
+                    layout.max_tile_rows,
+                    splits,
+                    layout.logit_rows.len(),
+                )?;
+                Ok(StepOutput {
+                    rows: layout.logit_rows.len(),
+                    starts,
+                })
+            }
+        }
+    }
+
+    fn splits_for(&self, rows: usize, tiles: usize, context_blocks: usize) -> usize {
+        if rows > SPLIT_ROWS.min(self.opts.max_tokens) {
+            return 1;
+        }
+        let ctas = tiles * (self.config.num_heads / self.hpc);
+        choose_splits(ctas, self.gpu.sm_count, context_blocks, MAX_SPLITS)
+    }
+
+    /// Captures the layer loop for a padded decode batch of `p` rows.
+    fn capture(&self, p: usize) -> Result<cudarc::driver::CudaGraph> {
+        let splits = self.splits_for(p, p, self.shape.max_blocks);
+        self.gpu.sync()?;
+        self.gpu.begin_capture()?;
+        let ran = self.run(p, p, 1, splits, p);
+        let graph = self.gpu.end_capture();
+        ran?;
+        let graph = graph?;
+        tracing::debug!(batch = p, splits, "captured decode graph");
+        Ok(graph)
+    }
+
+    /// The layer loop over `rows` uploaded rows (graph-capturable: every
+    /// argument is a fixed buffer or a count).
+    fn run(
+        &self,
+        rows: usize,
+        tiles: usize,
+        tile_rows: usize,
+        splits: usize,
+        logit_rows: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let s = &self.scratch;
+        let (hsz, d, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        let qkv_w = (nh + 2 * nkv) * d;
+        let wty = self.opts.weights;
+        let t = rows as i32;
+        let eps = c.rms_norm_eps;
+        let n_u32 = |n: usize| n as u32;
+        let ew_grid = |n: usize| (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1);
+
+        g.launch(
+            if self.embed_ty() == DeviceDType::F32 {
+                "embed_f32"
+            } else {
+                "embed_bf16"
+            },
+            (n_u32(rows), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(s.tokens.ptr),
+                Arg::Ptr(self.embed.buf.ptr),
+                Arg::Ptr(s.x.ptr),
+                Arg::I32(hsz as i32),
+            ],
+        )?;
+        let norm_kernel = match wty {
+            DeviceDType::F32 => "rms_norm_f32",
+            DeviceDType::Bf16 => "rms_norm_bf16",
+        };
+        let attn_kernel = attention_kernel(self.opts.kv, d, tile_rows <= 1)?;
+        let rope_kv = match self.opts.kv {
+            DeviceDType::F32 => "rope_kv_write_f32",
+            DeviceDType::Bf16 => "rope_kv_write_bf16",
+        };
+        // With bf16 weights attention writes the o-projection's bf16 input.
+        let attn_bf16 = match wty {
+            DeviceDType::F32 => 0,
+            DeviceDType::Bf16 => s.attn_in.ptr,
+        };
+        let silu = match wty {
+            DeviceDType::F32 => "silu_mul_f32",
+            DeviceDType::Bf16 => "silu_mul_bf16",
+        };
+        let bias = |y: u64, b: &Option<DevBuf>, n: usize, stride: usize| -> Result<()> {
+            match b {
+                Some(b) => g.launch(
+                    "bias_add",
+                    ew_grid(rows * n),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(y),
+                        Arg::Ptr(b.ptr),
+                        Arg::I32(t),
+                        Arg::I32(n as i32),
+                        Arg::I32(stride as i32),
+                    ],
+                ),
+                None => Ok(()),
+            }
+        };
+        let scale = 1.0 / (d as f32).sqrt();
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.norm_matmul(&layer.input_norm, &layer.qkv, s.qkv.ptr, rows)?;
+            bias(s.qkv.ptr, &layer.qkv_bias, qkv_w, qkv_w)?;
+            let (kpool, vpool) = &self.kv[li];
+            g.launch(
+                rope_kv,
+                (n_u32(rows), 1, 1),
+                512,
+                0,
+                &[
+                    Arg::Ptr(s.qkv.ptr),
+                    Arg::Ptr(s.inv_freq.ptr),
+                    Arg::Ptr(s.positions.ptr),
+                    Arg::Ptr(s.slots.ptr),
+                    Arg::Ptr(kpool.ptr),
+                    Arg::Ptr(vpool.ptr),
+                    Arg::I32(qkv_w as i32),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32(self.opts.block_size as i32),
+                ],
+            )?;
+            let window = c.sliding_window[li].unwrap_or(0) as i32;
+            g.launch(
+                attn_kernel,
+                (n_u32(tiles), n_u32(nh / self.hpc), n_u32(splits)),
+                // Only as many warps as (row, head) pairs a tile can have.
+                (32 * self.hpc * tile_rows.clamp(1, self.shape.tile_tokens)) as u32,
+                0,
+                &[
+                    Arg::Ptr(s.qkv.ptr),
+                    Arg::Ptr(kpool.ptr),
+                    Arg::Ptr(vpool.ptr),
+                    Arg::Ptr(s.tiles.ptr),
+                    Arg::Ptr(s.positions.ptr),
+                    Arg::Ptr(s.block_tables.ptr),
+                    Arg::Ptr(s.attn.ptr),
+                    Arg::Ptr(attn_bf16),
+                    Arg::Ptr(s.part_o.ptr),
+                    Arg::Ptr(s.part_ml.ptr),
+                    Arg::I32(qkv_w as i32),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(self.opts.block_size as i32),
+                    Arg::I32(self.shape.max_blocks as i32),
+                    Arg::I32(self.hpc as i32),
+                    Arg::I32(window),
+                    Arg::I32(splits as i32),
+                    Arg::F32(scale),
+                ],
+            )?;
+            if splits > 1 {
+                g.launch(
+                    "attn_reduce",
+                    (n_u32(rows), n_u32(nh), 1),
+                    n_u32(d.next_multiple_of(32)),
+                    0,
+                    &[
+                        Arg::Ptr(s.part_o.ptr),
+                        Arg::Ptr(s.part_ml.ptr),
+                        Arg::Ptr(s.positions.ptr),
+                        Arg::Ptr(s.attn.ptr),
+                        Arg::Ptr(attn_bf16),
+                        Arg::I32(nh as i32),
+                        Arg::I32(d as i32),
+                        Arg::I32(splits as i32),
+                    ],
+                )?;
+            }
+            let o_in = match wty {
+                DeviceDType::F32 => s.attn.ptr,
+                DeviceDType::Bf16 => s.attn_in.ptr,
+            };
+            // x += attn · Woᵀ: the residual add is the GEMM's beta.
+            self.matmul(o_in, &layer.o, s.x.ptr, rows, 1.0)?;
+            bias(s.x.ptr, &layer.o_bias, hsz, hsz)?;
+
+            self.norm_matmul(&layer.post_norm, &layer.gate_up, s.gate_up.ptr, rows)?;
+            bias(s.gate_up.ptr, &layer.gate_up_bias, 2 * inter, 2 * inter)?;
+            g.launch(
+                silu,
+                ew_grid(rows * inter),
+                256,
+                0,
+                &[
+                    Arg::Ptr(s.gate_up.ptr),
+                    Arg::Ptr(s.act.ptr),
+                    Arg::I32(t),
+                    Arg::I32(inter as i32),
+                ],
+            )?;
+            self.matmul(s.act.ptr, &layer.down, s.x.ptr, rows, 1.0)?;
+            bias(s.x.ptr, &layer.down_bias, hsz, hsz)?;
+        }
+
+        // Only the rows whose logits were asked for go through the head.
+        g.launch(
+            norm_kernel,
+            (n_u32(logit_rows), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(s.x.ptr),
+                Arg::Ptr(self.final_norm.ptr),
+                Arg::Ptr(s.final_h.ptr),
+                Arg::Ptr(s.logit_rows.ptr),
+                Arg::I32(hsz as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        self.matmul(s.final_h.ptr, self.head(), s.logits.ptr, logit_rows, 0.0)
+    }
+
+    /// `y = rms_norm(x) · wᵀ` for the residual stream `x`: RMSNorm into `h`
+    /// (in the GEMM's input type), then the GEMM. (Fusing the norm into the
+    /// decode GEMV, each CTA normalising the rows into shared memory, was
+    /// measured slower on an H200: the per-CTA prologue delays the stream.)
+    fn norm_matmul(&self, norm: &DevBuf, w: &DevMatrix, y: u64, rows: usize) -> Result<()> {
+        let c = &self.config;
+        let s = &self.scratch;
+        let k = c.hidden_size;
+        let norm_kernel = match self.opts.weights {
+            DeviceDType::F32 => "rms_norm_f32",
+            DeviceDType::Bf16 => "rms_norm_bf16",
+        };
+        self.gpu.launch(
+            norm_kernel,
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::Ptr(s.x.ptr),
+                Arg::Ptr(norm.ptr),
+                Arg::Ptr(s.h.ptr),
+                Arg::Ptr(0),
+                Arg::I32(k as i32),
+                Arg::F32(c.rms_norm_eps),
+            ],
+        )?;
+        self.matmul(s.h.ptr, w, y, rows, 0.0)
+    }
+
+    /// `y[rows, w.rows] = x · wᵀ + beta · y`: our GEMV for a few bf16 rows
+    /// (decode), cuBLAS otherwise.
+    fn matmul(&self, x: u64, w: &DevMatrix, y: u64, rows: usize, beta: f32) -> Result<()> {
+        let wty = self.opts.weights;
+        if wty == DeviceDType::Bf16 && rows <= GEMV_MAX_ROWS && w.cols.is_multiple_of(8) {
+            let warps_per_block = 8;
+            return self.gpu.launch(
+                "gemv_bf16",
+                (w.rows.div_ceil(warps_per_block) as u32, 1, 1),
+                (warps_per_block * 32) as u32,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(w.buf.ptr),
+                    Arg::Ptr(y),
+                    Arg::I32(rows as i32),
+                    Arg::I32(w.rows as i32),
+                    Arg::I32(w.cols as i32),
+                    Arg::F32(beta),
+                ],
+            );
+        }
+        self.gpu
+            .gemm(wty.gemm(), x, w.buf.ptr, y, rows, w.rows, w.cols, beta)
+    }
+
+    fn embed_ty(&self) -> DeviceDType {
+        self.opts.weights
+    }
+
+    /// Copies a step's logits to the host as the engine's [`Logits`].
+    pub fn logits(&self, out: &StepOutput) -> Result<Logits> {
+        let vocab = self.config.vocab_size;
+        let n = out.starts.last().copied().unwrap_or(0);
+        let mut data = vec![0.0f32; n * vocab];
+        self.gpu.download(&mut data, self.scratch.logits.ptr)?;
+        Ok(Logits::from_rows(data, vocab, out.starts.clone()))
+    }
+
+    /// Greedy tokens on the device: the argmax of each sequence's last row.
+    pub fn argmax(&self, out: &StepOutput) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size as i32;
+        self.gpu.launch(
+            "argmax_rows",
+            (out.rows.max(1) as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::Ptr(self.scratch.logits.ptr),
+                Arg::I32(vocab),
+                Arg::Ptr(self.scratch.sampled.ptr),
+            ],
+        )?;
+        self.last_rows(out)
+    }
+
+    /// Samples on the device: per sequence a temperature (0 is greedy),
+    /// top-k (0 is off), top-p and a uniform draw in [0, 1) from the host's
+    /// seeded generator, applied to its last logits row.
+    pub fn sample(
+        &self,
+        out: &StepOutput,
+        temperature: &[f32],
+        top_k: &[i32],
+        top_p: &[f32],
+        uniform: &[f32],
+    ) -> Result<Vec<u32>> {
+        let seqs = out.starts.len().saturating_sub(1);
+        if [temperature.len(), top_k.len(), top_p.len(), uniform.len()]
+            .iter()
+            .any(|&n| n != seqs)
+        {
+            return Err(CudaError::InvalidBatch(format!(
+                "sampling parameters for {seqs} sequences expected"
+            )));
+        }
+        // Parameters are per logits row; only each sequence's last row counts.
+        let rows = out.rows;
+        let mut t = vec![0.0f32; rows];
+        let mut k = vec![0i32; rows];
+        let mut p = vec![1.0f32; rows];
+        let mut u = vec![0.0f32; rows];
+        for i in 0..seqs {
+            let r = out.starts[i + 1] - 1;
+            t[r] = temperature[i];
+            k[r] = top_k[i];
+            p[r] = top_p[i];
+            u[r] = uniform[i];
+        }
+        let s = &self.scratch;
+        let g = &self.gpu;
+        g.upload(s.temperature.ptr, s.temperature.bytes, &t)?;
+        g.upload(s.top_k.ptr, s.top_k.bytes, &k)?;
+        g.upload(s.top_p.ptr, s.top_p.bytes, &p)?;
+        g.upload(s.uniform.ptr, s.uniform.bytes, &u)?;
+        g.launch(
+            "sample_rows",
+            (rows.max(1) as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::Ptr(s.logits.ptr),
+                Arg::I32(self.config.vocab_size as i32),
+                Arg::Ptr(s.temperature.ptr),
+                Arg::Ptr(s.top_k.ptr),
+                Arg::Ptr(s.top_p.ptr),
+                Arg::Ptr(s.uniform.ptr),
+                Arg::Ptr(s.sampled.ptr),
+            ],
+        )?;
+        self.last_rows(out)
+    }
+
+    fn last_rows(&self, out: &StepOutput) -> Result<Vec<u32>> {
+        let mut all = vec![0i32; out.rows];
+        self.gpu.download(&mut all, self.scratch.sampled.ptr)?;
+        Ok(out
+            .starts
+            .windows(2)
+            .map(|w| all[w[1] - 1] as u32)
+            .collect())
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.config.num_kv_heads * self.opts.block_size * self.config.head_dim * self.opts.kv.size()
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<usize> {
+        let b = block as usize;
+        if b >= self.opts.num_blocks {
+            return Err(CudaError::InvalidBatch(format!(
+                "block id {block} is outside the pool ({} blocks)",
+                self.opts.num_blocks
+            )));
+        }
+        Ok(b)
+    }
+
+    /// Copies one block's K/V (every layer) onto another (copy-on-write of a
+    /// shared partial block).
+    pub fn copy_block(&self, copy: BlockCopy) -> Result<()> {
+        let (src, dst) = (self.check_block(copy.src)?, self.check_block(copy.dst)?);
+        let bb = self.block_bytes();
+        for (k, v) in &self.kv {
+            self.gpu.copy(k.at(dst * bb), k.at(src * bb), bb)?;
+            self.gpu.copy(v.at(dst * bb), v.at(src * bb), bb)?;
+        }
+        Ok(())
+    }
+
+    /// Reads one layer's K and V of a block to the host as f32
+    /// (`[kv_head][slot][dim]`, the CPU pool's block layout).
+    pub fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+    ) -> Result<()> {
+        let b = self.check_block(block)?;
+        let (kp, vp) = self
+            .kv
+            .get(layer)
+            .ok_or_else(|| CudaError::InvalidBatch(format!("no layer {layer}")))?;
+        let n = self.config.num_kv_heads * self.opts.block_size * self.config.head_dim;
+        let bb = self.block_bytes();
+        for (pool, out) in [(kp, k), (vp, v)] {
+            out.resize(n, 0.0);
+            match self.opts.kv {
+                DeviceDType::F32 => self.gpu.download(&mut out[..], pool.at(b * bb))?,
+                DeviceDType::Bf16 => {
+                    let mut raw = vec![0u16; n];
+                    self.gpu.download(&mut raw, pool.at(b * bb))?;
+                    for (o, r) in out.iter_mut().zip(raw) {
+                        *o = half::bf16::from_bits(r).to_f32();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes one layer's K and V of a block from host f32 data.
+    pub fn write_block(&self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()> {
+        let b = self.check_block(block)?;
+        let (kp, vp) = self
+            .kv
+            .get(layer)
+            .ok_or_else(|| CudaError::InvalidBatch(format!("no layer {layer}")))?;
+        let n = self.config.num_kv_heads * self.opts.block_size * self.config.head_dim;
+        if k.len() != n || v.len() != n {
+            return Err(CudaError::InvalidBatch(format!(
+                "a block holds {n} K and V values, got {} and {}",
+                k.len(),
+                v.len()
+            )));
+        }
+        let bb = self.block_bytes();
+        for (pool, src) in [(kp, k), (vp, v)] {
+            match self.opts.kv {
+                DeviceDType::F32 => self.gpu.upload(pool.at(b * bb), bb, src)?,
+                DeviceDType::Bf16 => {
+                    let raw: Vec<u16> = src
+                        .iter()
+                        .map(|&x| half::bf16::from_f32(x).to_bits())
+                        .collect();
+                    self.gpu.upload(pool.at(b * bb), bb, &raw)?;
+                }
+            }
+        }
+        self.gpu.sync()
+    }
+
+    /// Runs `batch` eagerly (no graph) with every launch timed; returns per
+    /// kernel: seconds and launches. For finding where a step's time goes.
+    pub fn profile_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Vec<(&'static str, f64, usize)>> {
+        let layout = StepLayout::build(batch, self.shape, None)?;
+        self.upload_layout(&layout)?;
+        let splits = self.splits_for(layout.rows(), layout.num_tiles(), layout.max_context_blocks);
+        self.gpu.sync()?;
+        self.gpu.start_profile();
+        let ran = self.run(
+            layout.rows(),
+            layout.num_tiles(),
+            layout.max_tile_rows,
+            splits,
+            layout.logit_rows.len(),
+        );
+        let profile = self.gpu.finish_profile();
+        ran?;
+        profile
+    }
+
+    /// Device time of one replay of the batch-`p` decode graph, mean of `n`
+    /// back-to-back replays of the last uploaded step (no host work between
+    /// them): what a step costs the GPU, without the host's share.
+    pub fn graph_replay_secs(&self, p: usize, n: usize) -> Result<f64> {
+        let graph = self
+            .graphs
+            .get(&p)
+            .ok_or_else(|| CudaError::Unsupported(format!("no graph captured for batch {p}")))?;
+        let secs = self.gpu.time(|| {
+            for _ in 0..n {
+                graph
+                    .launch()
+                    .map_err(|e| CudaError::driver("graph launch", e))?;
+            }
+            Ok(())
+        })?;
+        Ok(secs / n.max(1) as f64)
+    }
+
+    /// The decode batch sizes with a captured graph so far.
+    pub fn captured_graphs(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.graphs.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The suffix of this model's KV kernels (`f32` or `bf16`).
+    pub fn kv_dtype_name(&self) -> &'static str {
+        self.opts.kv.suffix()
+    }
+}
+
+/// The attention kernel for a KV dtype and head size (one instantiation per
+/// supported head size, so a lane's slice of the head stays in registers).
+fn attention_kernel(kv: DeviceDType, head_dim: usize, decode: bool) -> Result<&'static str> {
+    let suffix = if decode { "_decode" } else { "" };
+    let want = format!("attention_{}_{head_dim}{suffix}", kv.suffix());
+    crate::KERNEL_NAMES
+        .iter()
+        .copied()
+        .find(|&n| n == want)
+        .ok_or_else(|| {
+            CudaError::Unsupported(format!(
+                "head_dim {head_dim} (attention kernels exist for 16, 32, 64, 128 and 256)"
+            ))
+        })
+}
