@@ -1,7 +1,7 @@
 //! Serving-engine flags shared by every command that runs an engine.
 
 use anyhow::{bail, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tandem_engine::capacity::parse_memory_size;
 use tandem_engine::serving::{EngineConfig, KvPoolSize};
 
@@ -31,9 +31,34 @@ pub struct EngineArgs {
     /// Do not reuse the K/V of shared prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
-    /// Bit-identical results whatever the batch (slower prefill).
+    /// Bit-identical results whatever the batch (slower prefill; CPU only).
     #[arg(long)]
     batch_invariant: bool,
+    /// Where the model runs. `cuda` needs a build with `--features cuda`
+    /// and the CUDA 13 driver and libraries at run time.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// GPU weights and KV cache type (`--device cuda`): f32 matches the CPU
+    /// engine's numerics, bf16 is fast.
+    #[arg(long, value_enum, default_value_t = GpuDtype::Bf16)]
+    gpu_dtype: GpuDtype,
+    /// Which GPU (`--device cuda`).
+    #[arg(long, default_value_t = 0)]
+    gpu_index: usize,
+}
+
+/// Where the model runs.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Storage type of weights and KV on a GPU.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuDtype {
+    F32,
+    Bf16,
 }
 
 impl EngineArgs {
@@ -83,13 +108,17 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     let ckpt = tandem_engine::Checkpoint::open(&dir)
         .with_context(|| format!("loading model from {}", dir.display()))?;
     let kv_layout = ckpt.model.kv_layout(config.block_size);
-    let core = EngineCore::new(
-        ckpt.model,
-        ckpt.tokenizer.map(std::sync::Arc::new),
-        ckpt.eos_token_ids,
-        &config,
-    )?;
-    tracing::info!(model = %dir.display(), "model loaded");
+    let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
+    let core = match args.device {
+        Device::Cpu => EngineCore::new(ckpt.model, tokenizer, ckpt.eos_token_ids, &config)?,
+        Device::Cuda => {
+            let config_json = ckpt.model.config().clone();
+            drop(ckpt.model);
+            let backend = cuda_backend(&dir, &config_json, args, &config)?;
+            EngineCore::with_backend(backend, tokenizer, ckpt.eos_token_ids, &config)?
+        }
+    };
+    tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
     let model_name = dir.file_name().map_or_else(
         || dir.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -100,6 +129,62 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         model_name,
         model_dir: dir,
     })
+}
+
+/// The model on a GPU, its KV pool sized by the same flags as the CPU's
+/// (bytes are counted in the GPU's KV type).
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    dir: &std::path::Path,
+    model: &tandem_engine::ModelConfig,
+    args: &EngineArgs,
+    config: &tandem_engine::serving::EngineConfig,
+) -> Result<Box<dyn tandem_engine::ComputeBackend>> {
+    use tandem_cuda::{CudaModel, CudaOptions, DeviceDType};
+    use tandem_engine::serving::KvPoolSize;
+
+    let dtype = match args.gpu_dtype {
+        GpuDtype::F32 => DeviceDType::F32,
+        GpuDtype::Bf16 => DeviceDType::Bf16,
+    };
+    let elem = match dtype {
+        DeviceDType::F32 => 4,
+        DeviceDType::Bf16 => 2,
+    };
+    let block_bytes =
+        2 * model.num_layers * model.num_kv_heads * model.head_dim * config.block_size * elem;
+    let num_blocks = match config.kv_pool {
+        KvPoolSize::Blocks(n) => n,
+        KvPoolSize::Bytes(b) => b / block_bytes.max(1),
+    };
+    let mut opts = CudaOptions::new(model, num_blocks);
+    opts.device = args.gpu_index;
+    opts.weights = dtype;
+    opts.kv = dtype;
+    opts.block_size = config.block_size;
+    opts.max_tokens = config.max_num_batched_tokens;
+    opts.max_seqs = config.max_num_seqs;
+    opts.max_logit_rows = config.max_num_seqs;
+    opts.max_model_len = config
+        .max_model_len
+        .unwrap_or(model.max_position_embeddings);
+    opts.graph_max_batch = config.max_num_seqs.min(256);
+    let gpu = CudaModel::load(dir, opts)
+        .map_err(|e| anyhow::anyhow!("loading {} onto the GPU: {e}", dir.display()))?;
+    Ok(Box::new(gpu))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(
+    _dir: &std::path::Path,
+    _model: &tandem_engine::ModelConfig,
+    _args: &EngineArgs,
+    _config: &tandem_engine::serving::EngineConfig,
+) -> Result<Box<dyn tandem_engine::ComputeBackend>> {
+    bail!(
+        "--device cuda: this tandem was built without CUDA support \
+         (rebuild with `cargo build --release -p tandem --features cuda`)"
+    )
 }
 
 /// A multi-threaded tokio runtime for servers.

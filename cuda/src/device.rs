@@ -59,6 +59,33 @@ impl Drop for DevBuf {
     }
 }
 
+/// The CUDA libraries that cannot be loaded (cudarc would panic on first use).
+fn missing_libraries() -> Vec<&'static str> {
+    let mut missing = Vec::new();
+    // SAFETY: each probe loads a shared library by name (running its
+    // initialisers); the CUDA driver, cuBLAS and NVRTC are made to be loaded so.
+    unsafe {
+        if !drv_sys::is_culib_present() {
+            missing.push("libcuda (the driver)");
+        }
+        if !blas_sys::is_culib_present() {
+            missing.push("libcublas");
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            missing.push("libnvrtc");
+        }
+    }
+    missing
+}
+
+/// GPUs this process can use (0 when the CUDA libraries or devices are absent).
+pub fn gpu_count() -> usize {
+    if !missing_libraries().is_empty() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// A kernel argument: a device pointer or a scalar.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Arg {
@@ -116,6 +143,14 @@ impl Gpu {
     /// Opens device `ordinal` and loads the kernels, compiling them with
     /// NVRTC unless `ptx_cache` holds this source for this architecture.
     pub fn open(ordinal: usize, ptx_cache: &Path) -> Result<Self> {
+        let missing = missing_libraries();
+        if !missing.is_empty() {
+            return Err(CudaError::Unsupported(format!(
+                "CUDA libraries not found: {} (install the driver and CUDA 13 libraries, \
+                 or put their lib folders on LD_LIBRARY_PATH)",
+                missing.join(", ")
+            )));
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("open device", e))?;
         // SAFETY: the backend uses one stream for everything (see the module
         // docs), so cudarc's cross-stream events are not needed.
@@ -248,6 +283,7 @@ impl Gpu {
 
     /// Waits for all queued work.
     pub fn sync(&self) -> Result<()> {
+        self.bind()?;
         self.stream
             .synchronize()
             .map_err(|e| CudaError::driver("synchronize", e))
@@ -273,6 +309,14 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// Makes the context current on this thread (the model may be built on
+    /// one thread and run on another).
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("bind context", e))
+    }
+
     /// Copies `src` to device address `dst` (stream-ordered; `src` may be
     /// reused as soon as this returns: pageable copies are staged).
     pub(crate) fn upload<T: Copy>(&self, dst: u64, room: usize, src: &[T]) -> Result<()> {
@@ -285,6 +329,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        self.bind()?;
         // SAFETY: `dst` has at least `room >= bytes` bytes (checked above);
         // the copy reads `src` before returning (pageable host memory).
         unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
@@ -296,6 +341,7 @@ impl Gpu {
         if dst.is_empty() {
             return Ok(());
         }
+        self.bind()?;
         // SAFETY: the caller passes a device range of at least
         // `size_of_val(dst)` bytes; a copy into pageable memory returns only
         // once it has completed.
@@ -306,6 +352,7 @@ impl Gpu {
 
     /// Device-to-device copy of `bytes` bytes.
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
         // SAFETY: the caller passes two device ranges of `bytes` bytes.
         unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(|e| CudaError::driver("device copy", e))
@@ -333,6 +380,7 @@ impl Gpu {
         shared_mem: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.bind()?;
         let f = self
             .funcs
             .get(name)
@@ -389,6 +437,7 @@ impl Gpu {
         k: usize,
         beta: f32,
     ) -> Result<()> {
+        self.bind()?;
         let alpha = 1.0f32;
         // SAFETY: `x` holds t·k and `w` n·k elements of `ty`, `y` t·n f32
         // (the caller sizes them from the model config); alpha and beta are

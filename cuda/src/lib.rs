@@ -41,7 +41,7 @@ mod device;
 mod model;
 
 #[cfg(feature = "cuda")]
-pub use device::Gpu;
+pub use device::{gpu_count, Gpu};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use model::{CudaModel, CudaOptions, DeviceDType, StepOutput};

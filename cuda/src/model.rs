@@ -15,9 +15,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use std::borrow::Cow;
 use tandem_engine::kernels::RopeTable;
 use tandem_engine::weights::{Matrix, WeightData, WeightStore};
-use tandem_engine::{BlockCopy, BlockId, Logits, ModelConfig, SeqInput};
+
+use tandem_engine::{
+    BlockCopy, BlockId, ComputeBackend, EngineError, KvBlocks, KvLayout, Logits, ModelConfig,
+    SeqInput,
+};
 
 use crate::device::{Arg, DevBuf, GemmType, Gpu};
 use crate::error::CudaError;
@@ -180,8 +185,17 @@ pub struct CudaModel {
     shape: LayoutShape,
     hpc: usize,
     graph_sizes: GraphSizes,
-    graphs: HashMap<usize, cudarc::driver::CudaGraph>,
+    graphs: HashMap<usize, SendGraph>,
 }
+
+/// A captured graph that may move to another thread with its model.
+struct SendGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: a CUDA graph may be used from any thread as long as uses are not
+// concurrent (CUDA's graph thread-safety rules); it is only reached through
+// its `CudaModel`, whose `&mut`/`&` borrows serialise every use, and the
+// context is bound on the using thread before each launch.
+unsafe impl Send for SendGraph {}
 
 impl std::fmt::Debug for CudaModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -570,10 +584,11 @@ impl CudaModel {
             Some(p) => {
                 if !self.graphs.contains_key(&p) {
                     let graph = self.capture(p)?;
-                    self.graphs.insert(p, graph);
+                    self.graphs.insert(p, SendGraph(graph));
                 }
                 if let Some(graph) = self.graphs.get(&p) {
                     graph
+                        .0
                         .launch()
                         .map_err(|e| CudaError::driver("graph launch", e))?;
                 }
@@ -960,7 +975,8 @@ impl CudaModel {
             .collect())
     }
 
-    fn block_bytes(&self) -> usize {
+    /// Bytes of one block's K (or V) in one layer's pool.
+    fn layer_block_bytes(&self) -> usize {
         self.config.num_kv_heads * self.opts.block_size * self.config.head_dim * self.opts.kv.size()
     }
 
@@ -979,7 +995,7 @@ impl CudaModel {
     /// shared partial block).
     pub fn copy_block(&self, copy: BlockCopy) -> Result<()> {
         let (src, dst) = (self.check_block(copy.src)?, self.check_block(copy.dst)?);
-        let bb = self.block_bytes();
+        let bb = self.layer_block_bytes();
         for (k, v) in &self.kv {
             self.gpu.copy(k.at(dst * bb), k.at(src * bb), bb)?;
             self.gpu.copy(v.at(dst * bb), v.at(src * bb), bb)?;
@@ -1002,7 +1018,7 @@ impl CudaModel {
             .get(layer)
             .ok_or_else(|| CudaError::InvalidBatch(format!("no layer {layer}")))?;
         let n = self.config.num_kv_heads * self.opts.block_size * self.config.head_dim;
-        let bb = self.block_bytes();
+        let bb = self.layer_block_bytes();
         for (pool, out) in [(kp, k), (vp, v)] {
             out.resize(n, 0.0);
             match self.opts.kv {
@@ -1034,7 +1050,7 @@ impl CudaModel {
                 v.len()
             )));
         }
-        let bb = self.block_bytes();
+        let bb = self.layer_block_bytes();
         for (pool, src) in [(kp, k), (vp, v)] {
             match self.opts.kv {
                 DeviceDType::F32 => self.gpu.upload(pool.at(b * bb), bb, src)?,
@@ -1084,6 +1100,7 @@ impl CudaModel {
         let secs = self.gpu.time(|| {
             for _ in 0..n {
                 graph
+                    .0
                     .launch()
                     .map_err(|e| CudaError::driver("graph launch", e))?;
             }
@@ -1102,6 +1119,101 @@ impl CudaModel {
     /// The suffix of this model's KV kernels (`f32` or `bf16`).
     pub fn kv_dtype_name(&self) -> &'static str {
         self.opts.kv.suffix()
+    }
+}
+
+impl From<CudaError> for EngineError {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::Engine(inner) => inner,
+            CudaError::InvalidBatch(m) => EngineError::InvalidRequest(m),
+            CudaError::Unsupported(m) => EngineError::Unsupported(m),
+            other => EngineError::Backend {
+                device: "cuda",
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl KvBlocks for CudaModel {
+    fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+    ) -> tandem_engine::Result<tandem_engine::BlockKv<'_>> {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        CudaModel::read_block(self, layer, block, &mut k, &mut v)?;
+        Ok((Cow::Owned(k), Cow::Owned(v)))
+    }
+}
+
+/// The engine's seam: the serving engine (scheduler, prefix cache, KV
+/// transfer) runs unchanged on top of the GPU. Logits come back to the host
+/// for the engine's sampler (penalties, grammars, logprobs); blocks cross in
+/// f32, so transfers to and from CPU workers need no conversion.
+impl ComputeBackend for CudaModel {
+    fn device(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size: self.opts.block_size,
+        }
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.opts.num_blocks
+    }
+
+    fn block_bytes(&self) -> usize {
+        2 * self.config.num_layers * self.layer_block_bytes()
+    }
+
+    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
+        if on {
+            // The decode GEMV and cuBLAS sum in different orders.
+            return Err(EngineError::Unsupported(
+                "batch-invariant matmuls on the CUDA backend".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        after_layer: &mut dyn FnMut(usize, &dyn KvBlocks),
+    ) -> tandem_engine::Result<Logits> {
+        let out = CudaModel::forward(self, batch)?;
+        let logits = self.logits(&out)?;
+        // The pass ran as a whole; every layer's K/V is final now.
+        for layer in 0..self.config.num_layers {
+            after_layer(layer, &*self);
+        }
+        Ok(logits)
+    }
+
+    fn copy_block(&mut self, copy: BlockCopy) -> tandem_engine::Result<()> {
+        Ok(CudaModel::copy_block(self, copy)?)
+    }
+
+    fn write_block(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        k: &[f32],
+        v: &[f32],
+    ) -> tandem_engine::Result<()> {
+        Ok(CudaModel::write_block(self, layer, block, k, v)?)
     }
 }
 

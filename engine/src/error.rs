@@ -39,6 +39,12 @@ pub enum EngineError {
     /// long, bad sampling parameter).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The compute backend (a GPU, say) failed.
+    #[error("{device} backend: {message}")]
+    Backend {
+        device: &'static str,
+        message: String,
+    },
     /// The KV cache pool cannot satisfy an allocation.
     #[error(transparent)]
     Kv(#[from] crate::kv_cache::KvError),

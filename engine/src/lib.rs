@@ -12,6 +12,7 @@
 //! types and the sampler.
 
 pub mod attention;
+pub mod backend;
 pub mod capacity;
 pub mod checkpoint;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod synth;
 pub mod tokenizer;
 pub mod weights;
 
+pub use backend::{BlockKv, ComputeBackend, CpuBackend, KvBlocks};
 pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{EngineError, Result};

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::backend::{ComputeBackend, CpuBackend, KvBlocks};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::kernels::MatmulPolicy;
-use crate::kv_cache::{BlockAllocator, BlockId, CacheEvent, KvCache, PrefixCacheStats};
+use crate::kv_cache::{BlockAllocator, BlockId, CacheEvent, PrefixCacheStats};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler};
 use crate::tokenizer::Tokenizer;
@@ -172,8 +172,7 @@ struct Group {
 /// requests in flight.
 #[derive(Debug)]
 pub struct EngineCore {
-    model: Model,
-    kv: KvCache,
+    backend: Box<dyn ComputeBackend>,
     tokenizer: Option<Arc<Tokenizer>>,
     eos: Vec<u32>,
     scheduler: Scheduler,
@@ -189,14 +188,37 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
-    /// Builds the KV pool and the scheduler for `model`.
+    /// Builds the KV pool and the scheduler for `model` on the CPU.
     pub fn new(
-        mut model: Model,
+        model: Model,
         tokenizer: Option<Arc<Tokenizer>>,
         eos: Vec<u32>,
         config: &EngineConfig,
     ) -> Result<Self> {
-        let mc = model.config().clone();
+        if config.block_size == 0 {
+            return Err(EngineError::InvalidRequest(
+                "block_size must be positive".into(),
+            ));
+        }
+        let layout = model.kv_layout(config.block_size);
+        let num_blocks = match config.kv_pool {
+            KvPoolSize::Blocks(n) => n,
+            KvPoolSize::Bytes(b) => b / layout.block_bytes().max(1),
+        };
+        let backend = CpuBackend::new(model, config.block_size, num_blocks);
+        Self::with_backend(Box::new(backend), tokenizer, eos, config)
+    }
+
+    /// Builds the scheduler over a backend that already holds its KV pool
+    /// (its block count wins over `config.kv_pool`; the block sizes must
+    /// agree).
+    pub fn with_backend(
+        mut backend: Box<dyn ComputeBackend>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        eos: Vec<u32>,
+        config: &EngineConfig,
+    ) -> Result<Self> {
+        let mc = backend.config().clone();
         let max_model_len = config.max_model_len.unwrap_or(mc.max_position_embeddings);
         if max_model_len == 0 || max_model_len > mc.max_position_embeddings {
             return Err(EngineError::InvalidRequest(format!(
@@ -209,16 +231,19 @@ impl EngineCore {
                 "max_num_batched_tokens and max_num_seqs must be positive".into(),
             ));
         }
-        let layout = model.kv_layout(config.block_size);
-        let num_blocks = match config.kv_pool {
-            KvPoolSize::Blocks(n) => n,
-            KvPoolSize::Bytes(b) => b / layout.block_bytes().max(1),
-        };
-        let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
-        let kv = KvCache::new(layout, num_blocks);
-        if config.batch_invariant {
-            model.set_matmul_policy(MatmulPolicy::BatchInvariant);
+        let layout = backend.kv_layout();
+        if layout.block_size != config.block_size {
+            return Err(EngineError::InvalidRequest(format!(
+                "the {} backend's KV blocks hold {} tokens, the engine is configured for {}",
+                backend.device(),
+                layout.block_size,
+                config.block_size
+            )));
         }
+        let num_blocks = backend.num_blocks();
+        let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
+        backend.set_batch_invariant(config.batch_invariant)?;
+        let block_bytes = backend.block_bytes();
         let chunk = config
             .max_prefill_chunk
             .unwrap_or(config.max_num_batched_tokens)
@@ -244,7 +269,8 @@ impl EngineCore {
         tracing::info!(
             kv_blocks = num_blocks,
             kv_tokens = num_blocks * config.block_size,
-            kv_bytes = %crate::capacity::format_bytes((num_blocks * layout.block_bytes()) as u64),
+            kv_bytes = %crate::capacity::format_bytes((num_blocks * block_bytes) as u64),
+            device = backend.device(),
             block_size = config.block_size,
             max_model_len,
             max_concurrency_at_max_model_len = max_concurrency,
@@ -267,8 +293,7 @@ impl EngineCore {
             .as_ref()
             .map(|t| Arc::new(Grammars::new(t.clone(), mc.vocab_size, eos.clone())));
         Ok(Self {
-            model,
-            kv,
+            backend,
             tokenizer,
             grammars,
             masks: MaskWorkers::default(),
@@ -295,7 +320,7 @@ impl EngineCore {
 
     /// Bytes of the KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
-        self.limits.num_blocks * self.kv.layout().block_bytes()
+        self.limits.num_blocks * self.backend.block_bytes()
     }
 
     /// The format compiler shared with the handle.
@@ -465,7 +490,7 @@ impl EngineCore {
                 "block {block} is not a destination of remote prefill {transfer}"
             ));
         }
-        self.kv
+        self.backend
             .write_block(layer, block, k, v)
             .map_err(|e| e.to_string())
     }
@@ -528,7 +553,15 @@ impl EngineCore {
             return;
         }
         for &copy in &plan.copies {
-            self.kv.copy_block(copy);
+            if let Err(e) = self.backend.copy_block(copy) {
+                // The allocator made the copy; a backend refusing it is a
+                // bug or a device fault. Fail the step's requests rather
+                // than compute on a stale block.
+                tracing::error!(error = %e, ?copy, "KV block copy failed");
+                self.fail_scheduled(&plan, &format!("KV block copy failed: {e}"));
+                self.refresh_stats();
+                return;
+            }
         }
         // Constrained sequences that sample after this forward pass get
         // their masks computed while it runs.
@@ -561,14 +594,7 @@ impl EngineCore {
             Err(e) => {
                 // Validation makes this unreachable in practice; if it
                 // happens, fail the step's requests rather than the engine.
-                let groups: Vec<u64> = plan
-                    .scheduled
-                    .iter()
-                    .filter_map(|s| self.scheduler.seq(s.seq).map(|q| q.group))
-                    .collect();
-                for g in groups {
-                    self.fail_group(g, &e.to_string());
-                }
+                self.fail_scheduled(&plan, &e.to_string());
             }
         }
         self.stats.steps += 1;
@@ -641,13 +667,25 @@ impl EngineCore {
                 exports.push((ex.sink.clone(), blocks));
             }
         }
-        let mut after_layer = |layer: usize, kv: &KvCache| {
+        let mut after_layer = |layer: usize, kv: &dyn KvBlocks| {
             for (sink, blocks) in &exports {
-                let data: Vec<ExportedBlock<'_>> = blocks
+                let mut read = Vec::with_capacity(blocks.len());
+                for &(logical, b) in blocks {
+                    match kv.read_block(layer, b) {
+                        Ok((k, v)) => read.push((logical, k, v)),
+                        // The sink sees a gap and the transfer fails over
+                        // to local prefill on the decode side.
+                        Err(e) => {
+                            tracing::error!(error = %e, layer, block = b, "KV export read failed")
+                        }
+                    }
+                }
+                let data: Vec<ExportedBlock<'_>> = read
                     .iter()
-                    .map(|&(logical, b)| {
-                        let (k, v) = kv.block(layer, b);
-                        ExportedBlock { logical, k, v }
+                    .map(|(logical, k, v)| ExportedBlock {
+                        logical: *logical,
+                        k,
+                        v,
                     })
                     .collect();
                 if !data.is_empty() {
@@ -655,9 +693,7 @@ impl EngineCore {
                 }
             }
         };
-        let out = self
-            .model
-            .forward_with_layer_hook(&inputs, &mut self.kv, &mut after_layer);
+        let out = self.backend.forward(&inputs, &mut after_layer);
         drop(inputs);
         for s in &plan.scheduled {
             if let Some(ex) = self
@@ -901,6 +937,18 @@ impl EngineCore {
             "request finished"
         );
         let _ = g.sink.send(RequestEvent::Finished(summary));
+    }
+
+    /// Fails every request with a sequence in this step.
+    fn fail_scheduled(&mut self, plan: &StepPlan, msg: &str) {
+        let groups: Vec<u64> = plan
+            .scheduled
+            .iter()
+            .filter_map(|s| self.scheduler.seq(s.seq).map(|q| q.group))
+            .collect();
+        for g in groups {
+            self.fail_group(g, msg);
+        }
     }
 
     fn fail_group(&mut self, group_id: u64, msg: &str) {

@@ -1,0 +1,190 @@
+//! The compute-backend seam: what the serving engine needs from whatever
+//! runs the model.
+//!
+//! Scheduling, block allocation and prefix caching are host code, the same
+//! for every backend. A backend owns the weights and the KV pool in its own
+//! memory (host RAM for [`CpuBackend`], device memory for the CUDA backend in
+//! `tandem-cuda`), runs the flattened-batch forward pass, and moves single
+//! blocks in and out of the pool (copy-on-write, KV transfer). Block ids
+//! always come from the engine's allocator; a backend only stores what it is
+//! told to.
+//!
+//! Blocks cross the seam in the CPU pool's layout and in f32
+//! (`[kv_head][slot][head_dim]` per layer), whatever the backend stores, so
+//! a GPU prefill worker can feed a CPU decode worker: mixed pools are legal.
+
+use std::borrow::Cow;
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kernels::MatmulPolicy;
+use crate::kv_cache::{BlockCopy, BlockId, KvCache, KvLayout};
+use crate::model::{Logits, Model, SeqInput};
+
+/// One layer's K and V of a block, `[kv_head][slot][head_dim]` in f32:
+/// borrowed from a host pool, copied out of a device one.
+pub type BlockKv<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+
+/// Read access to the KV pool during a step (for exporting blocks).
+pub trait KvBlocks {
+    /// One layer's K and V of `block`.
+    fn read_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>>;
+}
+
+impl KvBlocks for KvCache {
+    fn read_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>> {
+        if block as usize >= self.num_blocks() || layer >= self.layout().num_layers {
+            return Err(EngineError::InvalidRequest(format!(
+                "block {block} of layer {layer} is outside the KV pool"
+            )));
+        }
+        let (k, v) = self.block(layer, block);
+        Ok((Cow::Borrowed(k), Cow::Borrowed(v)))
+    }
+}
+
+/// Runs the model and holds its KV pool.
+pub trait ComputeBackend: Send + std::fmt::Debug {
+    /// Where it runs, for logs (`cpu`, `cuda`).
+    fn device(&self) -> &'static str;
+
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+
+    /// The pool's block geometry.
+    fn kv_layout(&self) -> KvLayout;
+
+    /// Blocks in the pool.
+    fn num_blocks(&self) -> usize;
+
+    /// Bytes one block takes in the pool (every layer, K and V).
+    fn block_bytes(&self) -> usize;
+
+    /// Bit-identical results whatever the batch, if the backend can.
+    fn set_batch_invariant(&mut self, on: bool) -> Result<()>;
+
+    /// Runs one step (see [`Model::forward`]), calling `after_layer(l, kv)`
+    /// once layer `l`'s new K/V are readable. The CPU calls it between
+    /// layers, so a prefill worker overlaps the network with compute; a
+    /// backend that runs the whole pass at once may call it for every layer
+    /// after the pass.
+    fn forward(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        after_layer: &mut dyn FnMut(usize, &dyn KvBlocks),
+    ) -> Result<Logits>;
+
+    /// Copies one block's K/V (every layer) onto another.
+    fn copy_block(&mut self, copy: BlockCopy) -> Result<()>;
+
+    /// Writes one layer's K and V of a block (`[kv_head][slot][head_dim]`, f32).
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()>;
+}
+
+/// The CPU engine: [`Model`] and a host [`KvCache`].
+#[derive(Debug)]
+pub struct CpuBackend {
+    model: Model,
+    kv: KvCache,
+}
+
+impl CpuBackend {
+    /// The model with a pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new(model: Model, block_size: usize, num_blocks: usize) -> Self {
+        let kv = KvCache::new(model.kv_layout(block_size), num_blocks);
+        Self { model, kv }
+    }
+}
+
+impl ComputeBackend for CpuBackend {
+    fn device(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        *self.kv.layout()
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.kv.layout().block_bytes()
+    }
+
+    fn set_batch_invariant(&mut self, on: bool) -> Result<()> {
+        self.model.set_matmul_policy(if on {
+            MatmulPolicy::BatchInvariant
+        } else {
+            MatmulPolicy::default()
+        });
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        after_layer: &mut dyn FnMut(usize, &dyn KvBlocks),
+    ) -> Result<Logits> {
+        self.model
+            .forward_with_layer_hook(batch, &mut self.kv, &mut |l, kv: &KvCache| {
+                after_layer(l, kv)
+            })
+    }
+
+    fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {
+        let n = self.kv.num_blocks();
+        if copy.src as usize >= n || copy.dst as usize >= n {
+            return Err(EngineError::InvalidRequest(format!(
+                "block copy {copy:?} is outside the pool ({n} blocks)"
+            )));
+        }
+        self.kv.copy_block(copy);
+        Ok(())
+    }
+
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()> {
+        self.kv
+            .write_block(layer, block, k, v)
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth;
+    use crate::weights::DType;
+
+    fn backend() -> (tempfile::TempDir, CpuBackend) {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        synth::preset("tiny")
+            .expect("preset")
+            .write(tmp.path(), 1, DType::F32)
+            .expect("write");
+        let model = Model::load(tmp.path()).expect("load");
+        (tmp, CpuBackend::new(model, 16, 4))
+    }
+
+    #[test]
+    fn blocks_round_trip_through_the_seam_and_bounds_are_checked() {
+        let (_tmp, mut b) = backend();
+        let n = b.kv_layout().block_elems();
+        let k: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let v: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
+        b.write_block(1, 2, &k, &v).expect("in range");
+        b.copy_block(BlockCopy { src: 2, dst: 3 }).expect("in range");
+        let (rk, rv) = KvBlocks::read_block(&b.kv, 1, 3).expect("in range");
+        assert_eq!((&*rk, &*rv), (&k[..], &v[..]));
+        assert!(b.write_block(1, 4, &k, &v).is_err(), "block 4 of 4");
+        assert!(b.copy_block(BlockCopy { src: 0, dst: 9 }).is_err());
+        assert!(KvBlocks::read_block(&b.kv, 2, 0).is_err(), "layer 2 of 2");
+        assert_eq!(b.block_bytes(), 2 * 2 * 2 * 16 * 16 * 4);
+        assert_eq!(b.device(), "cpu");
+    }
+}
