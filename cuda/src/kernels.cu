@@ -97,12 +97,6 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const float* w, bf16_t*
 
 // ---------------------------------------------------------------- element-wise
 
-extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* y, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        y[i] = f32_to_bf16(x[i]);
-    }
-}
-
 // y[r, c] += b[c] over `rows` rows of `n` columns with row stride `stride`.
 extern "C" __global__ void bias_add(float* y, const float* b, int rows, int n, int stride) {
     long total = (long)rows * n;
@@ -484,89 +478,6 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
             if (sv[w] > best || (sv[w] == best && si[w] < idx)) { best = sv[w]; idx = si[w]; }
         }
         out[r] = idx == 0x7fffffff ? 0 : idx;
-    }
-}
-
-// Draws one token per row from softmax(logits / temperature) restricted to
-// the top-k tokens (k <= 0: all) and the top-p nucleus, with the uniform
-// u[r] in [0, 1) supplied by the host's seeded generator. One block per row:
-// the k-th largest logit and the nucleus cut are found by bisection on the
-// logit value (each step one parallel count), so nothing is sorted.
-extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* temperature,
-                                       const int* top_k, const float* top_p, const float* u, int* out) {
-    int r = blockIdx.x;
-    const float* z = logits + (long)r * vocab;
-    float t = temperature[r];
-    float mx = -INFINITY, mn = INFINITY;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) { mx = fmaxf(mx, z[i]); mn = fminf(mn, z[i]); }
-    __shared__ float red[32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    mx = warp_max(mx);
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-    for (int w = 1; w < nw; w++) mx = fmaxf(mx, red[w]);
-    __syncthreads();
-    mn = -warp_max(-mn);
-    if (lane == 0) red[warp] = mn;
-    __syncthreads();
-    mn = red[0];
-    for (int w = 1; w < nw; w++) mn = fminf(mn, red[w]);
-    __syncthreads();
-    if (t <= 0.0f) {
-        // Greedy rows take the argmax (first on ties).
-        if (threadIdx.x == 0) {
-            int idx = 0;
-            for (int i = 0; i < vocab; i++) if (z[i] == mx) { idx = i; break; }
-            out[r] = idx;
-        }
-        return;
-    }
-    // Threshold: keep logits >= cut. Start with everything.
-    float cut = mn;
-    int k = top_k[r];
-    if (k > 0 && k < vocab) {
-        float a = mn, b = mx;  // count(>= a) >= k, find the largest a with that property
-        for (int it = 0; it < 40; it++) {
-            float mid = 0.5f * (a + b);
-            float c = 0.0f;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += z[i] >= mid ? 1.0f : 0.0f;
-            c = block_sum(c);
-            if (c >= (float)k) a = mid; else b = mid;
-        }
-        cut = a;
-    }
-    // Softmax mass above a threshold, for the nucleus search.
-    float total = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) if (z[i] >= cut) total += expf((z[i] - mx) / t);
-    total = block_sum(total);
-    float p = top_p[r];
-    if (p < 1.0f) {
-        float a = cut, b = mx;  // largest threshold whose kept mass >= p * total
-        for (int it = 0; it < 40; it++) {
-            float mid = 0.5f * (a + b);
-            float s = 0.0f;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) if (z[i] >= mid) s += expf((z[i] - mx) / t);
-            s = block_sum(s);
-            if (s >= p * total) a = mid; else b = mid;
-        }
-        cut = a;
-        total = 0.0f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) if (z[i] >= cut) total += expf((z[i] - mx) / t);
-        total = block_sum(total);
-    }
-    // Inverse CDF over the kept tokens in index order (thread 0 walks; the
-    // row is in L2 after the passes above).
-    if (threadIdx.x == 0) {
-        float target = u[r] * total, run = 0.0f;
-        int pick = -1, last = 0;
-        for (int i = 0; i < vocab; i++) {
-            if (z[i] < cut) continue;
-            last = i;
-            run += expf((z[i] - mx) / t);
-            if (run > target) { pick = i; break; }
-        }
-        out[r] = pick >= 0 ? pick : last;
     }
 }
 

@@ -20,7 +20,7 @@
 //! (`kernels.cu`): embedding, RMSNorm, RoPE fused with the KV-cache write,
 //! SiLU-and-multiply, paged attention (query tiles
 //! with online softmax, split over KV blocks with a reduction when a step has
-//! few tiles), argmax and top-k/top-p sampling.
+//! few tiles) and argmax (greedy on the device).
 //!
 //! **Architecture Invariant:** this crate knows the engine's data types and
 //! nothing of serving: no scheduler, no networking. Block ids come from the
@@ -55,7 +55,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
     "rms_norm_f32",
     "rms_norm_bf16",
-    "cast_f32_bf16",
     "bias_add",
     "silu_mul_f32",
     "silu_mul_bf16",
@@ -84,7 +83,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_bf16_256_decode",
     "attn_reduce",
     "argmax_rows",
-    "sample_rows",
     "fill_uniform_bf16",
     "fill_f32",
 ];

@@ -146,10 +146,6 @@ struct Scratch {
     logit_rows: DevBuf,
     inv_freq: DevBuf,
     sampled: DevBuf,
-    temperature: DevBuf,
-    top_k: DevBuf,
-    top_p: DevBuf,
-    uniform: DevBuf,
     /// cuBLAS workspace, set explicitly so graph capture never allocates.
     _blas_workspace: DevBuf,
 }
@@ -457,10 +453,6 @@ impl CudaModel {
             logit_rows: gpu.alloc(nl * 4)?,
             inv_freq: gpu.alloc(half * 4)?,
             sampled: gpu.alloc(nl * 4)?,
-            temperature: gpu.alloc(nl * 4)?,
-            top_k: gpu.alloc(nl * 4)?,
-            top_p: gpu.alloc(nl * 4)?,
-            uniform: gpu.alloc(nl * 4)?,
             _blas_workspace: workspace,
         };
         gpu.set_blas_workspace(scratch._blas_workspace.ptr, scratch._blas_workspace.bytes)?;
@@ -551,8 +543,8 @@ impl CudaModel {
     }
 
     /// Runs one step: writes the new tokens' K/V into their blocks and leaves
-    /// the asked-for logits on the device (read them with [`Self::logits`],
-    /// [`Self::argmax`] or [`Self::sample`]).
+    /// the asked-for logits on the device (read them with [`Self::logits`] or
+    /// [`Self::argmax`]).
     pub fn forward(&mut self, batch: &[SeqInput<'_>]) -> Result<StepOutput> {
         if batch.len() > self.opts.max_seqs {
             return Err(CudaError::InvalidBatch(format!(
@@ -903,63 +895,6 @@ impl CudaModel {
                 Arg::Ptr(self.scratch.logits.ptr),
                 Arg::I32(vocab),
                 Arg::Ptr(self.scratch.sampled.ptr),
-            ],
-        )?;
-        self.last_rows(out)
-    }
-
-    /// Samples on the device: per sequence a temperature (0 is greedy),
-    /// top-k (0 is off), top-p and a uniform draw in [0, 1) from the host's
-    /// seeded generator, applied to its last logits row.
-    pub fn sample(
-        &self,
-        out: &StepOutput,
-        temperature: &[f32],
-        top_k: &[i32],
-        top_p: &[f32],
-        uniform: &[f32],
-    ) -> Result<Vec<u32>> {
-        let seqs = out.starts.len().saturating_sub(1);
-        if [temperature.len(), top_k.len(), top_p.len(), uniform.len()]
-            .iter()
-            .any(|&n| n != seqs)
-        {
-            return Err(CudaError::InvalidBatch(format!(
-                "sampling parameters for {seqs} sequences expected"
-            )));
-        }
-        // Parameters are per logits row; only each sequence's last row counts.
-        let rows = out.rows;
-        let mut t = vec![0.0f32; rows];
-        let mut k = vec![0i32; rows];
-        let mut p = vec![1.0f32; rows];
-        let mut u = vec![0.0f32; rows];
-        for i in 0..seqs {
-            let r = out.starts[i + 1] - 1;
-            t[r] = temperature[i];
-            k[r] = top_k[i];
-            p[r] = top_p[i];
-            u[r] = uniform[i];
-        }
-        let s = &self.scratch;
-        let g = &self.gpu;
-        g.upload(s.temperature.ptr, s.temperature.bytes, &t)?;
-        g.upload(s.top_k.ptr, s.top_k.bytes, &k)?;
-        g.upload(s.top_p.ptr, s.top_p.bytes, &p)?;
-        g.upload(s.uniform.ptr, s.uniform.bytes, &u)?;
-        g.launch(
-            "sample_rows",
-            (rows.max(1) as u32, 1, 1),
-            1024,
-            0,
-            &[
-                Arg::Ptr(s.logits.ptr),
-                Arg::I32(self.config.vocab_size as i32),
-                Arg::Ptr(s.temperature.ptr),
-                Arg::Ptr(s.top_k.ptr),
-                Arg::Ptr(s.top_p.ptr),
-                Arg::Ptr(s.uniform.ptr),
-                Arg::Ptr(s.sampled.ptr),
             ],
         )?;
         self.last_rows(out)

@@ -178,7 +178,8 @@ mod tests {
         let k: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let v: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
         b.write_block(1, 2, &k, &v).expect("in range");
-        b.copy_block(BlockCopy { src: 2, dst: 3 }).expect("in range");
+        b.copy_block(BlockCopy { src: 2, dst: 3 })
+            .expect("in range");
         let (rk, rv) = KvBlocks::read_block(&b.kv, 1, 3).expect("in range");
         assert_eq!((&*rk, &*rv), (&k[..], &v[..]));
         assert!(b.write_block(1, 4, &k, &v).is_err(), "block 4 of 4");
