@@ -96,6 +96,21 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
+/// `y[t, n] = x[t, k] · w[n, k]ᵀ + beta · y` (row-major, Hugging Face
+/// weight layout) with f32 accumulation and f32 `y`: in cuBLAS's
+/// column-major terms `yᵀ = op(w)ᵀ · xᵀ`. Pointers are device addresses.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Gemm {
+    pub ty: GemmType,
+    pub x: u64,
+    pub w: u64,
+    pub y: u64,
+    pub t: usize,
+    pub n: usize,
+    pub k: usize,
+    pub beta: f32,
+}
+
 /// Element types cuBLAS sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GemmType {
@@ -407,36 +422,22 @@ impl Gpu {
             .map_err(|e| CudaError::driver("kernel launch", e))
     }
 
-    /// `y[t, n] = x[t, k] · w[n, k]ᵀ + beta · y` (row-major, Hugging Face
-    /// weight layout) with f32 accumulation: in cuBLAS's column-major terms
-    /// `yᵀ = op(w)ᵀ · xᵀ`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm(
-        &self,
-        ty: GemmType,
-        x: u64,
-        w: u64,
-        y: u64,
-        t: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-    ) -> Result<()> {
-        self.profiled("cublas_gemm", || self.gemm_now(ty, x, w, y, t, n, k, beta))
+    /// Runs a [`Gemm`] on cuBLAS.
+    pub(crate) fn gemm(&self, g: Gemm) -> Result<()> {
+        self.profiled("cublas_gemm", || self.gemm_now(&g))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_now(
-        &self,
-        ty: GemmType,
-        x: u64,
-        w: u64,
-        y: u64,
-        t: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-    ) -> Result<()> {
+    fn gemm_now(&self, g: &Gemm) -> Result<()> {
+        let Gemm {
+            ty,
+            x,
+            w,
+            y,
+            t,
+            n,
+            k,
+            beta,
+        } = *g;
         self.bind()?;
         let alpha = 1.0f32;
         // SAFETY: `x` holds t·k and `w` n·k elements of `ty`, `y` t·n f32
@@ -526,6 +527,28 @@ impl Gpu {
 
 /// Rooflines measured on the device itself, for benchmarks.
 impl Gpu {
+    /// Fills `n` bf16 values at `ptr` with uniform noise in `[-scale, scale)`.
+    pub(crate) fn fill_uniform_bf16(
+        &self,
+        ptr: u64,
+        n: usize,
+        seed: u64,
+        scale: f32,
+    ) -> Result<()> {
+        self.launch(
+            "fill_uniform_bf16",
+            (1024, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr),
+                Arg::I64(n as i64),
+                Arg::U64(seed),
+                Arg::F32(scale),
+            ],
+        )
+    }
+
     /// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes
     /// written), best of `reps` copies of `bytes` bytes.
     pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
@@ -546,21 +569,20 @@ impl Gpu {
         let a = self.alloc(n * n * 2)?;
         let b = self.alloc(n * n * 2)?;
         let c = self.alloc(n * n * 4)?;
-        for (buf, seed) in [(&a, 1u64), (&b, 2)] {
-            self.launch(
-                "fill_uniform_bf16",
-                (1024, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(buf.ptr),
-                    Arg::I64((n * n) as i64),
-                    Arg::U64(seed),
-                    Arg::F32(1.0),
-                ],
-            )?;
-        }
-        let run = || self.gemm(GemmType::Bf16, a.ptr, b.ptr, c.ptr, n, n, n, 0.0);
+        self.fill_uniform_bf16(a.ptr, n * n, 1, 1.0)?;
+        self.fill_uniform_bf16(b.ptr, n * n, 2, 1.0)?;
+        let run = || {
+            self.gemm(Gemm {
+                ty: GemmType::Bf16,
+                x: a.ptr,
+                w: b.ptr,
+                y: c.ptr,
+                t: n,
+                n,
+                k: n,
+                beta: 0.0,
+            })
+        };
         run()?;
         let secs = self.time(|| {
             for _ in 0..reps {

@@ -24,7 +24,7 @@ use tandem_engine::{
     SeqInput,
 };
 
-use crate::device::{Arg, DevBuf, GemmType, Gpu};
+use crate::device::{Arg, DevBuf, Gemm, GemmType, Gpu};
 use crate::error::CudaError;
 use crate::graphs::GraphSizes;
 use crate::layout::{choose_splits, heads_per_cta, LayoutShape, StepLayout};
@@ -337,18 +337,8 @@ impl CudaModel {
             let buf = gpu.alloc(rows * cols * 2)?;
             n += 1;
             let scale = 1.0 / (cols as f32).sqrt();
-            gpu.launch(
-                "fill_uniform_bf16",
-                (1024, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(buf.ptr),
-                    Arg::I64((rows * cols) as i64),
-                    Arg::U64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(n)),
-                    Arg::F32(scale),
-                ],
-            )?;
+            let seed = seed.wrapping_mul(0x9E37_79B9).wrapping_add(n);
+            gpu.fill_uniform_bf16(buf.ptr, rows * cols, seed, scale)?;
             Ok(DevMatrix { buf, rows, cols })
         };
         let ones = |len: usize| -> Result<DevBuf> {
@@ -643,7 +633,6 @@ impl CudaModel {
         let qkv_w = (nh + 2 * nkv) * d;
         let wty = self.opts.weights;
         let t = rows as i32;
-        let eps = c.rms_norm_eps;
         let n_u32 = |n: usize| n as u32;
         let ew_grid = |n: usize| (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1);
 
@@ -663,10 +652,6 @@ impl CudaModel {
                 Arg::I32(hsz as i32),
             ],
         )?;
-        let norm_kernel = match wty {
-            DeviceDType::F32 => "rms_norm_f32",
-            DeviceDType::Bf16 => "rms_norm_bf16",
-        };
         let attn_kernel = attention_kernel(self.opts.kv, d, tile_rows <= 1)?;
         let rope_kv = match self.opts.kv {
             DeviceDType::F32 => "rope_kv_write_f32",
@@ -798,19 +783,11 @@ impl CudaModel {
         }
 
         // Only the rows whose logits were asked for go through the head.
-        g.launch(
-            norm_kernel,
-            (n_u32(logit_rows), 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(s.x.ptr),
-                Arg::Ptr(self.final_norm.ptr),
-                Arg::Ptr(s.final_h.ptr),
-                Arg::Ptr(s.logit_rows.ptr),
-                Arg::I32(hsz as i32),
-                Arg::F32(eps),
-            ],
+        self.rms_norm(
+            &self.final_norm,
+            s.final_h.ptr,
+            logit_rows,
+            s.logit_rows.ptr,
         )?;
         self.matmul(s.final_h.ptr, self.head(), s.logits.ptr, logit_rows, 0.0)
     }
@@ -820,28 +797,32 @@ impl CudaModel {
     /// decode GEMV, each CTA normalising the rows into shared memory, was
     /// measured slower on an H200: the per-CTA prologue delays the stream.)
     fn norm_matmul(&self, norm: &DevBuf, w: &DevMatrix, y: u64, rows: usize) -> Result<()> {
-        let c = &self.config;
         let s = &self.scratch;
-        let k = c.hidden_size;
-        let norm_kernel = match self.opts.weights {
+        self.rms_norm(norm, s.h.ptr, rows, 0)?;
+        self.matmul(s.h.ptr, w, y, rows, 0.0)
+    }
+
+    /// `out[r] = rms_norm(x[gather[r]])` (`gather` 0: row `r`), in the GEMM
+    /// input type.
+    fn rms_norm(&self, weight: &DevBuf, out: u64, rows: usize, gather: u64) -> Result<()> {
+        let kernel = match self.opts.weights {
             DeviceDType::F32 => "rms_norm_f32",
             DeviceDType::Bf16 => "rms_norm_bf16",
         };
         self.gpu.launch(
-            norm_kernel,
+            kernel,
             (rows as u32, 1, 1),
             1024,
             0,
             &[
-                Arg::Ptr(s.x.ptr),
-                Arg::Ptr(norm.ptr),
-                Arg::Ptr(s.h.ptr),
-                Arg::Ptr(0),
-                Arg::I32(k as i32),
-                Arg::F32(c.rms_norm_eps),
+                Arg::Ptr(self.scratch.x.ptr),
+                Arg::Ptr(weight.ptr),
+                Arg::Ptr(out),
+                Arg::Ptr(gather),
+                Arg::I32(self.config.hidden_size as i32),
+                Arg::F32(self.config.rms_norm_eps),
             ],
-        )?;
-        self.matmul(s.h.ptr, w, y, rows, 0.0)
+        )
     }
 
     /// `y[rows, w.rows] = x · wᵀ + beta · y`: our GEMV for a few bf16 rows
@@ -866,8 +847,16 @@ impl CudaModel {
                 ],
             );
         }
-        self.gpu
-            .gemm(wty.gemm(), x, w.buf.ptr, y, rows, w.rows, w.cols, beta)
+        self.gpu.gemm(Gemm {
+            ty: wty.gemm(),
+            x,
+            w: w.buf.ptr,
+            y,
+            t: rows,
+            n: w.rows,
+            k: w.cols,
+            beta,
+        })
     }
 
     fn embed_ty(&self) -> DeviceDType {
