@@ -166,15 +166,22 @@ const SPLIT_ROWS: usize = 512;
 /// Steps of at most this many rows use the GEMV kernel (`GEMV_MAX_ROWS`).
 const GEMV_MAX_ROWS: usize = 8;
 
+/// Every weight of the model, on the device.
+#[derive(Debug)]
+struct DevWeights {
+    embed: DevMatrix,
+    layers: Vec<DevLayer>,
+    final_norm: DevBuf,
+    /// `None` when tied to the embedding.
+    lm_head: Option<DevMatrix>,
+}
+
 /// The model on a GPU, with its KV pool.
 pub struct CudaModel {
     gpu: Gpu,
     config: ModelConfig,
     opts: CudaOptions,
-    embed: DevMatrix,
-    layers: Vec<DevLayer>,
-    final_norm: DevBuf,
-    lm_head: Option<DevMatrix>,
+    weights: DevWeights,
     /// Per layer: (K pool, V pool).
     kv: Vec<(DevBuf, DevBuf)>,
     scratch: Scratch,
@@ -197,7 +204,7 @@ impl std::fmt::Debug for CudaModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaModel")
             .field("gpu", &self.gpu)
-            .field("layers", &self.layers.len())
+            .field("layers", &self.weights.layers.len())
             .field("opts", &self.opts)
             .finish()
     }
@@ -319,7 +326,13 @@ impl CudaModel {
                 "tensor `lm_head.weight` is missing and tie_word_embeddings is false".into(),
             ));
         };
-        Self::assemble(gpu, config, opts, embed, layers, final_norm, lm_head)
+        let weights = DevWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        };
+        Self::assemble(gpu, config, opts, weights)
     }
 
     /// A model of `config`'s shape with uniform random bf16 weights made on
@@ -374,18 +387,20 @@ impl CudaModel {
         } else {
             Some(rand(c.vocab_size, h)?)
         };
-        Self::assemble(gpu, config, opts, embed, layers, final_norm, lm_head)
+        let weights = DevWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        };
+        Self::assemble(gpu, config, opts, weights)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
         gpu: Gpu,
         config: ModelConfig,
         opts: CudaOptions,
-        embed: DevMatrix,
-        layers: Vec<DevLayer>,
-        final_norm: DevBuf,
-        lm_head: Option<DevMatrix>,
+        weights: DevWeights,
     ) -> Result<Self> {
         let c = &config;
         let d = c.head_dim;
@@ -460,10 +475,7 @@ impl CudaModel {
         let model = Self {
             gpu,
             config,
-            embed,
-            layers,
-            final_norm,
-            lm_head,
+            weights,
             kv,
             scratch,
             shape,
@@ -495,6 +507,7 @@ impl CudaModel {
     pub fn weight_bytes(&self) -> usize {
         let m = |x: &DevMatrix| x.buf.bytes;
         let layers: usize = self
+            .weights
             .layers
             .iter()
             .map(|l| m(&l.qkv) + m(&l.o) + m(&l.gate_up) + m(&l.down))
@@ -503,7 +516,7 @@ impl CudaModel {
     }
 
     fn head(&self) -> &DevMatrix {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
+        self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed)
     }
 
     /// Uploads a step's layout: every per-step buffer the kernels read.
@@ -647,7 +660,7 @@ impl CudaModel {
             0,
             &[
                 Arg::Ptr(s.tokens.ptr),
-                Arg::Ptr(self.embed.buf.ptr),
+                Arg::Ptr(self.weights.embed.buf.ptr),
                 Arg::Ptr(s.x.ptr),
                 Arg::I32(hsz as i32),
             ],
@@ -686,7 +699,7 @@ impl CudaModel {
         };
         let scale = 1.0 / (d as f32).sqrt();
 
-        for (li, layer) in self.layers.iter().enumerate() {
+        for (li, layer) in self.weights.layers.iter().enumerate() {
             self.norm_matmul(&layer.input_norm, &layer.qkv, s.qkv.ptr, rows)?;
             bias(s.qkv.ptr, &layer.qkv_bias, qkv_w, qkv_w)?;
             let (kpool, vpool) = &self.kv[li];
@@ -784,7 +797,7 @@ impl CudaModel {
 
         // Only the rows whose logits were asked for go through the head.
         self.rms_norm(
-            &self.final_norm,
+            &self.weights.final_norm,
             s.final_h.ptr,
             logit_rows,
             s.logit_rows.ptr,
