@@ -237,10 +237,13 @@ impl<M: Clone> Family<M> {
     }
 }
 
+/// One sample written at scrape time: its labels and value.
+type OwnedSample = (Vec<(String, String)>, f64);
+
 /// Writes families at scrape time (see [`Registry::collector`]).
 #[derive(Debug, Default)]
 pub struct Scrape {
-    families: Vec<(Header, Vec<(Vec<(String, String)>, f64)>)>,
+    families: Vec<(Header, Vec<OwnedSample>)>,
 }
 
 #[derive(Debug, Clone)]

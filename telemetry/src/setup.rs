@@ -1,11 +1,12 @@
 //! Installing the process's `tracing` subscriber from one config struct.
 //!
-//! Always: an env filter (`RUST_LOG` or the configured filter, default
-//! `info`) and a log layer on stderr, as text or as JSON lines. JSON lines
+//! Always: a log layer on stderr, as text or as JSON lines, behind an env
+//! filter (`RUST_LOG` or the configured filter, default `info`). JSON lines
 //! carry the current span and the span list, so every line logged inside a
 //! request's span names its `request_id`. With an OTLP endpoint, also an
-//! OpenTelemetry layer whose spans leave through a batch processor and the
-//! tonic OTLP exporter. The exporter runs on a small runtime of its own, so
+//! OpenTelemetry layer with a filter of its own (every span at `info`
+//! and above, whatever the log level) whose spans leave through a batch
+//! processor and the tonic OTLP exporter. The exporter runs on a small runtime of its own, so
 //! it works whatever runtime (or none) the process uses, and never competes
 //! with request handling for the server's workers. Without an endpoint no
 //! OpenTelemetry code runs at all.
@@ -217,11 +218,11 @@ pub fn init(config: &TelemetryConfig) -> Result<Telemetry, TelemetryError> {
             .with_tracer(provider.tracer("tandem"))
             .with_threads(false)
             .with_location(false)
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
     });
     let exporting = export.is_some();
     tracing_subscriber::registry()
-        .with(filter)
-        .with(logs)
+        .with(logs.with_filter(filter))
         .with(otel)
         .try_init()
         .map_err(|e| TelemetryError::AlreadyInstalled(e.to_string()))?;

@@ -204,10 +204,12 @@ fn owner<'a>(name: &str, kinds: &'a HashMap<String, String>) -> Option<(&'a str,
     None
 }
 
+/// One histogram series: `(le, cumulative count)` buckets, sum, count.
+type Series = (Vec<(f64, f64)>, Option<f64>, Option<f64>);
+
 fn check_histogram(f: &Family) -> Result<(), String> {
     // Series by labels without `le`.
-    let mut series: BTreeMap<Vec<(String, String)>, (Vec<(f64, f64)>, Option<f64>, Option<f64>)> =
-        BTreeMap::new();
+    let mut series: BTreeMap<Vec<(String, String)>, Series> = BTreeMap::new();
     for s in &f.samples {
         let mut key: Vec<(String, String)> = s
             .labels
