@@ -16,6 +16,7 @@ mod http_args;
 mod plan_cmd;
 mod remote;
 mod serve_cmd;
+pub mod telemetry_args;
 mod up_cmd;
 mod worker_cmd;
 
@@ -32,6 +33,8 @@ use clap::{Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub telemetry: telemetry_args::TelemetryArgs,
 }
 
 /// The subcommands.
@@ -57,10 +60,24 @@ pub enum Command {
     Bench(bench_cmd::BenchArgs),
 }
 
+impl Command {
+    /// The `service.name` of the command's exported spans.
+    pub fn service_name(&self) -> &'static str {
+        match self {
+            Self::Up(_) => "tandem-up",
+            Self::Serve(_) => "tandem-serve",
+            Self::PrefillWorker(_) => "tandem-prefill-worker",
+            Self::DecodeWorker(_) => "tandem-decode-worker",
+            Self::Router(_) => "tandem-router",
+            _ => "tandem",
+        }
+    }
+}
+
 /// Runs one parsed command.
-pub fn run(command: Command) -> Result<()> {
+pub fn run(command: Command, telemetry: &telemetry_args::TelemetryArgs) -> Result<()> {
     match command {
-        Command::Up(args) => up_cmd::run(args),
+        Command::Up(args) => up_cmd::run(args, telemetry),
         Command::Serve(args) => serve_cmd::run(args),
         Command::PrefillWorker(args) => worker_cmd::run_prefill(args),
         Command::DecodeWorker(args) => worker_cmd::run_decode(args),

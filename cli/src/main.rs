@@ -1,21 +1,25 @@
 //! `tandem`: the command line for people. The commands live in the library
-//! (`src/lib.rs`); this parses, sets up logging and runs one.
+//! (`src/lib.rs`); this parses, sets up logging and tracing and runs one.
 
 use clap::Parser;
 use tandem_cli::Cli;
 
 fn main() {
     let cli = Cli::parse();
-    // Logs go to stderr; RUST_LOG overrides the level (default: info).
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    if let Err(e) = tandem_cli::run(cli.command) {
+    // Logs go to stderr (text or JSON); RUST_LOG sets the level (default:
+    // info). Spans are exported when an OTLP endpoint is given.
+    let telemetry = match tandem_telemetry::init(&cli.telemetry.config(cli.command.service_name()))
+    {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = tandem_cli::run(cli.command, &cli.telemetry);
+    // Flushes queued spans; `exit` would skip it.
+    drop(telemetry);
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

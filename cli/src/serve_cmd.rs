@@ -25,13 +25,21 @@ pub struct ServeArgs {
     engine: EngineArgs,
     #[command(flatten)]
     http: crate::http_args::HttpArgs,
+    #[command(flatten)]
+    metrics: crate::telemetry_args::MetricsArgs,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let bound = Bound::bind(args.addr).await?;
-        let service = Arc::new(GenerationService::new(engine.handle.clone()));
+        let registry = tandem_telemetry::Registry::new();
+        tandem_server::register_engine(&registry, engine.handle.clone());
+        let service = Arc::new(
+            GenerationService::new(engine.handle.clone())
+                .with_metrics(tandem_server::ServingMetrics::register(&registry)),
+        );
+        args.metrics.start(&registry).await?;
         args.http.start(&engine.model_dir, service.clone()).await?;
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.
         println!("listening on {}", bound.local_addr());

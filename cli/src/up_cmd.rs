@@ -7,9 +7,12 @@
 //! router watches it, so workers may come and go); otherwise `up` hands the
 //! addresses to the router as static lists. `up`
 //! prints the workers' addresses (`decode worker ADDR`, `prefill worker
-//! ADDR`), the router's OpenAI HTTP API (`http listening on ADDR`, unless
-//! `--no-http`) and then the router's gRPC address (`listening on ADDR`),
-//! and waits; Ctrl-C stops everything.
+//! ADDR`), every process's Prometheus endpoint (`metrics ROLE ADDR
+//! METRICS_ADDR`, unless `--no-metrics`), the router's OpenAI HTTP API
+//! (`http listening on ADDR`, unless `--no-http`) and then the router's
+//! gRPC address (`listening on ADDR`), and waits; Ctrl-C stops everything:
+//! children get SIGTERM (so they flush their spans) and SIGKILL 5 s later.
+//! The log format and the OTLP endpoint are passed on to every child.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -62,6 +65,10 @@ pub struct UpArgs {
     /// Worker lease TTL (seconds) with etcd.
     #[arg(long, default_value_t = 10)]
     lease_ttl_s: u64,
+    /// No Prometheus endpoints (by default every process serves
+    /// `/metrics` on a free loopback port, printed at start).
+    #[arg(long)]
+    no_metrics: bool,
 }
 
 /// A private etcd for the cluster: killed and its data removed at the end.
@@ -130,11 +137,28 @@ fn start_etcd() -> Result<Option<Etcd>> {
     Ok(Some(etcd))
 }
 
-/// Children are killed when `up` ends, however it ends.
+/// Children are stopped when `up` ends, however it ends: SIGTERM first
+/// (they leave the membership, drain and flush their spans), SIGKILL for
+/// any still running 5 s later.
 struct Children(Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
+        for c in &mut self.0 {
+            if let Ok(None) = c.try_wait() {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &c.id().to_string()])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline
+            && self.0.iter_mut().any(|c| matches!(c.try_wait(), Ok(None)))
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         for c in &mut self.0 {
             let _ = c.kill();
         }
@@ -145,15 +169,17 @@ impl Drop for Children {
 }
 
 /// A started child: the address it listens on, its pid, and its HTTP API
-/// address if it serves one.
+/// and metrics addresses if it serves them.
 struct Spawned {
     addr: String,
     pid: u32,
     http: Option<String>,
+    metrics: Option<String>,
 }
 
 /// Starts `tandem <args>` and reads its startup lines up to
-/// `listening on ADDR` (an `http listening on ADDR` line may come first).
+/// `listening on ADDR` (`http listening on ADDR` and `metrics listening on
+/// ADDR` lines may come first).
 fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
@@ -186,7 +212,7 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
         for _ in lines {}
     });
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    let mut http = None;
+    let (mut http, mut metrics) = (None, None);
     loop {
         let wait = deadline.saturating_duration_since(std::time::Instant::now());
         let line = match rx.recv_timeout(wait) {
@@ -198,11 +224,14 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
         };
         if let Some(a) = line.strip_prefix("http listening on ") {
             http = Some(a.to_string());
+        } else if let Some(a) = line.strip_prefix("metrics listening on ") {
+            metrics = Some(a.to_string());
         } else if let Some(a) = line.strip_prefix("listening on ") {
             return Ok(Spawned {
                 addr: a.to_string(),
                 pid,
                 http,
+                metrics,
             });
         } else {
             bail!("tandem {} printed {line:?}", args[0]);
@@ -210,7 +239,7 @@ fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
     }
 }
 
-pub fn run(args: UpArgs) -> Result<()> {
+pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Result<()> {
     if args.decode == 0 {
         bail!("--decode must be at least 1");
     }
@@ -234,6 +263,11 @@ pub fn run(args: UpArgs) -> Result<()> {
         None => Vec::new(),
     };
     let mut children = Children(Vec::new());
+    // Every child: the same logs and trace export, and a metrics port.
+    let mut common = telemetry.to_args();
+    if !args.no_metrics {
+        common.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+    }
     let worker = |role: &str| -> Vec<String> {
         let mut a = vec![
             role.to_string(),
@@ -245,9 +279,12 @@ pub fn run(args: UpArgs) -> Result<()> {
             args.kv_cache_memory.clone(),
         ];
         a.extend(membership.iter().cloned());
+        a.extend(common.iter().cloned());
         a.extend(args.worker_args.iter().cloned());
         a
     };
+    // (role, gRPC address, metrics address) of every process.
+    let mut metrics: Vec<(&str, String, String)> = Vec::new();
     let mut decodes = Vec::new();
     for _ in 0..args.decode {
         let mut a = worker("decode-worker");
@@ -256,11 +293,17 @@ pub fn run(args: UpArgs) -> Result<()> {
             args.remote_prefill_threshold.to_string(),
         ]);
         let d = spawn(&mut children, &a)?;
+        if let Some(m) = d.metrics {
+            metrics.push(("decode-worker", d.addr.clone(), m));
+        }
         decodes.push((d.addr, d.pid));
     }
     let mut prefills = Vec::new();
     for _ in 0..args.prefill {
         let p = spawn(&mut children, &worker("prefill-worker"))?;
+        if let Some(m) = p.metrics {
+            metrics.push(("prefill-worker", p.addr.clone(), m));
+        }
         prefills.push((p.addr, p.pid));
     }
     let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
@@ -276,6 +319,7 @@ pub fn run(args: UpArgs) -> Result<()> {
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
     ];
+    router.extend(common.iter().cloned());
     if !args.no_http {
         router.extend(["--http-addr".into(), args.http_addr.clone()]);
         if let Some(name) = &args.served_model_name {
@@ -290,7 +334,15 @@ pub fn run(args: UpArgs) -> Result<()> {
             router.extend(["--prefill".into(), prefill_addrs.join(",")]);
         }
     }
-    let Spawned { addr, http, .. } = spawn(&mut children, &router)?;
+    let Spawned {
+        addr,
+        http,
+        metrics: router_metrics,
+        ..
+    } = spawn(&mut children, &router)?;
+    if let Some(m) = router_metrics {
+        metrics.push(("router", addr.clone(), m));
+    }
     if let Some(e) = &etcd {
         println!("etcd {} {cluster_name}", e.endpoint);
     }
@@ -307,6 +359,10 @@ pub fn run(args: UpArgs) -> Result<()> {
     }
     for (p, pid) in &prefills {
         println!("prefill worker {p} {pid}");
+    }
+    for (role, grpc, m) in &metrics {
+        eprintln!("{role} {grpc}: Prometheus metrics on http://{m}/metrics");
+        println!("metrics {role} {grpc} {m}");
     }
 
     if let Some(h) = &http {

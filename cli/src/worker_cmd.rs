@@ -16,6 +16,7 @@ use tandem_router::{Cluster, PolicyKind, Role, RouterService};
 use tandem_server::{Bound, Services};
 
 use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
+use crate::telemetry_args::MetricsArgs;
 
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
@@ -46,6 +47,8 @@ pub struct WorkerArgs {
     membership: MembershipArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 /// Where cluster membership lives.
@@ -136,11 +139,13 @@ pub struct DecodeWorkerArgs {
     remote_prefill_threshold: usize,
 }
 
-/// Exits the process once stdin reaches end of file.
+/// Exits the process once stdin reaches end of file (exporting the spans
+/// it still holds first).
 pub fn exit_on_stdin_eof() {
     std::thread::spawn(|| {
         let mut sink = Vec::new();
         let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        tandem_telemetry::flush();
         std::process::exit(0);
     });
 }
@@ -151,6 +156,8 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
     }
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
+        let registry = tandem_telemetry::Registry::new();
+        args.metrics.start(&registry).await?;
         let (bound, id, reg) = args
             .bind_and_register(tandem_discovery::Role::Prefill)
             .await?;
@@ -165,6 +172,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             engine.kv_layout,
             bound,
             config,
+            &registry,
             leave_then_drain(reg),
         )
         .await?;
@@ -179,6 +187,8 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     }
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
+        let registry = tandem_telemetry::Registry::new();
+        w.metrics.start(&registry).await?;
         let (bound, id, reg) = w.bind_and_register(tandem_discovery::Role::Decode).await?;
         let config = DecodeWorkerConfig {
             id,
@@ -193,6 +203,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             engine.kv_layout,
             bound,
             config,
+            &registry,
             leave_then_drain(reg),
         )
         .await?;
@@ -239,6 +250,8 @@ pub struct RouterArgs {
     membership: MembershipArgs,
     #[command(flatten)]
     http: crate::http_args::HttpArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 fn router_role(r: tandem_discovery::Role) -> Role {
@@ -313,14 +326,20 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             cluster.add(Role::Prefill, p).map_err(anyhow::Error::msg)?;
         }
         cluster.wait_probed(Duration::from_secs(10)).await;
-        let service = Arc::new(RouterService::new(
-            cluster,
-            tokenizer,
-            args.decode_policy.build(),
-            args.prefill_policy.build(),
-            args.remote_prefill_threshold,
-            args.max_prefill_queue,
-        ));
+        let registry = tandem_telemetry::Registry::new();
+        tandem_router::register_cluster(&registry, cluster.clone());
+        let service = Arc::new(
+            RouterService::new(
+                cluster,
+                tokenizer,
+                args.decode_policy.build(),
+                args.prefill_policy.build(),
+                args.remote_prefill_threshold,
+                args.max_prefill_queue,
+            )
+            .with_metrics(tandem_router::RouterMetrics::register(&registry)),
+        );
+        args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;
         args.http.start(&dir, service.clone()).await?;
         println!("listening on {}", bound.local_addr());

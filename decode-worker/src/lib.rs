@@ -12,34 +12,83 @@
 //! the engine prefills locally. Short prompts (fewer uncached tokens than
 //! the threshold) never leave this worker.
 //!
+//! Observability: the call to the prefill worker runs in a
+//! `remote_prefill` span (a child of the request's `generate` span) whose
+//! W3C context travels in the call's metadata, so the prefill worker's
+//! spans join the same trace. [`DecodeMetrics`] counts remote prefills by
+//! outcome, their latency, and the KV bytes received.
+//!
 //! **Architecture Invariant:** the decode worker owns sampling and its KV
 //! blocks; peers can write only into the destination blocks of a transfer
 //! it opened (the engine checks every write).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill};
 use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferId};
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
 use tandem_server::{layout, PrefillGuard, RemotePrefiller};
+use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
 use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
+use tracing::Instrument;
 
 pub use tandem_proto::worker::PREFILL_HEADER;
+
+/// The decode worker's own instruments (beside the `Generation`
+/// service's and the engine's).
+#[derive(Debug, Clone)]
+pub struct DecodeMetrics {
+    remote_prefills: Family<Counter>,
+    remote_prefill_duration: Histogram,
+    received_bytes: Counter,
+    received_blocks: Counter,
+}
+
+impl DecodeMetrics {
+    pub fn register(registry: &Registry) -> Self {
+        Self {
+            remote_prefills: registry.counter_family(
+                "tandem_remote_prefills_total",
+                "Prefills asked of a prefill worker, by outcome (failed ones fall back to local prefill).",
+                &["outcome"],
+            ),
+            remote_prefill_duration: registry.histogram(
+                "tandem_remote_prefill_duration_seconds",
+                "From asking a prefill worker to its reply (every block applied here).",
+                LATENCY_BUCKETS,
+            ),
+            received_bytes: registry.counter(
+                "tandem_kv_transfer_received_bytes_total",
+                "K and V bytes received from prefill workers.",
+            ),
+            received_blocks: registry.counter(
+                "tandem_kv_transfer_received_block_layers_total",
+                "Block-layers (one layer of one block) received from prefill workers.",
+            ),
+        }
+    }
+}
 
 /// Delivers received blocks to the engine thread.
 #[derive(Debug)]
 pub struct EngineSink {
     engine: EngineHandle,
     num_blocks: u32,
+    metrics: DecodeMetrics,
 }
 
 impl EngineSink {
-    pub fn new(engine: EngineHandle) -> Self {
+    pub fn new(engine: EngineHandle, metrics: DecodeMetrics) -> Self {
         let num_blocks = u32::try_from(engine.limits().num_blocks).unwrap_or(u32::MAX);
-        Self { engine, num_blocks }
+        Self {
+            engine,
+            num_blocks,
+            metrics,
+        }
     }
 }
 
@@ -63,6 +112,8 @@ impl KvSink for EngineSink {
         k: &[u8],
         v: &[u8],
     ) -> Result<(), String> {
+        self.metrics.received_bytes.add((k.len() + v.len()) as u64);
+        self.metrics.received_blocks.inc();
         // The engine checks the block belongs to this transfer.
         self.engine
             .write_kv(transfer.0, layer as usize, block, floats(k), floats(v));
@@ -83,15 +134,22 @@ pub struct GrpcPrefiller {
     transfer_endpoint: String,
     layout: KvLayoutDescriptor,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    metrics: DecodeMetrics,
 }
 
 impl GrpcPrefiller {
-    pub fn new(threshold: usize, transfer_endpoint: String, layout: KvLayoutDescriptor) -> Self {
+    pub fn new(
+        threshold: usize,
+        transfer_endpoint: String,
+        layout: KvLayoutDescriptor,
+        metrics: DecodeMetrics,
+    ) -> Self {
         Self {
             threshold,
             transfer_endpoint,
             layout,
             clients: Mutex::new(HashMap::new()),
+            metrics,
         }
     }
 
@@ -133,14 +191,30 @@ impl RemotePrefiller for GrpcPrefiller {
         metadata: &MetadataMap,
         prefill: RemotePrefill,
         engine: EngineHandle,
+        span: &tracing::Span,
     ) -> PrefillGuard {
         let transfer = prefill.transfer;
-        let client = prefill_target(metadata)
+        let target = prefill_target(metadata);
+        let pspan = tracing::info_span!(
+            parent: span,
+            "remote_prefill",
+            otel.kind = "client",
+            prefill_worker = target.as_deref().unwrap_or_default(),
+            tokens = prefill.tokens.len(),
+            cached_tokens = prefill.cached_tokens,
+            blocks = prefill.blocks.len(),
+            transfer,
+            outcome = tracing::field::Empty,
+        );
+        let client = target
             .ok_or_else(|| "no prefill worker named".to_string())
             .and_then(|addr| self.client(&addr));
         let mut client = match client {
             Ok(c) => c,
             Err(e) => {
+                pspan.record("outcome", "failed");
+                self.metrics.remote_prefills.with(&["failed"]).inc();
+                tracing::warn!(parent: &pspan, error = %e, "remote prefill not started");
                 engine.finish_remote_prefill(transfer, Err(e));
                 return PrefillGuard::default();
             }
@@ -155,18 +229,34 @@ impl RemotePrefiller for GrpcPrefiller {
             transfer_id: transfer,
             layout: Some(layout::to_proto(&self.layout)),
         };
-        PrefillGuard::new(tokio::spawn(async move {
+        let mut call = tonic::Request::new(req);
+        tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
+        let metrics = self.metrics.clone();
+        let started = Instant::now();
+        let task = async move {
             // Success is reported by the transport (the sink's finish);
             // failure before or without a transfer is reported here. A
             // second finish for one transfer is ignored by the engine.
-            if let Err(status) = client.prefill(req).await {
-                tracing::warn!(transfer, error = %status.message(), "remote prefill failed");
-                engine.finish_remote_prefill(
-                    transfer,
-                    Err(format!("prefill worker: {}", status.message())),
-                );
+            match client.prefill(call).await {
+                Ok(_) => {
+                    metrics.remote_prefills.with(&["ok"]).inc();
+                    metrics
+                        .remote_prefill_duration
+                        .observe_duration(started.elapsed());
+                    tracing::Span::current().record("outcome", "ok");
+                }
+                Err(status) => {
+                    metrics.remote_prefills.with(&["failed"]).inc();
+                    tracing::Span::current().record("outcome", "failed");
+                    tracing::warn!(transfer, error = %status.message(), "remote prefill failed");
+                    engine.finish_remote_prefill(
+                        transfer,
+                        Err(format!("prefill worker: {}", status.message())),
+                    );
+                }
             }
-        }))
+        };
+        PrefillGuard::new(tokio::spawn(task.instrument(pspan)))
     }
 }
 
@@ -202,17 +292,19 @@ pub async fn run(
     kv_layout: tandem_engine::KvLayout,
     bound: tandem_server::Bound,
     config: DecodeWorkerConfig,
+    registry: &Registry,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), DecodeWorkerError> {
     use tandem_kv_transfer::Transport;
 
     let layout = layout::descriptor(&kv_layout);
+    let metrics = DecodeMetrics::register(registry);
     let transport = tandem_kv_transfer::tcp::TcpTransport::new(config.cluster_token);
     let listener = transport
         .listen(
             &config.transfer_bind,
             layout,
-            Arc::new(EngineSink::new(engine.clone())),
+            Arc::new(EngineSink::new(engine.clone(), metrics.clone())),
         )
         .await?;
     let endpoint = match (&config.advertise_host, listener.endpoint().parse()) {
@@ -238,9 +330,12 @@ pub async fn run(
         config.remote_prefill_threshold,
         endpoint,
         layout,
+        metrics,
     ));
+    tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::generation(
-        tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller),
+        tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
+            .with_metrics(tandem_server::ServingMetrics::register(registry)),
     );
     services.add(
         wv1::worker_server::WorkerServer::new(tandem_server::WorkerService::new(engine, info)),

@@ -11,12 +11,20 @@
 //! call return. Cancelling the call aborts both the engine request and the
 //! transfer, so the decode worker frees its blocks.
 //!
+//! Observability: each call runs in a `prefill_request` span whose parent
+//! is the decode worker's `remote_prefill` span (W3C `traceparent` in the
+//! call's metadata); the engine's `queue`/`prefill`/`prefill_chunk` spans
+//! and the `kv_transfer` span (bytes, block-layers) are its children.
+//! [`PrefillMetrics`] counts calls by outcome, their latency and the bytes
+//! sent.
+//!
 //! **Architecture Invariant:** a prefill worker never samples: the decode
 //! worker computes the prompt's last token itself, so sampling state lives
 //! in one place.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use tandem_engine::serving::{
@@ -25,9 +33,82 @@ use tandem_engine::serving::{
 use tandem_kv_transfer::{BlockWrite, KvLayoutDescriptor, Session, TransferId, Transport};
 use tandem_proto::worker::v1 as wv1;
 use tandem_server::{layout, status_from_engine};
+use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::Mutex;
 use tonic::{Request as GrpcRequest, Response, Status};
+use tracing::Instrument;
+
+/// The prefill worker's own instruments (beside the engine's).
+#[derive(Debug, Clone)]
+pub struct PrefillMetrics {
+    requests: Family<Counter>,
+    duration: Histogram,
+    prompt_tokens: Counter,
+    cached_tokens: Counter,
+    sent_bytes: Counter,
+    sent_blocks: Counter,
+    transfer_duration: Histogram,
+}
+
+impl PrefillMetrics {
+    pub fn register(registry: &Registry) -> Self {
+        Self {
+            requests: registry.counter_family(
+                "tandem_prefill_requests_total",
+                "Prefill calls by how they ended.",
+                &["outcome"],
+            ),
+            duration: registry.histogram(
+                "tandem_prefill_duration_seconds",
+                "Prefill calls that succeeded, from arrival to every block applied at the decode worker.",
+                LATENCY_BUCKETS,
+            ),
+            prompt_tokens: registry.counter(
+                "tandem_prefill_prompt_tokens_total",
+                "Prompt tokens of successful prefill calls.",
+            ),
+            cached_tokens: registry.counter(
+                "tandem_prefill_cached_tokens_total",
+                "Of those, tokens found in this worker's prefix cache.",
+            ),
+            sent_bytes: registry.counter(
+                "tandem_kv_transfer_sent_bytes_total",
+                "K and V bytes sent to decode workers.",
+            ),
+            sent_blocks: registry.counter(
+                "tandem_kv_transfer_sent_block_layers_total",
+                "Block-layers (one layer of one block) sent to decode workers.",
+            ),
+            transfer_duration: registry.histogram(
+                "tandem_kv_transfer_duration_seconds",
+                "From a transfer's start to the decode worker's acknowledgement of its last block.",
+                LATENCY_BUCKETS,
+            ),
+        }
+    }
+}
+
+/// Records one call's outcome when dropped; a call dropped before it set
+/// one was cancelled.
+struct CallRecord {
+    metrics: PrefillMetrics,
+    started: Instant,
+    outcome: Option<&'static str>,
+}
+
+impl Drop for CallRecord {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or("cancelled");
+        self.metrics.requests.with(&[outcome]).inc();
+        if outcome == "ok" {
+            self.metrics
+                .duration
+                .observe_duration(self.started.elapsed());
+        }
+        tracing::Span::current().record("outcome", outcome);
+    }
+}
 
 /// Serves `tandem.worker.v1.Prefill`.
 #[derive(Debug, Clone)]
@@ -37,6 +118,7 @@ pub struct PrefillService {
     layout: KvLayoutDescriptor,
     /// One session per decode worker, opened on first use.
     sessions: Arc<Mutex<HashMap<String, Arc<dyn Session>>>>,
+    metrics: PrefillMetrics,
 }
 
 impl PrefillService {
@@ -50,7 +132,14 @@ impl PrefillService {
             transport,
             layout,
             sessions: Arc::new(Mutex::new(HashMap::new())),
+            metrics: PrefillMetrics::register(&Registry::new()),
         }
+    }
+
+    /// Records calls in `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: PrefillMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     async fn session(&self, endpoint: &str) -> Result<Arc<dyn Session>, Status> {
@@ -129,7 +218,50 @@ impl wv1::prefill_server::Prefill for PrefillService {
         &self,
         request: GrpcRequest<wv1::PrefillRequest>,
     ) -> Result<Response<wv1::PrefillReply>, Status> {
+        let span = tracing::info_span!(
+            "prefill_request",
+            otel.kind = "server",
+            request_id = tracing::field::Empty,
+            tokens = tracing::field::Empty,
+            from_block = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        tandem_telemetry::propagation::set_parent(&span, request.metadata());
         let r = request.into_inner();
+        span.record("request_id", r.request_id.as_str());
+        span.record("tokens", r.tokens.len());
+        span.record("from_block", r.from_block);
+        let record = CallRecord {
+            metrics: self.metrics.clone(),
+            started: Instant::now(),
+            outcome: None,
+        };
+        self.run_prefill(r, record, span.clone())
+            .instrument(span)
+            .await
+    }
+}
+
+impl PrefillService {
+    async fn run_prefill(
+        &self,
+        r: wv1::PrefillRequest,
+        mut record: CallRecord,
+        span: tracing::Span,
+    ) -> Result<Response<wv1::PrefillReply>, Status> {
+        let result = self.prefill_inner(r, span).await;
+        record.outcome = Some(if result.is_ok() { "ok" } else { "error" });
+        if let Err(status) = &result {
+            tracing::warn!(code = ?status.code(), error = %status.message(), "prefill failed");
+        }
+        result
+    }
+
+    async fn prefill_inner(
+        &self,
+        r: wv1::PrefillRequest,
+        span: tracing::Span,
+    ) -> Result<Response<wv1::PrefillReply>, Status> {
         let theirs = r
             .layout
             .as_ref()
@@ -156,22 +288,44 @@ impl wv1::prefill_server::Prefill for PrefillService {
         };
         let (tx, mut rx) = unbounded_channel::<Vec<BlockWrite>>();
         let writer_session = session.clone();
-        let writer = tokio::spawn(async move {
-            let mut sent = 0usize;
-            while let Some(batch) = rx.recv().await {
-                sent += batch.len();
-                writer_session.write(transfer, batch).await?;
+        let kv_span = tracing::info_span!(
+            "kv_transfer",
+            transfer = r.transfer_id,
+            endpoint = %r.transfer_endpoint,
+            bytes = tracing::field::Empty,
+            block_layers = tracing::field::Empty,
+        );
+        let transfer_started = Instant::now();
+        let metrics = self.metrics.clone();
+        let writer = tokio::spawn(
+            async move {
+                let (mut sent, mut sent_bytes) = (0usize, 0usize);
+                while let Some(batch) = rx.recv().await {
+                    let n = batch.len();
+                    let bytes: usize = batch.iter().map(|b| b.k.len() + b.v.len()).sum();
+                    writer_session.write(transfer, batch).await?;
+                    sent += n;
+                    sent_bytes += bytes;
+                    metrics.sent_bytes.add(bytes as u64);
+                    metrics.sent_blocks.add(n as u64);
+                }
+                let span = tracing::Span::current();
+                span.record("block_layers", sent);
+                span.record("bytes", sent_bytes);
+                Ok::<usize, tandem_kv_transfer::TransferError>(sent)
             }
-            Ok::<usize, tandem_kv_transfer::TransferError>(sent)
-        });
+            .instrument(kv_span.clone()),
+        );
         let exporter = Arc::new(Exporter {
             from_block,
             dst_blocks: r.dst_blocks,
             out: tx,
         });
+        let prompt_tokens = r.tokens.len();
         let mut req = Request::new(Prompt::Tokens(r.tokens), 1);
         req.request_id = r.request_id;
         req.max_tokens = None;
+        req.span = span;
         req.prefill = PrefillMode::Export {
             sink: exporter,
             from_block,
@@ -197,9 +351,15 @@ impl wv1::prefill_server::Prefill for PrefillService {
         };
         session
             .finish(transfer)
+            .instrument(kv_span)
             .await
             .map_err(|e| Status::unavailable(format!("KV transfer did not complete: {e}")))?;
         guard.armed = false;
+        self.metrics
+            .transfer_duration
+            .observe_duration(transfer_started.elapsed());
+        self.metrics.prompt_tokens.add(prompt_tokens as u64);
+        self.metrics.cached_tokens.add(cached as u64);
         let blocks_sent =
             u32::try_from(sent / self.layout.num_layers.max(1) as usize).unwrap_or(u32::MAX);
         Ok(Response::new(wv1::PrefillReply {
@@ -226,6 +386,7 @@ pub async fn run(
     kv_layout: tandem_engine::KvLayout,
     bound: tandem_server::Bound,
     config: PrefillWorkerConfig,
+    registry: &Registry,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tandem_server::ServeError> {
     let layout = layout::descriptor(&kv_layout);
@@ -246,13 +407,13 @@ pub async fn run(
         num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
         max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
     };
+    tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::default();
     services.add(
-        wv1::prefill_server::PrefillServer::new(PrefillService::new(
-            engine.clone(),
-            transport,
-            layout,
-        )),
+        wv1::prefill_server::PrefillServer::new(
+            PrefillService::new(engine.clone(), transport, layout)
+                .with_metrics(PrefillMetrics::register(registry)),
+        ),
         "tandem.worker.v1.Prefill",
         wv1::FILE_DESCRIPTOR_SET,
     );

@@ -15,14 +15,21 @@
 //! probe interval. In-flight load is counted by RAII guards that live in the
 //! response stream, so no error path leaks it.
 //!
+//! Observability: each call is a `generate` span (its `routing` child
+//! records the candidates' scores, the picks and the reasons) whose W3C
+//! context goes to the decode worker in the call's metadata;
+//! [`RouterMetrics`] counts outcomes, decisions and placements.
+//!
 //! **Architecture Invariant:** the router never runs the model; it shares
 //! only the block-hash function (and the tokenizer) with the engine.
 
 pub mod index;
+pub mod metrics;
 pub mod policy;
 pub mod pool;
 mod service;
 
-pub use policy::{Candidate, KvPolicy, PolicyKind, RoutingPolicy};
+pub use metrics::{register_cluster, RouterMetrics};
+pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, RoutingPolicy};
 pub use pool::{Cluster, InFlight, Role, Worker};
 pub use service::RouterService;

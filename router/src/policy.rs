@@ -23,11 +23,31 @@ pub struct Candidate {
     pub active_blocks: usize,
 }
 
+/// A pick and why (a metric label and a span field, so a small fixed set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Index into the candidates.
+    pub index: usize,
+    /// `kv`: `prefix_match` (the cheapest worker caches part of the
+    /// prompt), `load` (it caches none: load decided) or `balance_guard`
+    /// (the guard overrode the cost); the other policies name themselves.
+    pub reason: &'static str,
+}
+
 /// A way to pick a worker.
 pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
+    /// The policy's name, as on the command line.
+    fn name(&self) -> &'static str;
+
+    /// Picks from `candidates` (never empty) for a prompt of
+    /// `prompt_blocks` full blocks, and says why.
+    fn decide(&self, candidates: &[Candidate], prompt_blocks: usize) -> Decision;
+
     /// Index into `candidates` (never empty) for a prompt of `prompt_blocks`
     /// full blocks.
-    fn pick(&self, candidates: &[Candidate], prompt_blocks: usize) -> usize;
+    fn pick(&self, candidates: &[Candidate], prompt_blocks: usize) -> usize {
+        self.decide(candidates, prompt_blocks).index
+    }
 }
 
 /// Policy names accepted on the command line.
@@ -77,8 +97,15 @@ fn least_loaded(c: &[Candidate]) -> usize {
 }
 
 impl RoutingPolicy for LeastLoaded {
-    fn pick(&self, c: &[Candidate], _: usize) -> usize {
-        least_loaded(c)
+    fn name(&self) -> &'static str {
+        "least-loaded"
+    }
+
+    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
+        Decision {
+            index: least_loaded(c),
+            reason: "least_loaded",
+        }
     }
 }
 
@@ -87,8 +114,15 @@ impl RoutingPolicy for LeastLoaded {
 pub struct RoundRobin(AtomicU64);
 
 impl RoutingPolicy for RoundRobin {
-    fn pick(&self, c: &[Candidate], _: usize) -> usize {
-        (self.0.fetch_add(1, Ordering::Relaxed) % c.len() as u64) as usize
+    fn name(&self) -> &'static str {
+        "round-robin"
+    }
+
+    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
+        Decision {
+            index: (self.0.fetch_add(1, Ordering::Relaxed) % c.len() as u64) as usize,
+            reason: "round_robin",
+        }
     }
 }
 
@@ -103,13 +137,20 @@ impl Default for Random {
 }
 
 impl RoutingPolicy for Random {
-    fn pick(&self, c: &[Candidate], _: usize) -> usize {
+    fn name(&self) -> &'static str {
+        "random"
+    }
+
+    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
         let mut x = self.0.load(Ordering::Relaxed);
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         self.0.store(x, Ordering::Relaxed);
-        (x % c.len() as u64) as usize
+        Decision {
+            index: (x % c.len() as u64) as usize,
+            reason: "random",
+        }
     }
 }
 
@@ -135,11 +176,18 @@ impl Default for KvPolicy {
 }
 
 impl RoutingPolicy for KvPolicy {
-    fn pick(&self, c: &[Candidate], prompt_blocks: usize) -> usize {
+    fn name(&self) -> &'static str {
+        "kv"
+    }
+
+    fn decide(&self, c: &[Candidate], prompt_blocks: usize) -> Decision {
         let max = c.iter().map(|x| x.active_requests).max().unwrap_or(0);
         let min = c.iter().map(|x| x.active_requests).min().unwrap_or(0);
         if max - min > self.abs_threshold && max as f64 > self.rel_threshold * min as f64 {
-            return least_loaded(c);
+            return Decision {
+                index: least_loaded(c),
+                reason: "balance_guard",
+            };
         }
         let cost = |x: &Candidate| {
             let new_blocks = prompt_blocks.saturating_sub(x.matched_blocks) as f64;
@@ -150,10 +198,23 @@ impl RoutingPolicy for KvPolicy {
             .iter()
             .map(key)
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let Some(best) = best else { return 0 };
+        let Some(best) = best else {
+            return Decision {
+                index: 0,
+                reason: "load",
+            };
+        };
         let ties: Vec<usize> = (0..c.len()).filter(|&i| key(&c[i]) == best).collect();
         let turn = self.rotation.fetch_add(1, Ordering::Relaxed) as usize;
-        ties[turn % ties.len()]
+        let index = ties[turn % ties.len()];
+        Decision {
+            index,
+            reason: if c[index].matched_blocks > 0 {
+                "prefix_match"
+            } else {
+                "load"
+            },
+        }
     }
 }
 
@@ -173,7 +234,14 @@ mod tests {
     fn kv_prefers_the_cached_prefix() {
         let p = KvPolicy::default();
         let c = [cand(0, 1, 10), cand(30, 1, 10), cand(5, 0, 0)];
-        assert_eq!(p.pick(&c, 32), 1);
+        assert_eq!(
+            p.decide(&c, 32),
+            Decision {
+                index: 1,
+                reason: "prefix_match"
+            }
+        );
+        assert_eq!(p.decide(&[cand(0, 0, 3), cand(0, 0, 1)], 4).reason, "load");
     }
 
     #[test]
@@ -189,6 +257,7 @@ mod tests {
         let p = KvPolicy::default();
         let c = [cand(32, 20, 0), cand(0, 2, 0)];
         assert_eq!(p.pick(&c, 32), 1, "20 vs 2 in flight: balance wins");
+        assert_eq!(p.decide(&c, 32).reason, "balance_guard");
         let c = [cand(32, 5, 0), cand(0, 2, 0)];
         assert_eq!(p.pick(&c, 32), 0, "a small imbalance keeps affinity");
     }

@@ -1,8 +1,17 @@
 //! The router's `tandem.v1.Generation`: pick workers, forward, stream back.
+//!
+//! Each call runs in a `generate` span that lives as long as the proxied
+//! stream; a `routing` child records every candidate's score, the picks
+//! and the reasons. The span's W3C context is injected into the forwarded
+//! call, so the decode worker's spans (and through it the prefill
+//! worker's) join the caller's trace. A request without an id gets one
+//! here, so every process logs it under the same `request_id`.
 
+use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures_util::Stream;
 use tandem_engine::tokenizer::Tokenizer;
@@ -12,6 +21,7 @@ use tandem_proto::worker::{PREFILL_HEADER, ROUTED_DECODE_HEADER, ROUTED_PREFILL_
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
 
+use crate::metrics::RouterMetrics;
 use crate::policy::{Candidate, RoutingPolicy};
 use crate::pool::{Cluster, InFlight, Role, Worker};
 
@@ -28,6 +38,7 @@ pub struct RouterService {
     /// A prefill worker with this many requests in flight is saturated;
     /// when all are, the decode worker prefills locally.
     max_prefill_queue: usize,
+    metrics: Arc<RouterMetrics>,
 }
 
 impl RouterService {
@@ -46,7 +57,15 @@ impl RouterService {
             prefill_policy,
             remote_prefill_threshold,
             max_prefill_queue: max_prefill_queue.max(1),
+            metrics: RouterMetrics::register(&tandem_telemetry::Registry::new()),
         }
+    }
+
+    /// Records requests and decisions in `metrics` (by default, a registry
+    /// of its own).
+    pub fn with_metrics(mut self, metrics: Arc<RouterMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     fn candidates(&self, workers: &[Arc<Worker>], hashes: &[u64]) -> Vec<Candidate> {
@@ -74,9 +93,20 @@ struct Proxy {
     /// Released at the first token: prefill is over by then.
     prefill_load: Option<InFlight>,
     ended: bool,
+    /// The call's span: ends with the stream.
+    span: tracing::Span,
+    metrics: Arc<RouterMetrics>,
+    started: Instant,
+    first_seen: bool,
 }
 
 impl Proxy {
+    fn end(&mut self, outcome: &'static str) {
+        self.ended = true;
+        self.metrics.request(outcome);
+        self.span.record("outcome", outcome);
+    }
+
     async fn next(&mut self) -> Option<Result<v1::GenerateResponse, Status>> {
         if self.ended {
             return None;
@@ -84,14 +114,25 @@ impl Proxy {
         match self.upstream.message().await {
             Ok(Some(msg)) => {
                 self.prefill_load = None;
+                if !self.first_seen {
+                    self.first_seen = true;
+                    self.metrics.ttft.observe_duration(self.started.elapsed());
+                }
                 Some(Ok(msg))
             }
             Ok(None) => {
-                self.ended = true;
+                self.metrics.e2e.observe_duration(self.started.elapsed());
+                self.end("finished");
                 None
             }
             Err(status) => {
-                self.ended = true;
+                self.end("error");
+                tracing::warn!(
+                    parent: &self.span,
+                    decode = %self.decode.addr,
+                    error = %status.message(),
+                    "decode worker failed the request"
+                );
                 if matches!(
                     status.code(),
                     Code::Unavailable | Code::Unknown | Code::Internal
@@ -108,6 +149,37 @@ impl Proxy {
     }
 }
 
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.end("cancelled");
+        }
+    }
+}
+
+/// `addr matched=.. requests=.. blocks=..` per candidate, for the span.
+fn scores(workers: &[Arc<Worker>], cands: &[Candidate]) -> String {
+    let mut out = String::new();
+    for (w, c) in workers.iter().zip(cands) {
+        if !out.is_empty() {
+            out.push_str("; ");
+        }
+        let _ = write!(
+            out,
+            "{} matched_blocks={} active_requests={} active_blocks={}",
+            w.addr, c.matched_blocks, c.active_requests, c.active_blocks
+        );
+    }
+    out
+}
+
+fn new_request_id() -> String {
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("rt-{}-{n}", std::process::id())
+}
+
 #[tonic::async_trait]
 impl v1::generation_server::Generation for RouterService {
     type GenerateStream = ResponseStream;
@@ -116,7 +188,45 @@ impl v1::generation_server::Generation for RouterService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let mut req = request.into_inner();
+        let started = Instant::now();
+        let span = tracing::info_span!(
+            "generate",
+            otel.kind = "server",
+            request_id = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            decode_worker = tracing::field::Empty,
+            prefill_worker = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        tandem_telemetry::propagation::set_parent(&span, request.metadata());
+        let result = self.route(request.into_inner(), &span, started).await;
+        if let Err(status) = &result {
+            let outcome = if status.code() == Code::InvalidArgument {
+                "invalid"
+            } else {
+                "unavailable"
+            };
+            self.metrics.request(outcome);
+            span.record("outcome", outcome);
+            tracing::debug!(parent: &span, error = %status.message(), "request refused");
+        }
+        result
+    }
+}
+
+impl RouterService {
+    /// Picks the workers, forwards the call and returns the proxied stream
+    /// (which owns `span`'s clone, so the span ends with it).
+    async fn route(
+        &self,
+        mut req: v1::GenerateRequest,
+        span: &tracing::Span,
+        started: Instant,
+    ) -> Result<Response<ResponseStream>, Status> {
+        if req.request_id.is_empty() {
+            req.request_id = new_request_id();
+        }
+        span.record("request_id", req.request_id.as_str());
         let tokens = match &req.prompt {
             Some(v1::generate_request::Prompt::TokenIds(ids)) => Some(ids.ids.clone()),
             Some(v1::generate_request::Prompt::Text(text)) => match &self.tokenizer {
@@ -140,6 +250,7 @@ impl v1::generation_server::Generation for RouterService {
         }
         let bs = self.cluster.block_size().unwrap_or(16);
         let prompt_len = tokens.as_ref().map_or(0, Vec::len);
+        span.record("prompt_tokens", prompt_len);
         let hashes = tokens
             .as_deref()
             .map(|t| tandem_block_hash::block_hashes(t, bs))
@@ -149,30 +260,82 @@ impl v1::generation_server::Generation for RouterService {
         if decodes.is_empty() {
             return Err(Status::unavailable("no decode worker is available"));
         }
+        let routing = tracing::info_span!(
+            parent: span,
+            "routing",
+            decode_policy = self.decode_policy.name(),
+            decode_reason = tracing::field::Empty,
+            decode_worker = tracing::field::Empty,
+            decode_candidates = tracing::field::Empty,
+            uncached_tokens = tracing::field::Empty,
+            prefill_placement = tracing::field::Empty,
+            prefill_reason = tracing::field::Empty,
+            prefill_policy = self.prefill_policy.name(),
+            prefill_worker = tracing::field::Empty,
+            prefill_candidates = tracing::field::Empty,
+        );
         let cands = self.candidates(&decodes, &hashes);
-        let di = self.decode_policy.pick(&cands, hashes.len());
+        let pick = self.decode_policy.decide(&cands, hashes.len());
+        let di = pick.index;
         let decode = decodes[di].clone();
         let uncached = prompt_len.saturating_sub(cands[di].matched_blocks * bs);
+        self.metrics
+            .decision("decode", self.decode_policy.name(), pick.reason);
+        if !routing.is_disabled() {
+            routing.record("decode_candidates", scores(&decodes, &cands).as_str());
+        }
+        routing.record("decode_reason", pick.reason);
+        routing.record("decode_worker", decode.addr.as_str());
+        routing.record("uncached_tokens", uncached);
 
         // Conditional disaggregation: remote only for a long uncached part
         // and an unsaturated prefill pool, and for one choice (the engine
         // forks `n > 1` choices from a local prefill).
-        let prefill = if req.n <= 1 && uncached >= self.remote_prefill_threshold.max(1) {
-            let pool: Vec<Arc<Worker>> = self
-                .cluster
-                .healthy(Role::Prefill)
-                .into_iter()
+        let (prefill, placement_reason) = if req.n > 1 {
+            (None, "parallel_sampling")
+        } else if uncached < self.remote_prefill_threshold.max(1) {
+            (None, "below_threshold")
+        } else {
+            let all = self.cluster.healthy(Role::Prefill);
+            let pool: Vec<Arc<Worker>> = all
+                .iter()
                 .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
+                .cloned()
                 .collect();
-            if pool.is_empty() {
-                None
+            if all.is_empty() {
+                (None, "no_prefill_worker")
+            } else if pool.is_empty() {
+                (None, "prefill_pool_saturated")
             } else {
                 let pc = self.candidates(&pool, &hashes);
-                Some(pool[self.prefill_policy.pick(&pc, hashes.len())].clone())
+                let pick = self.prefill_policy.decide(&pc, hashes.len());
+                self.metrics
+                    .decision("prefill", self.prefill_policy.name(), pick.reason);
+                if !routing.is_disabled() {
+                    routing.record("prefill_candidates", scores(&pool, &pc).as_str());
+                }
+                routing.record("prefill_reason", pick.reason);
+                (Some(pool[pick.index].clone()), "above_threshold")
             }
-        } else {
-            None
         };
+        let placement = if prefill.is_some() { "remote" } else { "local" };
+        self.metrics.placement(placement, placement_reason);
+        routing.record("prefill_placement", placement);
+        if prefill.is_none() {
+            routing.record("prefill_reason", placement_reason);
+        }
+        if let Some(p) = &prefill {
+            routing.record("prefill_worker", p.addr.as_str());
+            span.record("prefill_worker", p.addr.as_str());
+        }
+        span.record("decode_worker", decode.addr.as_str());
+        tracing::debug!(
+            parent: &routing,
+            decode = %decode.addr,
+            prefill = ?prefill.as_ref().map(|p| &p.addr),
+            "routed"
+        );
+        drop(routing);
 
         let mut forward = Request::new(req);
         if let Some(p) = &prefill {
@@ -180,6 +343,7 @@ impl v1::generation_server::Generation for RouterService {
                 .map_err(|_| Status::internal("prefill worker address is not a header value"))?;
             forward.metadata_mut().insert(PREFILL_HEADER, v);
         }
+        tandem_telemetry::propagation::inject(span, forward.metadata_mut());
         let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
         let prefill_load = prefill
             .as_ref()
@@ -197,13 +361,16 @@ impl v1::generation_server::Generation for RouterService {
                 )));
             }
         };
-        tracing::debug!(decode = %decode.addr, prefill = ?prefill.as_ref().map(|p| &p.addr), "routed");
         let proxy = Proxy {
             upstream,
             decode: decode.clone(),
             _decode_load: decode_load,
             prefill_load,
             ended: false,
+            span: span.clone(),
+            metrics: self.metrics.clone(),
+            started,
+            first_seen: false,
         };
         let stream = futures_util::stream::unfold(proxy, |mut p| async move {
             let item = p.next().await?;

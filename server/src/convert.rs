@@ -55,6 +55,7 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         ignore_eos: req.ignore_eos,
         prefill: PrefillMode::Local,
         response_format: req.response_format.map(format_from_proto).transpose()?,
+        span: tracing::Span::none(),
     })
 }
 

@@ -15,6 +15,7 @@
 
 mod convert;
 pub mod layout;
+pub mod metrics;
 mod service;
 mod worker_service;
 
@@ -28,6 +29,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::RoutesBuilder;
 
 pub use convert::{event_to_proto, request_from_proto, BadRequest};
+pub use metrics::{register_engine, ServingMetrics};
 pub use service::{status_from_engine, GenerationService, PrefillGuard, RemotePrefiller};
 pub use worker_service::WorkerService;
 

@@ -6,6 +6,13 @@
 //! worker) and, when the engine parks a request for remote prefill, starts
 //! the transfer. The transfer's guard lives in the response stream, so a
 //! client that goes away cancels the prefill as well as the request.
+//!
+//! Observability: each call gets a `generate` span (a child of the
+//! caller's span when the call carries a W3C `traceparent`) that lives as
+//! long as the response stream and is the parent of the engine's phase
+//! spans; every log line about the request is inside it, so it names the
+//! `request_id`. When the request ends, [`ServingMetrics`] records how, and
+//! its timings.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,6 +27,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::convert::{event_to_proto, request_from_proto};
+use crate::metrics::{Outcome, ServingMetrics};
 
 /// Gets prompts prefilled by another worker (decode workers only).
 pub trait RemotePrefiller: Send + Sync + std::fmt::Debug + 'static {
@@ -28,13 +36,16 @@ pub trait RemotePrefiller: Send + Sync + std::fmt::Debug + 'static {
 
     /// Starts a remote prefill the engine asked for. It must end with
     /// `engine.finish_remote_prefill(prefill.transfer, ..)` (directly or
-    /// through the transport); dropping the guard cancels it.
+    /// through the transport); dropping the guard cancels it. `span` is the
+    /// request's: the prefill's own span is its child, and its context goes
+    /// to the prefill worker.
     fn start(
         &self,
         request_id: &str,
         metadata: &MetadataMap,
         prefill: RemotePrefill,
         engine: EngineHandle,
+        span: &tracing::Span,
     ) -> PrefillGuard;
 }
 
@@ -46,6 +57,15 @@ impl PrefillGuard {
     /// Guards a spawned task.
     pub fn new(task: tokio::task::JoinHandle<()>) -> Self {
         Self(Some(task))
+    }
+}
+
+impl PrefillGuard {
+    /// Lets the task run to its end instead of cancelling it (once the
+    /// request is finished, its transfer is over and only the reply is
+    /// still on its way).
+    pub fn detach(mut self) {
+        self.0 = None;
     }
 }
 
@@ -62,23 +82,32 @@ impl Drop for PrefillGuard {
 pub struct GenerationService {
     engine: EngineHandle,
     prefiller: Option<Arc<dyn RemotePrefiller>>,
+    metrics: Arc<ServingMetrics>,
 }
 
 impl GenerationService {
-    /// Prefills everything locally.
+    /// Prefills everything locally. Its metrics go to a registry of its own
+    /// until [`Self::with_metrics`] names the process's.
     pub fn new(engine: EngineHandle) -> Self {
         Self {
             engine,
             prefiller: None,
+            metrics: ServingMetrics::register(&tandem_telemetry::Registry::new()),
         }
     }
 
     /// Prefills remotely where `prefiller` says so.
     pub fn with_prefiller(engine: EngineHandle, prefiller: Arc<dyn RemotePrefiller>) -> Self {
         Self {
-            engine,
             prefiller: Some(prefiller),
+            ..Self::new(engine)
         }
+    }
+
+    /// Records requests in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<ServingMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 }
 
@@ -103,6 +132,28 @@ struct CallState {
     engine: EngineHandle,
     prefiller: Option<Arc<dyn RemotePrefiller>>,
     prefills: Vec<PrefillGuard>,
+    /// The call's span: ends when the stream is dropped.
+    span: tracing::Span,
+    metrics: Arc<ServingMetrics>,
+}
+
+impl CallState {
+    fn end(&mut self, outcome: Outcome) {
+        self.ended = true;
+        self.span.record("outcome", outcome.as_str());
+        if outcome != Outcome::Finished {
+            self.metrics.ended(outcome);
+        }
+    }
+}
+
+impl Drop for CallState {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.end(Outcome::Cancelled);
+            tracing::debug!(parent: &self.span, "request cancelled");
+        }
+    }
 }
 
 impl CallState {
@@ -113,7 +164,7 @@ impl CallState {
         }
         loop {
             let Some(ev) = self.events.next().await else {
-                self.ended = true;
+                self.end(Outcome::Error);
                 return Some(Err(Status::unavailable(
                     "the engine stopped before the request ended",
                 )));
@@ -125,6 +176,7 @@ impl CallState {
                         &self.metadata,
                         rp,
                         self.engine.clone(),
+                        &self.span,
                     )),
                     // Nobody to ask: compute it here.
                     None => self
@@ -133,14 +185,24 @@ impl CallState {
                 }
                 continue;
             }
-            if matches!(ev, RequestEvent::Finished(_)) {
-                self.ended = true;
-                self.prefills.clear();
+            match &ev {
+                RequestEvent::Finished(summary) => {
+                    self.metrics.finished(summary);
+                    self.end(Outcome::Finished);
+                    self.prefills.drain(..).for_each(PrefillGuard::detach);
+                }
+                RequestEvent::Error(e) => {
+                    tracing::warn!(parent: &self.span, error = %e, "request failed");
+                    self.end(Outcome::Error);
+                }
+                _ => {}
             }
             return Some(match event_to_proto(&self.request_id, ev) {
                 Ok(msg) => Ok(msg),
                 Err(e) => {
-                    self.ended = true;
+                    if !self.ended {
+                        self.end(Outcome::Error);
+                    }
                     Err(Status::internal(e))
                 }
             });
@@ -157,17 +219,49 @@ impl v1::generation_server::Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let metadata = request.metadata().clone();
-        let mut req =
-            request_from_proto(request.into_inner()).map_err(|e| Status::invalid_argument(e.0))?;
+        let span = tracing::info_span!(
+            "generate",
+            otel.kind = "server",
+            request_id = tracing::field::Empty,
+            remote_prefill = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        tandem_telemetry::propagation::set_parent(&span, &metadata);
+        let mut req = match request_from_proto(request.into_inner()) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.ended(Outcome::Invalid);
+                span.record("outcome", Outcome::Invalid.as_str());
+                return Err(Status::invalid_argument(e.0));
+            }
+        };
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
+        span.record("request_id", req.request_id.as_str());
         if let Some(p) = &self.prefiller {
             req.prefill = p.mode(&metadata);
+            span.record(
+                "remote_prefill",
+                matches!(req.prefill, PrefillMode::Remote { .. }),
+            );
         }
         let request_id = req.request_id.clone();
-        let events = self.engine.submit(req).map_err(status_from_engine)?;
-        tracing::debug!(%request_id, "request accepted");
+        req.span = span.clone();
+        let events = match span.in_scope(|| self.engine.submit(req)) {
+            Ok(ev) => ev,
+            Err(e) => {
+                let outcome = match e {
+                    EngineError::InvalidRequest(_) | EngineError::Tokenizer(_) => Outcome::Invalid,
+                    _ => Outcome::Error,
+                };
+                self.metrics.ended(outcome);
+                span.record("outcome", outcome.as_str());
+                tracing::debug!(parent: &span, error = %e, "request refused");
+                return Err(status_from_engine(e));
+            }
+        };
+        tracing::debug!(parent: &span, "request accepted");
         let state = CallState {
             events,
             request_id,
@@ -176,6 +270,8 @@ impl v1::generation_server::Generation for GenerationService {
             engine: self.engine.clone(),
             prefiller: self.prefiller.clone(),
             prefills: Vec::new(),
+            span,
+            metrics: self.metrics.clone(),
         };
         // The state moves into the response stream: when tonic drops it (the
         // call ends or the client goes away), the request is aborted.

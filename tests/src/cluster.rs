@@ -51,6 +51,19 @@ pub struct Started {
     pub pids: HashMap<String, u32>,
     /// etcd endpoint and cluster name, when `up` started etcd.
     pub etcd: Option<(String, String)>,
+    /// `(role, gRPC address, metrics address)` of every process serving
+    /// `/metrics` (`up`'s `metrics ROLE ADDR METRICS_ADDR` lines).
+    pub metrics: Vec<(String, String, String)>,
+}
+
+impl Started {
+    /// The metrics address of the process with this role and gRPC address.
+    pub fn metrics_addr(&self, role: &str, addr: &str) -> Option<&str> {
+        self.metrics
+            .iter()
+            .find(|(r, a, _)| r == role && a == addr)
+            .map(|(_, _, m)| m.as_str())
+    }
 }
 
 /// Runs `<tandem> <args>` and reads its startup lines until `listening on`.
@@ -67,6 +80,7 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
     let process = KillOnDrop(child);
     let (mut decode, mut prefill, mut pids, mut etcd, mut http) =
         (Vec::new(), Vec::new(), HashMap::new(), None, None);
+    let mut metrics = Vec::new();
     let mut lines = BufReader::new(stdout).lines();
     let mut worker = |rest: &str, into: &mut Vec<String>| {
         let mut parts = rest.split(' ');
@@ -89,6 +103,11 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
             etcd = Some((e.to_string(), c.to_string()));
         } else if let Some(a) = line.strip_prefix("http listening on ") {
             http = Some(a.to_string());
+        } else if let Some(rest) = line.strip_prefix("metrics ") {
+            let parts: Vec<&str> = rest.split(' ').collect();
+            if let [role, addr, m] = parts[..] {
+                metrics.push((role.to_string(), addr.to_string(), m.to_string()));
+            }
         } else if let Some(a) = line.strip_prefix("listening on ") {
             // Keep draining stdout so the child never blocks.
             std::thread::spawn(move || for _ in lines {});
@@ -100,6 +119,7 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
                 prefill,
                 pids,
                 etcd,
+                metrics,
             };
         }
     }

@@ -5,7 +5,11 @@
 //! from `proto/`) for end-to-end tests of `tandem serve`. [`etcd`] runs a real,
 //! throwaway `etcd` server on loopback ports for membership tests.
 //! [`cluster`] starts real `tandem` processes and reads their addresses.
+//! [`otlp`] is an OTLP trace collector inside the test process;
+//! [`prometheus`] parses (strictly) what `/metrics` endpoints serve.
 
 pub mod cluster;
 pub mod etcd;
+pub mod otlp;
+pub mod prometheus;
 pub mod python;

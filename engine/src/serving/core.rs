@@ -166,6 +166,22 @@ struct Group {
     choices: Vec<ChoiceSummary>,
     /// Sequence ids of unfinished choices.
     live: Vec<SeqId>,
+    /// The caller's span for the request ...
+    span: tracing::Span,
+    /// ... and the child span of its current phase: `queue` until
+    /// admission, then `prefill` until the first token (or the end of an
+    /// export), then `decode`. Replacing it ends the previous phase.
+    phase: tracing::Span,
+}
+
+/// A child span of `parent`, or none when `parent` records nothing (so an
+/// engine driven without spans never starts stray root spans).
+fn child_span(parent: &tracing::Span, make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if parent.is_none() {
+        tracing::Span::none()
+    } else {
+        make()
+    }
 }
 
 /// The synchronous engine: a model, its KV cache, the scheduler and the
@@ -374,6 +390,8 @@ impl EngineCore {
         let seq_id = self.next_seq;
         self.next_seq += 1;
         let prompt_len = req.prompt_ids.len();
+        let span = req.span;
+        let phase = child_span(&span, || tracing::info_span!(parent: &span, "queue"));
         let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text);
         seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
         match req.prefill {
@@ -408,6 +426,8 @@ impl EngineCore {
                 cached_tokens: 0,
                 choices: Vec::new(),
                 live: vec![seq_id],
+                span,
+                phase,
             },
         );
     }
@@ -506,7 +526,13 @@ impl EngineCore {
             return; // aborted, or already finished
         }
         if let Err(e) = &outcome {
-            tracing::warn!(transfer, error = %e, "remote prefill failed; prefilling locally");
+            // Logged in the request's span, so the line names its id.
+            let span = self
+                .scheduler
+                .seq(transfer)
+                .and_then(|s| self.groups.get(&s.group))
+                .map_or_else(tracing::Span::none, |g| g.phase.clone());
+            tracing::warn!(parent: &span, transfer, error = %e, "remote prefill failed; prefilling locally");
         }
         self.scheduler.unpark(transfer, outcome.is_ok());
         self.refresh_gauges();
@@ -522,10 +548,21 @@ impl EngineCore {
                 continue;
             };
             let (group, index) = (s.group, s.index);
+            let remote = plan.parked.iter().any(|p| p.0 == seq);
             if let Some(g) = self.groups.get_mut(&group) {
                 if g.first_scheduled.is_none() && index == 0 {
                     g.first_scheduled = Some(now);
                     g.cached_tokens = cached;
+                    let (prompt_tokens, span) = (g.prompt_len, &g.span);
+                    g.phase = child_span(span, || {
+                        tracing::info_span!(
+                            parent: span,
+                            "prefill",
+                            prompt_tokens,
+                            cached_tokens = cached,
+                            remote
+                        )
+                    });
                 }
             }
         }
@@ -643,11 +680,27 @@ impl EngineCore {
         let mut inputs = Vec::with_capacity(plan.scheduled.len());
         // Prefill-only sequences: which blocks each exports after every layer.
         let mut exports: Vec<ExportPlan> = Vec::new();
+        // One span per prompt chunk in this forward pass, ended after it.
+        let mut chunks: Vec<tracing::Span> = Vec::new();
         for s in &plan.scheduled {
             let seq = self
                 .scheduler
                 .seq(s.seq)
                 .ok_or_else(|| EngineError::InvalidRequest("scheduled sequence vanished".into()))?;
+            if seq.num_computed < seq.prompt_len {
+                if let Some(g) = self.groups.get(&seq.group) {
+                    let (phase, start) = (&g.phase, seq.num_computed);
+                    chunks.push(child_span(phase, || {
+                        tracing::info_span!(
+                            parent: phase,
+                            "prefill_chunk",
+                            tokens = s.num_tokens,
+                            start,
+                            batch_tokens = plan.scheduled.iter().map(|x| x.num_tokens).sum::<usize>()
+                        )
+                    }));
+                }
+            }
             let table = seq.table.as_ref().ok_or_else(|| {
                 EngineError::InvalidRequest("scheduled sequence has no blocks".into())
             })?;
@@ -695,6 +748,7 @@ impl EngineCore {
         };
         let out = self.backend.forward(&inputs, &mut after_layer);
         drop(inputs);
+        drop(chunks);
         for s in &plan.scheduled {
             if let Some(ex) = self
                 .scheduler
@@ -792,7 +846,11 @@ impl EngineCore {
             return;
         };
         let now = Instant::now();
-        g.first_token.get_or_insert(now);
+        if g.first_token.is_none() {
+            g.first_token = Some(now);
+            let span = &g.span;
+            g.phase = child_span(span, || tracing::info_span!(parent: span, "decode"));
+        }
         if index == 0 {
             g.last_token = Some(now);
             g.tokens_of_first += 1;
@@ -908,6 +966,7 @@ impl EngineCore {
             return;
         };
         g.choices.sort_by_key(|c| c.index);
+        let span = g.span.clone();
         let end = Instant::now();
         let tpot = match (g.first_token, g.last_token) {
             (Some(a), Some(b)) if g.tokens_of_first > 1 => {
@@ -930,6 +989,7 @@ impl EngineCore {
             },
         };
         tracing::debug!(
+            parent: &span,
             request_id = %g.request_id,
             prompt_tokens = summary.usage.prompt_tokens,
             cached_tokens = summary.usage.cached_tokens,

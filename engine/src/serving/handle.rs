@@ -26,7 +26,8 @@ use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
 enum Command {
     Add {
         id: u64,
-        req: ValidRequest,
+        /// Boxed: the other commands are small.
+        req: Box<ValidRequest>,
         sink: UnboundedSender<RequestEvent>,
     },
     Abort(u64),
@@ -143,7 +144,7 @@ impl EngineHandle {
         self.commands
             .send(Command::Add {
                 id,
-                req: valid,
+                req: Box::new(valid),
                 sink,
             })
             .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
@@ -246,7 +247,7 @@ impl Drop for RequestStream {
 
 fn handle(core: &mut EngineCore, cmd: Command) {
     match cmd {
-        Command::Add { id, req, sink } => core.add_valid(id, req, sink),
+        Command::Add { id, req, sink } => core.add_valid(id, *req, sink),
         Command::Abort(id) => core.abort(id),
         Command::WriteKv {
             transfer,

@@ -89,6 +89,11 @@ pub struct Request {
     /// Constrains the output to a JSON schema, regex, choice or grammar
     /// (compiled at validation; see [`tandem_structured`]).
     pub response_format: Option<ResponseFormat>,
+    /// The caller's span for this request: the engine's spans for its
+    /// phases (`queue`, `prefill` with one `prefill_chunk` per step,
+    /// `decode`) are its children. `Span::none()` (the default) records
+    /// none.
+    pub span: tracing::Span,
 }
 
 impl Request {
@@ -105,6 +110,7 @@ impl Request {
             ignore_eos: false,
             prefill: PrefillMode::Local,
             response_format: None,
+            span: tracing::Span::none(),
         }
     }
 }
@@ -134,6 +140,7 @@ pub(crate) struct ValidRequest {
     pub prefill: PrefillMode,
     /// The compiled `response_format`.
     pub grammar: Option<Arc<CompiledGrammar>>,
+    pub span: tracing::Span,
 }
 
 fn invalid(msg: String) -> EngineError {
@@ -264,6 +271,7 @@ pub(crate) fn validate(
         ignore_eos: req.ignore_eos,
         prefill: req.prefill,
         grammar,
+        span: req.span,
     })
 }
 

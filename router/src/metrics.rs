@@ -1,0 +1,97 @@
+//! The router's Prometheus metrics: requests by outcome, the latency the
+//! client sees (TTFT and E2E measured here, so they include routing and
+//! the hops), every routing decision by pool, policy and reason, where
+//! prompts were prefilled and why, and the worker table read at scrape
+//! time.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
+
+use crate::pool::{Cluster, Role};
+
+/// The router's instruments.
+#[derive(Debug, Clone)]
+pub struct RouterMetrics {
+    requests: Family<Counter>,
+    pub(crate) ttft: Histogram,
+    pub(crate) e2e: Histogram,
+    decisions: Family<Counter>,
+    placements: Family<Counter>,
+}
+
+impl RouterMetrics {
+    /// Registers the instruments on `registry`.
+    pub fn register(registry: &Registry) -> Arc<Self> {
+        Arc::new(Self {
+            requests: registry.counter_family(
+                "tandem_router_requests_total",
+                "Generate requests by how they ended: finished, error (upstream failed), \
+                 cancelled (the client left), invalid, unavailable (no worker).",
+                &["outcome"],
+            ),
+            ttft: registry.histogram(
+                "tandem_router_time_to_first_token_seconds",
+                "From the router receiving a request to forwarding its first token.",
+                LATENCY_BUCKETS,
+            ),
+            e2e: registry.histogram(
+                "tandem_router_e2e_request_latency_seconds",
+                "From the router receiving a request to the end of its stream.",
+                LATENCY_BUCKETS,
+            ),
+            decisions: registry.counter_family(
+                "tandem_router_decisions_total",
+                "Workers picked, by pool, policy and the policy's reason.",
+                &["pool", "policy", "reason"],
+            ),
+            placements: registry.counter_family(
+                "tandem_router_prefill_placements_total",
+                "Where prompts were prefilled (remote: a prefill worker; local: the decode \
+                 worker) and why.",
+                &["placement", "reason"],
+            ),
+        })
+    }
+
+    pub(crate) fn request(&self, outcome: &str) {
+        self.requests.with(&[outcome]).inc();
+    }
+
+    pub(crate) fn decision(&self, pool: &str, policy: &str, reason: &str) {
+        self.decisions.with(&[pool, policy, reason]).inc();
+    }
+
+    pub(crate) fn placement(&self, placement: &str, reason: &str) {
+        self.placements.with(&[placement, reason]).inc();
+    }
+}
+
+/// Exposes the worker table on `registry`, read at every scrape: healthy
+/// workers and the requests this router has in flight, per role.
+pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
+    registry.collector(move |s| {
+        for (role, name) in [(Role::Decode, "decode"), (Role::Prefill, "prefill")] {
+            let healthy = cluster.healthy(role);
+            s.gauge(
+                "tandem_router_healthy_workers",
+                "Workers admitted and answering probes.",
+                &[("role", name)],
+                healthy.len() as f64,
+            );
+            let inflight: usize = cluster
+                .all()
+                .iter()
+                .filter(|w| w.role == role)
+                .map(|w| w.active_requests.load(Ordering::Relaxed))
+                .sum();
+            s.gauge(
+                "tandem_router_inflight_requests",
+                "Requests this router has in flight at workers of the role.",
+                &[("role", name)],
+                inflight as f64,
+            );
+        }
+    });
+}
