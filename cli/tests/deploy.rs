@@ -366,6 +366,9 @@ fn listen_ports(sub: &str, m: &clap::ArgMatches) -> Vec<(&'static str, u16)> {
     if let Ok(Some(a)) = m.try_get_one::<SocketAddr>("addr") {
         out.push(("--addr", a.port()));
     }
+    if let Ok(Some(a)) = m.try_get_one::<SocketAddr>("metrics_addr") {
+        out.push(("--metrics-addr", a.port()));
+    }
     if sub == "decode-worker" {
         let t = m.get_one::<String>("transfer_addr").expect("transfer addr");
         out.push(("--transfer-addr", host_port(t).1));
