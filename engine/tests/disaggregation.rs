@@ -300,3 +300,96 @@ fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
     }
     assert!(saw_abort);
 }
+
+/// A backend whose pool cannot be read back (a device fault, say).
+#[derive(Debug)]
+struct UnreadablePool(tandem_engine::CpuBackend);
+
+struct NoReads;
+
+impl tandem_engine::KvBlocks for NoReads {
+    fn read_block(
+        &self,
+        _: usize,
+        block: u32,
+    ) -> tandem_engine::Result<tandem_engine::BlockKv<'_>> {
+        Err(tandem_engine::EngineError::Backend {
+            device: "test",
+            message: format!("block {block} is unreadable"),
+        })
+    }
+}
+
+impl tandem_engine::ComputeBackend for UnreadablePool {
+    fn device(&self) -> &'static str {
+        "test"
+    }
+    fn config(&self) -> &tandem_engine::ModelConfig {
+        self.0.config()
+    }
+    fn kv_layout(&self) -> tandem_engine::KvLayout {
+        self.0.kv_layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.0.num_blocks()
+    }
+    fn block_bytes(&self) -> usize {
+        self.0.block_bytes()
+    }
+    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
+        self.0.set_batch_invariant(on)
+    }
+    fn forward(
+        &mut self,
+        batch: &[tandem_engine::SeqInput<'_>],
+        after_layer: &mut dyn FnMut(usize, &dyn tandem_engine::KvBlocks),
+    ) -> tandem_engine::Result<tandem_engine::Logits> {
+        self.0.forward(batch, &mut |l, _| after_layer(l, &NoReads))
+    }
+    fn copy_block(&mut self, copy: tandem_engine::BlockCopy) -> tandem_engine::Result<()> {
+        self.0.copy_block(copy)
+    }
+    fn write_block(
+        &mut self,
+        layer: usize,
+        block: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> tandem_engine::Result<()> {
+        self.0.write_block(layer, block, k, v)
+    }
+}
+
+#[test]
+fn an_export_whose_blocks_cannot_be_read_fails_instead_of_sending_holes() {
+    let (_tmp, ck) = checkpoint();
+    let model = tandem_engine::Model::load(&ck.dir).expect("load");
+    let backend = UnreadablePool(tandem_engine::CpuBackend::new(model, 16, 64));
+    let mut prefill = EngineCore::with_backend(
+        Box::new(backend),
+        None,
+        ck.eos_token_ids.clone(),
+        &EngineConfig::default(),
+    )
+    .expect("core");
+    let sink = Arc::new(Collected::default());
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 3 + 1) % 256).collect();
+    let (tx, mut rx) = unbounded_channel();
+    let mut req = request(
+        &prompt,
+        PrefillMode::Export {
+            sink: sink.clone(),
+            from_block: 0,
+        },
+    );
+    req.max_tokens = None;
+    prefill.add_request(0, req, tx).expect("valid export");
+    let events = run(&mut prefill, &mut rx);
+    match events.last() {
+        Some(RequestEvent::Error(msg)) => assert!(msg.contains("unreadable"), "{msg}"),
+        other => panic!("the export should fail, got {other:?}"),
+    }
+    assert!(sink.0.lock().expect("lock").is_empty(), "no block sent");
+    let s = prefill.stats();
+    assert_eq!(s.free_blocks, s.num_blocks, "no block leaked");
+}

@@ -720,16 +720,19 @@ impl EngineCore {
                 exports.push((ex.sink.clone(), blocks));
             }
         }
+        // A block the backend cannot read fails the step (below), so an
+        // export never completes with a hole in it: the prefill call fails
+        // and the decode side prefills locally.
+        let mut read_error: Option<EngineError> = None;
         let mut after_layer = |layer: usize, kv: &dyn KvBlocks| {
             for (sink, blocks) in &exports {
                 let mut read = Vec::with_capacity(blocks.len());
                 for &(logical, b) in blocks {
                     match kv.read_block(layer, b) {
                         Ok((k, v)) => read.push((logical, k, v)),
-                        // The sink sees a gap and the transfer fails over
-                        // to local prefill on the decode side.
                         Err(e) => {
-                            tracing::error!(error = %e, layer, block = b, "KV export read failed")
+                            tracing::error!(error = %e, layer, block = b, "KV export read failed");
+                            read_error.get_or_insert(e);
                         }
                     }
                 }
@@ -746,7 +749,10 @@ impl EngineCore {
                 }
             }
         };
-        let out = self.backend.forward(&inputs, &mut after_layer);
+        let mut out = self.backend.forward(&inputs, &mut after_layer);
+        if let Some(e) = read_error {
+            out = Err(e);
+        }
         drop(inputs);
         drop(chunks);
         for s in &plan.scheduled {
