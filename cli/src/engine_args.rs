@@ -140,19 +140,14 @@ fn cuda_backend(
     args: &EngineArgs,
     config: &tandem_engine::serving::EngineConfig,
 ) -> Result<Box<dyn tandem_engine::ComputeBackend>> {
-    use tandem_cuda::{CudaModel, CudaOptions, DeviceDType};
+    use tandem_cuda::{kv_block_bytes, CudaModel, CudaOptions, DeviceDType};
     use tandem_engine::serving::KvPoolSize;
 
     let dtype = match args.gpu_dtype {
         GpuDtype::F32 => DeviceDType::F32,
         GpuDtype::Bf16 => DeviceDType::Bf16,
     };
-    let elem = match dtype {
-        DeviceDType::F32 => 4,
-        DeviceDType::Bf16 => 2,
-    };
-    let block_bytes =
-        2 * model.num_layers * model.num_kv_heads * model.head_dim * config.block_size * elem;
+    let block_bytes = kv_block_bytes(model, config.block_size, dtype);
     let num_blocks = match config.kv_pool {
         KvPoolSize::Blocks(n) => n,
         KvPoolSize::Bytes(b) => b / block_bytes.max(1),

@@ -261,17 +261,19 @@ impl Gpu {
         Ok(totals)
     }
 
+    /// An event that records time (for [`Self::time`] and the profiler).
+    fn timing_event(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| CudaError::driver("event", e))
+    }
+
     /// Runs `f` between two timing events when profiling.
     fn profiled(&self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
         if self.profile.borrow().is_none() {
             return f();
         }
-        let event = || {
-            self.ctx
-                .new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| CudaError::driver("event", e))
-        };
-        let (start, end) = (event()?, event()?);
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
         start
             .record(&self.stream)
             .map_err(|e| CudaError::driver("event record", e))?;
@@ -383,51 +385,40 @@ impl Gpu {
         args: &[Arg],
     ) -> Result<()> {
         self.profiled(name, || {
-            self.launch_now(name, grid, block, shared_mem, args)
-        })
-    }
-
-    fn launch_now(
-        &self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: u32,
-        shared_mem: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        self.bind()?;
-        let f = self
-            .funcs
-            .get(name)
-            .ok_or(CudaError::Unsupported(format!("no kernel `{name}`")))?;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) | Arg::U64(p) => b.arg(p),
-                Arg::I32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
+            self.bind()?;
+            let f = self
+                .funcs
+                .get(name)
+                .ok_or(CudaError::Unsupported(format!("no kernel `{name}`")))?;
+            let mut b = self.stream.launch_builder(f);
+            for a in args {
+                match a {
+                    Arg::Ptr(p) | Arg::U64(p) => b.arg(p),
+                    Arg::I32(v) => b.arg(v),
+                    Arg::I64(v) => b.arg(v),
+                    Arg::F32(v) => b.arg(v),
+                };
+            }
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: shared_mem,
             };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: shared_mem,
-        };
-        // SAFETY: each kernel's argument list is built by its one caller in
-        // model.rs to match the signature in kernels.cu (pointers to buffers
-        // sized for the step, then scalars).
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| CudaError::driver("kernel launch", e))
+            // SAFETY: each kernel's argument list is built by its one caller in
+            // model.rs to match the signature in kernels.cu (pointers to buffers
+            // sized for the step, then scalars).
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| CudaError::driver("kernel launch", e))
+        })
     }
 
     /// Runs a [`Gemm`] on cuBLAS.
     pub(crate) fn gemm(&self, g: Gemm) -> Result<()> {
-        self.profiled("cublas_gemm", || self.gemm_now(&g))
+        self.profiled("cublas_gemm", || self.gemm_now(g))
     }
 
-    fn gemm_now(&self, g: &Gemm) -> Result<()> {
+    fn gemm_now(&self, g: Gemm) -> Result<()> {
         let Gemm {
             ty,
             x,
@@ -437,7 +428,7 @@ impl Gpu {
             n,
             k,
             beta,
-        } = *g;
+        } = g;
         self.bind()?;
         let alpha = 1.0f32;
         // SAFETY: `x` holds t·k and `w` n·k elements of `ty`, `y` t·n f32
@@ -502,14 +493,7 @@ impl Gpu {
 
     /// Times `f` on the stream with CUDA events, in seconds.
     pub fn time<F: FnMut() -> Result<()>>(&self, mut f: F) -> Result<f64> {
-        let start = self
-            .ctx
-            .new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| CudaError::driver("event", e))?;
-        let end = self
-            .ctx
-            .new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| CudaError::driver("event", e))?;
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
         start
             .record(&self.stream)
             .map_err(|e| CudaError::driver("event record", e))?;

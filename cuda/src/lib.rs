@@ -44,7 +44,7 @@ mod model;
 pub use device::{gpu_count, Gpu};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
-pub use model::{CudaModel, CudaOptions, DeviceDType, StepOutput};
+pub use model::{kv_block_bytes, CudaModel, CudaOptions, DeviceDType, StepOutput};
 
 /// Warps per attention CTA (`ATTN_WARPS` in `kernels.cu`).
 pub const ATTN_WARPS: usize = 8;

@@ -1112,7 +1112,7 @@ impl ComputeBackend for CudaModel {
     }
 
     fn block_bytes(&self) -> usize {
-        2 * self.config.num_layers * self.layer_block_bytes()
+        kv_block_bytes(&self.config, self.opts.block_size, self.opts.kv)
     }
 
     fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
@@ -1152,6 +1152,12 @@ impl ComputeBackend for CudaModel {
     ) -> tandem_engine::Result<()> {
         Ok(CudaModel::write_block(self, layer, block, k, v)?)
     }
+}
+
+/// Bytes one KV block takes on the device, every layer's K and V: what a
+/// byte budget for the pool is divided by.
+pub fn kv_block_bytes(config: &ModelConfig, block_size: usize, kv: DeviceDType) -> usize {
+    2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * kv.size()
 }
 
 /// The attention kernel for a KV dtype and head size (one instantiation per
