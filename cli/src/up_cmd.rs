@@ -92,6 +92,11 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
+/// How many times `up` picks fresh ports for etcd: a port found free can be
+/// taken by another process before etcd binds it (tests run clusters side by
+/// side), and etcd then exits at once.
+const ETCD_START_ATTEMPTS: u32 = 5;
+
 /// Starts etcd on free loopback ports if the binary is installed.
 fn start_etcd() -> Result<Option<Etcd>> {
     let installed = Command::new("etcd")
@@ -103,8 +108,19 @@ fn start_etcd() -> Result<Option<Etcd>> {
     if !installed {
         return Ok(None);
     }
+    for attempt in 1..=ETCD_START_ATTEMPTS {
+        if let Some(etcd) = try_start_etcd(attempt)? {
+            return Ok(Some(etcd));
+        }
+    }
+    bail!("etcd exited at start {ETCD_START_ATTEMPTS} times (its ports taken?); try --no-etcd")
+}
+
+/// One try on two fresh ports: `Ok(None)` when etcd exited before it was
+/// healthy (a port was taken meanwhile), so the caller tries again.
+fn try_start_etcd(attempt: u32) -> Result<Option<Etcd>> {
     let (client, peer) = (free_port()?, free_port()?);
-    let dir = std::env::temp_dir().join(format!("tandem-up-etcd-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tandem-up-etcd-{}-{attempt}", std::process::id()));
     let endpoint = format!("http://127.0.0.1:{client}");
     let child = Command::new("etcd")
         .arg("--data-dir")
@@ -122,19 +138,46 @@ fn start_etcd() -> Result<Option<Etcd>> {
         .stderr(Stdio::null())
         .spawn()
         .context("starting etcd")?;
-    let etcd = Etcd {
+    let mut etcd = Etcd {
         child,
         endpoint,
         dir,
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+    // Healthy means etcd itself answers `/health`: a bare connect could
+    // reach whatever else took the port.
+    while !etcd_healthy(client) {
+        if let Ok(Some(status)) = etcd.child.try_wait() {
+            tracing::warn!(attempt, client, peer, %status, "etcd exited at start; new ports");
+            return Ok(None);
+        }
         if std::time::Instant::now() > deadline {
-            bail!("etcd did not start on 127.0.0.1:{client}");
+            bail!("etcd did not become healthy on 127.0.0.1:{client}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(Some(etcd))
+}
+
+/// Whether etcd's `/health` on this loopback port says `"health":"true"`.
+/// Bounded: connect, write and read time out, the answer is capped at 64 KiB.
+fn etcd_healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(500)));
+    let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut response = Vec::new();
+    let _ = stream.take(64 * 1024).read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    text.starts_with("HTTP/1.1 200") && text.replace(' ', "").contains("\"health\":\"true\"")
 }
 
 /// Children are stopped when `up` ends, however it ends: SIGTERM first
