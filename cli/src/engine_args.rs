@@ -45,6 +45,8 @@ pub struct EngineArgs {
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]
     gpu_index: usize,
+    #[command(flatten)]
+    speculative: crate::speculative_args::SpeculativeArgs,
 }
 
 /// Where the model runs.
@@ -109,7 +111,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         .with_context(|| format!("loading model from {}", dir.display()))?;
     let kv_layout = ckpt.model.kv_layout(config.block_size);
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
-    let core = match args.device {
+    let mut core = match args.device {
         Device::Cpu => EngineCore::new(ckpt.model, tokenizer, ckpt.eos_token_ids, &config)?,
         Device::Cuda => {
             let config_json = ckpt.model.config().clone();
@@ -118,6 +120,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
             EngineCore::with_backend(backend, tokenizer, ckpt.eos_token_ids, &config)?
         }
     };
+    args.speculative.apply(&mut core, &dir)?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
     let model_name = dir.file_name().map_or_else(
         || dir.display().to_string(),

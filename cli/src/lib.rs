@@ -16,6 +16,7 @@ mod http_args;
 mod plan_cmd;
 mod remote;
 mod serve_cmd;
+mod speculative_args;
 pub mod telemetry_args;
 mod up_cmd;
 mod worker_cmd;

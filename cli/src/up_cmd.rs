@@ -49,6 +49,10 @@ pub struct UpArgs {
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
+    /// Extra flags for decode workers only, e.g.
+    /// `--decode-arg=--speculative=ngram`.
+    #[arg(long = "decode-arg", allow_hyphen_values = true)]
+    decode_args: Vec<String>,
     /// The OpenAI-compatible HTTP API of the router.
     #[arg(long, default_value = "127.0.0.1:8000")]
     http_addr: String,
@@ -335,6 +339,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             "--remote-prefill-threshold".into(),
             args.remote_prefill_threshold.to_string(),
         ]);
+        a.extend(args.decode_args.iter().cloned());
         let d = spawn(&mut children, &a)?;
         if let Some(m) = d.metrics {
             metrics.push(("decode-worker", d.addr.clone(), m));

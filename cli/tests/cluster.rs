@@ -44,6 +44,8 @@ fn rt() -> tokio::runtime::Runtime {
 #[derive(Debug, Default, Clone)]
 struct Outcome {
     tokens: Vec<u32>,
+    /// Drafted tokens, from the `Finished` message.
+    drafted: u64,
     decode: Option<String>,
     prefill: Option<String>,
 }
@@ -81,7 +83,10 @@ async fn generate(addr: &str, prompt: Vec<u32>, max_tokens: u32) -> Result<Outco
     while let Some(msg) = stream.message().await? {
         match msg.event {
             Some(v1::generate_response::Event::Delta(d)) => out.tokens.extend(d.token_ids),
-            Some(v1::generate_response::Event::Finished(_)) => finished = true,
+            Some(v1::generate_response::Event::Finished(f)) => {
+                finished = true;
+                out.drafted = f.speculation.map_or(0, |s| s.drafted_tokens);
+            }
             None => {}
         }
     }
@@ -446,4 +451,71 @@ fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
             "the request ran on after the client left"
         );
     });
+}
+
+/// Decode workers that speculate (an early-exit draft: the model's first
+/// layer) give the colocated server's greedy tokens, and say so in their
+/// metrics.
+#[test]
+fn speculating_decode_workers_give_the_same_tokens() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_model(tmp.path(), "tiny");
+    let model = tmp.path().to_str().expect("utf8");
+    let serve = start(&[
+        "serve",
+        "--model",
+        model,
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--num-kv-blocks",
+        "2048",
+        "--batch-invariant",
+    ]);
+    let cluster = start(&[
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "32MiB",
+        "--remote-prefill-threshold",
+        "32",
+        "--worker-arg=--batch-invariant",
+        "--decode-arg=--speculative=draft-model",
+        "--decode-arg=--draft-layers=1",
+        "--decode-arg=--no-adaptive-speculation",
+    ]);
+    let work: Vec<(Vec<u32>, u32)> = workload().into_iter().take(12).collect();
+    let rt = rt();
+    let want = rt.block_on(run_all(&serve.addr, &work));
+    let got = rt.block_on(run_all(&cluster.addr, &work));
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.tokens, g.tokens, "request {i}");
+        assert_eq!(w.drafted, 0, "the plain server does not speculate");
+    }
+    // Every request of more than two tokens drafted (fixed k, no adaptation).
+    assert!(
+        got.iter()
+            .zip(&work)
+            .all(|(g, (_, n))| *n <= 2 || g.drafted > 0),
+        "per-request speculation stats reach the client through the router"
+    );
+    let decode = &cluster.decode[0];
+    let metrics = cluster
+        .metrics_addr("decode-worker", decode)
+        .expect("decode metrics");
+    let s = tandem_tests::prometheus::scrape(metrics);
+    let drafted = s.sum("tandem_spec_drafted_tokens_total", &[]);
+    let accepted = s.sum("tandem_spec_accepted_tokens_total", &[]);
+    assert!(drafted > 0.0, "the decode worker speculated");
+    assert!(accepted <= drafted);
 }

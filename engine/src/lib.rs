@@ -23,6 +23,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod sampling;
 pub mod serving;
+pub mod speculative;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;

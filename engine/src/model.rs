@@ -175,6 +175,22 @@ impl Model {
         })
     }
 
+    /// Keeps only the first `n` layers: an early-exit copy of the model
+    /// (same embedding, final norm and head), cheap to run and close to the
+    /// full model, which makes it a draft model for self-speculative
+    /// decoding (as in LayerSkip).
+    pub fn truncate_layers(&mut self, n: usize) -> Result<()> {
+        if n == 0 || n > self.layers.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "cannot keep {n} of {} layers",
+                self.layers.len()
+            )));
+        }
+        self.layers.truncate(n);
+        self.config.num_layers = n;
+        Ok(())
+    }
+
     /// Chooses speed or batch invariance for the matrix products.
     pub fn set_matmul_policy(&mut self, policy: MatmulPolicy) {
         self.matmul = policy;

@@ -215,7 +215,7 @@ impl Sampler {
         let token = if self.params.temperature == 0.0 {
             argmax(&z)
         } else {
-            self.draw(&mut z)
+            self.draw(&z)
         };
         *self.output_counts.entry(token).or_insert(0) += 1;
         let logprob = logprob.map(|(n, lp)| TokenLogprob {
@@ -254,7 +254,23 @@ impl Sampler {
         }
     }
 
-    fn draw(&mut self, z: &mut [f32]) -> u32 {
+    fn draw(&mut self, z: &[f32]) -> u32 {
+        let cand = self.candidates(z);
+        let total: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+        let mut u = self.rng.next_f64() * total;
+        for &(t, w) in &cand {
+            u -= f64::from(w);
+            if u < 0.0 {
+                return t;
+            }
+        }
+        cand.last().map_or(0, |c| c.0)
+    }
+
+    /// The tokens a sampled draw may pick from penalised logits `z`, with
+    /// unnormalised weights: temperature, then top-k, top-p and min-p.
+    /// Most likely first.
+    fn candidates(&self, z: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -287,15 +303,77 @@ impl Sampler {
             let floor = cand[0].1 * p.min_p;
             cand.retain(|c| c.1 >= floor);
         }
+        cand
+    }
+
+    /// Whether [`Sampler::distribution`] describes this request's draws
+    /// exactly. Penalties depend on the tokens before each position, so a
+    /// penalised request is sampled one token at a time (no speculation).
+    pub fn has_penalties(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// The distribution one draw from `logits` follows, as a dense vector
+    /// over the vocabulary (one-hot on the argmax when greedy). Penalties
+    /// are not applied (see [`Sampler::has_penalties`]). Speculative
+    /// decoding verifies drafts against it.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<f32> {
+        let mut probs = vec![0.0f32; logits.len()];
+        if self.params.temperature == 0.0 {
+            probs[argmax(logits) as usize] = 1.0;
+            return probs;
+        }
+        let cand = self.candidates(logits);
         let total: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+        for (t, w) in cand {
+            probs[t as usize] = (f64::from(w) / total) as f32;
+        }
+        probs
+    }
+
+    /// One draw from a dense distribution (weights need not sum to one),
+    /// from this request's random stream. Falls back to the argmax when
+    /// every weight is zero.
+    pub fn draw_from(&mut self, weights: &[f32]) -> u32 {
+        let total: f64 = weights.iter().map(|&w| f64::from(w.max(0.0))).sum();
+        if total <= 0.0 {
+            return argmax(weights);
+        }
         let mut u = self.rng.next_f64() * total;
-        for &(t, w) in &cand {
+        let mut last = 0;
+        for (t, &w) in weights.iter().enumerate() {
+            if w <= 0.0 {
+                continue;
+            }
+            last = t;
             u -= f64::from(w);
             if u < 0.0 {
-                return t;
+                return t as u32;
             }
         }
-        cand.last().map_or(0, |c| c.0)
+        last as u32
+    }
+
+    /// Uniform in [0, 1) from this request's random stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Records `token` as emitted after being chosen outside
+    /// [`Sampler::sample`] (speculative verification), and returns its
+    /// logprob report from the raw `logits` row if the request asked.
+    pub fn accept(&mut self, logits: &[f32], token: u32) -> Sampled {
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        let logprob = self.params.logprobs.map(|n| {
+            let lp = raw_logprobs(logits);
+            TokenLogprob {
+                token,
+                logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                top: top_n(&lp, n),
+            }
+        });
+        Sampled { token, logprob }
     }
 }
 
@@ -463,6 +541,35 @@ mod tests {
             let t = s.sample_masked(&logits, Some(&mask)).token;
             assert!(t == 1 || t == 2, "{t}");
         }
+    }
+
+    /// What speculative verification checks drafts against is what a plain
+    /// draw follows: same support, same probabilities.
+    #[test]
+    fn the_distribution_is_what_draws_follow() {
+        let logits = [2.0f32, 1.5, 1.0, 0.2, -1.0, -3.0];
+        let params = SamplingParams {
+            temperature: 0.7,
+            top_k: 4,
+            top_p: 0.9,
+            seed: Some(3),
+            ..Default::default()
+        };
+        let mut s = sampler(params);
+        let p = s.distribution(&logits);
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        assert_eq!(p[4], 0.0, "outside top-k");
+        let n = 50_000;
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[s.sample(&logits).token as usize] += 1;
+        }
+        for t in 0..6 {
+            let f = counts[t] as f32 / n as f32;
+            assert!((f - p[t]).abs() < 0.01, "token {t}: {f} vs {}", p[t]);
+        }
+        let greedy = sampler(SamplingParams::default()).distribution(&logits);
+        assert_eq!(greedy, vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]

@@ -197,6 +197,21 @@ impl SynthConfig {
 
     /// Writes the checkpoint into `dir` (created if needed).
     pub fn write(&self, dir: &Path, seed: u64, dtype: DType) -> Result<()> {
+        self.write_scaled(dir, seed, dtype, |_| 1.0)
+    }
+
+    /// As [`SynthConfig::write`], with each weight matrix multiplied by
+    /// `scale(name)` (norms are left at one). Damping the residual outputs
+    /// (`o_proj`, `down_proj`) of later layers makes a model whose first
+    /// layers already decide its tokens: an aligned target for an
+    /// early-exit draft in the speculative-decoding benchmark.
+    pub fn write_scaled(
+        &self,
+        dir: &Path,
+        seed: u64,
+        dtype: DType,
+        scale: impl Fn(&str) -> f32,
+    ) -> Result<()> {
         if self.num_heads == 0
             || self.num_kv_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_heads)
@@ -219,7 +234,8 @@ impl SynthConfig {
             let values: Vec<f32> = if is_norm {
                 vec![1.0; n]
             } else {
-                (0..n).map(|_| 0.02 * normal(&mut rng)).collect()
+                let s = 0.02 * scale(&name);
+                (0..n).map(|_| s * normal(&mut rng)).collect()
             };
             let bytes: Vec<u8> = match dtype {
                 DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),

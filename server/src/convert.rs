@@ -138,6 +138,13 @@ fn summary_to_proto(s: RequestSummary) -> v1::Finished {
             tpot_s: secs(s.timings.tpot),
             e2e_s: s.timings.e2e.as_secs_f64(),
         }),
+        speculation: (s.speculation.drafted > 0).then(|| v1::Speculation {
+            drafted_tokens: s.speculation.drafted,
+            accepted_tokens: s.speculation.accepted,
+            verifications: s.speculation.verifications,
+            acceptance_rate: s.speculation.acceptance_rate(),
+            mean_accepted_length: s.speculation.mean_accepted_len(),
+        }),
     }
 }
 

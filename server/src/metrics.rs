@@ -226,5 +226,42 @@ pub fn register_engine(registry: &Registry, engine: EngineHandle) {
             &[],
             st.computed_tokens as f64,
         );
+        let spec = st.speculation;
+        s.counter(
+            "tandem_spec_drafted_tokens_total",
+            "Speculative decoding: drafted tokens sent for verification.",
+            &[],
+            spec.drafted as f64,
+        );
+        s.counter(
+            "tandem_spec_accepted_tokens_total",
+            "Speculative decoding: drafted tokens the target accepted.",
+            &[],
+            spec.accepted as f64,
+        );
+        s.counter(
+            "tandem_spec_verifications_total",
+            "Speculative decoding: sequences' drafts scored in one forward pass.",
+            &[],
+            spec.verifications as f64,
+        );
+        s.gauge(
+            "tandem_spec_acceptance_rate",
+            "Accepted over drafted tokens since start.",
+            &[],
+            spec.acceptance_rate(),
+        );
+        s.gauge(
+            "tandem_spec_mean_accepted_length",
+            "Drafts accepted per verification since start.",
+            &[],
+            spec.mean_accepted_len(),
+        );
+        s.gauge(
+            "tandem_spec_draft_kv_blocks_used",
+            "KV blocks the draft model holds in its own pool.",
+            &[],
+            st.draft_blocks as f64,
+        );
     });
 }

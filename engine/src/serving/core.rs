@@ -5,6 +5,8 @@
 //! ([`super::EngineHandle`]) drives it, and tests drive it directly so they
 //! can check the block books after every step.
 
+mod speculation;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +19,7 @@ use crate::generate::FinishReason;
 use crate::kv_cache::{BlockAllocator, BlockId, CacheEvent, PrefixCacheStats};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler};
+use crate::speculative::SpecCounts;
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::{Grammars, MaskJob, MaskWorkers};
@@ -26,6 +29,7 @@ use super::request::{
     RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
 };
 use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
+use speculation::Speculation;
 
 /// How big the KV pool is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +110,10 @@ pub struct EngineStats {
     /// ... and the wall time of the latest step's masks (`None` when that
     /// step computed none).
     pub last_step_mask_time: Option<Duration>,
+    /// Speculative decoding: drafted and accepted tokens, verifications ...
+    pub speculation: SpecCounts,
+    /// ... and the KV blocks the drafter holds in its own pool.
+    pub draft_blocks: usize,
 }
 
 impl EngineStats {
@@ -166,6 +174,8 @@ struct Group {
     choices: Vec<ChoiceSummary>,
     /// Sequence ids of unfinished choices.
     live: Vec<SeqId>,
+    /// Speculative decoding over all its choices.
+    speculation: SpecCounts,
     /// The caller's span for the request ...
     span: tracing::Span,
     /// ... and the child span of its current phase: `queue` until
@@ -201,6 +211,8 @@ pub struct EngineCore {
     /// Compiles response formats; `None` without a tokenizer.
     grammars: Option<Arc<Grammars>>,
     masks: MaskWorkers,
+    /// The drafter, when speculative decoding is on.
+    spec: Option<Speculation>,
 }
 
 impl EngineCore {
@@ -321,12 +333,18 @@ impl EngineCore {
             kv_subscribers: Vec::new(),
             kv_event_seq: 0,
             stats,
+            spec: None,
         })
     }
 
     /// What requests must fit.
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The served model's configuration.
+    pub fn model_config(&self) -> &crate::ModelConfig {
+        self.backend.config()
     }
 
     /// The tokenizer, if the checkpoint has one.
@@ -426,6 +444,7 @@ impl EngineCore {
                 cached_tokens: 0,
                 choices: Vec::new(),
                 live: vec![seq_id],
+                speculation: SpecCounts::default(),
                 span,
                 phase,
             },
@@ -541,7 +560,11 @@ impl EngineCore {
     /// Runs one step. Does nothing when there is no work.
     pub fn step(&mut self) {
         self.stats.last_step_mask_time = None;
+        self.propose_drafts();
         let plan = self.scheduler.schedule();
+        for &seq in &plan.preempted {
+            self.release_draft_state(seq);
+        }
         let now = Instant::now();
         for &(seq, cached) in &plan.admitted {
             let Some(s) = self.scheduler.seq(seq) else {
@@ -682,6 +705,21 @@ impl EngineCore {
         let mut exports: Vec<ExportPlan> = Vec::new();
         // One span per prompt chunk in this forward pass, ended after it.
         let mut chunks: Vec<tracing::Span> = Vec::new();
+        // Speculating sequences run their pending token and their drafts,
+        // with logits for every row.
+        let speculating: HashMap<SeqId, Vec<u32>> = plan
+            .scheduled
+            .iter()
+            .filter_map(|s| {
+                let seq = self.scheduler.seq(s.seq)?;
+                if seq.draft.is_empty() {
+                    return None;
+                }
+                let mut tokens = seq.tokens[seq.num_computed..].to_vec();
+                tokens.extend(&seq.draft.tokens);
+                (tokens.len() == s.num_tokens).then_some((s.seq, tokens))
+            })
+            .collect();
         for s in &plan.scheduled {
             let seq = self
                 .scheduler
@@ -704,11 +742,18 @@ impl EngineCore {
             let table = seq.table.as_ref().ok_or_else(|| {
                 EngineError::InvalidRequest("scheduled sequence has no blocks".into())
             })?;
+            let (tokens, all_logits) = match speculating.get(&s.seq) {
+                Some(t) => (t.as_slice(), true),
+                None => (
+                    &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens],
+                    false,
+                ),
+            };
             inputs.push(SeqInput {
-                tokens: &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens],
+                tokens,
                 start_pos: seq.num_computed,
                 blocks: table.blocks(),
-                all_logits: false,
+                all_logits,
             });
             if let Some(ex) = &seq.export {
                 // The first step also sends blocks that were cached here.
@@ -781,6 +826,10 @@ impl EngineCore {
                 let group = seq.group;
                 self.finish_seq(s.seq, FinishReason::Length, None);
                 self.maybe_close(group);
+                continue;
+            }
+            if !seq.draft.is_empty() {
+                self.emit_verified(s.seq, logits.seq(i), logits.vocab());
                 continue;
             }
             let group_id = seq.group;
@@ -935,6 +984,7 @@ impl EngineCore {
         let Some(seq) = self.scheduler.remove(seq_id) else {
             return;
         };
+        self.release_draft_state(seq_id);
         let Some(g) = self.groups.get_mut(&seq.group) else {
             return;
         };
@@ -987,6 +1037,7 @@ impl EngineCore {
                 completion_tokens: g.choices.iter().map(|c| c.completion_tokens).sum(),
             },
             choices: g.choices,
+            speculation: g.speculation,
             timings: Timings {
                 queue: g.first_scheduled.map_or(end - g.arrival, |t| t - g.arrival),
                 ttft: g.first_token.map(|t| t - g.arrival),
@@ -1021,8 +1072,9 @@ impl EngineCore {
         let Some(g) = self.groups.remove(&group_id) else {
             return;
         };
-        for seq in &g.live {
-            self.scheduler.remove(*seq);
+        for &seq in &g.live {
+            self.scheduler.remove(seq);
+            self.release_draft_state(seq);
         }
         let _ = g.sink.send(RequestEvent::Error(msg.to_string()));
     }
@@ -1039,6 +1091,7 @@ impl EngineCore {
 
     fn refresh_gauges(&mut self) {
         self.publish_kv_events();
+        let draft_blocks = self.spec_held_blocks();
         let a = self.scheduler.allocator();
         let s = &mut self.stats;
         s.free_blocks = a.num_free();
@@ -1048,5 +1101,6 @@ impl EngineCore {
         s.waiting = self.scheduler.num_waiting();
         s.parked = self.scheduler.num_parked();
         s.preemptions = self.scheduler.preemptions();
+        s.draft_blocks = draft_blocks;
     }
 }

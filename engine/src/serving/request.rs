@@ -355,5 +355,7 @@ pub struct Timings {
 pub struct RequestSummary {
     pub choices: Vec<ChoiceSummary>,
     pub usage: Usage,
+    /// Speculative decoding over all choices (zeros when it was off).
+    pub speculation: crate::speculative::SpecCounts,
     pub timings: Timings,
 }

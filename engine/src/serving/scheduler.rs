@@ -24,6 +24,11 @@
 //! goes back to the front of the waiting queue. If it is the only one left,
 //! it preempts itself. Admission never preempts.
 //!
+//! A decoding sequence with drafted tokens ([`Sequence::draft`], speculative
+//! decoding) runs them with its next token: `1 + drafts` tokens, cut to the
+//! budget. After verification the engine rolls the rejected ones back
+//! ([`Scheduler::rollback`]), releasing blocks they alone used.
+//!
 //! **Architecture Invariant:** the scheduler does no arithmetic on K/V and
 //! knows nothing of the model; it moves block tables and token counts. A
 //! sequence's table always holds exactly `num_computed` tokens between steps.
@@ -34,6 +39,7 @@ use tandem_block_hash::{extend_block_hashes, BlockHash};
 
 use crate::kv_cache::{BlockAllocator, BlockCopy, BlockId, BlockTable, KvError};
 use crate::sampling::Sampler;
+use crate::speculative::{AdaptiveK, Draft};
 
 use super::output::TextOutput;
 use super::request::KvExport;
@@ -77,6 +83,10 @@ pub(crate) struct Sequence {
     /// The grammar state of a constrained choice. Taken out while its mask
     /// is computed on a mask thread, and put back before sampling.
     pub constraint: Option<Box<tandem_structured::Constraint>>,
+    /// Tokens drafted to verify with the next one (speculative decoding).
+    pub draft: Draft,
+    /// This choice's draft-length controller.
+    pub adaptive: AdaptiveK,
 }
 
 /// Where a prefill-only sequence's blocks go.
@@ -110,6 +120,8 @@ impl Sequence {
             remote_min_uncached: None,
             export: None,
             constraint: None,
+            draft: Draft::default(),
+            adaptive: AdaptiveK::default(),
         }
     }
 
@@ -130,7 +142,7 @@ impl Sequence {
         self.export.is_none() && self.num_computed + num_tokens >= self.tokens.len()
     }
 
-    fn is_decoding(&self) -> bool {
+    pub fn is_decoding(&self) -> bool {
         self.num_computed >= self.prompt_len && self.tokens.len() - self.num_computed == 1
     }
 }
@@ -292,6 +304,8 @@ impl Scheduler {
             export: None,
             // Same place in the grammar, its own parser.
             constraint: p.constraint.as_ref().map(|c| Box::new(c.fork())),
+            draft: Draft::default(),
+            adaptive: AdaptiveK::default(),
         };
         self.seqs.insert(id, child);
         self.running.push(id);
@@ -310,6 +324,7 @@ impl Scheduler {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.table = None;
             seq.num_computed = 0;
+            seq.draft.clear();
         }
         self.running.retain(|&s| s != id);
         self.waiting.push_front(id);
@@ -326,7 +341,7 @@ impl Scheduler {
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let id = self.running[i];
-                let Some(seq) = self.seqs.get(&id) else {
+                let Some(seq) = self.seqs.get_mut(&id) else {
                     i += 1;
                     continue;
                 };
@@ -334,9 +349,11 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
-                let n = (seq.tokens.len() - seq.num_computed)
+                let n = (seq.tokens.len() - seq.num_computed + seq.draft.len())
                     .min(budget)
                     .min(self.cfg.max_prefill_chunk);
+                // Drafts that do not fit this step are dropped.
+                seq.draft.truncate(n.saturating_sub(1));
                 if n == 0 {
                     i += 1;
                     continue;
@@ -460,6 +477,37 @@ impl Scheduler {
                 num_tokens: n,
             });
             budget -= n;
+        }
+    }
+
+    /// The sequences with these ids, mutably (unknown ids are skipped).
+    pub fn seqs_mut(&mut self, ids: &[SeqId]) -> Vec<(SeqId, &mut Sequence)> {
+        let wanted: HashSet<SeqId> = ids.iter().copied().collect();
+        self.seqs
+            .iter_mut()
+            .filter(|(id, _)| wanted.contains(id))
+            .map(|(&id, s)| (id, s))
+            .collect()
+    }
+
+    /// Running sequences that decode next step (one pending token each).
+    pub fn running_decodes(&self) -> Vec<SeqId> {
+        self.running
+            .iter()
+            .copied()
+            .filter(|id| self.seqs.get(id).is_some_and(Sequence::is_decoding))
+            .collect()
+    }
+
+    /// Forgets the last `n` computed tokens of a sequence (rejected drafts):
+    /// blocks they alone filled go back to the pool.
+    pub fn rollback(&mut self, id: SeqId, n: usize) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            let n = n.min(seq.num_computed);
+            seq.num_computed -= n;
+            if let Some(t) = seq.table.as_mut() {
+                t.truncate(n);
+            }
         }
     }
 

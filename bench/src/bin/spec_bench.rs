@@ -1,0 +1,450 @@
+//! What speculative decoding buys: single-stream decode speed and
+//! acceptance for each drafter against `k`, and batch-32 throughput with
+//! adaptive speculation against none.
+//!
+//! ```text
+//! cargo run --release -p tandem-bench --bin spec-bench -- --out spec.json
+//! ```
+//!
+//! Without `--model` it generates the `bench-100m` preset (≈88M params,
+//! bf16). The drafters: prompt lookup (`ngram`) and draft models made of the
+//! target's first `L` layers (`early-exit-L`: same embedding, final norm and
+//! head). Each run drives an [`EngineCore`] directly: the requests are
+//! admitted and prefilled, then the decode phase is timed until every
+//! sequence has its `--tokens` tokens. Greedy decoding throughout, and every
+//! speculative run's tokens are checked against the plain run's
+//! (`same_tokens`).
+//!
+//! Two targets. `random` is the preset as generated: its layers are
+//! unrelated random maps, so its first layers predict nothing of its output
+//! and no draft model at hand agrees with it (a random-weight checkpoint has
+//! no trained smaller sibling). `aligned` is the same random draws with the
+//! residual outputs (`o_proj`, `down_proj`) of every layer from
+//! `--aligned-layers` on damped by `--aligned-damping`, so its first layers
+//! decide most of its tokens, as a trained model's early layers often do
+//! (the premise of LayerSkip-style self-speculation). Its shapes, and so its
+//! cost per step, are the random target's; it stands in for a real aligned
+//! pair, and its acceptance rate is reported with every number.
+//!
+//! The prompt is a random 16-token phrase repeated: prompt lookup needs
+//! repetition to find anything, and how often a random model's continuation
+//! repeats is what it is (reported as the acceptance rate).
+//!
+//! Batch 32: plain, speculation as configured by default (adaptive `k`, off
+//! while the step's decode rows would exceed the memory-bound limit — 32
+//! sequences leave no room, so it stands down), and `forced` (the row limit
+//! lifted) to show what leaving it on would cost. Every comparison is a
+//! plain run and a speculative run back to back, repeated `--reps` times;
+//! the median ratio is reported (the machine is shared and drifts).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Parser;
+use serde_json::{json, Value};
+use tandem_engine::serving::{EngineConfig, EngineCore, KvPoolSize, Prompt, Request, RequestEvent};
+use tandem_engine::speculative::{
+    DraftModelDrafter, Drafter, NgramDrafter, SpecCounts, SpeculativeConfig,
+};
+use tandem_engine::{CpuBackend, Model};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+#[derive(Parser, Debug)]
+#[command(about = "tandem speculative-decoding benchmark (JSON output)")]
+struct Args {
+    /// Checkpoint directory (default: generate bench-100m in bf16).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Draft lengths to try single-stream.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,6")]
+    ks: Vec<usize>,
+    /// Early-exit draft models: the target's first L layers.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    draft_layers: Vec<usize>,
+    /// The large batch.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Tokens per sequence in the batch runs.
+    #[arg(long, default_value_t = 48)]
+    batch_tokens: usize,
+    /// The aligned target: layers from this one on are damped ...
+    #[arg(long, default_value_t = 1)]
+    aligned_layers: usize,
+    /// ... by this factor on their residual outputs.
+    #[arg(long, default_value_t = 0.005)]
+    aligned_damping: f64,
+    /// Repetitions of every comparison (median ratio reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Write the JSON here as well as to stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// Which drafter a run uses.
+#[derive(Debug, Clone, Copy)]
+enum Method {
+    Plain,
+    Ngram,
+    EarlyExit(usize),
+}
+
+impl Method {
+    fn name(self) -> String {
+        match self {
+            Self::Plain => "plain".into(),
+            Self::Ngram => "ngram".into(),
+            Self::EarlyExit(l) => format!("early-exit-{l}"),
+        }
+    }
+}
+
+struct Outcome {
+    tok_s: f64,
+    tokens: Vec<Vec<u32>>,
+    counts: SpecCounts,
+    draft_cost: f64,
+}
+
+fn engine(dir: &std::path::Path, method: Method, spec: SpeculativeConfig) -> Result<EngineCore> {
+    let config = EngineConfig {
+        kv_pool: KvPoolSize::Bytes(1 << 30),
+        ..EngineConfig::default()
+    };
+    let mut core = EngineCore::new(Model::load(dir)?, None, Vec::new(), &config)?;
+    let drafter: Box<dyn Drafter> = match method {
+        Method::Plain => return Ok(core),
+        Method::Ngram => Box::new(NgramDrafter::default()),
+        Method::EarlyExit(layers) => {
+            let mut draft = Model::load(dir)?;
+            draft.truncate_layers(layers)?;
+            let limits = core.limits();
+            let backend = CpuBackend::new(draft, limits.block_size, limits.num_blocks);
+            Box::new(DraftModelDrafter::new(
+                Box::new(backend),
+                core.model_config(),
+            )?)
+        }
+    };
+    core.enable_speculation(drafter, spec)?;
+    Ok(core)
+}
+
+/// A random phrase of 16 tokens repeated four times, different per request.
+fn prompt(i: usize, vocab: usize) -> Vec<u32> {
+    let mut x = 0x9e37_79b9_u64.wrapping_mul(i as u64 + 1);
+    let phrase: Vec<u32> = (0..16)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % (vocab as u64 - 1)) as u32 + 1
+        })
+        .collect();
+    phrase.repeat(4)
+}
+
+fn drain(rx: &mut UnboundedReceiver<RequestEvent>, out: &mut Vec<u32>) -> Result<()> {
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            RequestEvent::Delta(d) => out.extend(d.token_ids),
+            RequestEvent::Error(e) => bail!("request failed: {e}"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Prefills `batch` requests, then times decoding to `tokens` each.
+fn decode(mut core: EngineCore, batch: usize, tokens: usize) -> Result<Outcome> {
+    let vocab = core.model_config().vocab_size;
+    let mut rxs = Vec::new();
+    for i in 0..batch {
+        let mut req = Request::new(Prompt::Tokens(prompt(i, vocab)), tokens);
+        req.ignore_eos = true;
+        let (tx, rx) = unbounded_channel();
+        core.add_request(i as u64, req, tx)?;
+        rxs.push(rx);
+    }
+    let mut out = vec![Vec::new(); batch];
+    // Prefill until every request has its first token.
+    let mut guard = 0;
+    while out.iter().any(Vec::is_empty) {
+        core.step();
+        for (rx, o) in rxs.iter_mut().zip(&mut out) {
+            drain(rx, o)?;
+        }
+        guard += 1;
+        if guard > 10_000 {
+            bail!("prefill did not finish");
+        }
+    }
+    let before: usize = out.iter().map(Vec::len).sum();
+    let t0 = Instant::now();
+    while core.has_work() {
+        core.step();
+        guard += 1;
+        if guard > 1_000_000 {
+            bail!("decode did not finish");
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    for (rx, o) in rxs.iter_mut().zip(&mut out) {
+        drain(rx, o)?;
+    }
+    let after: usize = out.iter().map(Vec::len).sum();
+    Ok(Outcome {
+        tok_s: (after - before) as f64 / secs,
+        tokens: out,
+        counts: core.speculation_counts(),
+        draft_cost: 0.0,
+    })
+}
+
+fn run(
+    dir: &std::path::Path,
+    method: Method,
+    spec: SpeculativeConfig,
+    batch: usize,
+    tokens: usize,
+) -> Result<Outcome> {
+    let core = engine(dir, method, spec)?;
+    let mut o = decode(core, batch, tokens)?;
+    if let Method::EarlyExit(l) = method {
+        let target = Model::load(dir)?;
+        let mut draft = Model::load(dir)?;
+        draft.truncate_layers(l)?;
+        let backend = CpuBackend::new(draft, 16, 1);
+        o.draft_cost = DraftModelDrafter::new(Box::new(backend), target.config())?.cost_per_token();
+    }
+    Ok(o)
+}
+
+/// The single-stream sweep on one target: each drafter at each fixed `k`
+/// and adaptive, every run paired with a plain run just before it (the
+/// machine is shared and drifts); the median ratio over `reps` pairs.
+fn single_stream(
+    label: &str,
+    dir: &std::path::Path,
+    methods: &[Method],
+    ks: &[usize],
+    tokens: usize,
+    reps: usize,
+) -> Result<Vec<Value>> {
+    let reference = run(dir, Method::Plain, fixed(1), 1, tokens)?;
+    let mut rows = Vec::new();
+    let max_k = ks.iter().copied().max().unwrap_or(4);
+    for &method in methods {
+        let mut configs: Vec<(String, SpeculativeConfig)> =
+            ks.iter().map(|&k| (k.to_string(), fixed(k))).collect();
+        configs.push((
+            format!("adaptive<={max_k}"),
+            SpeculativeConfig {
+                adaptive: true,
+                ..fixed(max_k)
+            },
+        ));
+        for (k, spec) in configs {
+            let (mut ratios, mut plain_tok_s, mut spec_tok_s) =
+                (Vec::new(), Vec::new(), Vec::new());
+            let mut last = None;
+            for _ in 0..reps.max(1) {
+                let plain = run(dir, Method::Plain, fixed(1), 1, tokens)?;
+                let o = run(dir, method, spec.clone(), 1, tokens)?;
+                ratios.push(o.tok_s / plain.tok_s);
+                plain_tok_s.push(plain.tok_s);
+                spec_tok_s.push(o.tok_s);
+                last = Some(o);
+            }
+            let Some(o) = last else {
+                continue;
+            };
+            let c = o.counts;
+            let same = o.tokens == reference.tokens;
+            let speedup = median(ratios.clone());
+            eprintln!(
+                "{label}: single stream, {} k={k}: {:.1} tok/s vs {:.1} plain ({speedup:.2}x), \
+                 acceptance {:.2}, mean accepted {:.2}, same tokens {same}",
+                method.name(),
+                median(spec_tok_s.clone()),
+                median(plain_tok_s.clone()),
+                c.acceptance_rate(),
+                c.mean_accepted_len()
+            );
+            rows.push(json!({
+                "target": label,
+                "drafter": method.name(),
+                "k": k,
+                "draft_cost_per_token": o.draft_cost,
+                "tok_s": median(spec_tok_s),
+                "plain_tok_s": median(plain_tok_s),
+                "speedup": speedup,
+                "speedups": ratios,
+                "acceptance_rate": c.acceptance_rate(),
+                "mean_accepted_len": c.mean_accepted_len(),
+                "drafted": c.drafted,
+                "accepted": c.accepted,
+                "verifications": c.verifications,
+                "same_tokens": same,
+            }));
+        }
+    }
+    Ok(rows)
+}
+
+/// Fixed `k`, no batch limit.
+fn fixed(k: usize) -> SpeculativeConfig {
+    SpeculativeConfig {
+        num_speculative_tokens: k,
+        adaptive: false,
+        max_batch_rows: usize::MAX,
+        ..SpeculativeConfig::default()
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let dir = model.dir.as_path();
+    let mut methods = vec![Method::Ngram];
+    methods.extend(args.draft_layers.iter().map(|&l| Method::EarlyExit(l)));
+    let mut single = single_stream("random", dir, &methods, &args.ks, args.tokens, args.reps)?;
+
+    // The aligned pair: the same random draws, with every layer from
+    // `aligned_layers` on contributing `aligned_damping` times as much to
+    // the residual stream, so its first layers (the draft) decide most of
+    // its tokens. Same shapes, so the target costs what it did.
+    let aligned = tempfile::tempdir()?;
+    let l = args.aligned_layers;
+    let damping = args.aligned_damping as f32;
+    tandem_engine::synth::preset("bench-100m")?.write_scaled(
+        aligned.path(),
+        0,
+        tandem_engine::DType::Bf16,
+        |name| {
+            let late = name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+                .is_some_and(|i| i >= l);
+            if late && (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")) {
+                damping
+            } else {
+                1.0
+            }
+        },
+    )?;
+    let aligned_methods = [Method::Ngram, Method::EarlyExit(l)];
+    single.extend(single_stream(
+        "aligned",
+        aligned.path(),
+        &aligned_methods,
+        &args.ks,
+        args.tokens,
+        args.reps,
+    )?);
+
+    // Batch runs, interleaved and repeated (the machine is shared): the
+    // median ratio to the plain run of the same repetition.
+    let mut batched = Vec::new();
+    for (label, target) in [("random", dir), ("aligned", aligned.path())] {
+        let variants: Vec<(Method, &str, SpeculativeConfig)> =
+            [Method::Ngram, Method::EarlyExit(l)]
+                .into_iter()
+                .flat_map(|m| {
+                    [
+                        (m, "adaptive", SpeculativeConfig::default()),
+                        (
+                            m,
+                            "forced",
+                            SpeculativeConfig {
+                                max_batch_rows: usize::MAX,
+                                ..SpeculativeConfig::default()
+                            },
+                        ),
+                    ]
+                })
+                .collect();
+        let mut plain_tok_s = Vec::new();
+        let mut ratios = vec![Vec::new(); variants.len()];
+        let mut last = vec![None; variants.len()];
+        for rep in 0..args.reps {
+            let plain = run(
+                target,
+                Method::Plain,
+                fixed(1),
+                args.batch,
+                args.batch_tokens,
+            )?;
+            plain_tok_s.push(plain.tok_s);
+            for (i, (method, mode, spec)) in variants.iter().enumerate() {
+                let o = run(target, *method, spec.clone(), args.batch, args.batch_tokens)?;
+                eprintln!(
+                    "{label}: batch {} rep {rep}, {} {mode}: {:.1} tok/s ({:.3}x plain {:.1}), \
+                     drafted {}, same tokens {}",
+                    args.batch,
+                    method.name(),
+                    o.tok_s,
+                    o.tok_s / plain.tok_s,
+                    plain.tok_s,
+                    o.counts.drafted,
+                    o.tokens == plain.tokens
+                );
+                ratios[i].push(o.tok_s / plain.tok_s);
+                last[i] = Some((o.tok_s, o.counts, o.tokens == plain.tokens));
+            }
+        }
+        batched.push(json!({
+            "target": label, "drafter": "plain", "mode": "none",
+            "tok_s": median(plain_tok_s), "ratio": 1.0,
+        }));
+        for (i, (method, mode, _)) in variants.iter().enumerate() {
+            let Some((tok_s, counts, same)) = last[i] else {
+                continue;
+            };
+            batched.push(json!({
+                "target": label,
+                "drafter": method.name(),
+                "mode": mode,
+                "tok_s_last": tok_s,
+                "ratio_median": median(ratios[i].clone()),
+                "ratios": ratios[i],
+                "drafted": counts.drafted,
+                "acceptance_rate": counts.acceptance_rate(),
+                "same_tokens": same,
+            }));
+        }
+    }
+
+    let report: Value = json!({
+        "bench": "speculative",
+        "model": dir.display().to_string(),
+        "threads": rayon_threads(),
+        "tokens": args.tokens,
+        "aligned": {"layers": l, "damping": args.aligned_damping},
+        "single_stream": single,
+        "batch": args.batch,
+        "batch_tokens": args.batch_tokens,
+        "reps": args.reps,
+        "batched": batched,
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    println!("{text}");
+    if let Some(path) = args.out {
+        std::fs::write(path, text)?;
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
