@@ -16,14 +16,20 @@ fn start(args: &[&str]) -> Started {
 }
 
 fn up(model: &Path, prefill: usize, decode: usize) -> Started {
-    start(&[
+    up_with(model, prefill, decode, &[])
+}
+
+/// `up` with `extra` flags.
+fn up_with(model: &Path, prefill: usize, decode: usize, extra: &[&str]) -> Started {
+    let (prefill, decode) = (prefill.to_string(), decode.to_string());
+    let mut args = vec![
         "up",
         "--model",
         model.to_str().expect("utf8"),
         "--prefill",
-        &prefill.to_string(),
+        &prefill,
         "--decode",
-        &decode.to_string(),
+        &decode,
         "--addr",
         "127.0.0.1:0",
         "--http-addr",
@@ -33,6 +39,24 @@ fn up(model: &Path, prefill: usize, decode: usize) -> Started {
         "--remote-prefill-threshold",
         "32",
         "--worker-arg=--batch-invariant",
+    ];
+    args.extend_from_slice(extra);
+    start(&args)
+}
+
+/// The colocated reference: `tandem serve`, batch invariant.
+fn serve(model: &Path) -> Started {
+    start(&[
+        "serve",
+        "--model",
+        model.to_str().expect("utf8"),
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--num-kv-blocks",
+        "2048",
+        "--batch-invariant",
     ])
 }
 
@@ -156,19 +180,7 @@ fn decode_worker(args: &[&str]) -> (KillOnDrop, String) {
 fn two_prefill_two_decode_workers_match_the_colocated_server() {
     let tmp = tempfile::tempdir().expect("tempdir");
     gen_model(tmp.path(), "tiny");
-    let model = tmp.path().to_str().expect("utf8");
-    let serve = start(&[
-        "serve",
-        "--model",
-        model,
-        "--addr",
-        "127.0.0.1:0",
-        "--http-addr",
-        "127.0.0.1:0",
-        "--num-kv-blocks",
-        "2048",
-        "--batch-invariant",
-    ]);
+    let serve = serve(tmp.path());
     let cluster = up(tmp.path(), 2, 2);
     assert_eq!((cluster.prefill.len(), cluster.decode.len()), (2, 2));
     let work = workload();
@@ -460,40 +472,17 @@ fn a_mismatched_worker_is_refused_and_a_cancelled_request_frees_both_workers() {
 fn speculating_decode_workers_give_the_same_tokens() {
     let tmp = tempfile::tempdir().expect("tempdir");
     gen_model(tmp.path(), "tiny");
-    let model = tmp.path().to_str().expect("utf8");
-    let serve = start(&[
-        "serve",
-        "--model",
-        model,
-        "--addr",
-        "127.0.0.1:0",
-        "--http-addr",
-        "127.0.0.1:0",
-        "--num-kv-blocks",
-        "2048",
-        "--batch-invariant",
-    ]);
-    let cluster = start(&[
-        "up",
-        "--model",
-        model,
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--addr",
-        "127.0.0.1:0",
-        "--http-addr",
-        "127.0.0.1:0",
-        "--kv-cache-memory",
-        "32MiB",
-        "--remote-prefill-threshold",
-        "32",
-        "--worker-arg=--batch-invariant",
-        "--decode-arg=--speculative=draft-model",
-        "--decode-arg=--draft-layers=1",
-        "--decode-arg=--no-adaptive-speculation",
-    ]);
+    let serve = serve(tmp.path());
+    let cluster = up_with(
+        tmp.path(),
+        1,
+        1,
+        &[
+            "--decode-arg=--speculative=draft-model",
+            "--decode-arg=--draft-layers=1",
+            "--decode-arg=--no-adaptive-speculation",
+        ],
+    );
     let work: Vec<(Vec<u32>, u32)> = workload().into_iter().take(12).collect();
     let rt = rt();
     let want = rt.block_on(run_all(&serve.addr, &work));

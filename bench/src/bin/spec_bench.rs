@@ -77,6 +77,12 @@ struct Args {
     /// ... by this factor on their residual outputs.
     #[arg(long, default_value_t = 0.005)]
     aligned_damping: f64,
+    /// A separate draft model for the `--model` target.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Skip the aligned stand-in target.
+    #[arg(long)]
+    no_aligned: bool,
     /// Repetitions of every comparison (median ratio reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -86,20 +92,41 @@ struct Args {
 }
 
 /// Which drafter a run uses.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Method {
     Plain,
     Ngram,
+    /// The target's first `L` layers.
     EarlyExit(usize),
+    /// A separate draft checkpoint.
+    Draft(PathBuf),
 }
 
 impl Method {
-    fn name(self) -> String {
+    fn name(&self) -> String {
         match self {
             Self::Plain => "plain".into(),
             Self::Ngram => "ngram".into(),
             Self::EarlyExit(l) => format!("early-exit-{l}"),
+            Self::Draft(d) => format!(
+                "draft:{}",
+                d.file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+            ),
         }
+    }
+
+    /// The draft model this method runs, if any.
+    fn draft_model(&self, target: &std::path::Path) -> Result<Option<Model>> {
+        Ok(match self {
+            Self::Plain | Self::Ngram => None,
+            Self::EarlyExit(layers) => {
+                let mut draft = Model::load(target)?;
+                draft.truncate_layers(*layers)?;
+                Some(draft)
+            }
+            Self::Draft(dir) => Some(Model::load(dir)?),
+        })
     }
 }
 
@@ -110,18 +137,15 @@ struct Outcome {
     draft_cost: f64,
 }
 
-fn engine(dir: &std::path::Path, method: Method, spec: SpeculativeConfig) -> Result<EngineCore> {
+fn engine(dir: &std::path::Path, method: &Method, spec: SpeculativeConfig) -> Result<EngineCore> {
     let config = EngineConfig {
         kv_pool: KvPoolSize::Bytes(1 << 30),
         ..EngineConfig::default()
     };
     let mut core = EngineCore::new(Model::load(dir)?, None, Vec::new(), &config)?;
-    let drafter: Box<dyn Drafter> = match method {
-        Method::Plain => return Ok(core),
-        Method::Ngram => Box::new(NgramDrafter::default()),
-        Method::EarlyExit(layers) => {
-            let mut draft = Model::load(dir)?;
-            draft.truncate_layers(layers)?;
+    let drafter: Box<dyn Drafter> = match (method, method.draft_model(dir)?) {
+        (Method::Plain, _) => return Ok(core),
+        (_, Some(draft)) => {
             let limits = core.limits();
             let backend = CpuBackend::new(draft, limits.block_size, limits.num_blocks);
             Box::new(DraftModelDrafter::new(
@@ -129,6 +153,7 @@ fn engine(dir: &std::path::Path, method: Method, spec: SpeculativeConfig) -> Res
                 core.model_config(),
             )?)
         }
+        (_, None) => Box::new(NgramDrafter::default()),
     };
     core.enable_speculation(drafter, spec)?;
     Ok(core)
@@ -207,17 +232,15 @@ fn decode(mut core: EngineCore, batch: usize, tokens: usize) -> Result<Outcome> 
 
 fn run(
     dir: &std::path::Path,
-    method: Method,
+    method: &Method,
     spec: SpeculativeConfig,
     batch: usize,
     tokens: usize,
 ) -> Result<Outcome> {
     let core = engine(dir, method, spec)?;
     let mut o = decode(core, batch, tokens)?;
-    if let Method::EarlyExit(l) = method {
+    if let Some(draft) = method.draft_model(dir)? {
         let target = Model::load(dir)?;
-        let mut draft = Model::load(dir)?;
-        draft.truncate_layers(l)?;
         let backend = CpuBackend::new(draft, 16, 1);
         o.draft_cost = DraftModelDrafter::new(Box::new(backend), target.config())?.cost_per_token();
     }
@@ -235,10 +258,10 @@ fn single_stream(
     tokens: usize,
     reps: usize,
 ) -> Result<Vec<Value>> {
-    let reference = run(dir, Method::Plain, fixed(1), 1, tokens)?;
+    let reference = run(dir, &Method::Plain, fixed(1), 1, tokens)?;
     let mut rows = Vec::new();
     let max_k = ks.iter().copied().max().unwrap_or(4);
-    for &method in methods {
+    for method in methods {
         let mut configs: Vec<(String, SpeculativeConfig)> =
             ks.iter().map(|&k| (k.to_string(), fixed(k))).collect();
         configs.push((
@@ -253,7 +276,7 @@ fn single_stream(
                 (Vec::new(), Vec::new(), Vec::new());
             let mut last = None;
             for _ in 0..reps.max(1) {
-                let plain = run(dir, Method::Plain, fixed(1), 1, tokens)?;
+                let plain = run(dir, &Method::Plain, fixed(1), 1, tokens)?;
                 let o = run(dir, method, spec.clone(), 1, tokens)?;
                 ratios.push(o.tok_s / plain.tok_s);
                 plain_tok_s.push(plain.tok_s);
@@ -311,23 +334,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
-    let dir = model.dir.as_path();
-    let mut methods = vec![Method::Ngram];
-    methods.extend(args.draft_layers.iter().map(|&l| Method::EarlyExit(l)));
-    let mut single = single_stream("random", dir, &methods, &args.ks, args.tokens, args.reps)?;
-
-    // The aligned pair: the same random draws, with every layer from
-    // `aligned_layers` on contributing `aligned_damping` times as much to
-    // the residual stream, so its first layers (the draft) decide most of
-    // its tokens. Same shapes, so the target costs what it did.
-    let aligned = tempfile::tempdir()?;
-    let l = args.aligned_layers;
-    let damping = args.aligned_damping as f32;
+/// The aligned stand-in: the preset's random draws with every layer from
+/// `layers` on contributing `damping` times as much to the residual stream,
+/// so its first layers decide most of its tokens. Same shapes, same cost.
+fn write_aligned(dir: &std::path::Path, layers: usize, damping: f32) -> Result<()> {
     tandem_engine::synth::preset("bench-100m")?.write_scaled(
-        aligned.path(),
+        dir,
         0,
         tandem_engine::DType::Bf16,
         |name| {
@@ -335,7 +347,7 @@ fn main() -> Result<()> {
                 .strip_prefix("model.layers.")
                 .and_then(|r| r.split('.').next())
                 .and_then(|i| i.parse::<usize>().ok())
-                .is_some_and(|i| i >= l);
+                .is_some_and(|i| i >= layers);
             if late && (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")) {
                 damping
             } else {
@@ -343,99 +355,149 @@ fn main() -> Result<()> {
             }
         },
     )?;
-    let aligned_methods = [Method::Ngram, Method::EarlyExit(l)];
-    single.extend(single_stream(
-        "aligned",
-        aligned.path(),
-        &aligned_methods,
-        &args.ks,
-        args.tokens,
-        args.reps,
-    )?);
+    Ok(())
+}
 
-    // Batch runs, interleaved and repeated (the machine is shared): the
-    // median ratio to the plain run of the same repetition.
-    let mut batched = Vec::new();
-    for (label, target) in [("random", dir), ("aligned", aligned.path())] {
-        let variants: Vec<(Method, &str, SpeculativeConfig)> =
-            [Method::Ngram, Method::EarlyExit(l)]
-                .into_iter()
-                .flat_map(|m| {
-                    [
-                        (m, "adaptive", SpeculativeConfig::default()),
-                        (
-                            m,
-                            "forced",
-                            SpeculativeConfig {
-                                max_batch_rows: usize::MAX,
-                                ..SpeculativeConfig::default()
-                            },
-                        ),
-                    ]
-                })
-                .collect();
-        let mut plain_tok_s = Vec::new();
-        let mut ratios = vec![Vec::new(); variants.len()];
-        let mut last = vec![None; variants.len()];
-        for rep in 0..args.reps {
-            let plain = run(
-                target,
-                Method::Plain,
-                fixed(1),
+/// Batch runs, interleaved and repeated (the machine is shared): the
+/// median ratio to the plain run of the same repetition.
+fn batched(
+    label: &str,
+    target: &std::path::Path,
+    methods: &[Method],
+    args: &Args,
+) -> Result<Vec<Value>> {
+    let variants: Vec<(Method, &str, SpeculativeConfig)> = methods
+        .iter()
+        .flat_map(|m| {
+            [
+                (m.clone(), "adaptive", SpeculativeConfig::default()),
+                (
+                    m.clone(),
+                    "forced",
+                    SpeculativeConfig {
+                        max_batch_rows: usize::MAX,
+                        ..SpeculativeConfig::default()
+                    },
+                ),
+            ]
+        })
+        .collect();
+    let mut plain_tok_s = Vec::new();
+    let mut ratios = vec![Vec::new(); variants.len()];
+    let mut last = vec![None; variants.len()];
+    for rep in 0..args.reps {
+        let plain = run(
+            target,
+            &Method::Plain,
+            fixed(1),
+            args.batch,
+            args.batch_tokens,
+        )?;
+        plain_tok_s.push(plain.tok_s);
+        for (i, (method, mode, spec)) in variants.iter().enumerate() {
+            let o = run(target, method, spec.clone(), args.batch, args.batch_tokens)?;
+            eprintln!(
+                "{label}: batch {} rep {rep}, {} {mode}: {:.1} tok/s ({:.3}x plain {:.1}), \
+                 drafted {}, same tokens {}",
                 args.batch,
-                args.batch_tokens,
-            )?;
-            plain_tok_s.push(plain.tok_s);
-            for (i, (method, mode, spec)) in variants.iter().enumerate() {
-                let o = run(target, *method, spec.clone(), args.batch, args.batch_tokens)?;
-                eprintln!(
-                    "{label}: batch {} rep {rep}, {} {mode}: {:.1} tok/s ({:.3}x plain {:.1}), \
-                     drafted {}, same tokens {}",
-                    args.batch,
-                    method.name(),
-                    o.tok_s,
-                    o.tok_s / plain.tok_s,
-                    plain.tok_s,
-                    o.counts.drafted,
-                    o.tokens == plain.tokens
-                );
-                ratios[i].push(o.tok_s / plain.tok_s);
-                last[i] = Some((o.tok_s, o.counts, o.tokens == plain.tokens));
-            }
+                method.name(),
+                o.tok_s,
+                o.tok_s / plain.tok_s,
+                plain.tok_s,
+                o.counts.drafted,
+                o.tokens == plain.tokens
+            );
+            ratios[i].push(o.tok_s / plain.tok_s);
+            last[i] = Some((o.tok_s, o.counts, o.tokens == plain.tokens));
         }
-        batched.push(json!({
-            "target": label, "drafter": "plain", "mode": "none",
-            "tok_s": median(plain_tok_s), "ratio": 1.0,
+    }
+    let mut rows = vec![json!({
+        "target": label, "drafter": "plain", "mode": "none",
+        "tok_s": median(plain_tok_s), "ratio": 1.0,
+    })];
+    for (i, (method, mode, _)) in variants.iter().enumerate() {
+        let Some((tok_s, counts, same)) = last[i] else {
+            continue;
+        };
+        rows.push(json!({
+            "target": label,
+            "drafter": method.name(),
+            "mode": mode,
+            "tok_s_last": tok_s,
+            "ratio_median": median(ratios[i].clone()),
+            "ratios": ratios[i],
+            "drafted": counts.drafted,
+            "acceptance_rate": counts.acceptance_rate(),
+            "same_tokens": same,
         }));
-        for (i, (method, mode, _)) in variants.iter().enumerate() {
-            let Some((tok_s, counts, same)) = last[i] else {
-                continue;
-            };
-            batched.push(json!({
-                "target": label,
-                "drafter": method.name(),
-                "mode": mode,
-                "tok_s_last": tok_s,
-                "ratio_median": median(ratios[i].clone()),
-                "ratios": ratios[i],
-                "drafted": counts.drafted,
-                "acceptance_rate": counts.acceptance_rate(),
-                "same_tokens": same,
-            }));
-        }
+    }
+    Ok(rows)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
+    let label = if args.model.is_some() {
+        "given"
+    } else {
+        "random"
+    };
+    let mut methods = vec![Method::Ngram];
+    methods.extend(args.draft_layers.iter().map(|&l| Method::EarlyExit(l)));
+    if let Some(d) = &args.draft_model {
+        methods.push(Method::Draft(d.clone()));
+    }
+    let l = args.aligned_layers;
+    let aligned = tempfile::tempdir()?;
+    let mut targets: Vec<(&str, &std::path::Path, Vec<Method>)> =
+        vec![(label, model.dir.as_path(), methods)];
+    if !args.no_aligned {
+        write_aligned(aligned.path(), l, args.aligned_damping as f32)?;
+        targets.push((
+            "aligned",
+            aligned.path(),
+            vec![Method::Ngram, Method::EarlyExit(l)],
+        ));
+    }
+    let mut single = Vec::new();
+    for (label, dir, methods) in &targets {
+        single.extend(single_stream(
+            label,
+            dir,
+            methods,
+            &args.ks,
+            args.tokens,
+            args.reps,
+        )?);
+    }
+    // The batch runs: prompt lookup and the cheapest model drafter (the
+    // first `--draft-layers`, and `--draft-model`).
+    let mut batch_rows = Vec::new();
+    let cheapest = args.draft_layers.first().copied();
+    for (label, dir, methods) in &targets {
+        let pick: Vec<Method> = methods
+            .iter()
+            .filter(|m| match m {
+                Method::EarlyExit(x) => *label == "aligned" || Some(*x) == cheapest,
+                _ => true,
+            })
+            .cloned()
+            .collect();
+        batch_rows.extend(batched(label, dir, &pick, &args)?);
     }
 
     let report: Value = json!({
         "bench": "speculative",
-        "model": dir.display().to_string(),
+        "model": model.dir.display().to_string(),
+        "draft_model": args.draft_model.as_ref().map(|d| d.display().to_string()),
         "threads": rayon_threads(),
         "tokens": args.tokens,
-        "aligned": {"layers": l, "damping": args.aligned_damping},
+        "aligned": (!args.no_aligned).then(|| json!({"layers": l, "damping": args.aligned_damping})),
         "single_stream": single,
         "batch": args.batch,
         "batch_tokens": args.batch_tokens,
         "reps": args.reps,
-        "batched": batched,
+        "batched": batch_rows,
     });
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
