@@ -717,7 +717,7 @@ impl EngineCore {
                 }
                 let mut tokens = seq.tokens[seq.num_computed..].to_vec();
                 tokens.extend(&seq.draft.tokens);
-                (tokens.len() == s.num_tokens).then_some((s.seq, tokens))
+                Some((s.seq, tokens))
             })
             .collect();
         for s in &plan.scheduled {
@@ -745,10 +745,21 @@ impl EngineCore {
             let (tokens, all_logits) = match speculating.get(&s.seq) {
                 Some(t) => (t.as_slice(), true),
                 None => (
-                    &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens],
+                    seq.tokens
+                        .get(seq.num_computed..seq.num_computed + s.num_tokens)
+                        .unwrap_or_default(),
                     false,
                 ),
             };
+            // The scheduler cuts drafts to the tokens it planned; anything
+            // else is a bug, refused rather than run on the wrong tokens.
+            if tokens.len() != s.num_tokens {
+                return Err(EngineError::InvalidRequest(format!(
+                    "planned {} tokens for a sequence with {} to run",
+                    s.num_tokens,
+                    tokens.len()
+                )));
+            }
             inputs.push(SeqInput {
                 tokens,
                 start_pos: seq.num_computed,
