@@ -34,6 +34,10 @@ pub struct EngineArgs {
     /// Bit-identical results whatever the batch (slower prefill; CPU only).
     #[arg(long)]
     batch_invariant: bool,
+    /// Most requests waiting for admission; more are refused with
+    /// RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.
+    #[arg(long, default_value_t = 1024)]
+    max_queued_requests: usize,
     /// Where the model runs. `cuda` needs a build with `--features cuda`
     /// and the CUDA 13 driver and libraries at run time.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
@@ -83,6 +87,7 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
             batch_invariant: self.batch_invariant,
+            max_queued_requests: Some(self.max_queued_requests),
         })
     }
 }

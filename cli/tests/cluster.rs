@@ -508,3 +508,39 @@ fn speculating_decode_workers_give_the_same_tokens() {
     assert!(drafted > 0.0, "the decode worker speculated");
     assert!(accepted <= drafted);
 }
+
+/// A client's deadline (`grpc-timeout`) reaches the decode worker through
+/// the router: the stream ends with DEADLINE_EXCEEDED and the worker frees
+/// the request's blocks.
+#[test]
+fn a_client_deadline_is_propagated_and_frees_the_workers() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    gen_model(tmp.path(), "small");
+    let cluster = up(tmp.path(), 0, 1);
+    rt().block_on(async {
+        let mut c = GenerationClient::connect(format!("http://{}", cluster.addr))
+            .await
+            .expect("connect");
+        let mut req = tonic::Request::new(v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                ids: (1..100).collect(),
+            })),
+            max_tokens: Some(1900),
+            ignore_eos: true,
+            ..Default::default()
+        });
+        req.set_timeout(Duration::from_millis(400));
+        let started = Instant::now();
+        let mut stream = c.generate(req).await.expect("call").into_inner();
+        let status = loop {
+            match stream.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("1900 tokens ended before a 400 ms deadline"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        all_blocks_free(&cluster).await;
+    });
+}

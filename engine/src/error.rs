@@ -45,6 +45,16 @@ pub enum EngineError {
         device: &'static str,
         message: String,
     },
+    /// The engine's queue is full: the request was not taken. Try again
+    /// after `retry_after` (servers answer RESOURCE_EXHAUSTED / HTTP 429).
+    #[error(
+        "the engine is full ({queued} requests queued, limit {limit}); retry in {retry_after:?}"
+    )]
+    Overloaded {
+        queued: usize,
+        limit: usize,
+        retry_after: std::time::Duration,
+    },
     /// The KV cache pool cannot satisfy an allocation.
     #[error(transparent)]
     Kv(#[from] crate::kv_cache::KvError),

@@ -16,6 +16,9 @@ pub struct ApiError {
     pub param: Option<&'static str>,
     /// OpenAI's machine-readable code, e.g. `model_not_found`.
     pub code: Option<&'static str>,
+    /// Seconds to wait before retrying (a 429 from a full engine queue):
+    /// sent as the `Retry-After` header.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -26,6 +29,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -44,6 +48,7 @@ impl ApiError {
             message: format!("The model `{model}` does not exist."),
             param: Some("model"),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
 
@@ -54,6 +59,7 @@ impl ApiError {
             message: format!("No route for {path}."),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -94,18 +100,31 @@ impl From<tonic::Status> for ApiError {
             Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        // The engine's retry hint (`retry-after` metadata, whole seconds).
+        let retry_after = s
+            .metadata()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
         Self {
             status,
             message: s.message().to_string(),
             param: None,
             code: None,
+            retry_after,
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -127,6 +146,18 @@ mod tests {
             assert_eq!(e.status.as_u16(), http, "{code:?}");
             assert_eq!(e.message, "m");
         }
+    }
+
+    #[test]
+    fn a_full_queue_is_a_429_with_retry_after() {
+        let mut s = tonic::Status::resource_exhausted("full");
+        s.metadata_mut()
+            .insert("retry-after", tonic::metadata::MetadataValue::from(3u64));
+        let e = ApiError::from(s);
+        assert_eq!((e.status.as_u16(), e.retry_after), (429, Some(3)));
+        assert_eq!(e.kind(), "rate_limit_error");
+        let r = e.into_response();
+        assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "3");
     }
 
     #[test]

@@ -166,6 +166,7 @@ impl OpenAi {
                     message: format!("{method} is not allowed on {}.", uri.path()),
                     param: None,
                     code: None,
+                    retry_after: None,
                 }
             })
             .with_state(self.inner.clone())

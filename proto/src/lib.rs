@@ -21,6 +21,8 @@
 //! `Removed`, `Cleared` by chained block hash, with sequence numbers), and
 //! the decode-to-prefill `Prefill` call. Users never see it.
 
+pub mod deadline;
+
 /// The public `tandem.v1` API: messages, the `Generation` client and server.
 pub mod v1 {
     // Generated code: its doc comments come from the .proto.

@@ -126,24 +126,14 @@ impl Proxy {
                 None
             }
             Err(status) => {
-                self.end("error");
+                self.end(outcome_of(&status));
                 tracing::warn!(
                     parent: &self.span,
                     decode = %self.decode.addr,
                     error = %status.message(),
                     "decode worker failed the request"
                 );
-                if matches!(
-                    status.code(),
-                    Code::Unavailable | Code::Unknown | Code::Internal
-                ) {
-                    self.decode.mark_down();
-                }
-                Some(Err(Status::unavailable(format!(
-                    "decode worker {}: {}",
-                    self.decode.addr,
-                    status.message()
-                ))))
+                Some(Err(upstream_status(&self.decode, status)))
             }
         }
     }
@@ -154,6 +144,38 @@ impl Drop for Proxy {
         if !self.ended {
             self.end("cancelled");
         }
+    }
+}
+
+/// What the client sees of a decode worker's error. The request's own
+/// verdicts pass through with their metadata (a bad argument, a full queue
+/// with its `retry-after`, a passed deadline); anything else means the
+/// worker failed: it is marked down if it looks gone, and the client gets
+/// UNAVAILABLE naming it.
+fn upstream_status(decode: &Worker, status: Status) -> Status {
+    match status.code() {
+        Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => status,
+        code => {
+            if matches!(code, Code::Unavailable | Code::Unknown | Code::Internal) {
+                decode.mark_down();
+            }
+            Status::unavailable(format!(
+                "decode worker {}: {}",
+                decode.addr,
+                status.message()
+            ))
+        }
+    }
+}
+
+/// The `outcome` label of a request that ended with `status`.
+fn outcome_of(status: &Status) -> &'static str {
+    match status.code() {
+        Code::InvalidArgument => "invalid",
+        Code::ResourceExhausted => "overloaded",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::Unavailable => "unavailable",
+        _ => "error",
     }
 }
 
@@ -199,13 +221,12 @@ impl v1::generation_server::Generation for RouterService {
             outcome = tracing::field::Empty,
         );
         tandem_telemetry::propagation::set_parent(&span, request.metadata());
-        let result = self.route(request.into_inner(), &span, started).await;
+        let timeout = tandem_proto::deadline::grpc_timeout(request.metadata());
+        let result = self
+            .route(request.into_inner(), &span, started, timeout)
+            .await;
         if let Err(status) = &result {
-            let outcome = if status.code() == Code::InvalidArgument {
-                "invalid"
-            } else {
-                "unavailable"
-            };
+            let outcome = outcome_of(status);
             self.metrics.request(outcome);
             span.record("outcome", outcome);
             tracing::debug!(parent: &span, error = %status.message(), "request refused");
@@ -222,6 +243,7 @@ impl RouterService {
         mut req: v1::GenerateRequest,
         span: &tracing::Span,
         started: Instant,
+        timeout: Option<std::time::Duration>,
     ) -> Result<Response<ResponseStream>, Status> {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
@@ -344,6 +366,17 @@ impl RouterService {
             forward.metadata_mut().insert(PREFILL_HEADER, v);
         }
         tandem_telemetry::propagation::inject(span, forward.metadata_mut());
+        // The worker gets what is left of the client's deadline and ends the
+        // stream itself when it passes.
+        if let Some(t) = timeout {
+            let left = t.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Status::deadline_exceeded(
+                    "the request's deadline (grpc-timeout) passed while routing",
+                ));
+            }
+            forward.set_timeout(left);
+        }
         let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
         let prefill_load = prefill
             .as_ref()
@@ -351,15 +384,7 @@ impl RouterService {
         let mut client = GenerationClient::new(decode.channel.clone());
         let upstream = match client.generate(forward).await {
             Ok(r) => r.into_inner(),
-            Err(status) if status.code() == Code::InvalidArgument => return Err(status),
-            Err(status) => {
-                decode.mark_down();
-                return Err(Status::unavailable(format!(
-                    "decode worker {}: {}",
-                    decode.addr,
-                    status.message()
-                )));
-            }
+            Err(status) => return Err(upstream_status(&decode, status)),
         };
         let proxy = Proxy {
             upstream,

@@ -26,6 +26,10 @@ pub enum Outcome {
     Error,
     /// The client left (or the call was dropped) before the end.
     Cancelled,
+    /// Refused: the engine's queue was full (RESOURCE_EXHAUSTED).
+    Overloaded,
+    /// The client's deadline passed first (DEADLINE_EXCEEDED).
+    DeadlineExceeded,
 }
 
 impl Outcome {
@@ -35,6 +39,8 @@ impl Outcome {
             Self::Invalid => "invalid",
             Self::Error => "error",
             Self::Cancelled => "cancelled",
+            Self::Overloaded => "overloaded",
+            Self::DeadlineExceeded => "deadline_exceeded",
         }
     }
 }

@@ -23,7 +23,7 @@ use tandem_engine::serving::{
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
-use tonic::metadata::MetadataMap;
+use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Request, Response, Status};
 
 use crate::convert::{event_to_proto, request_from_proto};
@@ -111,11 +111,24 @@ impl GenerationService {
     }
 }
 
-/// Maps an engine error to a gRPC status.
+/// The metadata key of a refusal's retry hint, in whole seconds (as HTTP's
+/// `Retry-After`).
+pub const RETRY_AFTER_HEADER: &str = "retry-after";
+
+/// Maps an engine error to a gRPC status. A full queue is
+/// RESOURCE_EXHAUSTED with a `retry-after` hint.
 pub fn status_from_engine(e: EngineError) -> Status {
     match e {
         EngineError::InvalidRequest(msg) => Status::invalid_argument(msg),
         EngineError::Tokenizer(msg) => Status::invalid_argument(format!("prompt: {msg}")),
+        EngineError::Overloaded { retry_after, .. } => {
+            let mut status = Status::resource_exhausted(e.to_string());
+            let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+            status
+                .metadata_mut()
+                .insert(RETRY_AFTER_HEADER, MetadataValue::from(secs));
+            status
+        }
         other => Status::internal(other.to_string()),
     }
 }
@@ -135,6 +148,9 @@ struct CallState {
     /// The call's span: ends when the stream is dropped.
     span: tracing::Span,
     metrics: Arc<ServingMetrics>,
+    /// The client's deadline (`grpc-timeout`): past it the stream ends with
+    /// DEADLINE_EXCEEDED and dropping the state aborts the request.
+    deadline: Option<tokio::time::Instant>,
 }
 
 impl CallState {
@@ -157,8 +173,28 @@ impl Drop for CallState {
 }
 
 impl CallState {
-    /// The next message for the client, handling remote-prefill events.
+    /// The next message for the client, or DEADLINE_EXCEEDED once the
+    /// client's deadline has passed.
     async fn next(&mut self) -> Option<Result<v1::GenerateResponse, Status>> {
+        let Some(deadline) = self.deadline else {
+            return self.next_event().await;
+        };
+        match tokio::time::timeout_at(deadline, self.next_event()).await {
+            Ok(item) => item,
+            Err(_) if self.ended => None,
+            Err(_) => {
+                self.end(Outcome::DeadlineExceeded);
+                self.events.abort();
+                tracing::debug!(parent: &self.span, "deadline exceeded");
+                Some(Err(Status::deadline_exceeded(
+                    "the request's deadline (grpc-timeout) passed before it ended",
+                )))
+            }
+        }
+    }
+
+    /// The next message for the client, handling remote-prefill events.
+    async fn next_event(&mut self) -> Option<Result<v1::GenerateResponse, Status>> {
         if self.ended {
             return None;
         }
@@ -219,6 +255,8 @@ impl v1::generation_server::Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let metadata = request.metadata().clone();
+        let deadline = tandem_proto::deadline::grpc_timeout(&metadata)
+            .map(|t| tokio::time::Instant::now() + t);
         let span = tracing::info_span!(
             "generate",
             otel.kind = "server",
@@ -253,6 +291,7 @@ impl v1::generation_server::Generation for GenerationService {
             Err(e) => {
                 let outcome = match e {
                     EngineError::InvalidRequest(_) | EngineError::Tokenizer(_) => Outcome::Invalid,
+                    EngineError::Overloaded { .. } => Outcome::Overloaded,
                     _ => Outcome::Error,
                 };
                 self.metrics.ended(outcome);
@@ -272,6 +311,7 @@ impl v1::generation_server::Generation for GenerationService {
             prefills: Vec::new(),
             span,
             metrics: self.metrics.clone(),
+            deadline,
         };
         // The state moves into the response stream: when tonic drops it (the
         // call ends or the client goes away), the request is aborted.

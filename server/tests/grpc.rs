@@ -22,6 +22,10 @@ async fn start() -> Server {
 }
 
 async fn start_with(model: synth::SynthConfig) -> Server {
+    start_config(model, &EngineConfig::default()).await
+}
+
+async fn start_config(model: synth::SynthConfig, config: &EngineConfig) -> Server {
     let tmp = tempfile::tempdir().expect("tempdir");
     model.write(tmp.path(), 5, DType::F32).expect("write");
     let ck = Checkpoint::open(tmp.path()).expect("open");
@@ -29,7 +33,7 @@ async fn start_with(model: synth::SynthConfig) -> Server {
         ck.model,
         ck.tokenizer.map(Arc::new),
         ck.eos_token_ids,
-        &EngineConfig::default(),
+        config,
     )
     .expect("core");
     let handle = EngineHandle::spawn(core).expect("spawn");
@@ -353,4 +357,96 @@ async fn n_choices_stream_by_index() {
     let f = finished.expect("finished");
     assert_eq!(f.choices.len(), 3);
     assert_eq!(f.usage.expect("usage").completion_tokens, 15);
+}
+
+/// A model slow enough that a long request is still running while the
+/// test looks at it.
+fn slow_model() -> synth::SynthConfig {
+    synth::SynthConfig {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 4,
+        max_position_embeddings: 4096,
+        ..synth::preset("tiny").expect("preset")
+    }
+}
+
+async fn wait_until_idle(handle: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = handle.stats();
+        if st.running == 0 && st.waiting == 0 && st.free_blocks == st.num_blocks {
+            return;
+        }
+        assert!(Instant::now() < deadline, "requests not aborted: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_is_resource_exhausted_with_a_retry_hint() {
+    let config = EngineConfig {
+        max_num_seqs: 1,
+        max_queued_requests: Some(2),
+        ..EngineConfig::default()
+    };
+    let s = start_config(slow_model(), &config).await;
+    let mut c = client(&s.url).await;
+    // One runs, two wait: the fourth (or, while the first is still on its
+    // way in, the third) is refused.
+    let mut accepted = Vec::new();
+    let refused = loop {
+        assert!(accepted.len() < 6, "never refused");
+        match c.generate(tokens(vec![1, 2, 3], 3000)).await {
+            Ok(r) => accepted.push(r.into_inner()),
+            Err(status) => break status,
+        }
+    };
+    assert!((2..=3).contains(&accepted.len()), "{}", accepted.len());
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("queued"),
+        "{}",
+        refused.message()
+    );
+    let hint = refused
+        .metadata()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert_eq!(hint, Some(1));
+    // Freed queue slots take requests again.
+    drop(accepted);
+    wait_until_idle(&s.handle).await;
+    let mut ok = c
+        .generate(tokens(vec![1, 2, 3], 2))
+        .await
+        .expect("accepted after the queue drained")
+        .into_inner();
+    while ok.message().await.expect("message").is_some() {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_deadline_ends_the_stream_and_frees_the_blocks() {
+    let s = start_with(slow_model()).await;
+    let mut c = client(&s.url).await;
+    let mut req = tonic::Request::new(tokens((0..200).collect(), 3000));
+    req.set_timeout(Duration::from_millis(300));
+    let started = Instant::now();
+    let mut stream = c.generate(req).await.expect("call").into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("3000 tokens ended before a 300 ms deadline"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    wait_until_idle(&s.handle).await;
+    let computed = s.handle.stats().computed_tokens;
+    assert!(
+        computed < 200 + 3000 / 2,
+        "ran on after the deadline: {computed}"
+    );
 }

@@ -57,6 +57,10 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Bit-identical tokens whatever the batch (slower prefill).
     pub batch_invariant: bool,
+    /// Most requests waiting for admission; more are refused with
+    /// [`EngineError::Overloaded`] (`None`: unbounded). Enforced by
+    /// [`super::EngineHandle::submit`].
+    pub max_queued_requests: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +74,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             enable_prefix_caching: true,
             batch_invariant: false,
+            max_queued_requests: Some(1024),
         }
     }
 }
@@ -213,6 +218,7 @@ pub struct EngineCore {
     masks: MaskWorkers,
     /// The drafter, when speculative decoding is on.
     spec: Option<Speculation>,
+    max_queued: Option<usize>,
 }
 
 impl EngineCore {
@@ -254,9 +260,13 @@ impl EngineCore {
                 mc.max_position_embeddings
             )));
         }
-        if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 {
+        if config.max_num_batched_tokens == 0
+            || config.max_num_seqs == 0
+            || config.max_queued_requests == Some(0)
+        {
             return Err(EngineError::InvalidRequest(
-                "max_num_batched_tokens and max_num_seqs must be positive".into(),
+                "max_num_batched_tokens, max_num_seqs and max_queued_requests must be positive"
+                    .into(),
             ));
         }
         let layout = backend.kv_layout();
@@ -334,7 +344,18 @@ impl EngineCore {
             kv_event_seq: 0,
             stats,
             spec: None,
+            max_queued: config.max_queued_requests,
         })
+    }
+
+    /// Requests waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.num_waiting()
+    }
+
+    /// The admission queue's bound, if any.
+    pub fn max_queued_requests(&self) -> Option<usize> {
+        self.max_queued
     }
 
     /// What requests must fit.

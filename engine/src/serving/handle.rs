@@ -8,11 +8,19 @@
 //! channel, usable from async code (`next().await`) or plain threads
 //! (`blocking_next`). Dropping a [`RequestStream`] before its end aborts the
 //! request: a client that disconnects stops costing compute and blocks.
+//!
+//! The admission queue is bounded (`EngineConfig::max_queued_requests`):
+//! `submit` counts requests on their way to the engine thread plus those
+//! waiting there (published after every batch of commands and every step,
+//! before the in-flight count drops, so the count errs high) and refuses
+//! with [`EngineError::Overloaded`] once the bound is reached, rather than
+//! queueing without end.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -53,7 +61,17 @@ struct Shared {
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
     kv_pool_bytes: usize,
+    /// The admission queue's bound ...
+    max_queued: Option<usize>,
+    /// ... `Add` commands sent but not yet handled ...
+    in_flight: AtomicUsize,
+    /// ... and the engine's waiting requests, as last published.
+    waiting: AtomicUsize,
 }
+
+/// The retry hint of a refused request: about how long a full queue takes
+/// to move (a few steps of admissions), without promising anything.
+pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// A cloneable handle to an engine thread. The thread exits when every
 /// handle and stream is gone.
@@ -93,6 +111,9 @@ impl EngineHandle {
             stats: Mutex::new(core.stats()),
             next_id: AtomicU64::new(0),
             kv_pool_bytes: core.kv_pool_bytes(),
+            max_queued: core.max_queued_requests(),
+            in_flight: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
         });
         let (tx, rx) = mpsc::channel();
         let loop_shared = shared.clone();
@@ -139,15 +160,30 @@ impl EngineHandle {
             self.shared.grammars.as_deref(),
             &self.shared.limits,
         )?;
+        let queued = self.shared.in_flight.fetch_add(1, Ordering::AcqRel)
+            + self.shared.waiting.load(Ordering::Acquire);
+        if let Some(limit) = self.shared.max_queued.filter(|&l| queued >= l) {
+            self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::Overloaded {
+                queued,
+                limit,
+                retry_after: OVERLOAD_RETRY_AFTER,
+            });
+        }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (sink, events) = unbounded_channel();
-        self.commands
+        if self
+            .commands
             .send(Command::Add {
                 id,
                 req: Box::new(valid),
                 sink,
             })
-            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
+            .is_err()
+        {
+            self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::InvalidRequest("the engine has stopped".into()));
+        }
         Ok(RequestStream {
             id,
             events,
@@ -245,7 +281,9 @@ impl Drop for RequestStream {
     }
 }
 
-fn handle(core: &mut EngineCore, cmd: Command) {
+/// Applies one command; returns whether it added a request.
+fn handle(core: &mut EngineCore, cmd: Command) -> bool {
+    let added = matches!(cmd, Command::Add { .. });
     match cmd {
         Command::Add { id, req, sink } => core.add_valid(id, *req, sink),
         Command::Abort(id) => core.abort(id),
@@ -265,26 +303,39 @@ fn handle(core: &mut EngineCore, cmd: Command) {
         }
         Command::SubscribeKv(sink) => core.subscribe_kv_events(sink),
     }
+    added
+}
+
+/// Publishes the waiting count, then retires the adds it now includes (in
+/// that order, so `submit` never undercounts).
+fn publish_queue(core: &EngineCore, shared: &Shared, added: usize) {
+    shared.waiting.store(core.num_waiting(), Ordering::Release);
+    if added > 0 {
+        shared.in_flight.fetch_sub(added, Ordering::AcqRel);
+    }
 }
 
 fn run(mut core: EngineCore, commands: Receiver<Command>, shared: &Shared) {
     loop {
+        let mut added = 0;
         if !core.has_work() {
             // Idle: sleep until a command comes or every handle is gone.
             match commands.recv() {
-                Ok(cmd) => handle(&mut core, cmd),
+                Ok(cmd) => added += usize::from(handle(&mut core, cmd)),
                 Err(_) => return,
             }
         }
         loop {
             match commands.try_recv() {
-                Ok(cmd) => handle(&mut core, cmd),
+                Ok(cmd) => added += usize::from(handle(&mut core, cmd)),
                 Err(TryRecvError::Empty) => break,
                 // Nobody can read the results any more.
                 Err(TryRecvError::Disconnected) => return,
             }
         }
+        publish_queue(&core, shared, added);
         core.step();
+        publish_queue(&core, shared, 0);
         if let Ok(mut s) = shared.stats.lock() {
             *s = core.stats();
         }
