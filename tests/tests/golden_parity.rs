@@ -58,6 +58,12 @@ fn load(case: &str) -> (Checkpoint, Golden) {
 
 fn check_generation(case: &str, block_size: usize) -> f32 {
     let (ckpt, g) = load(case);
+    generation_error(case, &ckpt, &g, block_size)
+}
+
+/// Incremental greedy generation against `g`: the tokens must match; the
+/// worst chosen-token logprob difference.
+fn generation_error(case: &str, ckpt: &Checkpoint, g: &Golden, block_size: usize) -> f32 {
     let req = GenerateRequest {
         prompt_ids: g.prompt_ids.clone(),
         max_tokens: g.steps.len(),
@@ -96,6 +102,12 @@ fn check_generation(case: &str, block_size: usize) -> f32 {
 
 fn check_teacher_forced(case: &str) -> f32 {
     let (ckpt, g) = load(case);
+    teacher_forced_error(case, &ckpt, &g)
+}
+
+/// One forward over prompt and reference tokens against `g`: the worst
+/// difference over transformers' top tokens' logprobs.
+fn teacher_forced_error(case: &str, ckpt: &Checkpoint, g: &Golden) -> f32 {
     let mut ids = g.prompt_ids.clone();
     ids.extend(g.steps.iter().map(|s| s.token));
     let bs = 16;
