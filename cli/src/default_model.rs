@@ -1,13 +1,14 @@
-//! `tandem gen-model`, and the built-in default model used when no `--model`
-//! is given.
+//! `tandem gen-model`, and the built-in models used when no `--model` is
+//! given.
 //!
-//! Until trained default weights ship with the repo, the default is the
-//! `small` random preset, generated once into the user's cache directory
-//! (`$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`, overridable with
-//! `TANDEM_CACHE_DIR`). Generation is deterministic, so every machine gets the
-//! same model.
+//! The default model is `models/shakespeare-target` (a 5.5M-parameter Llama
+//! trained on Shakespeare, `models/README.md`) and its draft
+//! `models/shakespeare-draft`, compiled into the binary and written once into
+//! the user's cache directory (`$XDG_CACHE_HOME/tandem` or
+//! `~/.cache/tandem`, overridable with `TANDEM_CACHE_DIR`), so an installed
+//! binary needs no checkout and no download.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
@@ -73,8 +74,52 @@ pub fn run_gen_model(args: GenModelArgs) -> Result<()> {
     Ok(())
 }
 
-const DEFAULT_PRESET: &str = "small";
-const DEFAULT_SEED: u64 = 0;
+/// A checkpoint compiled into the binary: its files, written out to the
+/// cache on first use.
+struct Builtin {
+    /// The cache directory's name (bump the suffix when the weights change).
+    name: &'static str,
+    files: &'static [(&'static str, &'static [u8])],
+}
+
+macro_rules! builtin_files {
+    ($dir:literal) => {
+        &[
+            (
+                "config.json",
+                include_bytes!(concat!("../../models/", $dir, "/config.json")),
+            ),
+            (
+                "generation_config.json",
+                include_bytes!(concat!("../../models/", $dir, "/generation_config.json")),
+            ),
+            (
+                "model.safetensors",
+                include_bytes!(concat!("../../models/", $dir, "/model.safetensors")),
+            ),
+            (
+                "tokenizer.json",
+                include_bytes!(concat!("../../models/", $dir, "/tokenizer.json")),
+            ),
+            (
+                "tokenizer_config.json",
+                include_bytes!(concat!("../../models/", $dir, "/tokenizer_config.json")),
+            ),
+        ]
+    };
+}
+
+/// The built-in target: trained on Shakespeare (`models/README.md`).
+const TARGET: Builtin = Builtin {
+    name: "shakespeare-target-v1",
+    files: builtin_files!("shakespeare-target"),
+};
+
+/// Its draft model for speculative decoding.
+const DRAFT: Builtin = Builtin {
+    name: "shakespeare-draft-v1",
+    files: builtin_files!("shakespeare-draft"),
+};
 
 fn cache_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("TANDEM_CACHE_DIR") {
@@ -88,33 +133,49 @@ fn cache_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".cache").join("tandem"))
 }
 
-/// The directory of the built-in default model, generating it on first use.
+/// The directory of the built-in default model, written out on first use.
 pub fn default_model_dir() -> Result<PathBuf> {
-    let dir = cache_dir()?
-        .join("models")
-        .join(format!("{DEFAULT_PRESET}-seed{DEFAULT_SEED}-bf16"));
-    if !is_complete(&dir) {
+    install(&TARGET)
+}
+
+/// The built-in draft model of the default model (speculative decoding).
+pub fn default_draft_model_dir() -> Result<PathBuf> {
+    install(&DRAFT)
+}
+
+/// Whether `dir` is the built-in default model's directory (as `tandem up`
+/// passes it to its workers).
+pub fn is_default_model(dir: &std::path::Path) -> bool {
+    cache_dir().is_ok_and(|c| {
+        let builtin = c.join("models").join(TARGET.name);
+        match (builtin.canonicalize(), dir.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
+    })
+}
+
+fn install(model: &Builtin) -> Result<PathBuf> {
+    let dir = cache_dir()?.join("models").join(model.name);
+    let complete = model.files.iter().all(|(name, bytes)| {
+        std::fs::metadata(dir.join(name)).is_ok_and(|m| m.len() == bytes.len() as u64)
+    });
+    if !complete {
         eprintln!(
-            "generating the built-in default model ({DEFAULT_PRESET}, random weights) in {}",
+            "installing the built-in model {} in {}",
+            model.name,
             dir.display()
         );
         let tmp = dir.with_extension("partial");
         let _ = std::fs::remove_dir_all(&tmp);
-        synth::preset(DEFAULT_PRESET)?.write(&tmp, DEFAULT_SEED, DType::Bf16)?;
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        for (name, bytes) in model.files {
+            std::fs::write(tmp.join(name), bytes)
+                .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+        }
         // Rename last so an interrupted run never leaves a half model behind.
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir).with_context(|| format!("installing {}", dir.display()))?;
     }
     Ok(dir)
-}
-
-fn is_complete(dir: &Path) -> bool {
-    [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
-    .iter()
-    .all(|f| dir.join(f).is_file())
 }

@@ -125,7 +125,8 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
             EngineCore::with_backend(backend, tokenizer, ckpt.eos_token_ids, &config)?
         }
     };
-    args.speculative.apply(&mut core, &dir)?;
+    let builtin = crate::default_model::is_default_model(&dir);
+    args.speculative.apply(&mut core, &dir, builtin)?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
     let model_name = dir.file_name().map_or_else(
         || dir.display().to_string(),

@@ -14,7 +14,8 @@ pub struct SpeculativeArgs {
     #[arg(long, value_enum)]
     speculative: Option<SpeculativeMethod>,
     /// Draft model checkpoint (same vocabulary as the target); default: the
-    /// target itself, cut by `--draft-layers`. Runs on the CPU.
+    /// built-in draft when serving the built-in model, else the target
+    /// itself cut by `--draft-layers`. Runs on the CPU.
     #[arg(long, requires = "speculative")]
     draft_model: Option<std::path::PathBuf>,
     /// Keep only the draft model's first N layers (self-speculation when
@@ -41,8 +42,14 @@ pub enum SpeculativeMethod {
 }
 
 impl SpeculativeArgs {
-    /// Turns speculation on in `core` (serving `target_dir`) if asked.
-    pub fn apply(&self, core: &mut EngineCore, target_dir: &std::path::Path) -> Result<()> {
+    /// Turns speculation on in `core` (serving `target_dir`, the built-in
+    /// model when `builtin`) if asked.
+    pub fn apply(
+        &self,
+        core: &mut EngineCore,
+        target_dir: &std::path::Path,
+        builtin: bool,
+    ) -> Result<()> {
         let Some(method) = self.speculative else {
             return Ok(());
         };
@@ -62,13 +69,16 @@ impl SpeculativeArgs {
                 Box::new(NgramDrafter::default())
             }
             SpeculativeMethod::DraftModel => {
-                let dir = self.draft_model.as_deref().unwrap_or(target_dir);
-                if self.draft_model.is_none() && self.draft_layers.is_none() {
-                    bail!(
+                let dir = match (&self.draft_model, self.draft_layers) {
+                    (Some(d), _) => d.clone(),
+                    (None, Some(_)) => target_dir.to_path_buf(),
+                    (None, None) if builtin => crate::default_model::default_draft_model_dir()?,
+                    (None, None) => bail!(
                         "--speculative draft-model needs --draft-model DIR or --draft-layers N \
                          (the target's first N layers)"
-                    );
-                }
+                    ),
+                };
+                let dir = dir.as_path();
                 let mut draft = Model::load(dir)
                     .with_context(|| format!("loading the draft model from {}", dir.display()))?;
                 if let Some(n) = self.draft_layers {

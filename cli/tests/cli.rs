@@ -167,11 +167,16 @@ fn text_prompt_streams_text_and_default_model_works() {
         ],
         tmp.path(),
     ));
-    // BOS (256) then the bytes of "Hello".
-    assert_eq!(
-        j["prompt_ids"],
-        serde_json::json!([256, 72, 101, 108, 108, 111])
-    );
+    // The built-in model's tokenizer, installed in the cache: `<s>` (0)
+    // then "Hello".
+    let tok = tandem_engine::tokenizer::Tokenizer::from_file(
+        &tmp.path()
+            .join("models/shakespeare-target-v1/tokenizer.json"),
+    )
+    .expect("the built-in model is installed in the cache");
+    let ids = tok.encode("Hello").expect("encode");
+    assert_eq!(ids[0], 0, "<s> first");
+    assert_eq!(j["prompt_ids"], serde_json::json!(ids));
 }
 
 #[test]

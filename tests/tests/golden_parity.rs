@@ -10,6 +10,12 @@
 //!   greedy tokens must be identical and the chosen-token logprobs close;
 //! * one teacher-forced forward over prompt + reference tokens with logits at
 //!   every position: the logprobs of transformers' top tokens must be close.
+//!
+//! The built-in models (`models/shakespeare-*`, trained, committed) have
+//! their own fixtures from `models/make_golden.py` in
+//! `tests/fixtures/builtin/`, checked the same way, plus their tokenizer:
+//! the prompt text must encode to transformers' ids and the output decode to
+//! its text.
 
 use std::path::{Path, PathBuf};
 
@@ -32,6 +38,21 @@ struct Golden {
     dtype: String,
     prompt_ids: Vec<u32>,
     steps: Vec<Step>,
+    /// Built-in fixtures: the prompt as text, and transformers' decoding of
+    /// the greedy output.
+    #[serde(default)]
+    prompt_text: Option<String>,
+    #[serde(default)]
+    output_text: Option<String>,
+}
+
+/// A built-in model's fixture file.
+#[derive(Deserialize)]
+struct BuiltinFixture {
+    /// The checkpoint, relative to the repository root.
+    checkpoint: String,
+    dtype: String,
+    cases: Vec<Golden>,
 }
 
 /// Both references are f32 compute (see the fixture script), so the f32 bound
@@ -193,3 +214,39 @@ parity!(
     qwen2_bias,
     llama_tied
 );
+
+#[test]
+fn builtin_models_match_transformers() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for model in ["shakespeare-target", "shakespeare-draft"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/builtin")
+            .join(format!("{model}.json"));
+        let fixture: BuiltinFixture =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("fixture"))
+                .expect("fixture parses");
+        assert_eq!(fixture.dtype, "bf16");
+        assert!(fixture.cases.len() >= 3, "{model}: at least 3 prompts");
+        let ckpt = Checkpoint::open(&root.join(&fixture.checkpoint)).expect("checkpoint loads");
+        let tok = ckpt.tokenizer.as_ref().expect("a tokenizer");
+        for (i, g) in fixture.cases.iter().enumerate() {
+            let case = format!("{model}[{i}]");
+            let text = g.prompt_text.as_deref().expect("prompt_text");
+            assert_eq!(
+                tok.encode(text).expect("encode"),
+                g.prompt_ids,
+                "{case}: prompt ids"
+            );
+            let output: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
+            assert_eq!(
+                Some(tok.decode(&output).expect("decode")),
+                g.output_text,
+                "{case}: output text"
+            );
+            let gen4 = generation_error(&case, &ckpt, g, 4);
+            let gen16 = generation_error(&case, &ckpt, g, 16);
+            let tf = teacher_forced_error(&case, &ckpt, g);
+            eprintln!("{case}: max |Δlogprob| generate(bs=4) {gen4:.2e}, generate(bs=16) {gen16:.2e}, teacher-forced {tf:.2e}");
+        }
+    }
+}
