@@ -15,10 +15,14 @@ const TOKEN: &str = "cluster-a";
 
 /// Both transports, each with the bind address it listens on.
 fn transports() -> Vec<(Box<dyn Transport>, &'static str)> {
-    vec![
+    #[allow(unused_mut)]
+    let mut all: Vec<(Box<dyn Transport>, &'static str)> = vec![
         (Box::new(TcpTransport::new(TOKEN)), "127.0.0.1:0"),
         (Box::new(InProcTransport::new(TOKEN)), "inproc://"),
-    ]
+    ];
+    #[cfg(feature = "ucx")]
+    all.extend(common::ucx_transports(TOKEN));
+    all
 }
 
 async fn finish(session: &dyn Session, transfer: TransferId) -> Result<(), TransferError> {
