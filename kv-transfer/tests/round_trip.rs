@@ -121,6 +121,59 @@ async fn interleaved_transfers_on_one_session() {
     }
 }
 
+/// Many sessions to one listener, each driving transfers from its own
+/// tasks at once (what a prefill worker serving concurrent requests does):
+/// every block lands once, in order, in the right transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sessions_each_with_concurrent_transfers() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let transport: Arc<dyn Transport> = Arc::from(transport);
+        let sink = RecordingSink::new(1024);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let mut tasks = Vec::new();
+        for s in 0..6u64 {
+            let session: Arc<dyn Session> = Arc::from(
+                transport
+                    .connect(listener.endpoint(), l)
+                    .await
+                    .expect("connect"),
+            );
+            for j in 0..3u64 {
+                let session = session.clone();
+                let t = TransferId(s * 10 + j);
+                tasks.push(tokio::spawn(async move {
+                    let mut sent = Vec::new();
+                    for round in 0..4u32 {
+                        let blocks: Vec<BlockWrite> = (0..l.num_layers)
+                            .flat_map(|layer| {
+                                (0..3u32)
+                                    .map(move |b| (layer, (t.0 as u32 * 16 + round * 3 + b) % 1024))
+                            })
+                            .map(|(layer, dst)| block(&l, t.0, layer, dst))
+                            .collect();
+                        sent.extend(blocks.clone());
+                        session.write(t, blocks).await?;
+                        tokio::task::yield_now().await;
+                    }
+                    tokio::time::timeout(WAIT, session.finish(t))
+                        .await
+                        .map_err(|_| TransferError::Protocol("finish timed out".into()))??;
+                    Ok::<_, TransferError>((t, sent))
+                }));
+            }
+        }
+        for task in tasks {
+            let (t, sent) = task.await.expect("task").expect("transfer");
+            assert_delivered(&sink, t, &sent);
+        }
+        drop(listener);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_fails_the_transfer_on_both_sides() {
     let l = layout();

@@ -461,7 +461,9 @@ struct Flight {
     ep: EpId,
     stage: Stage,
     _puts: Vec<Put>,
-    header: [u8; AM_HEADER],
+    /// Boxed: UCX reads it until the send completes, and the flight itself
+    /// moves (into and within `Worker::flights`).
+    header: Box<[u8; AM_HEADER]>,
     body: Vec<u8>,
     reply: oneshot::Sender<Result<(), TransferError>>,
 }
@@ -476,6 +478,8 @@ struct Worker {
     next_ep: u64,
     flights: Vec<Flight>,
     closing: Vec<*mut c_void>,
+    /// Whether to ask for `UCP_ERR_HANDLING_MODE_PEER` (see `connect`).
+    peer_failure_handling: bool,
     /// Error cells of closed endpoints (see `close`).
     retired: Vec<Box<EpStatus>>,
     /// Owns the worker's context reference: the context is cleaned up
@@ -601,6 +605,7 @@ impl Worker {
             next_ep: 0,
             flights: Vec::new(),
             closing: Vec::new(),
+            peer_failure_handling: true,
             retired: Vec::new(),
             _ctx: ctx,
         };
@@ -642,18 +647,25 @@ impl Worker {
         Ok(worker)
     }
 
-    /// Opens an endpoint asking UCX to report peer failures; transports
-    /// that cannot (UCX 1.13's shared memory and TCP when connecting by
-    /// worker address) get one without, which is fine: the control
-    /// connection is how a dead peer is noticed anyway.
+    /// Opens an endpoint asking UCX to report peer failures; where the
+    /// transports cannot (UCX 1.13's shared memory when connecting by worker
+    /// address), one without, and the worker remembers that so UCX logs its
+    /// refusal once, not per connection. Either way the control connection
+    /// is how a dead peer is noticed.
     fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<EpId, TransferError> {
-        match self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_PEER) {
-            Err(TransferError::Config(first)) => {
-                tracing::debug!(error = %first, "UCX: no peer-failure handling, connecting without");
-                self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_NONE)
+        if self.peer_failure_handling {
+            match self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_PEER) {
+                Err(TransferError::Config(first)) => {
+                    tracing::info!(
+                        error = %first,
+                        "UCX: these transports cannot report peer failures; connecting without"
+                    );
+                    self.peer_failure_handling = false;
+                }
+                other => return other,
             }
-            other => other,
         }
+        self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_NONE)
     }
 
     fn connect_with(
@@ -778,7 +790,7 @@ impl Worker {
             ep: id,
             stage: Stage::Flushing(ptr::null_mut()),
             _puts: puts,
-            header,
+            header: Box::new(header),
             body,
             reply,
         };
@@ -800,8 +812,9 @@ impl Worker {
             return;
         };
         let param = request_param(sys::UCP_AM_SEND_FLAG_EAGER);
-        // SAFETY: valid endpoint; header and body stay alive in the flight
-        // until the send completes.
+        // SAFETY: valid endpoint; header (boxed) and body (a Vec) live on the
+        // heap, owned by the flight until the send completes, so they do not
+        // move when the flight does.
         let ptr = unsafe {
             sys::ucp_am_send_nbx(
                 entry.ep,
