@@ -1,6 +1,6 @@
 //! KV transfer bandwidth: the TCP transport, the UCX transport over UCX's
 //! TCP and over shared memory, and `ucx_perftest` (`ucp_put_bw`,
-//! `ucp_tag_bw`, client and server on loopback) as the ceiling, for block
+//! `tag_bw`, client and server on loopback) as the ceiling, for block
 //! batches of 1 to 64 MiB.
 //!
 //! ```text
@@ -286,7 +286,7 @@ fn main() -> Result<()> {
                         env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
                     (
                         Some(perftest(&args.perftest, "ucp_put_bw", bytes, &env)?),
-                        Some(perftest(&args.perftest, "ucp_tag_bw", bytes, &env)?),
+                        Some(perftest(&args.perftest, "tag_bw", bytes, &env)?),
                     )
                 }
                 None => (None, None),
