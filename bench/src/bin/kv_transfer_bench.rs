@@ -249,7 +249,8 @@ fn main() -> Result<()> {
     const UCX_TCP: &[(&str, &str)] = &[("TLS", "tcp"), ("NET_DEVICES", "lo")];
     const UCX_SM: &[(&str, &str)] = &[("TLS", "posix,cma,self")];
     type Make = Box<dyn Fn() -> Result<Box<dyn Transport>>>;
-    let transports: Vec<(&str, Make, Option<&[(&str, &str)]>)> = vec![
+    type Settings = &'static [(&'static str, &'static str)];
+    let transports: Vec<(&str, Make, Option<Settings>)> = vec![
         (
             "tcp",
             Box::new(|| Ok(Box::new(TcpTransport::new(TOKEN)) as Box<dyn Transport>)),

@@ -430,6 +430,7 @@ async fn await_reply(
     completions: &Completions,
 ) -> Result<(), TransferError> {
     tokio::select! {
+        biased;
         r = reply => r.map_err(|_| completions.dead_error())?,
         _ = dead.wait_for(|d| *d) => Err(completions.dead_error()),
     }
@@ -454,6 +455,7 @@ async fn write_loop(mut ctx: WriteCtx) {
                         let batch: Vec<BlockWrite> = blocks.by_ref().take(per_batch).collect();
                         let n = batch.len();
                         tokio::select! {
+                            biased;
                             permit = ctx.credits.acquire_many(n as u32) => match permit {
                                 Ok(p) => p.forget(),
                                 Err(_) => return Err(ctx.completions.dead_error()),

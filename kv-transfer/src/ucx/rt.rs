@@ -480,7 +480,9 @@ struct Worker {
     closing: Vec<*mut c_void>,
     /// Whether to ask for `UCP_ERR_HANDLING_MODE_PEER` (see `connect`).
     peer_failure_handling: bool,
-    /// Error cells of closed endpoints (see `close`).
+    /// Error cells of closed endpoints (see `close`); boxed because UCX
+    /// holds their addresses, which must not move when the Vec grows.
+    #[allow(clippy::vec_box)]
     retired: Vec<Box<EpStatus>>,
     /// Owns the worker's context reference: the context is cleaned up
     /// after the worker is destroyed.
