@@ -956,11 +956,8 @@ impl Worker {
                 busy = true;
             }
             busy |= self.poll_flights();
-            if busy || !self.flights.is_empty() {
+            if busy {
                 idle = 0;
-                if !busy {
-                    std::thread::yield_now();
-                }
                 continue;
             }
             idle += 1;
@@ -968,6 +965,14 @@ impl Worker {
                 continue;
             }
             idle = 0;
+            // Sleep until UCX or a command wakes us: briefly while
+            // operations are pending (in case a transport signals no
+            // event for them), long when idle.
+            let timeout_ms = if self.flights.is_empty() && self.closing.is_empty() {
+                100
+            } else {
+                1
+            };
             // SAFETY: valid worker on its own thread.
             if unsafe { sys::ucp_worker_arm(self.raw) } == sys::ucs_status_t::UCS_OK {
                 let mut fds = [
@@ -984,7 +989,7 @@ impl Worker {
                 ];
                 // SAFETY: two valid pollfds; the timeout bounds the sleep even
                 // if a transport signals no event.
-                unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+                unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
                 let mut counter = [0u8; 8];
                 // SAFETY: draining our non-blocking eventfd into a local.
                 unsafe { libc::read(wake.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
