@@ -19,8 +19,14 @@
 //! engine does. GB/s are 10^9 bytes per second of K+V payload.
 //!
 //! The UCX runs set `TLS` (and `NET_DEVICES=lo` for tcp) on their own
-//! contexts; `ucx_perftest` gets the same as `UCX_*` variables. Writes one
-//! JSON document and prints a table.
+//! contexts; `ucx_perftest` gets the same as `UCX_*` variables. The ceiling
+//! is the better of `ucp_put_bw` and `tag_bw` with one message of the
+//! batch's size; `ratio` is the transport (discard sink) over it. For
+//! information it also runs `ucp_put_bw` with 32 KiB messages (the size of
+//! the puts the transport issues); that one rewrites the same cache-resident
+//! 32 KiB every iteration, so on shared memory it measures the CPU cache, not
+//! a transfer, and is not used as the ceiling. Writes one JSON document and
+//! prints a table.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -272,17 +278,35 @@ fn main() -> Result<()> {
         "{:<8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8}",
         "wire", "MiB", "discard", "copy", "put_bw", "tag_bw", "ratio"
     );
+    let block_put = layout().block_layer_bytes();
     for (name, make, ucx_env) in &transports {
+        let env_of = |settings: Settings| -> Vec<(String, String)> {
+            settings
+                .iter()
+                .map(|(k, v)| (format!("UCX_{k}"), v.to_string()))
+                .collect()
+        };
+        let put_block = match ucx_env {
+            Some(settings) => {
+                let env = env_of(settings);
+                let env: Vec<(&str, &str)> =
+                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                let gbps = perftest(&args.perftest, "ucp_put_bw", block_put, &env)?;
+                println!(
+                    "{name:<8} ucp_put_bw of {block_put}-byte messages (cache-resident, \
+                     information only): {gbps:.2} GB/s"
+                );
+                Some(gbps)
+            }
+            None => None,
+        };
         for &mib in &args.sizes_mib {
             let bytes = mib << 20;
             let discard = rt.block_on(measure(make.as_ref(), bytes, false, args.seconds))?;
             let copy = rt.block_on(measure(make.as_ref(), bytes, true, args.seconds))?;
             let (put, tag) = match ucx_env {
                 Some(settings) => {
-                    let env: Vec<(String, String)> = settings
-                        .iter()
-                        .map(|(k, v)| (format!("UCX_{k}"), v.to_string()))
-                        .collect();
+                    let env = env_of(settings);
                     let env: Vec<(&str, &str)> =
                         env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
                     (
@@ -311,6 +335,8 @@ fn main() -> Result<()> {
                 "gbps_copy": copy,
                 "perftest_put_bw_gbps": put,
                 "perftest_tag_bw_gbps": tag,
+                "perftest_put_bw_block_gbps": put_block,
+                "ceiling_gbps": ceiling,
                 "fraction_of_perftest": ratio,
             }));
         }
