@@ -46,6 +46,11 @@ pub struct UpArgs {
     /// Remote prefill from this many uncached prompt tokens.
     #[arg(long, default_value_t = 256)]
     remote_prefill_threshold: usize,
+    /// How workers move KV blocks: `tcp` or `ucx` (passed to every worker
+    /// as `--kv-transport`; UCX reads `UCX_TLS` etc. from the environment,
+    /// which the workers inherit).
+    #[arg(long, default_value_t = tandem_kv_transfer::TransportKind::Tcp)]
+    kv_transport: tandem_kv_transfer::TransportKind,
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
@@ -324,6 +329,8 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             token.clone(),
             "--kv-cache-memory".into(),
             args.kv_cache_memory.clone(),
+            "--kv-transport".into(),
+            args.kv_transport.to_string(),
         ];
         a.extend(membership.iter().cloned());
         a.extend(common.iter().cloned());

@@ -39,6 +39,11 @@ pub struct WorkerArgs {
     /// pod's IP). Default: the bound address.
     #[arg(long, env = "TANDEM_ADVERTISE_HOST")]
     advertise_host: Option<String>,
+    /// How KV blocks move between prefill and decode workers: `tcp` or
+    /// `ucx` (UCX reads `UCX_TLS` and its other variables from the
+    /// environment). Every worker of a cluster must use the same.
+    #[arg(long, env = "TANDEM_KV_TRANSPORT", default_value_t = tandem_kv_transfer::TransportKind::Tcp)]
+    kv_transport: tandem_kv_transfer::TransportKind,
     /// Exit when standard input closes (set by `tandem up`, so workers die
     /// with it).
     #[arg(long, hide = true)]
@@ -166,6 +171,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             model: engine.model_name,
             cluster_token: args.cluster_token,
             advertise_host: args.advertise_host,
+            kv_transport: args.kv_transport,
         };
         tandem_prefill_worker::run(
             engine.handle,
@@ -197,6 +203,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             transfer_bind: args.transfer_addr,
             advertise_host: w.advertise_host,
             remote_prefill_threshold: args.remote_prefill_threshold,
+            kv_transport: w.kv_transport,
         };
         tandem_decode_worker::run(
             engine.handle,

@@ -274,6 +274,9 @@ pub struct DecodeWorkerConfig {
     pub advertise_host: Option<String>,
     /// Remote prefill only from this many uncached prompt tokens.
     pub remote_prefill_threshold: usize,
+    /// How KV blocks arrive (`--kv-transport`); prefill workers must use
+    /// the same.
+    pub kv_transport: tandem_kv_transfer::TransportKind,
 }
 
 /// Errors starting a decode worker.
@@ -295,11 +298,9 @@ pub async fn run(
     registry: &Registry,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), DecodeWorkerError> {
-    use tandem_kv_transfer::Transport;
-
     let layout = layout::descriptor(&kv_layout);
     let metrics = DecodeMetrics::register(registry);
-    let transport = tandem_kv_transfer::tcp::TcpTransport::new(config.cluster_token);
+    let transport = tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
     let listener = transport
         .listen(
             &config.transfer_bind,
@@ -311,7 +312,7 @@ pub async fn run(
         (Some(host), Ok(bound)) => tandem_server::advertised_addr(Some(host), bound),
         _ => listener.endpoint().to_string(),
     };
-    tracing::info!(%endpoint, "receiving KV blocks");
+    tracing::info!(%endpoint, transport = %config.kv_transport, "receiving KV blocks");
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,

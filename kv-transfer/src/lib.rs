@@ -3,9 +3,11 @@
 //! A prefill worker computes a prompt's KV cache and pushes it, block by
 //! block and layer by layer, into blocks the decode worker has allocated for
 //! the sequence. This crate is the pipe: the [`Transport`] trait and its
-//! implementations, [`tcp::TcpTransport`] (tokio, works everywhere) and
-//! [`inproc::InProcTransport`] (unit tests). UCX and NCCL implementations
-//! will sit behind the same trait.
+//! implementations, [`tcp::TcpTransport`] (tokio, works everywhere),
+//! `ucx::UcxTransport` (cargo feature `ucx`: RMA puts over UCX — RDMA,
+//! TCP or shared memory as `UCX_TLS` says) and [`inproc::InProcTransport`]
+//! (unit tests). [`TransportKind`] and [`transport`] pick one from
+//! configuration. An NCCL implementation would sit behind the same trait.
 //!
 //! **Architecture Invariant:** this crate knows block ids, layers and the
 //! [`KvLayoutDescriptor`], never the model, the scheduler or the engine; it
@@ -66,6 +68,8 @@ pub mod layout;
 mod protocol;
 mod session;
 pub mod tcp;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 use std::sync::Arc;
 
@@ -233,6 +237,66 @@ pub trait Session: Send + Sync + std::fmt::Debug {
     async fn abort(&self, transfer: TransferId) -> Result<(), TransferError>;
 }
 
+/// Which transport a worker moves KV blocks with (`--kv-transport`). Both
+/// ends of a transfer must use the same one; a mismatch is refused at the
+/// handshake with an error naming both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum TransportKind {
+    /// [`tcp::TcpTransport`].
+    #[default]
+    Tcp,
+    /// `ucx::UcxTransport` (needs the `ucx` cargo feature).
+    Ucx,
+}
+
+impl TransportKind {
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = TransferError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tcp" => Ok(TransportKind::Tcp),
+            "ucx" => Ok(TransportKind::Ucx),
+            other => Err(TransferError::Config(format!(
+                "unknown KV transport {other:?}; expected tcp or ucx"
+            ))),
+        }
+    }
+}
+
+/// Builds the transport `kind` names with `cluster_token`. UCX reads its
+/// own settings (`UCX_TLS`, ...) from the environment. An error when `kind`
+/// is UCX and this build lacks the `ucx` feature, or UCX cannot start.
+pub fn transport(
+    kind: TransportKind,
+    cluster_token: &str,
+) -> Result<Arc<dyn Transport>, TransferError> {
+    match kind {
+        TransportKind::Tcp => Ok(Arc::new(tcp::TcpTransport::new(cluster_token))),
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => Ok(Arc::new(ucx::UcxTransport::new(cluster_token)?)),
+        #[cfg(not(feature = "ucx"))]
+        TransportKind::Ucx => Err(TransferError::Config(
+            "this build has no UCX transport (rebuild with the `ucx` feature)".into(),
+        )),
+    }
+}
+
 /// Constant-time equality for the cluster token: the time taken depends on
 /// the lengths only, not on where the first differing byte is.
 pub(crate) fn token_eq(a: &[u8], b: &[u8]) -> bool {
@@ -256,5 +320,17 @@ mod tests {
         assert!(!token_eq(b"secret", b"secret2"));
         assert!(!token_eq(b"", b"x"));
         assert!(token_eq(b"", b""));
+    }
+
+    #[test]
+    fn transport_kind_parses_and_refuses_unknown_names() {
+        for kind in [TransportKind::Tcp, TransportKind::Ucx] {
+            assert_eq!(kind.as_str().parse::<TransportKind>(), Ok(kind));
+        }
+        let err = "rdma".parse::<TransportKind>();
+        assert!(
+            matches!(&err, Err(TransferError::Config(m)) if m.contains("tcp or ucx")),
+            "{err:?}"
+        );
     }
 }

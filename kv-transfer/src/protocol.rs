@@ -44,7 +44,11 @@ use std::io::IoSlice;
 
 use crate::{BlockWrite, KvLayoutDescriptor, TransferError, TransferId};
 
+/// The TCP transport's magic.
 pub(crate) const MAGIC: [u8; 8] = *b"TDMKVXF1";
+/// The UCX transport's magic: its control connection uses the same
+/// handshake, and a TCP peer meeting a UCX one is refused at the magic.
+pub(crate) const MAGIC_UCX: [u8; 8] = *b"TDMKVXU1";
 pub(crate) const VERSION: u16 = 1;
 pub(crate) const MAX_TOKEN_BYTES: usize = 1024;
 pub(crate) const HELLO_FIXED: usize = 8 + 2 + 2 + KvLayoutDescriptor::ENCODED_LEN;
@@ -74,9 +78,9 @@ pub(crate) const WRITE_FIXED: usize = 12;
 /// Bytes of one block's entry in a `WRITE` table.
 pub(crate) const WRITE_ENTRY: usize = 8;
 
-pub(crate) fn encode_hello(layout: &KvLayoutDescriptor, token: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_hello(magic: [u8; 8], layout: &KvLayoutDescriptor, token: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HELLO_FIXED + token.len());
-    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&magic);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&(token.len() as u16).to_le_bytes());
     out.extend_from_slice(&layout.encode());
@@ -87,12 +91,15 @@ pub(crate) fn encode_hello(layout: &KvLayoutDescriptor, token: &[u8]) -> Vec<u8>
 /// Parses the fixed part of a hello; returns it and the token length still to
 /// read.
 pub(crate) fn decode_hello_fixed(
+    magic: [u8; 8],
     bytes: &[u8; HELLO_FIXED],
 ) -> Result<(u16, Result<KvLayoutDescriptor, TransferError>, usize), TransferError> {
-    if bytes[0..8] != MAGIC {
-        return Err(TransferError::Protocol(
-            "the peer is not a tandem KV transfer sender (bad magic)".into(),
-        ));
+    if bytes[0..8] != magic {
+        return Err(TransferError::Protocol(format!(
+            "the peer is not a tandem KV transfer sender of this transport (bad magic; \
+             both sides need the same --kv-transport, this side is {})",
+            transport_name(magic)
+        )));
     }
     let version = u16::from_le_bytes([bytes[8], bytes[9]]);
     let token_len = usize::from(u16::from_le_bytes([bytes[10], bytes[11]]));
@@ -115,9 +122,23 @@ pub(crate) struct Reply {
     pub num_blocks: u32,
 }
 
-pub(crate) fn encode_reply(status: u8, layout: &KvLayoutDescriptor, num_blocks: u32) -> Vec<u8> {
+/// The transport a magic belongs to, for error messages.
+pub(crate) fn transport_name(magic: [u8; 8]) -> &'static str {
+    if magic == MAGIC_UCX {
+        "ucx"
+    } else {
+        "tcp"
+    }
+}
+
+pub(crate) fn encode_reply(
+    magic: [u8; 8],
+    status: u8,
+    layout: &KvLayoutDescriptor,
+    num_blocks: u32,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(REPLY_LEN);
-    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&magic);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.push(status);
     out.push(0);
@@ -126,11 +147,16 @@ pub(crate) fn encode_reply(status: u8, layout: &KvLayoutDescriptor, num_blocks: 
     out
 }
 
-pub(crate) fn decode_reply(bytes: &[u8; REPLY_LEN]) -> Result<Reply, TransferError> {
-    if bytes[0..8] != MAGIC {
-        return Err(TransferError::Protocol(
-            "the endpoint is not a tandem KV transfer listener (bad magic)".into(),
-        ));
+pub(crate) fn decode_reply(
+    magic: [u8; 8],
+    bytes: &[u8; REPLY_LEN],
+) -> Result<Reply, TransferError> {
+    if bytes[0..8] != magic {
+        return Err(TransferError::Protocol(format!(
+            "the endpoint is not a tandem KV transfer listener of this transport (bad magic; \
+             both sides need the same --kv-transport, this side is {})",
+            transport_name(magic)
+        )));
     }
     let mut layout = [0u8; KvLayoutDescriptor::ENCODED_LEN];
     layout.copy_from_slice(&bytes[12..32]);
@@ -385,15 +411,15 @@ mod tests {
 
     #[test]
     fn handshake_round_trips() -> Result<(), TransferError> {
-        let hello = encode_hello(&layout(), b"tok");
+        let hello = encode_hello(MAGIC, &layout(), b"tok");
         let mut fixed = [0u8; HELLO_FIXED];
         fixed.copy_from_slice(&hello[..HELLO_FIXED]);
-        let (version, l, token_len) = decode_hello_fixed(&fixed)?;
+        let (version, l, token_len) = decode_hello_fixed(MAGIC, &fixed)?;
         assert_eq!((version, l?, token_len), (VERSION, layout(), 3));
-        let reply = encode_reply(STATUS_TOKEN, &layout(), 99);
+        let reply = encode_reply(MAGIC, STATUS_TOKEN, &layout(), 99);
         let mut fixed = [0u8; REPLY_LEN];
         fixed.copy_from_slice(&reply);
-        let r = decode_reply(&fixed)?;
+        let r = decode_reply(MAGIC, &fixed)?;
         assert_eq!(
             (r.status, r.layout?, r.num_blocks),
             (STATUS_TOKEN, layout(), 99)

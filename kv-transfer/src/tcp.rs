@@ -125,7 +125,7 @@ struct ListenCtx {
     config: Arc<TcpConfig>,
 }
 
-fn timeout_error(during: &'static str, limit: Duration) -> TransferError {
+pub(crate) fn timeout_error(during: &'static str, limit: Duration) -> TransferError {
     TransferError::Timeout {
         during,
         millis: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
@@ -133,7 +133,7 @@ fn timeout_error(during: &'static str, limit: Duration) -> TransferError {
 }
 
 /// Maps a read error to a lost connection (EOF mid-message included).
-fn lost(peer: &str, err: &std::io::Error) -> TransferError {
+pub(crate) fn lost(peer: &str, err: &std::io::Error) -> TransferError {
     if err.kind() == std::io::ErrorKind::UnexpectedEof {
         TransferError::ConnectionLost(format!("{peer} closed the connection mid-message"))
     } else {
@@ -191,7 +191,14 @@ impl Transport for TcpTransport {
         let (mut reader, mut writer) = stream.into_split();
         let num_blocks = tokio::time::timeout(
             config.handshake_timeout,
-            client_handshake(&mut reader, &mut writer, &layout, config, endpoint),
+            client_handshake(
+                protocol::MAGIC,
+                &mut reader,
+                &mut writer,
+                &layout,
+                config,
+                endpoint,
+            ),
         )
         .await
         .map_err(|_| {
@@ -219,15 +226,17 @@ impl Transport for TcpTransport {
     }
 }
 
-/// The sender's half of the handshake; returns the receiver's pool size.
-async fn client_handshake(
+/// The sender's half of the handshake (`magic` names the transport);
+/// returns the receiver's pool size.
+pub(crate) async fn client_handshake(
+    magic: [u8; 8],
     reader: &mut OwnedReadHalf,
     writer: &mut OwnedWriteHalf,
     layout: &KvLayoutDescriptor,
     config: &TcpConfig,
     endpoint: &str,
 ) -> Result<u32, TransferError> {
-    let hello = protocol::encode_hello(layout, config.cluster_token.as_bytes());
+    let hello = protocol::encode_hello(magic, layout, config.cluster_token.as_bytes());
     writer
         .write_all(&hello)
         .await
@@ -237,13 +246,14 @@ async fn client_handshake(
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             TransferError::ConnectionLost(format!(
                 "{endpoint} closed the connection during the handshake (not a tandem KV \
-                 transfer listener?)"
+                 transfer listener, or one with another --kv-transport than {}?)",
+                protocol::transport_name(magic)
             ))
         } else {
             TransferError::io("reading the handshake reply", &e)
         }
     })?;
-    let reply = protocol::decode_reply(&bytes)?;
+    let reply = protocol::decode_reply(magic, &bytes)?;
     if reply.version != protocol::VERSION {
         return Err(TransferError::VersionMismatch {
             here: protocol::VERSION,
@@ -382,12 +392,12 @@ async fn ack_loop(reader: OwnedReadHalf, completions: Arc<Completions>, endpoint
     completions.fail_all(err);
 }
 
-fn frame_len(header: &[u8; protocol::FRAME_HEADER]) -> usize {
+pub(crate) fn frame_len(header: &[u8; protocol::FRAME_HEADER]) -> usize {
     u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize
 }
 
 /// Reads a frame header; `Ok(false)` on a clean end of stream before it.
-async fn read_header<R: AsyncRead + Unpin>(
+pub(crate) async fn read_header<R: AsyncRead + Unpin>(
     reader: &mut R,
     header: &mut [u8; protocol::FRAME_HEADER],
 ) -> std::io::Result<bool> {
@@ -427,9 +437,19 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
     let (reader, mut writer) = stream.into_split();
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
     let limit = ctx.config.handshake_timeout;
-    let handshake = tokio::time::timeout(limit, server_handshake(&mut reader, &mut writer, &ctx))
-        .await
-        .unwrap_or_else(|_| Err(timeout_error("waiting for the sender's hello", limit)));
+    let handshake = tokio::time::timeout(
+        limit,
+        server_handshake(
+            protocol::MAGIC,
+            &mut reader,
+            &mut writer,
+            &ctx.layout,
+            &ctx.config,
+            ctx.sink.num_blocks(),
+        ),
+    )
+    .await
+    .unwrap_or_else(|_| Err(timeout_error("waiting for the sender's hello", limit)));
     if let Err(e) = handshake {
         report(&ctx, &peer, &e);
         return;
@@ -447,18 +467,21 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
     }
 }
 
-/// The receiver's half of the handshake.
-async fn server_handshake<R: AsyncRead + Unpin>(
+/// The receiver's half of the handshake (`magic` names the transport).
+pub(crate) async fn server_handshake<R: AsyncRead + Unpin>(
+    magic: [u8; 8],
     reader: &mut R,
     writer: &mut OwnedWriteHalf,
-    ctx: &ListenCtx,
+    layout: &KvLayoutDescriptor,
+    config: &TcpConfig,
+    num_blocks: u32,
 ) -> Result<(), TransferError> {
     let mut fixed = [0u8; protocol::HELLO_FIXED];
     reader
         .read_exact(&mut fixed)
         .await
         .map_err(|e| TransferError::io("reading the sender's hello", &e))?;
-    let (version, layout, token_len) = protocol::decode_hello_fixed(&fixed)?;
+    let (version, theirs, token_len) = protocol::decode_hello_fixed(magic, &fixed)?;
     let mut token = vec![0u8; token_len];
     reader
         .read_exact(&mut token)
@@ -472,12 +495,12 @@ async fn server_handshake<R: AsyncRead + Unpin>(
                 peer: version,
             },
         ))
-    } else if !token_eq(&token, ctx.config.cluster_token.as_bytes()) {
+    } else if !token_eq(&token, config.cluster_token.as_bytes()) {
         Err((protocol::STATUS_TOKEN, TransferError::BadToken))
     } else {
-        match layout {
+        match theirs {
             Err(e) => Err((protocol::STATUS_LAYOUT_INVALID, e)),
-            Ok(theirs) => match theirs.validate().and(ctx.layout.check_compatible(&theirs)) {
+            Ok(theirs) => match theirs.validate().and(layout.check_compatible(&theirs)) {
                 Ok(()) => Ok(()),
                 Err(e @ TransferError::LayoutMismatch { .. }) => {
                     Err((protocol::STATUS_LAYOUT_MISMATCH, e))
@@ -490,7 +513,7 @@ async fn server_handshake<R: AsyncRead + Unpin>(
         Ok(()) => protocol::STATUS_OK,
         Err((status, _)) => *status,
     };
-    let reply = protocol::encode_reply(status, &ctx.layout, ctx.sink.num_blocks());
+    let reply = protocol::encode_reply(magic, status, layout, num_blocks);
     let sent = writer
         .write_all(&reply)
         .await
@@ -499,7 +522,7 @@ async fn server_handshake<R: AsyncRead + Unpin>(
     sent
 }
 
-async fn send_done<W: AsyncWrite + Unpin>(
+pub(crate) async fn send_done<W: AsyncWrite + Unpin>(
     writer: &mut W,
     done: Done,
     peer: &str,

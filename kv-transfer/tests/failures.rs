@@ -13,10 +13,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn transports() -> Vec<(Box<dyn Transport>, &'static str)> {
-    vec![
+    #[allow(unused_mut)]
+    let mut all: Vec<(Box<dyn Transport>, &'static str)> = vec![
         (Box::new(TcpTransport::new("tok")), "127.0.0.1:0"),
         (Box::new(InProcTransport::new("tok")), "inproc://"),
-    ]
+    ];
+    #[cfg(feature = "ucx")]
+    all.extend(common::ucx_transports("tok"));
+    all
 }
 
 async fn finish(session: &dyn Session, transfer: TransferId) -> Result<(), TransferError> {

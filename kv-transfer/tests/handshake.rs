@@ -173,3 +173,56 @@ async fn tcp_raw_hello_gets_the_documented_reply() {
         77
     );
 }
+
+/// A UCX worker and a TCP worker (different `--kv-transport`) refuse each
+/// other with an error naming the transport; a wrong token and a layout
+/// mismatch are refused over UCX as over TCP.
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_refuses_tcp_peers_wrong_tokens_and_other_layouts() {
+    use tandem_kv_transfer::ucx::UcxTransport;
+    let ucx = |token: &str| UcxTransport::new(token).expect("UCX starts");
+    // UCX sender → TCP listener.
+    let tcp_sink = RecordingSink::new(16);
+    let tcp_listener = TcpTransport::new("a")
+        .listen("127.0.0.1:0", layout(), tcp_sink.clone())
+        .await
+        .expect("listen");
+    let err = ucx("a")
+        .connect(tcp_listener.endpoint(), layout())
+        .await
+        .expect_err("a TCP listener must refuse a UCX sender");
+    assert!(err.to_string().contains("ucx"), "{err}");
+    assert!(tcp_sink.wait_peer_error().await[0].contains("--kv-transport"));
+    // TCP sender → UCX listener.
+    let sink = RecordingSink::new(16);
+    let listener = ucx("a")
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let err = TcpTransport::new("a")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect_err("a UCX listener must refuse a TCP sender");
+    assert!(err.to_string().contains("tcp"), "{err}");
+    assert!(sink.wait_peer_error().await[0].contains("--kv-transport"));
+    // Wrong token, other layout.
+    let err = ucx("b")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect_err("another cluster's token must be refused");
+    assert_eq!(err, TransferError::BadToken);
+    let err = ucx("a")
+        .connect(listener.endpoint(), block_size_32())
+        .await
+        .expect_err("another layout must be refused");
+    assert!(
+        matches!(&err, TransferError::LayoutMismatch { field, .. } if *field == "block_size"),
+        "{err:?}"
+    );
+    // The right peer still gets in.
+    ucx("a")
+        .connect(listener.endpoint(), layout())
+        .await
+        .expect("accepted");
+}

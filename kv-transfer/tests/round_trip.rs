@@ -15,10 +15,14 @@ const TOKEN: &str = "cluster-a";
 
 /// Both transports, each with the bind address it listens on.
 fn transports() -> Vec<(Box<dyn Transport>, &'static str)> {
-    vec![
+    #[allow(unused_mut)]
+    let mut all: Vec<(Box<dyn Transport>, &'static str)> = vec![
         (Box::new(TcpTransport::new(TOKEN)), "127.0.0.1:0"),
         (Box::new(InProcTransport::new(TOKEN)), "inproc://"),
-    ]
+    ];
+    #[cfg(feature = "ucx")]
+    all.extend(common::ucx_transports(TOKEN));
+    all
 }
 
 async fn finish(session: &dyn Session, transfer: TransferId) -> Result<(), TransferError> {
@@ -114,6 +118,59 @@ async fn interleaved_transfers_on_one_session() {
         finish(session.as_ref(), ids[0])
             .await
             .expect("finish reused id");
+    }
+}
+
+/// Many sessions to one listener, each driving transfers from its own
+/// tasks at once (what a prefill worker serving concurrent requests does):
+/// every block lands once, in order, in the right transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sessions_each_with_concurrent_transfers() {
+    let l = layout();
+    for (transport, bind) in transports() {
+        let transport: Arc<dyn Transport> = Arc::from(transport);
+        let sink = RecordingSink::new(1024);
+        let listener = transport
+            .listen(bind, l, sink.clone())
+            .await
+            .expect("listen");
+        let mut tasks = Vec::new();
+        for s in 0..6u64 {
+            let session: Arc<dyn Session> = Arc::from(
+                transport
+                    .connect(listener.endpoint(), l)
+                    .await
+                    .expect("connect"),
+            );
+            for j in 0..3u64 {
+                let session = session.clone();
+                let t = TransferId(s * 10 + j);
+                tasks.push(tokio::spawn(async move {
+                    let mut sent = Vec::new();
+                    for round in 0..4u32 {
+                        let blocks: Vec<BlockWrite> = (0..l.num_layers)
+                            .flat_map(|layer| {
+                                (0..3u32)
+                                    .map(move |b| (layer, (t.0 as u32 * 16 + round * 3 + b) % 1024))
+                            })
+                            .map(|(layer, dst)| block(&l, t.0, layer, dst))
+                            .collect();
+                        sent.extend(blocks.clone());
+                        session.write(t, blocks).await?;
+                        tokio::task::yield_now().await;
+                    }
+                    tokio::time::timeout(WAIT, session.finish(t))
+                        .await
+                        .map_err(|_| TransferError::Protocol("finish timed out".into()))??;
+                    Ok::<_, TransferError>((t, sent))
+                }));
+            }
+        }
+        for task in tasks {
+            let (t, sent) = task.await.expect("task").expect("transfer");
+            assert_delivered(&sink, t, &sent);
+        }
+        drop(listener);
     }
 }
 

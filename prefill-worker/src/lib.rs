@@ -378,6 +378,18 @@ pub struct PrefillWorkerConfig {
     /// Host peers reach this worker on (e.g. the pod IP), when it differs
     /// from the bound address (e.g. `0.0.0.0`).
     pub advertise_host: Option<String>,
+    /// How KV blocks are sent (`--kv-transport`); decode workers must use
+    /// the same.
+    pub kv_transport: tandem_kv_transfer::TransportKind,
+}
+
+/// Errors running a prefill worker.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillWorkerError {
+    #[error("KV transport: {0}")]
+    Transfer(#[from] tandem_kv_transfer::TransferError),
+    #[error(transparent)]
+    Serve(#[from] tandem_server::ServeError),
 }
 
 /// Serves `Prefill` and `Worker` on `bound` until `shutdown`.
@@ -388,11 +400,10 @@ pub async fn run(
     config: PrefillWorkerConfig,
     registry: &Registry,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), tandem_server::ServeError> {
+) -> Result<(), PrefillWorkerError> {
     let layout = layout::descriptor(&kv_layout);
-    let transport: Arc<dyn Transport> = Arc::new(tandem_kv_transfer::tcp::TcpTransport::new(
-        config.cluster_token,
-    ));
+    let transport: Arc<dyn Transport> =
+        tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,
@@ -422,5 +433,5 @@ pub async fn run(
         "tandem.worker.v1.Worker",
         wv1::FILE_DESCRIPTOR_SET,
     );
-    tandem_server::serve_services(bound, services, shutdown).await
+    Ok(tandem_server::serve_services(bound, services, shutdown).await?)
 }

@@ -69,8 +69,15 @@ impl Started {
 /// Runs `<tandem> <args>` and reads its startup lines until `listening on`.
 /// Panics if it exits first.
 pub fn start(tandem: &Path, args: &[&str]) -> Started {
+    start_with_env(tandem, args, &[])
+}
+
+/// [`start`] with extra environment variables (which `tandem up` passes on
+/// to its workers, e.g. `UCX_TLS`).
+pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Started {
     let mut child = Command::new(tandem)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

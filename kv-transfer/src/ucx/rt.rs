@@ -1,0 +1,1030 @@
+//! The safe layer over `tandem-ucx-sys`: a UCX context, one worker owned by
+//! a dedicated progress thread, registered memory regions, and the few
+//! operations the transport needs (connect, put + flush + notice, close).
+//!
+//! Ownership and threads:
+//!
+//! - [`Context`] (`ucp_context_h`) is shared (`Arc`) by the worker and by
+//!   every [`Region`]; it is created with `mt_workers_shared` so memory can
+//!   be mapped and unmapped from any thread, and cleaned up last.
+//! - The worker (`ucp_worker_h`) and every endpoint and rkey live on the
+//!   progress thread only (`UCS_THREAD_MODE_SINGLE`); tokio tasks talk to it
+//!   through [`Runtime`]'s command queue plus an eventfd that wakes it. When
+//!   idle the thread arms the worker and sleeps in `poll(2)` on the worker's
+//!   event fd and the eventfd, so an idle transport costs no CPU.
+//! - A [`Region`] owns its `ucp_mem_map`ped memory and unmaps it on drop,
+//!   which happens only once the last `Arc` (the connection using it) is
+//!   gone.
+//! - Buffers a put or an active message reads from (`Bytes`, `Vec`) are
+//!   owned by the in-flight operation on the progress thread and dropped
+//!   only after UCX has reported the operation complete (or failed), or
+//!   after the worker is destroyed.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr;
+use std::sync::atomic::{AtomicI8, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tandem_ucx_sys as sys;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::TransferError;
+
+/// The active-message id of every sender → receiver message.
+pub(crate) const AM_ID: u32 = 0x7d;
+/// Bytes of an active message's header: connection id, sequence number.
+pub(crate) const AM_HEADER: usize = 16;
+/// How long dropping the runtime waits for endpoints to close.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Progress rounds without any event before the thread sleeps in `poll`.
+const IDLE_SPINS: u32 = 64;
+
+fn status_str(status: sys::ucs_status_t) -> String {
+    // SAFETY: ucs_status_string returns a pointer to a static, NUL-terminated
+    // string for every status value (unknown ones included).
+    let s = unsafe { std::ffi::CStr::from_ptr(sys::ucs_status_string(status)) };
+    s.to_string_lossy().into_owned()
+}
+
+fn check(status: sys::ucs_status_t, what: &str) -> Result<(), TransferError> {
+    if status == sys::ucs_status_t::UCS_OK {
+        Ok(())
+    } else {
+        Err(TransferError::Config(format!(
+            "UCX: {what} failed: {}",
+            status_str(status)
+        )))
+    }
+}
+
+/// A `ucp_context_h`, configured from the `UCX_*` environment variables.
+#[derive(Debug)]
+pub(crate) struct Context {
+    raw: sys::ucp_context_h,
+}
+
+// SAFETY: the context is created with `mt_workers_shared = 1`, which makes
+// UCX serialise context-level calls (mem_map/unmap, rkey_pack) internally;
+// the handle itself is an opaque pointer valid until `ucp_cleanup`.
+unsafe impl Send for Context {}
+// SAFETY: as above; every method takes `&self` and calls thread-safe UCX
+// context functions.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Reads the UCX configuration (`UCX_TLS`, `UCX_NET_DEVICES`, ... from
+    /// the environment), applies `overrides` (`("TLS", "tcp")`: names
+    /// without the `UCX_` prefix) on top, and initialises UCP for RMA,
+    /// active messages and wakeup.
+    pub(crate) fn new(overrides: &[(String, String)]) -> Result<Arc<Self>, TransferError> {
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null prefix and file mean "UCX_ from the environment";
+        // `config` is a valid out-pointer.
+        check(
+            unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut config) },
+            "reading the configuration (ucp_config_read; check the UCX_* variables)",
+        )?;
+        for (name, value) in overrides {
+            let c = |s: &str| {
+                std::ffi::CString::new(s).map_err(|_| {
+                    TransferError::Config(format!("UCX setting {name:?} contains a NUL byte"))
+                })
+            };
+            let modified = c(name).and_then(|n| {
+                let v = c(value)?;
+                // SAFETY: valid config and NUL-terminated strings for the call.
+                Ok(unsafe { sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr()) })
+            });
+            let failed = match modified {
+                Ok(status) => check(status, &format!("setting UCX_{name}={value}")).err(),
+                Err(e) => Some(e),
+            };
+            if let Some(e) = failed {
+                // SAFETY: read above, released once.
+                unsafe { sys::ucp_config_release(config) };
+                return Err(e);
+            }
+        }
+        let params = sys::ucp_params_t {
+            field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
+                as u64,
+            features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64,
+            mt_workers_shared: 1,
+            ..Default::default()
+        };
+        let mut raw: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: `params` and `config` are valid for the call; `raw` is a
+        // valid out-pointer. The config is released right after, as the API
+        // allows once the context exists.
+        let status = unsafe {
+            let status = sys::ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut raw,
+            );
+            sys::ucp_config_release(config);
+            status
+        };
+        check(status, "initialising UCP (ucp_init)")?;
+        Ok(Arc::new(Self { raw }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every worker and region holds an `Arc<Context>`, so this
+        // runs after all of them were destroyed/unmapped.
+        unsafe { sys::ucp_cleanup(self.raw) }
+    }
+}
+
+/// Memory allocated and registered by UCX (`ucp_mem_map` with
+/// `UCP_MEM_MAP_ALLOCATE`, so shared-memory transports can map it), unmapped
+/// when dropped.
+#[derive(Debug)]
+pub(crate) struct Region {
+    ctx: Arc<Context>,
+    memh: sys::ucp_mem_h,
+    addr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the handle and address stay valid until `Drop`; unmapping through
+// the context is thread-safe (see `Context`). Readers only take shared views.
+unsafe impl Send for Region {}
+// SAFETY: `read` hands out shared slices only; writes come from peers via
+// UCX, ordered by the protocol (see `read`).
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Allocates and registers `len` bytes.
+    pub(crate) fn new(ctx: Arc<Context>, len: usize) -> Result<Self, TransferError> {
+        if len == 0 {
+            return Err(TransferError::Config(
+                "UCX: cannot register an empty region".into(),
+            ));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            address: ptr::null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: valid context, params and out-pointer.
+        check(
+            unsafe { sys::ucp_mem_map(ctx.raw, &params, &mut memh) },
+            "registering the receive region (ucp_mem_map)",
+        )?;
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: `memh` was just mapped; `attr` is a valid out-struct.
+        let status = unsafe { sys::ucp_mem_query(memh, &mut attr) };
+        if status != sys::ucs_status_t::UCS_OK || attr.address.is_null() || attr.length < len {
+            // SAFETY: unmapping the handle mapped above, once.
+            unsafe { sys::ucp_mem_unmap(ctx.raw, memh) };
+            return Err(TransferError::Config(format!(
+                "UCX: querying the registered region failed: {}",
+                status_str(status)
+            )));
+        }
+        Ok(Self {
+            ctx,
+            memh,
+            addr: attr.address.cast(),
+            len,
+        })
+    }
+
+    /// The region's address as peers use it in `ucp_put_nbx`.
+    pub(crate) fn remote_addr(&self) -> u64 {
+        self.addr as u64
+    }
+
+    /// The remote key peers need to write into the region.
+    pub(crate) fn pack_rkey(&self) -> Result<Vec<u8>, TransferError> {
+        let mut buf: *mut c_void = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: valid context and memh; out-pointers valid.
+        check(
+            unsafe { sys::ucp_rkey_pack(self.ctx.raw, self.memh, &mut buf, &mut size) },
+            "packing the remote key (ucp_rkey_pack)",
+        )?;
+        // SAFETY: UCX returned `size` readable bytes at `buf`; they are
+        // copied before the buffer is released, once.
+        let packed = unsafe {
+            let packed = std::slice::from_raw_parts(buf.cast::<u8>(), size).to_vec();
+            sys::ucp_rkey_buffer_release(buf);
+            packed
+        };
+        Ok(packed)
+    }
+
+    /// `len` bytes at `offset`, or `None` when out of bounds.
+    ///
+    /// Peers write into the region with RMA. The protocol makes a range
+    /// readable only after its writer flushed and announced it, and reusable
+    /// by the writer only after the reader returned it (credits), so no
+    /// write races this view; a peer that broke that rule could only garble
+    /// the KV bytes it itself sent.
+    pub(crate) fn read(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        // SAFETY: `offset..end` lies inside the mapped allocation, which
+        // lives as long as `self`; see above for concurrent writers.
+        Some(unsafe { std::slice::from_raw_parts(self.addr.add(offset), len) })
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new`, unmapped exactly once here; no `read`
+        // view can outlive `&self`.
+        unsafe { sys::ucp_mem_unmap(self.ctx.raw, self.memh) };
+    }
+}
+
+/// One message a receiver got for one of its connections.
+#[derive(Debug)]
+pub(crate) struct AmMsg {
+    pub(crate) seq: u64,
+    pub(crate) body: Vec<u8>,
+}
+
+/// Where the progress thread delivers active messages: connection id →
+/// that connection's queue.
+pub(crate) type Routes = Mutex<HashMap<u64, mpsc::Sender<AmMsg>>>;
+
+/// Identifies an endpoint on the progress thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct EpId(u64);
+
+/// One put of a batch: local bytes to a remote address.
+#[derive(Debug)]
+pub(crate) struct Put {
+    pub(crate) bytes: Bytes,
+    pub(crate) remote_addr: u64,
+}
+
+enum Op {
+    Connect {
+        address: Vec<u8>,
+        rkey: Vec<u8>,
+        reply: oneshot::Sender<Result<EpId, TransferError>>,
+    },
+    /// Puts (may be none), then a flush, then the active message.
+    Batch {
+        ep: EpId,
+        puts: Vec<Put>,
+        header: [u8; AM_HEADER],
+        body: Vec<u8>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
+    Close(EpId),
+}
+
+/// The handle tokio code holds: commands to the progress thread.
+#[derive(Debug)]
+pub(crate) struct Runtime {
+    ctx: Arc<Context>,
+    ops: std_mpsc::Sender<Op>,
+    wake: Arc<OwnedFd>,
+    address: Vec<u8>,
+    routes: Arc<Routes>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Runtime {
+    /// Creates the context, the worker and its progress thread.
+    pub(crate) fn start(overrides: &[(String, String)]) -> Result<Self, TransferError> {
+        let ctx = Context::new(overrides)?;
+        // SAFETY: plain eventfd(2) call; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(TransferError::io(
+                "creating the UCX progress eventfd",
+                &std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let routes: Arc<Routes> = Arc::default();
+        let (ops, queue) = std_mpsc::channel();
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let thread = {
+            let (ctx, wake, routes) = (ctx.clone(), wake.clone(), routes.clone());
+            std::thread::Builder::new()
+                .name("ucx-progress".into())
+                .spawn(move || {
+                    let worker = match Worker::new(ctx, routes) {
+                        Ok(w) => w,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(worker.address.clone()));
+                    worker.run(queue, &wake);
+                })
+                .map_err(|e| TransferError::io("starting the UCX progress thread", &e))?
+        };
+        let address = ready_rx.recv().map_err(|_| {
+            TransferError::Config("UCX: the progress thread died while starting".into())
+        })??;
+        Ok(Self {
+            ctx,
+            ops,
+            wake,
+            address,
+            routes,
+            thread: Some(thread),
+        })
+    }
+
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// This worker's packed address, for peers' `ucp_ep_create`.
+    pub(crate) fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    pub(crate) fn routes(&self) -> &Arc<Routes> {
+        &self.routes
+    }
+
+    fn send(&self, op: Op) -> Result<(), TransferError> {
+        self.ops.send(op).map_err(|_| {
+            TransferError::ConnectionLost("the UCX progress thread has stopped".into())
+        })?;
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes from a live buffer to our eventfd; a full
+        // counter (EAGAIN) still leaves the thread woken.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        Ok(())
+    }
+
+    /// Opens an endpoint to the worker at `address` and unpacks `rkey` on it.
+    pub(crate) async fn connect(
+        &self,
+        address: Vec<u8>,
+        rkey: Vec<u8>,
+    ) -> Result<EpId, TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Op::Connect {
+            address,
+            rkey,
+            reply,
+        })?;
+        rx.await.map_err(|_| {
+            TransferError::ConnectionLost("the UCX progress thread has stopped".into())
+        })?
+    }
+
+    /// Puts `puts`, flushes the endpoint (the data is then in the peer's
+    /// memory), then sends one active message; the receiver resolves when
+    /// the message is sent or anything failed.
+    pub(crate) fn batch(
+        &self,
+        ep: EpId,
+        puts: Vec<Put>,
+        header: [u8; AM_HEADER],
+        body: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<(), TransferError>>, TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Op::Batch {
+            ep,
+            puts,
+            header,
+            body,
+            reply,
+        })?;
+        Ok(rx)
+    }
+
+    /// Force-closes an endpoint; its pending operations fail.
+    pub(crate) fn close(&self, ep: EpId) {
+        let _ = self.send(Op::Close(ep));
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // Disconnect the queue, wake the thread, wait for it to close its
+        // endpoints and destroy the worker.
+        let (dead, _) = std_mpsc::channel();
+        drop(std::mem::replace(&mut self.ops, dead));
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: as in `send`.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Status cell an endpoint's error callback writes (`UCS_OK` while healthy).
+#[derive(Debug, Default)]
+struct EpStatus(AtomicI8);
+
+struct EpEntry {
+    ep: sys::ucp_ep_h,
+    rkey: sys::ucp_rkey_h,
+    /// Boxed so its address, given to UCX as the error handler's argument,
+    /// is stable.
+    status: Box<EpStatus>,
+}
+
+enum Stage {
+    Flushing(*mut c_void),
+    Sending(*mut c_void),
+}
+
+/// A batch between its puts and its active message's completion. Owns the
+/// buffers UCX reads from until then.
+struct Flight {
+    ep: EpId,
+    stage: Stage,
+    _puts: Vec<Put>,
+    /// Boxed: UCX reads it until the send completes, and the flight itself
+    /// moves (into and within `Worker::flights`).
+    header: Box<[u8; AM_HEADER]>,
+    body: Vec<u8>,
+    reply: oneshot::Sender<Result<(), TransferError>>,
+}
+
+struct Worker {
+    raw: sys::ucp_worker_h,
+    efd: i32,
+    address: Vec<u8>,
+    /// Kept alive for the AM handler's `arg` pointer.
+    routes: Arc<Routes>,
+    eps: HashMap<EpId, EpEntry>,
+    next_ep: u64,
+    flights: Vec<Flight>,
+    closing: Vec<*mut c_void>,
+    /// Whether to ask for `UCP_ERR_HANDLING_MODE_PEER` (see `connect`).
+    peer_failure_handling: bool,
+    /// Error cells of closed endpoints (see `close`); boxed because UCX
+    /// holds their addresses, which must not move when the Vec grows.
+    #[allow(clippy::vec_box)]
+    retired: Vec<Box<EpStatus>>,
+    /// Owns the worker's context reference: the context is cleaned up
+    /// after the worker is destroyed.
+    _ctx: Arc<Context>,
+}
+
+/// The active-message handler: copies the message into the connection's
+/// queue, or drops it when the connection is unknown (already closed).
+unsafe extern "C" fn on_am(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is `Arc::as_ptr` of the worker's `routes`, alive as long
+    // as the worker, which is the only caller.
+    let routes = unsafe { &*arg.cast::<Routes>() };
+    if header_length != AM_HEADER || header.is_null() {
+        return sys::ucs_status_t::UCS_OK;
+    }
+    // SAFETY: UCX passes `header_length` readable bytes at `header`.
+    let header = unsafe { std::slice::from_raw_parts(header.cast::<u8>(), AM_HEADER) };
+    let mut conn = [0u8; 8];
+    conn.copy_from_slice(&header[..8]);
+    let mut seq = [0u8; 8];
+    seq.copy_from_slice(&header[8..]);
+    let conn = u64::from_le_bytes(conn);
+    // SAFETY: `param` is valid for the callback's duration.
+    let rndv = unsafe { param.as_ref() }
+        .is_some_and(|p| p.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+    let mut routes = routes.lock().unwrap_or_else(PoisonError::into_inner);
+    let Some(route) = routes.get(&conn) else {
+        return sys::ucs_status_t::UCS_OK;
+    };
+    // Senders force the eager protocol; a rendezvous message (or a body we
+    // cannot read) breaks the protocol: dropping the route fails the
+    // connection at its task.
+    if rndv || (data.is_null() && length > 0) {
+        routes.remove(&conn);
+        return sys::ucs_status_t::UCS_OK;
+    }
+    let body = if length == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: eager data: `length` readable bytes at `data` for the
+        // callback's duration; copied out.
+        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
+    };
+    let msg = AmMsg {
+        seq: u64::from_le_bytes(seq),
+        body,
+    };
+    if route.try_send(msg).is_err() {
+        // A full queue: the peer outran its credits. Fail the connection.
+        routes.remove(&conn);
+    }
+    sys::ucs_status_t::UCS_OK
+}
+
+/// An endpoint's error callback: records the failure.
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: `arg` points to the entry's boxed `EpStatus`, which lives until
+    // the endpoint is closed.
+    let cell = unsafe { &*arg.cast::<EpStatus>() };
+    cell.0.store(status.0, Ordering::Release);
+}
+
+fn request_param(flags: u32) -> sys::ucp_request_param_t {
+    sys::ucp_request_param_t {
+        op_attr_mask: if flags != 0 {
+            sys::UCP_OP_ATTR_FIELD_FLAGS
+        } else {
+            0
+        },
+        flags,
+        ..Default::default()
+    }
+}
+
+/// What a `*_nbx` call returned: done, failed, or a request to poll.
+enum Started {
+    Done,
+    Pending(*mut c_void),
+}
+
+fn started(ptr: sys::ucs_status_ptr_t, what: &str) -> Result<Started, TransferError> {
+    let ptr = ptr.cast::<c_void>();
+    if ptr.is_null() {
+        Ok(Started::Done)
+    } else if sys::ucs_ptr_is_err(ptr) {
+        Err(TransferError::ConnectionLost(format!(
+            "UCX {what}: {}",
+            status_str(sys::ucs_ptr_raw_status(ptr))
+        )))
+    } else {
+        Ok(Started::Pending(ptr))
+    }
+}
+
+impl Worker {
+    fn new(ctx: Arc<Context>, routes: Arc<Routes>) -> Result<Self, TransferError> {
+        let params = sys::ucp_worker_params_t {
+            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut raw: sys::ucp_worker_h = ptr::null_mut();
+        // SAFETY: valid context, params and out-pointer.
+        check(
+            unsafe { sys::ucp_worker_create(ctx.raw, &params, &mut raw) },
+            "creating the worker (ucp_worker_create)",
+        )?;
+        // From here on, `worker`'s Drop destroys `raw`.
+        let mut worker = Self {
+            raw,
+            efd: -1,
+            address: Vec::new(),
+            routes,
+            eps: HashMap::new(),
+            next_ep: 0,
+            flights: Vec::new(),
+            closing: Vec::new(),
+            peer_failure_handling: true,
+            retired: Vec::new(),
+            _ctx: ctx,
+        };
+        let mut efd = -1;
+        // SAFETY: valid worker (created with WAKEUP) and out-pointer.
+        check(
+            unsafe { sys::ucp_worker_get_efd(worker.raw, &mut efd) },
+            "getting the worker's event fd",
+        )?;
+        worker.efd = efd;
+        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: valid worker and out-pointers; the address is copied and
+        // released once.
+        unsafe {
+            check(
+                sys::ucp_worker_get_address(worker.raw, &mut addr, &mut len),
+                "getting the worker's address",
+            )?;
+            worker.address = std::slice::from_raw_parts(addr.cast::<u8>(), len).to_vec();
+            sys::ucp_worker_release_address(worker.raw, addr);
+        }
+        let handler = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64,
+            id: AM_ID,
+            flags: sys::UCP_AM_FLAG_WHOLE_MSG,
+            cb: Some(on_am),
+            arg: Arc::as_ptr(&worker.routes).cast_mut().cast(),
+        };
+        // SAFETY: valid worker; `arg` stays valid while the worker lives
+        // (the worker holds the Arc).
+        check(
+            unsafe { sys::ucp_worker_set_am_recv_handler(worker.raw, &handler) },
+            "setting the active-message handler",
+        )?;
+        Ok(worker)
+    }
+
+    /// Opens an endpoint asking UCX to report peer failures; where the
+    /// transports cannot (UCX 1.13's shared memory when connecting by worker
+    /// address), one without, and the worker remembers that so UCX logs its
+    /// refusal once, not per connection. Either way the control connection
+    /// is how a dead peer is noticed.
+    fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<EpId, TransferError> {
+        if self.peer_failure_handling {
+            match self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_PEER) {
+                Err(TransferError::Config(first)) => {
+                    tracing::info!(
+                        error = %first,
+                        "UCX: these transports cannot report peer failures; connecting without"
+                    );
+                    self.peer_failure_handling = false;
+                }
+                other => return other,
+            }
+        }
+        self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_NONE)
+    }
+
+    fn connect_with(
+        &mut self,
+        address: &[u8],
+        rkey: &[u8],
+        err_mode: sys::ucp_err_handling_mode_t,
+    ) -> Result<EpId, TransferError> {
+        let status = Box::<EpStatus>::default();
+        let params = sys::ucp_ep_params_t {
+            field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
+            address: address.as_ptr().cast(),
+            err_mode,
+            err_handler: sys::ucp_err_handler_t {
+                cb: Some(on_ep_error),
+                arg: ptr::from_ref::<EpStatus>(&status).cast_mut().cast(),
+            },
+            ..Default::default()
+        };
+        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        // SAFETY: valid worker; `address` is the peer's packed worker address
+        // (UCX validates it); the error handler's arg outlives the endpoint
+        // (it is dropped only after the endpoint is closed).
+        check(
+            unsafe { sys::ucp_ep_create(self.raw, &params, &mut ep) },
+            "connecting to the peer (ucp_ep_create)",
+        )?;
+        let mut key: sys::ucp_rkey_h = ptr::null_mut();
+        // SAFETY: valid endpoint, buffer and out-pointer.
+        let unpacked = unsafe { sys::ucp_ep_rkey_unpack(ep, rkey.as_ptr().cast(), &mut key) };
+        let id = EpId(self.next_ep);
+        self.next_ep += 1;
+        self.eps.insert(
+            id,
+            EpEntry {
+                ep,
+                rkey: if unpacked == sys::ucs_status_t::UCS_OK {
+                    key
+                } else {
+                    ptr::null_mut()
+                },
+                status,
+            },
+        );
+        if let Err(e) = check(unpacked, "unpacking the peer's remote key") {
+            self.close(id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn ep_error(&self, id: EpId) -> Option<TransferError> {
+        let Some(entry) = self.eps.get(&id) else {
+            return Some(TransferError::ConnectionLost(
+                "the UCX endpoint is closed".into(),
+            ));
+        };
+        let status = sys::ucs_status_t(entry.status.0.load(Ordering::Acquire));
+        (status != sys::ucs_status_t::UCS_OK).then(|| {
+            TransferError::ConnectionLost(format!("UCX endpoint failed: {}", status_str(status)))
+        })
+    }
+
+    /// Starts a batch: all its puts and the flush.
+    fn start_batch(
+        &mut self,
+        id: EpId,
+        puts: Vec<Put>,
+        header: [u8; AM_HEADER],
+        body: Vec<u8>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    ) {
+        if let Some(e) = self.ep_error(id) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        let Some(entry) = self.eps.get(&id) else {
+            return;
+        };
+        let (ep, rkey) = (entry.ep, entry.rkey);
+        let param = request_param(0);
+        for put in &puts {
+            // SAFETY: valid endpoint and rkey; `put.bytes` stays alive in the
+            // flight until the flush below completes, which covers this put.
+            let ptr = unsafe {
+                sys::ucp_put_nbx(
+                    ep,
+                    put.bytes.as_ptr().cast(),
+                    put.bytes.len(),
+                    put.remote_addr,
+                    rkey,
+                    &param,
+                )
+            };
+            match started(ptr, "put") {
+                Ok(Started::Done) => {}
+                // SAFETY: freeing a pending send request is allowed; UCX
+                // releases it on completion and the flush reports errors.
+                Ok(Started::Pending(req)) => unsafe { sys::ucp_request_free(req) },
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            }
+        }
+        let stage = if puts.is_empty() {
+            None
+        } else {
+            // SAFETY: valid endpoint and param.
+            match started(unsafe { sys::ucp_ep_flush_nbx(ep, &param) }, "flush") {
+                Ok(Started::Done) => None,
+                Ok(Started::Pending(req)) => Some(Stage::Flushing(req)),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            }
+        };
+        let mut flight = Flight {
+            ep: id,
+            stage: Stage::Flushing(ptr::null_mut()),
+            _puts: puts,
+            header: Box::new(header),
+            body,
+            reply,
+        };
+        match stage {
+            Some(stage) => {
+                flight.stage = stage;
+                self.flights.push(flight);
+            }
+            None => self.send_notice(flight),
+        }
+    }
+
+    /// Sends a flight's active message (its data is flushed).
+    fn send_notice(&mut self, mut flight: Flight) {
+        let Some(entry) = self.eps.get(&flight.ep) else {
+            let _ = flight.reply.send(Err(TransferError::ConnectionLost(
+                "the UCX endpoint is closed".into(),
+            )));
+            return;
+        };
+        let param = request_param(sys::UCP_AM_SEND_FLAG_EAGER);
+        // SAFETY: valid endpoint; header (boxed) and body (a Vec) live on the
+        // heap, owned by the flight until the send completes, so they do not
+        // move when the flight does.
+        let ptr = unsafe {
+            sys::ucp_am_send_nbx(
+                entry.ep,
+                AM_ID,
+                flight.header.as_ptr().cast(),
+                AM_HEADER,
+                flight.body.as_ptr().cast(),
+                flight.body.len(),
+                &param,
+            )
+        };
+        match started(ptr, "active message") {
+            Ok(Started::Done) => {
+                let _ = flight.reply.send(Ok(()));
+            }
+            Ok(Started::Pending(req)) => {
+                flight.stage = Stage::Sending(req);
+                self.flights.push(flight);
+            }
+            Err(e) => {
+                let _ = flight.reply.send(Err(e));
+            }
+        }
+    }
+
+    /// Advances every flight whose request completed; returns whether any did.
+    fn poll_flights(&mut self) -> bool {
+        let mut progressed = false;
+        let mut i = 0;
+        while i < self.flights.len() {
+            let req = match self.flights[i].stage {
+                Stage::Flushing(r) | Stage::Sending(r) => r,
+            };
+            // SAFETY: `req` is a live request we have not freed yet.
+            let status = unsafe { sys::ucp_request_check_status(req) };
+            if status == sys::ucs_status_t::UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            progressed = true;
+            // SAFETY: completed request, freed once.
+            unsafe { sys::ucp_request_free(req) };
+            let flight = self.flights.swap_remove(i);
+            if status != sys::ucs_status_t::UCS_OK {
+                let _ = flight.reply.send(Err(TransferError::ConnectionLost(format!(
+                    "UCX transfer failed: {}",
+                    status_str(status)
+                ))));
+                continue;
+            }
+            match flight.stage {
+                Stage::Flushing(_) => self.send_notice(flight),
+                Stage::Sending(_) => {
+                    let _ = flight.reply.send(Ok(()));
+                }
+            }
+        }
+        self.closing.retain(|&req| {
+            // SAFETY: live close request, freed once when done.
+            unsafe {
+                if sys::ucp_request_check_status(req) == sys::ucs_status_t::UCS_INPROGRESS {
+                    true
+                } else {
+                    sys::ucp_request_free(req);
+                    false
+                }
+            }
+        });
+        progressed
+    }
+
+    fn close(&mut self, id: EpId) {
+        let Some(entry) = self.eps.remove(&id) else {
+            return;
+        };
+        let mut param = request_param(0);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: the rkey belongs to this endpoint and is destroyed before
+        // it; the endpoint is closed once. Flights on it complete with an
+        // error during the close and are reaped by `poll_flights`.
+        let ptr = unsafe {
+            if !entry.rkey.is_null() {
+                sys::ucp_rkey_destroy(entry.rkey);
+            }
+            sys::ucp_ep_close_nbx(entry.ep, &param)
+        };
+        if let Ok(Started::Pending(req)) = started(ptr, "close") {
+            self.closing.push(req);
+        }
+        // The error cell may still be written by UCX until the close
+        // request completes; keep it until the worker is gone.
+        self.retired.push(entry.status);
+    }
+
+    fn handle(&mut self, op: Op) {
+        match op {
+            Op::Connect {
+                address,
+                rkey,
+                reply,
+            } => {
+                let _ = reply.send(self.connect(&address, &rkey));
+            }
+            Op::Batch {
+                ep,
+                puts,
+                header,
+                body,
+                reply,
+            } => self.start_batch(ep, puts, header, body, reply),
+            Op::Close(ep) => self.close(ep),
+        }
+    }
+
+    /// The progress loop, until the runtime is dropped.
+    fn run(mut self, queue: std_mpsc::Receiver<Op>, wake: &OwnedFd) {
+        let mut idle = 0u32;
+        let mut open = true;
+        while open {
+            let mut busy = false;
+            loop {
+                match queue.try_recv() {
+                    Ok(op) => {
+                        busy = true;
+                        self.handle(op);
+                    }
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                    Err(std_mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            // SAFETY: the worker is used on this thread only.
+            while unsafe { sys::ucp_worker_progress(self.raw) } != 0 {
+                busy = true;
+            }
+            busy |= self.poll_flights();
+            if busy {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < IDLE_SPINS {
+                continue;
+            }
+            idle = 0;
+            // Sleep until UCX or a command wakes us: briefly while
+            // operations are pending (in case a transport signals no
+            // event for them), long when idle.
+            let timeout_ms = if self.flights.is_empty() && self.closing.is_empty() {
+                100
+            } else {
+                1
+            };
+            // SAFETY: valid worker on its own thread.
+            if unsafe { sys::ucp_worker_arm(self.raw) } == sys::ucs_status_t::UCS_OK {
+                let mut fds = [
+                    libc::pollfd {
+                        fd: self.efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: wake.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: two valid pollfds; the timeout bounds the sleep even
+                // if a transport signals no event.
+                unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+                let mut counter = [0u8; 8];
+                // SAFETY: draining our non-blocking eventfd into a local.
+                unsafe { libc::read(wake.as_raw_fd(), counter.as_mut_ptr().cast(), 8) };
+            }
+        }
+        self.shutdown();
+    }
+
+    /// Closes every endpoint and gives their requests a bounded time.
+    fn shutdown(&mut self) {
+        let ids: Vec<EpId> = self.eps.keys().copied().collect();
+        for id in ids {
+            self.close(id);
+        }
+        let deadline = Instant::now() + CLOSE_GRACE;
+        while (!self.closing.is_empty() || !self.flights.is_empty()) && Instant::now() < deadline {
+            // SAFETY: the worker is used on this thread only.
+            unsafe { sys::ucp_worker_progress(self.raw) };
+            self.poll_flights();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let flights = std::mem::take(&mut self.flights);
+        // SAFETY: destroys the worker once, on its thread, after its
+        // endpoints were closed (`shutdown`); requests still pending die
+        // with it. Only then are the buffers they referenced (owned by
+        // `flights`) dropped. The context outlives it (`self._ctx`).
+        unsafe { sys::ucp_worker_destroy(self.raw) };
+        for flight in flights {
+            let _ = flight.reply.send(Err(TransferError::ConnectionLost(
+                "the UCX transport was shut down".into(),
+            )));
+        }
+    }
+}
