@@ -80,6 +80,10 @@ struct Args {
     /// A separate draft model for the `--model` target.
     #[arg(long)]
     draft_model: Option<PathBuf>,
+    /// Prompts, one per line (`\n` for a line break), tokenized with the
+    /// target's tokenizer (default: a random phrase repeated, per request).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
     /// Skip the aligned stand-in target.
     #[arg(long)]
     no_aligned: bool,
@@ -159,6 +163,26 @@ fn engine(dir: &std::path::Path, method: &Method, spec: SpeculativeConfig) -> Re
     Ok(core)
 }
 
+/// The prompts of a `--prompts` file, tokenized with the checkpoint's
+/// tokenizer.
+fn text_prompts(file: &std::path::Path, model: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    let ck = tandem_engine::Checkpoint::open(model)?;
+    let Some(tok) = ck.tokenizer else {
+        bail!("--prompts needs a checkpoint with a tokenizer");
+    };
+    let mut out = Vec::new();
+    for line in std::fs::read_to_string(file)?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+    {
+        out.push(tok.encode(&line.replace("\\n", "\n"))?);
+    }
+    if out.is_empty() {
+        bail!("{}: no prompts", file.display());
+    }
+    Ok(out)
+}
+
 /// A random phrase of 16 tokens repeated four times, different per request.
 fn prompt(i: usize, vocab: usize) -> Vec<u32> {
     let mut x = 0x9e37_79b9_u64.wrapping_mul(i as u64 + 1);
@@ -185,11 +209,21 @@ fn drain(rx: &mut UnboundedReceiver<RequestEvent>, out: &mut Vec<u32>) -> Result
 }
 
 /// Prefills `batch` requests, then times decoding to `tokens` each.
-fn decode(mut core: EngineCore, batch: usize, tokens: usize) -> Result<Outcome> {
+/// Request `i` gets `prompts[i % len]`, or a random phrase without them.
+fn decode(
+    mut core: EngineCore,
+    batch: usize,
+    tokens: usize,
+    prompts: Option<&[Vec<u32>]>,
+) -> Result<Outcome> {
     let vocab = core.model_config().vocab_size;
     let mut rxs = Vec::new();
     for i in 0..batch {
-        let mut req = Request::new(Prompt::Tokens(prompt(i, vocab)), tokens);
+        let ids = match prompts {
+            Some(p) if !p.is_empty() => p[i % p.len()].clone(),
+            _ => prompt(i, vocab),
+        };
+        let mut req = Request::new(Prompt::Tokens(ids), tokens);
         req.ignore_eos = true;
         let (tx, rx) = unbounded_channel();
         core.add_request(i as u64, req, tx)?;
@@ -236,9 +270,10 @@ fn run(
     spec: SpeculativeConfig,
     batch: usize,
     tokens: usize,
+    prompts: Option<&[Vec<u32>]>,
 ) -> Result<Outcome> {
     let core = engine(dir, method, spec)?;
-    let mut o = decode(core, batch, tokens)?;
+    let mut o = decode(core, batch, tokens, prompts)?;
     if let Some(draft) = method.draft_model(dir)? {
         let target = Model::load(dir)?;
         let backend = CpuBackend::new(draft, 16, 1);
@@ -257,8 +292,9 @@ fn single_stream(
     ks: &[usize],
     tokens: usize,
     reps: usize,
+    prompts: Option<&[Vec<u32>]>,
 ) -> Result<Vec<Value>> {
-    let reference = run(dir, &Method::Plain, fixed(1), 1, tokens)?;
+    let reference = run(dir, &Method::Plain, fixed(1), 1, tokens, prompts)?;
     let mut rows = Vec::new();
     let max_k = ks.iter().copied().max().unwrap_or(4);
     for method in methods {
@@ -276,8 +312,8 @@ fn single_stream(
                 (Vec::new(), Vec::new(), Vec::new());
             let mut last = None;
             for _ in 0..reps.max(1) {
-                let plain = run(dir, &Method::Plain, fixed(1), 1, tokens)?;
-                let o = run(dir, method, spec.clone(), 1, tokens)?;
+                let plain = run(dir, &Method::Plain, fixed(1), 1, tokens, prompts)?;
+                let o = run(dir, method, spec.clone(), 1, tokens, prompts)?;
                 ratios.push(o.tok_s / plain.tok_s);
                 plain_tok_s.push(plain.tok_s);
                 spec_tok_s.push(o.tok_s);
@@ -365,6 +401,7 @@ fn batched(
     target: &std::path::Path,
     methods: &[Method],
     args: &Args,
+    prompts: Option<&[Vec<u32>]>,
 ) -> Result<Vec<Value>> {
     let variants: Vec<(Method, &str, SpeculativeConfig)> = methods
         .iter()
@@ -392,10 +429,18 @@ fn batched(
             fixed(1),
             args.batch,
             args.batch_tokens,
+            prompts,
         )?;
         plain_tok_s.push(plain.tok_s);
         for (i, (method, mode, spec)) in variants.iter().enumerate() {
-            let o = run(target, method, spec.clone(), args.batch, args.batch_tokens)?;
+            let o = run(
+                target,
+                method,
+                spec.clone(),
+                args.batch,
+                args.batch_tokens,
+                prompts,
+            )?;
             eprintln!(
                 "{label}: batch {} rep {rep}, {} {mode}: {:.1} tok/s ({:.3}x plain {:.1}), \
                  drafted {}, same tokens {}",
@@ -459,6 +504,13 @@ fn main() -> Result<()> {
             vec![Method::Ngram, Method::EarlyExit(l)],
         ));
     }
+    // Text prompts are for the given model; the aligned stand-in has no
+    // tokenizer worth the name.
+    let prompts = match &args.prompts {
+        Some(f) => Some(text_prompts(f, &model.dir)?),
+        None => None,
+    };
+    let prompts_for = |label: &str| prompts.as_deref().filter(|_| label != "aligned");
     let mut single = Vec::new();
     for (label, dir, methods) in &targets {
         single.extend(single_stream(
@@ -468,6 +520,7 @@ fn main() -> Result<()> {
             &args.ks,
             args.tokens,
             args.reps,
+            prompts_for(label),
         )?);
     }
     // The batch runs: prompt lookup and the cheapest model drafter (the
@@ -483,7 +536,7 @@ fn main() -> Result<()> {
             })
             .cloned()
             .collect();
-        batch_rows.extend(batched(label, dir, &pick, &args)?);
+        batch_rows.extend(batched(label, dir, &pick, &args, prompts_for(label))?);
     }
 
     let report: Value = json!({
