@@ -166,7 +166,7 @@ impl Transport for TcpTransport {
             sink,
             config: self.config.clone(),
         });
-        let task = tokio::spawn(accept_loop(listener, ctx));
+        let task = tokio::spawn(accept_loop(listener, ctx, "tcp", serve_connection));
         Ok(Listener::new(endpoint, Box::new(AbortOnDrop(task))))
     }
 
@@ -408,17 +408,29 @@ pub(crate) async fn read_header<R: AsyncRead + Unpin>(
     Ok(true)
 }
 
-async fn accept_loop(listener: TcpListener, ctx: Arc<ListenCtx>) {
+/// Accepts connections until its task is aborted, serving each on its own
+/// task (aborted with it): the TCP transport's data connections and the UCX
+/// transport's control connections alike.
+pub(crate) async fn accept_loop<C, F, Fut>(
+    listener: TcpListener,
+    ctx: Arc<C>,
+    transport: &'static str,
+    serve: F,
+) where
+    C: Send + Sync + 'static,
+    F: Fn(TcpStream, String, Arc<C>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    connections.spawn(serve_connection(stream, peer.to_string(), ctx.clone()));
+                    connections.spawn(serve(stream, peer.to_string(), ctx.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off a little.
-                    tracing::warn!(error = %e, "KV transfer listener: accept failed");
+                    tracing::warn!(error = %e, transport, "KV transfer listener: accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },

@@ -180,6 +180,7 @@ async fn tcp_raw_hello_gets_the_documented_reply() {
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_refuses_tcp_peers_wrong_tokens_and_other_layouts() {
+    use common::{assert_delivered, block};
     use tandem_kv_transfer::ucx::UcxTransport;
     let ucx = |token: &str| UcxTransport::new(token).expect("UCX starts");
     // UCX sender → TCP listener.
@@ -220,9 +221,20 @@ async fn ucx_refuses_tcp_peers_wrong_tokens_and_other_layouts() {
         matches!(&err, TransferError::LayoutMismatch { field, .. } if *field == "block_size"),
         "{err:?}"
     );
-    // The right peer still gets in.
-    ucx("a")
+    // The right peer still gets in, and a transfer goes through. (Finishing
+    // it also lets UCX's endpoint wireup complete before anything is torn
+    // down: UCX 1.13 aborts the process when a worker is destroyed while
+    // its peer still has a wireup reply in flight.)
+    let sender = ucx("a");
+    let session = sender
         .connect(listener.endpoint(), layout())
         .await
         .expect("accepted");
+    let blocks = vec![block(&layout(), 7, 0, 3)];
+    let id = tandem_kv_transfer::TransferId(7);
+    session.write(id, blocks.clone()).await.expect("write");
+    session.finish(id).await.expect("finish");
+    assert_delivered(&sink, id, &blocks);
+    drop(session);
+    drop(sender);
 }

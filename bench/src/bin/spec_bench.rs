@@ -87,6 +87,9 @@ struct Args {
     /// Skip the aligned stand-in target.
     #[arg(long)]
     no_aligned: bool,
+    /// Skip the single-stream sweep (batch runs only).
+    #[arg(long)]
+    batch_only: bool,
     /// Repetitions of every comparison (median ratio reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -423,16 +426,18 @@ fn batched(
     let mut ratios = vec![Vec::new(); variants.len()];
     let mut last = vec![None; variants.len()];
     for rep in 0..args.reps {
-        let plain = run(
-            target,
-            &Method::Plain,
-            fixed(1),
-            args.batch,
-            args.batch_tokens,
-            prompts,
-        )?;
-        plain_tok_s.push(plain.tok_s);
         for (i, (method, mode, spec)) in variants.iter().enumerate() {
+            // Each variant against a plain run just before it: the machine
+            // drifts over a sweep, a pair sees the same conditions.
+            let plain = run(
+                target,
+                &Method::Plain,
+                fixed(1),
+                args.batch,
+                args.batch_tokens,
+                prompts,
+            )?;
+            plain_tok_s.push(plain.tok_s);
             let o = run(
                 target,
                 method,
@@ -512,7 +517,7 @@ fn main() -> Result<()> {
     };
     let prompts_for = |label: &str| prompts.as_deref().filter(|_| label != "aligned");
     let mut single = Vec::new();
-    for (label, dir, methods) in &targets {
+    for (label, dir, methods) in targets.iter().filter(|_| !args.batch_only) {
         single.extend(single_stream(
             label,
             dir,

@@ -68,7 +68,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
-use tokio::task::JoinSet;
 
 use crate::protocol;
 use crate::session::{AbortOnDrop, ChannelSession, Command, Completions, ReceiverCore};
@@ -291,7 +290,12 @@ impl Transport for UcxTransport {
             slot_bytes,
             next_conn: AtomicU64::new(1),
         });
-        let task = tokio::spawn(accept_loop(listener, ctx));
+        let task = tokio::spawn(crate::tcp::accept_loop(
+            listener,
+            ctx,
+            "ucx",
+            serve_connection,
+        ));
         Ok(Listener::new(endpoint, Box::new(AbortOnDrop(task))))
     }
 
@@ -616,24 +620,6 @@ struct ListenCtx {
     slots: u32,
     slot_bytes: usize,
     next_conn: AtomicU64,
-}
-
-async fn accept_loop(listener: TcpListener, ctx: Arc<ListenCtx>) {
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    connections.spawn(serve_connection(stream, peer.to_string(), ctx.clone()));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "UCX KV transfer listener: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-        }
-    }
 }
 
 fn report(ctx: &ListenCtx, peer: &str, err: &TransferError) {

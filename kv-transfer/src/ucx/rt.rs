@@ -445,6 +445,10 @@ struct EpStatus(AtomicI8);
 struct EpEntry {
     ep: sys::ucp_ep_h,
     rkey: sys::ucp_rkey_h,
+    /// Opened with `UCP_ERR_HANDLING_MODE_PEER`: only such an endpoint may
+    /// be force-closed (UCX leaves a force close without peer error
+    /// handling undefined; 1.13 aborts on the peer's late wireup reply).
+    peer_errors: bool,
     /// Boxed so its address, given to UCX as the error handler's argument,
     /// is stable.
     status: Box<EpStatus>,
@@ -711,6 +715,7 @@ impl Worker {
                 } else {
                     ptr::null_mut()
                 },
+                peer_errors: err_mode == sys::UCP_ERR_HANDLING_MODE_PEER,
                 status,
             },
         );
@@ -894,7 +899,13 @@ impl Worker {
         };
         let mut param = request_param(0);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // Without peer error handling a close must flush (it completes once
+        // wireup and outstanding operations have).
+        param.flags = if entry.peer_errors {
+            sys::UCP_EP_CLOSE_FLAG_FORCE
+        } else {
+            0
+        };
         // SAFETY: the rkey belongs to this endpoint and is destroyed before
         // it; the endpoint is closed once. Flights on it complete with an
         // error during the close and are reaped by `poll_flights`.
