@@ -325,6 +325,17 @@ pub(crate) fn decode_close(body: &[u8]) -> Result<String, TransferError> {
     Ok(String::from_utf8_lossy(&body[2..]).into_owned())
 }
 
+/// The error a sender reports when `endpoint` closed the connection with
+/// CLOSE frame `body` (or a protocol error if the frame is malformed).
+pub(crate) fn closed_by_peer(endpoint: &str, body: &[u8]) -> TransferError {
+    match decode_close(body) {
+        Ok(message) => {
+            TransferError::ConnectionLost(format!("{endpoint} closed the connection: {message}"))
+        }
+        Err(e) => e,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -375,12 +375,7 @@ async fn ack_loop(reader: OwnedReadHalf, completions: Arc<Completions>, endpoint
             protocol::FRAME_DONE => {
                 protocol::decode_done(&body).and_then(|done| completions.on_done(done))
             }
-            protocol::FRAME_CLOSE => Err(match protocol::decode_close(&body) {
-                Ok(message) => TransferError::ConnectionLost(format!(
-                    "{endpoint} closed the connection: {message}"
-                )),
-                Err(e) => e,
-            }),
+            protocol::FRAME_CLOSE => Err(protocol::closed_by_peer(&endpoint, &body)),
             other => Err(TransferError::Protocol(format!(
                 "{endpoint} sent an unknown frame type {other:#04x}"
             ))),

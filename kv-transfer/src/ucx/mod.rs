@@ -592,12 +592,7 @@ async fn ack_loop(
                     Ok(())
                 }
             }
-            protocol::FRAME_CLOSE => Err(match protocol::decode_close(&body) {
-                Ok(message) => TransferError::ConnectionLost(format!(
-                    "{endpoint} closed the connection: {message}"
-                )),
-                Err(e) => e,
-            }),
+            protocol::FRAME_CLOSE => Err(protocol::closed_by_peer(&endpoint, &body)),
             other => Err(TransferError::Protocol(format!(
                 "{endpoint} sent an unexpected frame type {other:#04x}"
             ))),
