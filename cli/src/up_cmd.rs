@@ -399,7 +399,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         metrics.push(("router", addr.clone(), m));
     }
     if let Some(e) = &etcd {
-        println!("etcd {} {cluster_name}", e.endpoint);
+        println!("etcd {} {cluster_name} {}", e.endpoint, e.child.id());
     }
     eprintln!(
         "tandem cluster: {} decode ({}), {} prefill ({}); router on {addr}",

@@ -271,6 +271,14 @@ impl KeepAlive {
         .await;
         let (mut keeper, mut stream) = match opened {
             Ok(pair) => pair,
+            // etcd-client sends the first renewal while opening and reports
+            // a lease that is gone (it expired while etcd was down, paused
+            // or partitioned away) as this error: retrying the same lease
+            // would never succeed.
+            Err(DiscoveryError::Request {
+                source: etcd_client::Error::LeaseKeepAliveError(reason),
+                ..
+            }) if reason.contains("not found") => return StreamEnd::LeaseLost,
             Err(e) => return StreamEnd::Broken(e.to_string()),
         };
         loop {

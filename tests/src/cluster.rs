@@ -51,6 +51,8 @@ pub struct Started {
     pub pids: HashMap<String, u32>,
     /// etcd endpoint and cluster name, when `up` started etcd.
     pub etcd: Option<(String, String)>,
+    /// The pid of that etcd.
+    pub etcd_pid: Option<u32>,
     /// `(role, gRPC address, metrics address)` of every process serving
     /// `/metrics` (`up`'s `metrics ROLE ADDR METRICS_ADDR` lines).
     pub metrics: Vec<(String, String, String)>,
@@ -88,6 +90,7 @@ pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Sta
     let (mut decode, mut prefill, mut pids, mut etcd, mut http) =
         (Vec::new(), Vec::new(), HashMap::new(), None, None);
     let mut metrics = Vec::new();
+    let mut etcd_pid = None;
     let mut lines = BufReader::new(stdout).lines();
     let mut worker = |rest: &str, into: &mut Vec<String>| {
         let mut parts = rest.split(' ');
@@ -106,8 +109,12 @@ pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Sta
         } else if let Some(rest) = line.strip_prefix("prefill worker ") {
             worker(rest, &mut prefill);
         } else if let Some(rest) = line.strip_prefix("etcd ") {
-            let (e, c) = rest.split_once(' ').expect("endpoint and cluster");
+            let parts: Vec<&str> = rest.split(' ').collect();
+            let [e, c, pid] = parts[..] else {
+                panic!("`etcd ENDPOINT CLUSTER PID` expected, got {line:?}");
+            };
             etcd = Some((e.to_string(), c.to_string()));
+            etcd_pid = pid.parse().ok();
         } else if let Some(a) = line.strip_prefix("http listening on ") {
             http = Some(a.to_string());
         } else if let Some(rest) = line.strip_prefix("metrics ") {
@@ -126,6 +133,7 @@ pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Sta
                 prefill,
                 pids,
                 etcd,
+                etcd_pid,
                 metrics,
             };
         }
@@ -181,4 +189,48 @@ pub async fn all_blocks_free(cluster: &Started) {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// A greedy call through `addr` (`ignore_eos`): the tokens and the decode
+/// worker the router chose (its `routed-decode` header).
+pub async fn greedy(
+    addr: &str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> Result<(Vec<u32>, Option<String>), tonic::Status> {
+    use tandem_proto::v1;
+    let mut c = v1::generation_client::GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let resp = c.generate(req).await?;
+    let decode = resp
+        .metadata()
+        .get(tandem_proto::worker::ROUTED_DECODE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut stream = resp.into_inner();
+    let (mut tokens, mut finished) = (Vec::new(), false);
+    while let Some(msg) = stream.message().await? {
+        match msg.event {
+            Some(v1::generate_response::Event::Delta(d)) => tokens.extend(d.token_ids),
+            Some(v1::generate_response::Event::Finished(_)) => finished = true,
+            None => {}
+        }
+    }
+    if !finished {
+        return Err(tonic::Status::internal("the stream ended without Finished"));
+    }
+    Ok((tokens, decode))
 }
