@@ -250,6 +250,11 @@ pub struct RouterArgs {
     /// How often each worker is probed (ms).
     #[arg(long, default_value_t = 500)]
     probe_interval_ms: u64,
+    /// How long a request waits for a healthy decode worker when there is
+    /// none (ms, within its deadline) before UNAVAILABLE: rides out
+    /// membership blips such as workers re-registering after an etcd outage.
+    #[arg(long, default_value_t = tandem_router::DEFAULT_WORKER_WAIT.as_millis() as u64)]
+    worker_wait_ms: u64,
     /// Exit when standard input closes (set by `tandem up`).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -344,7 +349,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
                 args.remote_prefill_threshold,
                 args.max_prefill_queue,
             )
-            .with_metrics(tandem_router::RouterMetrics::register(&registry)),
+            .with_metrics(tandem_router::RouterMetrics::register(&registry))
+            .with_worker_wait(Duration::from_millis(args.worker_wait_ms)),
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;

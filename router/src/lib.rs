@@ -32,4 +32,4 @@ mod service;
 pub use metrics::{register_cluster, RouterMetrics};
 pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, RoutingPolicy};
 pub use pool::{Cluster, InFlight, Role, Worker};
-pub use service::RouterService;
+pub use service::{RouterService, DEFAULT_WORKER_WAIT};

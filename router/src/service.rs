@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::Stream;
 use tandem_engine::tokenizer::Tokenizer;
@@ -38,8 +38,16 @@ pub struct RouterService {
     /// A prefill worker with this many requests in flight is saturated;
     /// when all are, the decode worker prefills locally.
     max_prefill_queue: usize,
+    /// How long a request waits for a decode worker when none is healthy
+    /// (within its deadline) before UNAVAILABLE.
+    worker_wait: Duration,
     metrics: Arc<RouterMetrics>,
 }
+
+/// [`RouterService::worker_wait`]'s default: rides out a membership blip
+/// (workers re-registering after an etcd outage, a rolling restart) without
+/// holding a request long when the pool is really empty.
+pub const DEFAULT_WORKER_WAIT: Duration = Duration::from_secs(2);
 
 impl RouterService {
     pub fn new(
@@ -57,7 +65,32 @@ impl RouterService {
             prefill_policy,
             remote_prefill_threshold,
             max_prefill_queue: max_prefill_queue.max(1),
+            worker_wait: DEFAULT_WORKER_WAIT,
             metrics: RouterMetrics::register(&tandem_telemetry::Registry::new()),
+        }
+    }
+
+    /// How long a request may wait for a healthy decode worker when there
+    /// is none (default [`DEFAULT_WORKER_WAIT`]; zero refuses at once).
+    pub fn with_worker_wait(mut self, wait: Duration) -> Self {
+        self.worker_wait = wait;
+        self
+    }
+
+    /// Healthy decode workers; when there are none, polls for one until
+    /// `worker_wait` (or the request's deadline) has passed.
+    async fn wait_for_decodes(
+        &self,
+        started: Instant,
+        timeout: Option<Duration>,
+    ) -> Vec<Arc<Worker>> {
+        let limit = timeout.map_or(self.worker_wait, |t| t.min(self.worker_wait));
+        loop {
+            let decodes = self.cluster.healthy(Role::Decode);
+            if !decodes.is_empty() || started.elapsed() >= limit {
+                return decodes;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -278,9 +311,12 @@ impl RouterService {
             .map(|t| tandem_block_hash::block_hashes(t, bs))
             .unwrap_or_default();
 
-        let decodes = self.cluster.healthy(Role::Decode);
+        let decodes = self.wait_for_decodes(started, timeout).await;
         if decodes.is_empty() {
-            return Err(Status::unavailable("no decode worker is available"));
+            return Err(Status::unavailable(format!(
+                "no decode worker is available (waited {} ms)",
+                started.elapsed().as_millis()
+            )));
         }
         let routing = tracing::info_span!(
             parent: span,
