@@ -10,8 +10,13 @@
 //!
 //! One transfer is `write(batch)` + `finish` of one batch of block-layers
 //! (a Llama-8B-like layout: 8 KV heads × 128 dims × 16 slots, f16, so 32
-//! KiB of K and 32 KiB of V per block-layer), timed from the first write to
-//! the receiver's acknowledgement, repeated for at least `--seconds`. Sender
+//! KiB of K and 32 KiB of V per block-layer, each block from its own
+//! memory, as blocks come from a pool), repeated for at least `--seconds`
+//! with `--inflight` transfers on the session at a time: 1 measures one
+//! transfer's whole round trip (the first write to the receiver's
+//! acknowledgement) back to back; more keep the wire busy across those round
+//! trips, as a prefill worker streaming many requests does and as
+//! `ucx_perftest` does with its window of outstanding operations. Sender
 //! and receiver run in this process on separate transports (separate UCX
 //! workers and progress threads). Two sinks: `discard` checks lengths only
 //! (the transport alone, like `ucx_perftest`, which does not touch the
@@ -37,6 +42,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use clap::Parser;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::ucx::{UcxConfig, UcxTransport};
@@ -51,6 +57,9 @@ struct Args {
     /// Minimum measuring time per point.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// Transfers in flight on the session at a time (1: back to back).
+    #[arg(long, default_value_t = 4)]
+    inflight: usize,
     /// The ucx_perftest binary.
     #[arg(long, default_value = "ucx_perftest")]
     perftest: PathBuf,
@@ -147,6 +156,7 @@ async fn measure(
     batch_bytes: usize,
     copy: bool,
     seconds: f64,
+    inflight: usize,
 ) -> Result<f64> {
     let l = layout();
     let (rx, tx) = (make()?, make()?);
@@ -155,14 +165,12 @@ async fn measure(
     let session = tx.connect(listener.endpoint(), l).await?;
     let half = l.block_layer_bytes();
     let count = (batch_bytes / (2 * half)).max(1);
-    let k = Bytes::from(vec![0x5au8; half]);
-    let v = Bytes::from(vec![0xa5u8; half]);
     let batch: Vec<BlockWrite> = (0..count)
         .map(|i| BlockWrite {
             layer: (i / POOL_BLOCKS as usize) as u32 % l.num_layers,
             dst_block: (i % POOL_BLOCKS as usize) as u32,
-            k: k.clone(),
-            v: v.clone(),
+            k: Bytes::from(vec![0x5au8; half]),
+            v: Bytes::from(vec![0xa5u8; half]),
         })
         .collect();
     let payload = count * 2 * half;
@@ -171,18 +179,33 @@ async fn measure(
         session.write(TransferId(t), batch.clone()).await?;
         session.finish(TransferId(t)).await?;
     }
+    let one = |t: u64| {
+        let (session, batch) = (&session, batch.clone());
+        async move {
+            session.write(TransferId(t), batch).await?;
+            session.finish(TransferId(t)).await
+        }
+    };
     let start = Instant::now();
-    let mut done = 0u64;
-    while done < 3 || start.elapsed().as_secs_f64() < seconds {
-        let t = TransferId(100 + done);
-        session.write(t, batch.clone()).await?;
-        session.finish(t).await?;
-        done += 1;
-        if done > 100_000 {
-            break;
+    let (mut started, mut done) = (0u64, 0u64);
+    let mut flying = FuturesUnordered::new();
+    loop {
+        let more = started < 3 || start.elapsed().as_secs_f64() < seconds;
+        if more && started < 100_000 && flying.len() < inflight.max(1) {
+            flying.push(one(100 + started));
+            started += 1;
+            continue;
+        }
+        match flying.next().await {
+            Some(result) => {
+                result?;
+                done += 1;
+            }
+            None => break,
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    drop(flying);
     drop(session);
     drop(listener);
     Ok(done as f64 * payload as f64 / secs / 1e9)
@@ -302,8 +325,20 @@ fn main() -> Result<()> {
         };
         for &mib in &args.sizes_mib {
             let bytes = mib << 20;
-            let discard = rt.block_on(measure(make.as_ref(), bytes, false, args.seconds))?;
-            let copy = rt.block_on(measure(make.as_ref(), bytes, true, args.seconds))?;
+            let discard = rt.block_on(measure(
+                make.as_ref(),
+                bytes,
+                false,
+                args.seconds,
+                args.inflight,
+            ))?;
+            let copy = rt.block_on(measure(
+                make.as_ref(),
+                bytes,
+                true,
+                args.seconds,
+                args.inflight,
+            ))?;
             let (put, tag) = match ucx_env {
                 Some(settings) => {
                     let env = env_of(settings);
@@ -346,6 +381,7 @@ fn main() -> Result<()> {
         "layout": layout().to_string(),
         "block_layer_bytes": layout().block_layer_bytes(),
         "seconds_per_point": args.seconds,
+        "transfers_in_flight": args.inflight,
         "rows": rows,
     });
     if let Some(dir) = args.out.parent() {
