@@ -1,9 +1,8 @@
 //! A local cluster of real processes (`tandem up`: router, prefill and
 //! decode workers on loopback) against the colocated server.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
@@ -154,26 +153,11 @@ async fn generate_owned(addr: String, prompt: Vec<u32>, n: u32) -> Result<Outcom
 /// Starts `tandem decode-worker <args>` (dying with the test) and returns it
 /// with the address it listens on.
 fn decode_worker(args: &[&str]) -> (KillOnDrop, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .arg("decode-worker")
-        .args(args)
-        .arg("--exit-on-stdin-eof")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("decode worker starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("its address");
-    let child = KillOnDrop(child);
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .expect("listening")
-        .to_string();
-    (child, addr)
+    tandem_tests::cluster::spawn_component(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "decode-worker",
+        args,
+    )
 }
 
 #[test]

@@ -234,3 +234,32 @@ pub async fn greedy(
     }
     Ok((tokens, decode))
 }
+
+/// Starts `<tandem> <subcommand> <args> --exit-on-stdin-eof` (a router or a
+/// worker) and reads its `listening on ADDR` line; the process and the
+/// address. Panics if it exits first.
+pub fn spawn_component(tandem: &Path, subcommand: &str, args: &[&str]) -> (KillOnDrop, String) {
+    let mut child = Command::new(tandem)
+        .arg(subcommand)
+        .args(args)
+        .arg("--exit-on-stdin-eof")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("tandem {subcommand} starts: {e}"));
+    let stdout = child.stdout.take().expect("stdout");
+    let child = KillOnDrop(child);
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("tandem {subcommand} exited before listening"))
+            .expect("a line");
+        if let Some(addr) = line.strip_prefix("listening on ") {
+            let addr = addr.trim().to_string();
+            std::thread::spawn(move || for _ in lines {});
+            return (child, addr);
+        }
+    }
+}

@@ -120,6 +120,11 @@ impl EtcdServer {
         self.dir.path().join("data")
     }
 
+    /// The etcd process's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kills etcd (SIGKILL) and reaps it; keeps the ports and the data. A
     /// no-op when it is not running.
     pub fn stop(&mut self) {

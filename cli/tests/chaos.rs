@@ -1,0 +1,234 @@
+//! Chaos under load: a cluster of separate processes (etcd, a router, two
+//! prefill and two decode workers) serves a steady stream of requests while
+//! a prefill worker and a decode worker are killed (SIGKILL), etcd is frozen
+//! (SIGSTOP) and thawed, and the router is killed and started again on the
+//! same port.
+//!
+//! Every request must end: it completes, or fails with a gRPC status (the
+//! ones in flight at a killed decode worker or router, or sent while no
+//! router listens). None may hang past its deadline, and once the load
+//! stops, every surviving worker must hold no KV block and have nothing
+//! running, waiting or parked. The figures are printed (`chaos: ...`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1;
+use tandem_proto::v1::generation_client::GenerationClient;
+use tandem_tests::cluster::{load, runtime, spawn_component, KillOnDrop};
+use tandem_tests::etcd::EtcdServer;
+
+/// Requests per second, and for how long.
+const RATE: u64 = 20;
+const LOAD_SECONDS: u64 = 40;
+/// The client's gRPC deadline; a call still open 10 s past it hangs.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn tandem() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tandem"))
+}
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// How a request ended: `ok`, a gRPC code's name, or `hung`.
+async fn one(router: String, i: u64) -> String {
+    let call = async {
+        let mut c = GenerationClient::connect(format!("http://{router}"))
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let ids: Vec<u32> = (0..24 + (i % 16) as u32)
+            .map(|j| (i as u32 * 37 + j * 11) % 250 + 1)
+            .collect();
+        let mut req = tonic::Request::new(v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
+            sampling: Some(v1::SamplingParams {
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            max_tokens: Some(12),
+            ignore_eos: true,
+            ..Default::default()
+        });
+        req.set_timeout(DEADLINE);
+        let mut stream = c.generate(req).await?.into_inner();
+        let mut finished = false;
+        while let Some(msg) = stream.message().await? {
+            finished |= matches!(msg.event, Some(v1::generate_response::Event::Finished(_)));
+        }
+        if finished {
+            Ok(())
+        } else {
+            Err(tonic::Status::internal("the stream ended without Finished"))
+        }
+    };
+    match tokio::time::timeout(DEADLINE + Duration::from_secs(10), call).await {
+        Ok(Ok(())) => "ok".to_string(),
+        Ok(Err(status)) => format!("{:?}", status.code()),
+        Err(_) => "hung".to_string(),
+    }
+}
+
+#[test]
+fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    tandem_tests::cluster::gen_model(tandem(), tmp.path(), "tiny");
+    let model = tmp.path().to_str().expect("utf8").to_string();
+    let etcd = EtcdServer::start().expect("etcd");
+    let etcd_url = etcd.endpoint();
+    let cluster = "chaos";
+    let worker_args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--model",
+            &model,
+            "--addr",
+            "127.0.0.1:0",
+            "--etcd",
+            &etcd_url,
+            "--cluster",
+            cluster,
+            "--lease-ttl-s",
+            "2",
+            "--kv-cache-memory",
+            "32MiB",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let start = |role: &str| {
+        let args = worker_args(&[]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        spawn_component(tandem(), role, &args)
+    };
+    let mut prefills = vec![start("prefill-worker"), start("prefill-worker")];
+    let mut decodes = vec![start("decode-worker"), start("decode-worker")];
+    let router_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let router_addr = format!("127.0.0.1:{router_port}");
+    let start_router = || {
+        spawn_component(
+            tandem(),
+            "router",
+            &[
+                "--addr",
+                &router_addr,
+                "--model",
+                &model,
+                "--etcd",
+                &etcd_url,
+                "--cluster",
+                cluster,
+                "--remote-prefill-threshold",
+                "8",
+            ],
+        )
+    };
+    let (router, addr) = start_router();
+    assert_eq!(addr, router_addr);
+    let mut router: Option<KillOnDrop> = Some(router);
+
+    let outcomes: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let rt = runtime();
+    let load_task = {
+        let outcomes = outcomes.clone();
+        let addr = router_addr.clone();
+        rt.spawn(async move {
+            let mut calls = tokio::task::JoinSet::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE));
+            for i in 0..RATE * LOAD_SECONDS {
+                tick.tick().await;
+                let (outcomes, addr) = (outcomes.clone(), addr.clone());
+                calls.spawn(async move {
+                    let end = one(addr, i).await;
+                    *outcomes
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .entry(end)
+                        .or_default() += 1;
+                });
+            }
+            while calls.join_next().await.is_some() {}
+        })
+    };
+
+    // The chaos, on a schedule from the start of the load.
+    let t0 = Instant::now();
+    let at = |s: u64| {
+        let when = t0 + Duration::from_secs(s);
+        std::thread::sleep(when.saturating_duration_since(Instant::now()));
+    };
+    at(6);
+    let (victim, _) = prefills.remove(0);
+    signal("-KILL", victim.0.id());
+    drop(victim);
+    at(12);
+    let (victim, _) = decodes.remove(0);
+    signal("-KILL", victim.0.id());
+    drop(victim);
+    at(18);
+    let etcd_pid = etcd.pid().expect("etcd runs");
+    signal("-STOP", etcd_pid);
+    at(24);
+    signal("-CONT", etcd_pid);
+    at(28);
+    if let Some(r) = router.take() {
+        signal("-KILL", r.0.id());
+        drop(r);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let (r, _) = start_router();
+    router = Some(r);
+
+    rt.block_on(load_task).expect("the load ran");
+    let outcomes = outcomes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let total: u64 = outcomes.values().sum();
+    let ok = outcomes.get("ok").copied().unwrap_or(0);
+
+    // Drained: every surviving worker holds nothing.
+    let mut leaked = 0u64;
+    rt.block_on(async {
+        for (_, addr) in prefills.iter().chain(&decodes) {
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                let l = load(addr).await;
+                if l.free_blocks == l.num_blocks && l.running + l.waiting + l.parked == 0 {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    leaked += u64::from(l.num_blocks - l.free_blocks);
+                    eprintln!("chaos: {addr} still holds blocks: {l:?}");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+    eprintln!(
+        "chaos: {total} requests in {LOAD_SECONDS}s: {outcomes:?}; \
+         {leaked} KV blocks leaked on the surviving workers"
+    );
+    assert_eq!(total, RATE * LOAD_SECONDS, "every request ended");
+    assert_eq!(outcomes.get("hung"), None, "hung requests: {outcomes:?}");
+    assert_eq!(leaked, 0, "leaked KV blocks");
+    assert!(
+        ok * 10 >= total * 7,
+        "only {ok} of {total} requests completed: {outcomes:?}"
+    );
+    drop(router);
+}
