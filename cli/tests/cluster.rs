@@ -261,7 +261,7 @@ fn gen_model(dir: &Path, preset: &str) {
 }
 
 #[test]
-fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
+fn a_killed_decode_workers_request_migrates_and_the_worker_is_dropped() {
     let tmp = tempfile::tempdir().expect("tempdir");
     // Big enough that a long generation is still running when we kill.
     gen_model(tmp.path(), "small");
@@ -292,11 +292,12 @@ fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
         let mut c = GenerationClient::connect(format!("http://{}", cluster.addr))
             .await
             .expect("router");
+        const LONG: u32 = 400;
         let long = v1::GenerateRequest {
             prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
                 ids: (1..20).collect(),
             })),
-            max_tokens: Some(1800),
+            max_tokens: Some(LONG),
             ignore_eos: true,
             ..Default::default()
         };
@@ -308,25 +309,45 @@ fn a_killed_decode_worker_is_dropped_and_a_new_one_gets_traffic() {
             .expect("routed")
             .to_string();
         let mut stream = resp.into_inner();
-        stream.message().await.expect("a message").expect("a delta");
+        let mut tokens = 0usize;
+        if let Some(v1::generate_response::Event::Delta(d)) = stream
+            .message()
+            .await
+            .expect("a message")
+            .expect("a delta")
+            .event
+        {
+            tokens += d.token_ids.len();
+        }
         let pid = cluster.pids[&victim];
         Command::new("kill")
             .args(["-9", &pid.to_string()])
             .status()
             .expect("kill");
-        // The in-flight request ends with UNAVAILABLE, not a hang.
-        let end = tokio::time::timeout(Duration::from_secs(10), async {
-            loop {
-                match stream.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => return None,
-                    Err(s) => return Some(s.code()),
+        // The in-flight request migrates to the survivor: its stream goes
+        // on to all its tokens, with usage in terms of the original prompt.
+        let usage = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut usage = None;
+            while let Some(msg) = stream.message().await.expect("the stream continues") {
+                match msg.event {
+                    Some(v1::generate_response::Event::Delta(d)) => tokens += d.token_ids.len(),
+                    Some(v1::generate_response::Event::Finished(f)) => usage = f.usage,
+                    None => {}
                 }
             }
+            usage
         })
         .await
-        .expect("the stream ended");
-        assert_eq!(end, Some(tonic::Code::Unavailable));
+        .expect("the migrated stream ended")
+        .expect("a Finished message with usage");
+        assert_eq!(tokens, LONG as usize, "every token arrived once");
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (19, LONG));
+        let router_metrics = cluster
+            .metrics_addr("router", &cluster.addr)
+            .expect("router metrics");
+        let migrated = tandem_tests::prometheus::scrape(router_metrics)
+            .value("tandem_router_migrations_total", &[("result", "resumed")]);
+        assert_eq!(migrated, Some(1.0));
         // Within the lease TTL + 2 s, every request goes to the survivor.
         tokio::time::sleep(Duration::from_secs(4)).await;
         for i in 0..8u32 {

@@ -10,9 +10,11 @@
 //! worker does the rest (decode-first, push). The chosen workers come back
 //! in the response metadata.
 //!
-//! Membership is a static list today: each worker is probed (`Info`, then
-//! `Load`), and one that stops answering stops getting traffic within one
-//! probe interval. In-flight load is counted by RAII guards that live in the
+//! Membership comes from etcd (or a static list): each worker is probed
+//! (`Info`, then `Load`), and one that stops answering stops getting
+//! traffic within one probe interval. A request whose decode worker fails
+//! mid-stream migrates to another one with the tokens generated so far
+//! (`proxy.rs`), so its stream continues. In-flight load is counted by RAII guards that live in the
 //! response stream, so no error path leaks it.
 //!
 //! Observability: each call is a `generate` span (its `routing` child
@@ -27,9 +29,11 @@ pub mod index;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+mod proxy;
 mod service;
 
 pub use metrics::{register_cluster, RouterMetrics};
 pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, RoutingPolicy};
 pub use pool::{Cluster, InFlight, Role, Worker};
+pub use proxy::MAX_MIGRATIONS;
 pub use service::{RouterService, DEFAULT_WORKER_WAIT};

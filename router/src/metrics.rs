@@ -19,6 +19,7 @@ pub struct RouterMetrics {
     pub(crate) e2e: Histogram,
     decisions: Family<Counter>,
     placements: Family<Counter>,
+    migrations: Family<Counter>,
 }
 
 impl RouterMetrics {
@@ -52,6 +53,13 @@ impl RouterMetrics {
                  worker) and why.",
                 &["placement", "reason"],
             ),
+            migrations: registry.counter_family(
+                "tandem_router_migrations_total",
+                "Requests whose decode worker failed mid-stream, by what happened next: \
+                 resumed (re-sent with the tokens so far to another decode worker) or \
+                 no_worker (none was left to take it).",
+                &["result"],
+            ),
         })
     }
 
@@ -61,6 +69,10 @@ impl RouterMetrics {
 
     pub(crate) fn decision(&self, pool: &str, policy: &str, reason: &str) {
         self.decisions.with(&[pool, policy, reason]).inc();
+    }
+
+    pub(crate) fn migration(&self, result: &str) {
+        self.migrations.with(&[result]).inc();
     }
 
     pub(crate) fn placement(&self, placement: &str, reason: &str) {

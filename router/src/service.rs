@@ -5,7 +5,9 @@
 //! and the reasons. The span's W3C context is injected into the forwarded
 //! call, so the decode worker's spans (and through it the prefill
 //! worker's) join the caller's trace. A request without an id gets one
-//! here, so every process logs it under the same `request_id`.
+//! here, so every process logs it under the same `request_id`. The
+//! proxied stream, and migration when a decode worker fails mid-stream,
+//! are in `proxy.rs`.
 
 use std::fmt::Write as _;
 use std::pin::Pin;
@@ -19,11 +21,12 @@ use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
 use tandem_proto::worker::{PREFILL_HEADER, ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
 use tonic::metadata::MetadataValue;
-use tonic::{Code, Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 
 use crate::metrics::RouterMetrics;
 use crate::policy::{Candidate, RoutingPolicy};
 use crate::pool::{Cluster, InFlight, Role, Worker};
+use crate::proxy::{outcome_of, upstream_status, worker_failed, Proxy, Resume};
 
 /// Routes `Generate` calls over a cluster.
 #[derive(Debug)]
@@ -116,101 +119,6 @@ impl RouterService {
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
-
-/// The forwarded call; dropping it cancels the upstream call and releases
-/// the load counters.
-struct Proxy {
-    upstream: Streaming<v1::GenerateResponse>,
-    decode: Arc<Worker>,
-    _decode_load: InFlight,
-    /// Released at the first token: prefill is over by then.
-    prefill_load: Option<InFlight>,
-    ended: bool,
-    /// The call's span: ends with the stream.
-    span: tracing::Span,
-    metrics: Arc<RouterMetrics>,
-    started: Instant,
-    first_seen: bool,
-}
-
-impl Proxy {
-    fn end(&mut self, outcome: &'static str) {
-        self.ended = true;
-        self.metrics.request(outcome);
-        self.span.record("outcome", outcome);
-    }
-
-    async fn next(&mut self) -> Option<Result<v1::GenerateResponse, Status>> {
-        if self.ended {
-            return None;
-        }
-        match self.upstream.message().await {
-            Ok(Some(msg)) => {
-                self.prefill_load = None;
-                if !self.first_seen {
-                    self.first_seen = true;
-                    self.metrics.ttft.observe_duration(self.started.elapsed());
-                }
-                Some(Ok(msg))
-            }
-            Ok(None) => {
-                self.metrics.e2e.observe_duration(self.started.elapsed());
-                self.end("finished");
-                None
-            }
-            Err(status) => {
-                self.end(outcome_of(&status));
-                tracing::warn!(
-                    parent: &self.span,
-                    decode = %self.decode.addr,
-                    error = %status.message(),
-                    "decode worker failed the request"
-                );
-                Some(Err(upstream_status(&self.decode, status)))
-            }
-        }
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        if !self.ended {
-            self.end("cancelled");
-        }
-    }
-}
-
-/// What the client sees of a decode worker's error. The request's own
-/// verdicts pass through with their metadata (a bad argument, a full queue
-/// with its `retry-after`, a passed deadline); anything else means the
-/// worker failed: it is marked down if it looks gone, and the client gets
-/// UNAVAILABLE naming it.
-fn upstream_status(decode: &Worker, status: Status) -> Status {
-    match status.code() {
-        Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => status,
-        code => {
-            if matches!(code, Code::Unavailable | Code::Unknown | Code::Internal) {
-                decode.mark_down();
-            }
-            Status::unavailable(format!(
-                "decode worker {}: {}",
-                decode.addr,
-                status.message()
-            ))
-        }
-    }
-}
-
-/// The `outcome` label of a request that ended with `status`.
-fn outcome_of(status: &Status) -> &'static str {
-    match status.code() {
-        Code::InvalidArgument => "invalid",
-        Code::ResourceExhausted => "overloaded",
-        Code::DeadlineExceeded => "deadline_exceeded",
-        Code::Unavailable => "unavailable",
-        _ => "error",
-    }
-}
 
 /// `addr matched=.. requests=.. blocks=..` per candidate, for the span.
 fn scores(workers: &[Arc<Worker>], cands: &[Candidate]) -> String {
@@ -395,43 +303,85 @@ impl RouterService {
         );
         drop(routing);
 
-        let mut forward = Request::new(req);
-        if let Some(p) = &prefill {
-            let v = MetadataValue::try_from(p.addr.as_str())
-                .map_err(|_| Status::internal("prefill worker address is not a header value"))?;
-            forward.metadata_mut().insert(PREFILL_HEADER, v);
-        }
-        tandem_telemetry::propagation::inject(span, forward.metadata_mut());
-        // The worker gets what is left of the client's deadline and ends the
-        // stream itself when it passes.
-        if let Some(t) = timeout {
-            let left = t.saturating_sub(started.elapsed());
-            if left.is_zero() {
-                return Err(Status::deadline_exceeded(
-                    "the request's deadline (grpc-timeout) passed while routing",
-                ));
+        let resume =
+            Resume::for_request(self.cluster.clone(), &req, timeout.map(|t| started + t), bs);
+        let prefill_header =
+            match &prefill {
+                Some(p) => Some(MetadataValue::try_from(p.addr.as_str()).map_err(|_| {
+                    Status::internal("prefill worker address is not a header value")
+                })?),
+                None => None,
+            };
+        let forward = |req: v1::GenerateRequest| -> Result<Request<v1::GenerateRequest>, Status> {
+            let mut forward = Request::new(req);
+            if let Some(v) = &prefill_header {
+                forward.metadata_mut().insert(PREFILL_HEADER, v.clone());
             }
-            forward.set_timeout(left);
-        }
-        let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
+            tandem_telemetry::propagation::inject(span, forward.metadata_mut());
+            // The worker gets what is left of the client's deadline and ends
+            // the stream itself when it passes.
+            if let Some(t) = timeout {
+                let left = t.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(Status::deadline_exceeded(
+                        "the request's deadline (grpc-timeout) passed while routing",
+                    ));
+                }
+                forward.set_timeout(left);
+            }
+            Ok(forward)
+        };
         let prefill_load = prefill
             .as_ref()
             .map(|p| InFlight::new(p.clone(), uncached.div_ceil(bs)));
-        let mut client = GenerationClient::new(decode.channel.clone());
-        let upstream = match client.generate(forward).await {
-            Ok(r) => r.into_inner(),
-            Err(status) => return Err(upstream_status(&decode, status)),
+        // A worker that fails the call before streaming anything (it died
+        // since its last probe) is marked down and the call goes to another
+        // decode worker: nothing reached the client yet, so this is safe for
+        // every request.
+        let mut decode = decode;
+        let mut retried = false;
+        let (upstream, decode_load) = loop {
+            let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
+            let mut client = GenerationClient::new(decode.channel.clone());
+            match client.generate(forward(req.clone())?).await {
+                Ok(r) => break (r.into_inner(), decode_load),
+                Err(status) if !retried && worker_failed(&status) => {
+                    retried = true;
+                    decode.mark_down();
+                    let failed = decode.addr.clone();
+                    let Some(next) = self
+                        .cluster
+                        .healthy(Role::Decode)
+                        .into_iter()
+                        .filter(|w| w.addr != failed)
+                        .min_by_key(|w| w.active_requests.load(Ordering::Relaxed))
+                    else {
+                        return Err(upstream_status(&decode, status));
+                    };
+                    tracing::warn!(
+                        parent: span,
+                        from = %failed,
+                        to = %next.addr,
+                        error = %status.message(),
+                        "decode worker refused the call; trying another"
+                    );
+                    span.record("decode_worker", next.addr.as_str());
+                    decode = next;
+                }
+                Err(status) => return Err(upstream_status(&decode, status)),
+            }
         };
         let proxy = Proxy {
             upstream,
             decode: decode.clone(),
-            _decode_load: decode_load,
+            decode_load,
             prefill_load,
             ended: false,
             span: span.clone(),
             metrics: self.metrics.clone(),
             started,
             first_seen: false,
+            resume,
         };
         let stream = futures_util::stream::unfold(proxy, |mut p| async move {
             let item = p.next().await?;
