@@ -308,3 +308,97 @@ pub(crate) fn outcome_of(status: &Status) -> &'static str {
         _ => "error",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn request(ids: Vec<u32>, max_tokens: Option<u32>) -> v1::GenerateRequest {
+        v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    fn resume(req: &v1::GenerateRequest) -> Option<Resume> {
+        Resume::for_request(Cluster::new(Duration::from_millis(100)), req, None, 16)
+    }
+
+    #[test]
+    fn what_cannot_continue_elsewhere_does_not_migrate() {
+        assert!(resume(&request(vec![1, 2], Some(8))).is_some());
+        let mut r = request(vec![1, 2], Some(8));
+        r.n = 2;
+        assert!(resume(&r).is_none(), "several choices");
+        let mut r = request(vec![1, 2], Some(8));
+        r.stop = vec!["\n".into()];
+        assert!(resume(&r).is_none(), "stop strings");
+        let mut r = request(vec![1, 2], Some(8));
+        r.response_format = Some(v1::ResponseFormat::default());
+        assert!(resume(&r).is_none(), "a grammar");
+        let mut r = request(vec![1, 2], Some(8));
+        r.sampling = Some(v1::SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        });
+        assert!(resume(&r).is_none(), "a presence penalty");
+        let mut r = request(vec![], Some(8));
+        r.prompt = Some(v1::generate_request::Prompt::Text("hi".into()));
+        assert!(resume(&r).is_none(), "an untokenized prompt");
+    }
+
+    #[test]
+    fn the_continuation_carries_the_tokens_and_the_usage_comes_back() {
+        let mut r = resume(&request(vec![5, 6, 7], Some(10))).expect("migratable");
+        let mut delta = v1::GenerateResponse {
+            event: Some(v1::generate_response::Event::Delta(v1::TokenDelta {
+                token_ids: vec![8, 9],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        track(&mut r, &mut delta);
+        let next = r.continuation().expect("tokens are left");
+        assert_eq!(next.max_tokens, Some(8));
+        let Some(v1::generate_response::Event::Delta(_)) = delta.event else {
+            panic!("deltas pass through unchanged");
+        };
+        match next.prompt {
+            Some(v1::generate_request::Prompt::TokenIds(ids)) => {
+                assert_eq!(ids.ids, vec![5, 6, 7, 8, 9]);
+            }
+            other => panic!("{other:?}"),
+        }
+        r.carried = 2;
+        let mut finished = v1::GenerateResponse {
+            event: Some(v1::generate_response::Event::Finished(v1::Finished {
+                usage: Some(v1::Usage {
+                    prompt_tokens: 5,
+                    cached_tokens: 5,
+                    completion_tokens: 8,
+                }),
+                choices: vec![v1::ChoiceSummary {
+                    completion_tokens: 8,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        track(&mut r, &mut finished);
+        let Some(v1::generate_response::Event::Finished(f)) = finished.event else {
+            panic!("finished");
+        };
+        let u = f.usage.expect("usage");
+        assert_eq!(
+            (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+            (3, 3, 10)
+        );
+        assert_eq!(f.choices[0].completion_tokens, 10);
+        // Nothing left to generate: nothing to migrate.
+        r.generated = vec![1; 10];
+        assert!(r.continuation().is_none());
+    }
+}
