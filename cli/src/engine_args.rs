@@ -57,8 +57,9 @@ pub struct EngineArgs {
     /// need no flag.
     #[arg(long, value_enum)]
     quantize: Option<Quantize>,
-    /// Input columns per INT4 scale (`--quantize int4`): 32, 64 or 128.
-    #[arg(long, default_value_t = 64)]
+    /// Input columns per INT4 scale (`--quantize int4`): 32, 64 or 128 (a
+    /// matrix it does not divide uses the largest smaller one that does).
+    #[arg(long, default_value_t = 128)]
     quantize_group_size: usize,
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]

@@ -30,14 +30,16 @@ pub struct PlanArgs {
     /// max_position_embeddings).
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// What the KV cache stores: f32 (the CPU engine today), bf16, f16, fp8.
+    /// What the KV cache stores: f32, bf16, f16, fp8 or int8 (the 8-bit
+    /// ones with an f32 scale per block and KV head, as the CPU engine
+    /// stores `--kv-dtype int8` / `fp8-e4m3`).
     #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Plan for weights quantized at load (`tandem serve --quantize int4`).
     #[arg(long, value_enum)]
     quantize: Option<crate::engine_args::Quantize>,
     /// INT4 group size (with `--quantize int4`).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 128)]
     quantize_group_size: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]

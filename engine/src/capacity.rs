@@ -407,18 +407,33 @@ pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
 
 /// As [`checkpoint_weight_bytes`], for the model quantized at load to INT4
 /// with `group_size` (`--quantize int4`): every 2-D
-/// `model.layers.*.{self_attn,mlp}.*_proj.weight` counts what its
-/// [`crate::quant::Int4Matrix`] takes (half a byte per weight plus an f32
-/// scale and min per group, [`crate::quant::int4_bytes`]); the embedding,
-/// head, norms and biases stay as stored.
+/// `model.layers.*.{self_attn,mlp}.*_proj.weight` and `lm_head.weight`
+/// counts what its [`crate::quant::Int4Matrix`] takes
+/// ([`crate::quant::int4_bytes`], with [`crate::quant::Int4Config::group_for`]'s
+/// group); a checkpoint without `lm_head.weight` (tied) adds an INT4 copy of
+/// the embedding as its head; the embedding, norms and biases stay as stored.
 pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64> {
+    let config = crate::quant::Int4Config::new(group_size)?;
+    let int4 = |rows: u64, cols: u64| {
+        let g = config.group_for(cols as usize).unwrap_or(group_size);
+        crate::quant::int4_bytes(rows as usize, cols as usize, g) as u64
+    };
+    let head_seen = std::cell::Cell::new(false);
+    let embed_shape = std::cell::Cell::new(None);
     let quantized = |name: &str, shape: &[u64], stored: u64| {
         let is_linear = name.starts_with("model.layers.")
             && (name.contains(".self_attn.") || name.contains(".mlp."))
             && name.ends_with("_proj.weight");
+        if name == "model.embed_tokens.weight" {
+            if let [rows, cols] = shape {
+                embed_shape.set(Some((*rows, *cols)));
+            }
+        }
         match shape {
-            [rows, cols] if is_linear => {
-                crate::quant::int4_bytes(*rows as usize, *cols as usize, group_size) as u64
+            [rows, cols] if is_linear => int4(*rows, *cols),
+            [rows, cols] if name == "lm_head.weight" => {
+                head_seen.set(true);
+                int4(*rows, *cols)
             }
             _ => stored,
         }
@@ -426,6 +441,9 @@ pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64
     let mut total = 0u64;
     for path in crate::weights::safetensors_files(dir)? {
         total += safetensors_data_bytes(&path, &quantized)?;
+    }
+    if let (false, Some((rows, cols))) = (head_seen.get(), embed_shape.get()) {
+        total += int4(rows, cols);
     }
     Ok(total)
 }

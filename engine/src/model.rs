@@ -13,8 +13,8 @@
 //!
 //! A linear layer's weight is dense (the checkpoint's dtype, read in place)
 //! or INT4 ([`crate::quant`]): loaded so from an AWQ/GPTQ checkpoint, or
-//! quantized at load by [`Model::quantize_int4`]. The embedding and the
-//! output head always stay dense.
+//! quantized at load by [`Model::quantize_int4`] (which also quantizes the
+//! output head; the embedding always stays dense).
 
 use std::path::Path;
 
@@ -123,6 +123,9 @@ pub struct Model {
     final_norm: Vec<f32>,
     /// `None` when tied to the embedding.
     lm_head: Option<Matrix>,
+    /// The output head quantized at load (`quantize_int4`), used instead of
+    /// the dense one.
+    lm_head_int4: Option<Int4Matrix>,
     rope: RopeTable,
     matmul: MatmulPolicy,
     _weights: WeightStore,
@@ -253,6 +256,7 @@ impl Model {
             layers,
             final_norm,
             lm_head,
+            lm_head_int4: None,
             rope,
             matmul: MatmulPolicy::default(),
             _weights: ws,
@@ -307,12 +311,18 @@ impl Model {
                     .sum::<usize>()
             })
             .sum();
-        layers + self.head().bytes()
+        layers
+            + self
+                .lm_head_int4
+                .as_ref()
+                .map_or_else(|| self.head().bytes(), Int4Matrix::bytes)
     }
 
-    /// Quantizes every dense linear layer (attention and MLP projections) to
-    /// INT4 in place; the embedding and the output head stay as stored, as
-    /// AWQ and GPTQ leave them. Layers already INT4 are kept.
+    /// Quantizes every dense linear layer (attention and MLP projections)
+    /// and the output head to INT4 in place; the embedding stays as stored
+    /// (a tied head gets its own INT4 copy). Decode reads the head every
+    /// step, so it is quantized too, unlike AWQ/GPTQ checkpoints, which keep
+    /// it dense (and load so). Layers already INT4 are kept.
     pub fn quantize_int4(&mut self, config: Int4Config) -> Result<()> {
         for (i, l) in self.layers.iter_mut().enumerate() {
             for (name, lin) in [
@@ -327,6 +337,7 @@ impl Model {
                 lin.quantize(config, &format!("layer {i} {name}"))?;
             }
         }
+        self.lm_head_int4 = Some(Int4Matrix::quantize(self.head(), config)?);
         Ok(())
     }
 
@@ -535,7 +546,10 @@ impl Model {
         }
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];
-        kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data);
+        match &self.lm_head_int4 {
+            Some(head) => linear_int4(&sel, rows.len(), head, None, self.matmul, &mut data),
+            None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
+        }
         Ok(Logits {
             data,
             vocab,

@@ -34,7 +34,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// INT4 group size.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 128)]
     group_size: usize,
     /// Tokens in the cache before decoding.
     #[arg(long, default_value_t = 128)]
@@ -86,6 +86,61 @@ fn decode_steps(model: &Model, context: usize, steps: usize) -> Result<Vec<f64>>
         next = argmax(logits.last(0));
     }
     Ok(secs)
+}
+
+/// One `[n, k]` projection at batch 1, bf16 against INT4: the best of many
+/// repetitions (the kernels alone, without the rest of a decode step).
+fn kernel_microbench(n: usize, k: usize, group: usize) -> Result<serde_json::Value> {
+    use tandem_engine::kernels::{linear, linear_int4, MatmulPolicy};
+    use tandem_engine::quant::Int4Matrix;
+    use tandem_engine::weights::{Matrix, WeightData};
+
+    let mut s = 0x9e37_79b9_u32;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 17;
+        s ^= s << 5;
+        (s % 2001) as f32 / 1000.0 - 1.0
+    };
+    let values: Vec<f32> = (0..n * k).map(|_| next() * 0.05).collect();
+    let bf16 = Matrix {
+        rows: n,
+        cols: k,
+        data: WeightData::Bf16(
+            values
+                .iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .collect::<Vec<_>>()
+                .into(),
+        ),
+    };
+    let int4 = Int4Matrix::quantize(&bf16, Int4Config::new(group)?)?;
+    let x: Vec<f32> = (0..k).map(|_| next()).collect();
+    let mut out = vec![0f32; n];
+    let reps = 400;
+    let best = |f: &mut dyn FnMut()| {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let t = Instant::now();
+            f();
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        best
+    };
+    let bf16_s = best(&mut || linear(&x, 1, &bf16, None, MatmulPolicy::Fastest, &mut out));
+    let int4_s = best(&mut || linear_int4(&x, 1, &int4, None, MatmulPolicy::Fastest, &mut out));
+    eprintln!(
+        "kernel {n}x{k} batch 1: bf16 {:.1} µs, INT4 {:.1} µs ({:.2}x)",
+        bf16_s * 1e6,
+        int4_s * 1e6,
+        bf16_s / int4_s
+    );
+    Ok(json!({
+        "shape": [n, k],
+        "bf16_us_best": bf16_s * 1e6,
+        "int4_us_best": int4_s * 1e6,
+        "speedup": bf16_s / int4_s,
+    }))
 }
 
 /// Blocks of KV in `memory` bytes: planned (weights and activations
@@ -229,6 +284,7 @@ fn main() -> Result<()> {
         "int4_speedup_batch1": speedup,
     });
     let mut report = report;
+    report["kernel"] = kernel_microbench(cfg.intermediate_size, cfg.hidden_size, args.group_size)?;
     report["kv_capacity"] = kv_capacity(&dir, &cfg, args.kv_memory)?;
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

@@ -23,6 +23,7 @@
 //! and runs the same `gemm` path as bf16 weights: O(n·k) extra work against
 //! the GEMM's O(m·n·k).
 
+use half::f16;
 use rayon::prelude::*;
 
 use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
@@ -132,7 +133,7 @@ pub(crate) fn linear_int4_rows(
         let rows = Int4Rows {
             packed: w.packed_rows(r0, r1),
             scales: w.scale_rows(r0, r1),
-            mins: w.min_rows(r0, r1),
+            zeros: w.zero_rows(r0, r1),
             k: w.cols(),
             group: w.group_size(),
         };
@@ -144,8 +145,8 @@ pub(crate) fn linear_int4_rows(
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Int4Rows<'a> {
     pub packed: &'a [u8],
-    pub scales: &'a [f32],
-    pub mins: &'a [f32],
+    pub scales: &'a [f16],
+    pub zeros: &'a [u8],
     pub k: usize,
     pub group: usize,
 }
@@ -176,14 +177,17 @@ pub(crate) fn rows_int4_scalar(
             for gi in 0..gpr {
                 let mut isum = 0i32;
                 for c in gi * g..(gi + 1) * g {
-                    let byte = packed[c / 32 * 16 + c % 16];
-                    let code = if c % 32 < 16 { byte & 0x0f } else { byte >> 4 };
+                    let byte = packed[c / 64 * 32 + c % 32];
+                    let code = if c % 64 < 32 { byte & 0x0f } else { byte >> 4 };
                     isum += i32::from(code) * i32::from(xq[c]);
                 }
-                acc += isum as f32 * (w.scales[r * gpr + gi] * xa.scales[t * gpr + gi]);
+                acc += isum as f32 * (w.scales[r * gpr + gi].to_f32() * xa.scales[t * gpr + gi]);
             }
             let zero_term: f32 = (0..gpr)
-                .map(|gi| w.mins[r * gpr + gi] * xa.sums[t * gpr + gi])
+                .map(|gi| {
+                    let (s, z) = (w.scales[r * gpr + gi].to_f32(), w.zeros[r * gpr + gi]);
+                    -s * f32::from(z) * xa.sums[t * gpr + gi]
+                })
                 .sum();
             out[t * n + r0 + r] = acc + zero_term;
         }
@@ -237,7 +241,7 @@ mod tests {
                 let rows = Int4Rows {
                     packed: w.packed_rows(0, n),
                     scales: w.scale_rows(0, n),
-                    mins: w.min_rows(0, n),
+                    zeros: w.zero_rows(0, n),
                     k,
                     group: g,
                 };

@@ -1,11 +1,11 @@
 //! The INT4 × int8 integer row kernels (see `int4.rs` for the arithmetic).
 //!
-//! One 16-byte load holds 32 codes of a row (low nibbles: columns 0..16,
-//! high nibbles: 16..32); masking and a shift put them in the two 128-bit
-//! lanes of a 256-bit register in column order, which is the order of the
-//! int8 activations. A tile is `R` weight rows × `T` token rows: each weight
-//! block is unpacked once and multiplied into every token row, with i32
-//! accumulators per group and f32 accumulators across groups.
+//! One 32-byte load holds 64 codes of a row (low nibbles: columns 0..32,
+//! high nibbles: 32..64); a mask and a shift give two registers of 32 codes
+//! in column order, the order of the int8 activations. A tile is `R` weight
+//! rows × `T` token rows: each weight block is unpacked once and multiplied
+//! into every token row, with i32 accumulators per group (folded into f32
+//! accumulators at each group's end) and f32 accumulators across groups.
 //!
 //! The unsigned×signed byte dot product has three forms, one kernel each,
 //! picked at run time: AVX-VNNI `vpdpbusd` (VEX), AVX-512 VNNI `vpdpbusd` on
@@ -28,7 +28,9 @@ pub enum Kernel {
 pub fn is_supported(kernel: Kernel) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         match kernel {
             Kernel::Scalar => true,
             Kernel::Avx2 => avx2,
@@ -62,7 +64,9 @@ pub fn supported_kernels() -> Vec<Kernel> {
 
 /// The fastest kernel this CPU runs.
 pub fn best_kernel() -> Kernel {
-    [Kernel::AvxVnni, Kernel::Avx512Vnni, Kernel::Avx2]
+    // The EVEX form first: the same instruction, with 32 vector registers
+    // for the tile's accumulators instead of 16.
+    [Kernel::Avx512Vnni, Kernel::AvxVnni, Kernel::Avx2]
         .into_iter()
         .find(|&k| is_supported(k))
         .unwrap_or(Kernel::Scalar)
@@ -80,7 +84,7 @@ pub(crate) fn rows_int4(
     n: usize,
     r0: usize,
 ) {
-    debug_assert!(w.k.is_multiple_of(w.group) && w.group.is_multiple_of(32));
+    debug_assert!(w.k.is_multiple_of(w.group) && w.k.is_multiple_of(64));
     debug_assert!(out.len() >= m * n && xa.codes.len() >= m * w.k);
     #[cfg(target_arch = "x86_64")]
     if is_supported(kernel) {
@@ -100,6 +104,10 @@ pub(crate) fn rows_int4(
     rows_int4_scalar(w, xa, m, out, n, r0);
 }
 
+/// How many tiles ahead the kernels prefetch weights.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_TILES: usize = 2;
+
 /// Generates one kernel module: `$features` are the target features, `$dot`
 /// the i32 accumulate of unsigned codes × signed activations.
 #[cfg(target_arch = "x86_64")]
@@ -107,12 +115,19 @@ macro_rules! int4_kernel {
     ($name:ident, $features:literal, |$acc:ident, $w:ident, $x:ident| $dot:expr) => {
         mod $name {
             use super::super::int4::{Int4Rows, QuantizedActivations};
+            use super::PREFETCH_TILES;
             use std::arch::x86_64::*;
 
             #[inline]
             #[target_feature(enable = $features)]
             fn dot($acc: __m256i, $w: __m256i, $x: __m256i) -> __m256i {
                 $dot
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn f16_to_f32(bits: u16) -> f32 {
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
             }
 
             #[inline]
@@ -127,8 +142,8 @@ macro_rules! int4_kernel {
             /// One tile of `R` weight rows × `T` token rows.
             ///
             /// # Safety
-            /// `w` holds `R` rows of `k / 2` packed bytes, `ws`/`wm` `R`
-            /// rows of `k / group` floats; `xq` holds `T` rows of `k`
+            /// `w` holds `R` rows of `k / 2` packed bytes, `ws` (f16 bits)
+            /// and `wz` `R` rows of `k / group` values; `xq` holds `T` rows of `k`
             /// codes, `xs`/`xsum` `T` rows of `k / group`; `out` reaches
             /// `(T - 1) * n + col + R - 1`.
             #[inline]
@@ -136,8 +151,8 @@ macro_rules! int4_kernel {
             #[allow(clippy::too_many_arguments)]
             unsafe fn tile<const R: usize, const T: usize>(
                 w: *const u8,
-                ws: *const f32,
-                wm: *const f32,
+                ws: *const u16,
+                wz: *const u8,
                 k: usize,
                 group: usize,
                 xq: *const i8,
@@ -148,41 +163,89 @@ macro_rules! int4_kernel {
                 col: usize,
             ) {
                 let gpr = k / group;
-                let mask = _mm_set1_epi8(0x0f);
+                let mask = _mm256_set1_epi8(0x0f);
                 let mut facc = [[_mm256_setzero_ps(); T]; R];
-                for g in 0..gpr {
-                    let mut iacc = [[_mm256_setzero_si256(); T]; R];
-                    let mut c = g * group;
-                    while c < (g + 1) * group {
-                        let mut xv = [_mm256_setzero_si256(); T];
-                        for (t, v) in xv.iter_mut().enumerate() {
-                            // SAFETY: c + 32 <= k inside token row t.
-                            *v = unsafe { _mm256_loadu_si256(xq.add(t * k + c).cast()) };
-                        }
-                        for (r, acc_r) in iacc.iter_mut().enumerate() {
-                            // SAFETY: bytes c/2 .. c/2 + 16 of weight row r.
-                            let raw = unsafe { _mm_loadu_si128(w.add(r * k / 2 + c / 2).cast()) };
-                            let lo = _mm_and_si128(raw, mask);
-                            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                            let wv = _mm256_set_m128i(hi, lo);
-                            for (a, &x) in acc_r.iter_mut().zip(&xv) {
-                                *a = dot(*a, wv, x);
+                let mut iacc = [[_mm256_setzero_si256(); T]; R];
+                // Folds the integer sums of group `g` into the float
+                // accumulators and clears them.
+                macro_rules! flush {
+                    ($g:expr) => {
+                        for r in 0..R {
+                            // SAFETY: group $g of weight row r.
+                            let sw = f16_to_f32(unsafe { *ws.add(r * gpr + $g) });
+                            for t in 0..T {
+                                // SAFETY: group $g of token row t.
+                                let d = sw * unsafe { *xs.add(t * gpr + $g) };
+                                facc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(iacc[r][t]),
+                                    _mm256_set1_ps(d),
+                                    facc[r][t],
+                                );
+                                iacc[r][t] = _mm256_setzero_si256();
                             }
                         }
-                        c += 32;
+                    };
+                }
+                let mut c = 0;
+                while c < k {
+                    // The tile's rows are one contiguous run of R·k/2 bytes,
+                    // read as R short interleaved streams that the hardware
+                    // prefetcher follows badly: fetch the run PREFETCH_TILES
+                    // tiles ahead, R/2 cache lines per 64-column step, so
+                    // it is all requested by the time this tile ends. (A
+                    // prefetch never faults, so the address may pass the end.)
+                    let ahead = w.wrapping_add(PREFETCH_TILES * R * k / 2 + c / 64 * R * 32);
+                    for line in 0..R.div_ceil(2) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
                     }
-                    for r in 0..R {
-                        // SAFETY: group g of weight row r.
-                        let sw = unsafe { *ws.add(r * gpr + g) };
-                        for t in 0..T {
-                            // SAFETY: group g of token row t.
-                            let d = sw * unsafe { *xs.add(t * gpr + g) };
-                            facc[r][t] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(iacc[r][t]),
-                                _mm256_set1_ps(d),
-                                facc[r][t],
-                            );
+                    // One 64-column block: low nibbles are columns c..c+32,
+                    // high nibbles c+32..c+64.
+                    let mut x_lo = [_mm256_setzero_si256(); T];
+                    let mut x_hi = [_mm256_setzero_si256(); T];
+                    for t in 0..T {
+                        // SAFETY: c + 64 <= k inside token row t.
+                        unsafe {
+                            x_lo[t] = _mm256_loadu_si256(xq.add(t * k + c).cast());
+                            x_hi[t] = _mm256_loadu_si256(xq.add(t * k + c + 32).cast());
                         }
+                    }
+                    if group == 32 {
+                        // The two halves belong to different groups.
+                        for r in 0..R {
+                            // SAFETY: bytes c/2 .. c/2 + 32 of weight row r.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let lo = _mm256_and_si256(raw, mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
+                            }
+                        }
+                        flush!(c / 32);
+                        for r in 0..R {
+                            // SAFETY: as above.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                            }
+                        }
+                    } else {
+                        for r in 0..R {
+                            // SAFETY: bytes c/2 .. c/2 + 32 of weight row r.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let lo = _mm256_and_si256(raw, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
+                                iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                            }
+                        }
+                    }
+                    c += 64;
+                    if c % group == 0 {
+                        flush!(c / group - 1);
                     }
                 }
                 for r in 0..R {
@@ -190,7 +253,14 @@ macro_rules! int4_kernel {
                         let mut s = hsum(facc[r][t]);
                         for g in 0..gpr {
                             // SAFETY: group g of weight row r and token row t.
-                            s += unsafe { *wm.add(r * gpr + g) * *xsum.add(t * gpr + g) };
+                            let (sw, z, xs) = unsafe {
+                                (
+                                    *ws.add(r * gpr + g),
+                                    *wz.add(r * gpr + g),
+                                    *xsum.add(t * gpr + g),
+                                )
+                            };
+                            s -= f16_to_f32(sw) * f32::from(z) * xs;
                         }
                         // SAFETY: within the bounds promised by the caller.
                         unsafe { *out.add(t * n + col + r) = s };
@@ -225,8 +295,8 @@ macro_rules! int4_kernel {
                         unsafe {
                             let args = (
                                 w.packed.as_ptr().add(r * k / 2),
-                                w.scales.as_ptr().add(r * gpr),
-                                w.mins.as_ptr().add(r * gpr),
+                                w.scales.as_ptr().add(r * gpr).cast::<u16>(),
+                                w.zeros.as_ptr().add(r * gpr),
                                 xa.codes.as_ptr().add(t * k),
                                 xa.scales.as_ptr().add(t * gpr),
                                 xa.sums.as_ptr().add(t * gpr),
@@ -270,17 +340,17 @@ macro_rules! int4_kernel {
 }
 
 #[cfg(target_arch = "x86_64")]
-int4_kernel!(avx2, "avx2,fma", |acc, w, x| _mm256_add_epi32(
+int4_kernel!(avx2, "avx2,fma,f16c", |acc, w, x| _mm256_add_epi32(
     acc,
     _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
 ));
 #[cfg(target_arch = "x86_64")]
-int4_kernel!(avxvnni, "avx2,fma,avxvnni", |acc, w, x| {
+int4_kernel!(avxvnni, "avx2,fma,f16c,avxvnni", |acc, w, x| {
     _mm256_dpbusd_avx_epi32(acc, w, x)
 });
 #[cfg(target_arch = "x86_64")]
 int4_kernel!(
     avx512vnni,
-    "avx2,fma,avx512f,avx512vl,avx512vnni",
-    |acc, w, x| { _mm256_dpbusd_epi32(acc, w, x) }
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    |acc, w, x| _mm256_dpbusd_epi32(acc, w, x)
 );

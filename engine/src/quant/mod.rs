@@ -10,26 +10,30 @@
 //! ```
 //!
 //! This is the asymmetric scheme of AWQ and GPTQ, so their checkpoints
-//! convert into it exactly ([`hf`]); [`Int4Matrix::quantize`] makes it from a
-//! dense matrix at load (round to nearest over each group's min..max).
-//! `m` is stored instead of `z` because the kernel needs it: the
-//! zero-point term of a dot product is `Σ_g m_g · Σ_{i∈g} x_i`, one
-//! multiply per group against the activation's group sums (see
-//! [`crate::kernels::int4`]).
+//! convert into it exactly ([`hf`]; their scales are f16, as stored here);
+//! [`Int4Matrix::quantize`] makes it from a dense matrix at load (round to
+//! nearest over each group's min..max). Per group that is 2 bytes of f16
+//! scale and 1 byte of zero point: decode reads every byte of the weights
+//! every step, so the side data is kept small. The zero-point term of a dot
+//! product is `Σ_g m_g · Σ_{i∈g} x_i`, one multiply per group against the
+//! activation's group sums (see [`crate::kernels::int4`]).
 //!
-//! Codes are packed two per byte in blocks of 32 columns: byte `j` of a
-//! block holds column `j` in its low nibble and column `j + 16` in its high
-//! nibble, so one 16-byte load, a mask and a shift give 32 codes in column
-//! order in two SIMD lanes.
+//! Codes are packed two per byte in blocks of 64 columns: byte `j` of a
+//! block holds column `j` in its low nibble and column `j + 32` in its high
+//! nibble, so one 32-byte load, a mask and a shift give two registers of 32
+//! codes each in column order. The input size must be a multiple of 64
+//! (true of every real model's hidden and intermediate sizes).
 
 pub mod eval;
 pub mod hf;
+
+use half::f16;
 
 use crate::error::{EngineError, Result};
 use crate::weights::Matrix;
 
 /// Columns per packed block (two nibbles per byte, low half then high half).
-pub const BLOCK: usize = 32;
+pub const BLOCK: usize = 64;
 
 /// Group sizes the kernels accept.
 pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
@@ -37,13 +41,15 @@ pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
 /// How weights are quantized at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Int4Config {
-    /// Input columns sharing one scale and zero point: 32, 64 or 128.
+    /// Input columns sharing one scale and zero point: 32, 64 or 128. A
+    /// matrix whose input size it does not divide uses the largest smaller
+    /// one that does ([`Int4Config::group_for`]).
     pub group_size: usize,
 }
 
 impl Default for Int4Config {
     fn default() -> Self {
-        Self { group_size: 64 }
+        Self { group_size: 128 }
     }
 }
 
@@ -57,6 +63,20 @@ impl Int4Config {
         }
         Ok(Self { group_size })
     }
+
+    /// The group size used for a matrix of `cols` input columns: the
+    /// configured one, or the largest smaller one dividing `cols`; `None`
+    /// when `cols` is not a multiple of the 64-column packing block.
+    pub fn group_for(&self, cols: usize) -> Option<usize> {
+        if cols % BLOCK != 0 {
+            return None;
+        }
+        GROUP_SIZES
+            .iter()
+            .rev()
+            .copied()
+            .find(|&g| g <= self.group_size && cols % g == 0)
+    }
 }
 
 /// A `[rows, cols]` matrix of 4-bit codes with per-group scales and mins.
@@ -69,14 +89,15 @@ pub struct Int4Matrix {
     /// in the module docs.
     packed: Vec<u8>,
     /// `rows × cols / group_size` scales, row-major.
-    scales: Vec<f32>,
-    /// `rows × cols / group_size` values of `−scale · zero`, row-major.
-    mins: Vec<f32>,
+    scales: Vec<f16>,
+    /// `rows × cols / group_size` zero points (`0..=15`), row-major.
+    zeros: Vec<u8>,
 }
 
 impl Int4Matrix {
     /// Builds a matrix from unpacked codes (`rows × cols`, each `0..=15`, in
-    /// column order), scales and integer zero points (`rows × groups` each).
+    /// column order), scales (rounded to f16) and integer zero points
+    /// (`rows × groups` each).
     pub fn from_codes(
         rows: usize,
         cols: usize,
@@ -86,9 +107,9 @@ impl Int4Matrix {
         zeros: &[u8],
     ) -> Result<Self> {
         Int4Config::new(group_size)?;
-        if cols % group_size != 0 {
+        if cols % group_size != 0 || cols % BLOCK != 0 {
             return Err(EngineError::InvalidCheckpoint(format!(
-                "INT4: {cols} input columns are not a multiple of the group size {group_size}"
+                "INT4: {cols} input columns are not a multiple of the group size {group_size} and of {BLOCK}"
             )));
         }
         let groups = rows * cols / group_size;
@@ -114,32 +135,26 @@ impl Int4Matrix {
                 dst[j] = src[j] | (src[j + BLOCK / 2] << 4);
             }
         }
-        let mins = scales
-            .iter()
-            .zip(zeros)
-            .map(|(&s, &z)| -s * f32::from(z))
-            .collect();
         Ok(Self {
             rows,
             cols,
             group_size,
             packed,
-            scales: scales.to_vec(),
-            mins,
+            scales: scales.iter().map(|&s| f16::from_f32(s)).collect(),
+            zeros: zeros.to_vec(),
         })
     }
 
     /// Quantizes a dense matrix group by group (round to nearest, asymmetric
     /// over each group's min..max).
     pub fn quantize(w: &Matrix, config: Int4Config) -> Result<Self> {
-        let g = config.group_size;
-        Int4Config::new(g)?;
-        if w.cols % g != 0 {
-            return Err(EngineError::Unsupported(format!(
-                "INT4 quantization: a {}×{} matrix has {} input columns, not a multiple of the group size {g} (try --quantize-group-size 32)",
+        Int4Config::new(config.group_size)?;
+        let g = config.group_for(w.cols).ok_or_else(|| {
+            EngineError::Unsupported(format!(
+                "INT4 quantization: a {}×{} matrix has {} input columns, not a multiple of {BLOCK}",
                 w.rows, w.cols, w.cols
-            )));
-        }
+            ))
+        })?;
         let groups_per_row = w.cols / g;
         let mut codes = vec![0u8; w.rows * w.cols];
         let mut scales = vec![0f32; w.rows * groups_per_row];
@@ -157,7 +172,11 @@ impl Int4Matrix {
                 // all-negative group keeps its small values exact-ish and a
                 // zero group has a well-defined scale.
                 let (lo, hi) = (lo.min(0.0), hi.max(0.0));
+                // The f16 the matrix will store, so codes match it.
                 let scale = if hi > lo { (hi - lo) / 15.0 } else { 1.0 };
+                let scale = f16::from_f32(scale)
+                    .to_f32()
+                    .max(f32::from(f16::MIN_POSITIVE));
                 let zero = (-lo / scale).round().clamp(0.0, 15.0);
                 let idx = r * groups_per_row + gi;
                 scales[idx] = scale;
@@ -197,27 +216,27 @@ impl Int4Matrix {
     }
 
     /// The scales of rows `r0..r1` (`groups_per_row` each).
-    pub fn scale_rows(&self, r0: usize, r1: usize) -> &[f32] {
+    pub fn scale_rows(&self, r0: usize, r1: usize) -> &[f16] {
         let g = self.groups_per_row();
         &self.scales[r0 * g..r1 * g]
     }
 
-    /// The `−scale · zero` terms of rows `r0..r1`.
-    pub fn min_rows(&self, r0: usize, r1: usize) -> &[f32] {
+    /// The zero points of rows `r0..r1`.
+    pub fn zero_rows(&self, r0: usize, r1: usize) -> &[u8] {
         let g = self.groups_per_row();
-        &self.mins[r0 * g..r1 * g]
+        &self.zeros[r0 * g..r1 * g]
     }
 
-    /// Bytes held: packed codes plus the f32 scales and mins.
+    /// Bytes held: packed codes plus the f16 scales and u8 zero points.
     pub fn bytes(&self) -> usize {
-        self.packed.len() + 4 * (self.scales.len() + self.mins.len())
+        self.packed.len() + 2 * self.scales.len() + self.zeros.len()
     }
 
     /// The 4-bit code of element `(r, c)`.
     pub fn code(&self, r: usize, c: usize) -> u8 {
         let block = c / BLOCK;
         let within = c % BLOCK;
-        let byte = self.packed[r * self.cols / 2 + block * BLOCK / 2 + within % (BLOCK / 2)];
+        let byte = self.packed[r * self.cols / 2 + block * (BLOCK / 2) + within % (BLOCK / 2)];
         if within < BLOCK / 2 {
             byte & 0x0f
         } else {
@@ -230,7 +249,8 @@ impl Int4Matrix {
         let g = self.groups_per_row();
         for (c, o) in out.iter_mut().enumerate().take(self.cols) {
             let gi = r * g + c / self.group_size;
-            *o = self.scales[gi] * f32::from(self.code(r, c)) + self.mins[gi];
+            *o =
+                self.scales[gi].to_f32() * (f32::from(self.code(r, c)) - f32::from(self.zeros[gi]));
         }
     }
 
@@ -244,10 +264,10 @@ impl Int4Matrix {
     }
 }
 
-/// Bytes an INT4 matrix of this shape takes (codes plus f32 scale and min
-/// per group), for capacity planning without quantizing.
+/// Bytes an INT4 matrix of this shape takes (codes plus an f16 scale and a
+/// u8 zero point per group), for capacity planning without quantizing.
 pub fn int4_bytes(rows: usize, cols: usize, group_size: usize) -> usize {
-    rows * cols / 2 + 8 * rows * cols.div_ceil(group_size)
+    rows * cols / 2 + 3 * rows * cols.div_ceil(group_size)
 }
 
 #[cfg(test)]
@@ -283,7 +303,7 @@ mod tests {
                 w.row_to_f32(r, &mut orig);
                 q.row_to_f32(r, &mut back);
                 for (c, (a, b)) in orig.iter().zip(&back).enumerate() {
-                    let step = q.scales[r * q.groups_per_row() + c / g];
+                    let step = q.scales[r * q.groups_per_row() + c / g].to_f32();
                     assert!(
                         (a - b).abs() <= step * 0.5 + 1e-6,
                         "g{g} ({r},{c}): {a} vs {b}"
@@ -295,11 +315,13 @@ mod tests {
     }
 
     #[test]
-    fn packing_puts_column_j_and_j_plus_16_in_one_byte() {
-        let codes: Vec<u8> = (0..64).map(|i| (i % 16) as u8).collect();
-        let m = Int4Matrix::from_codes(1, 64, 32, &codes, &[1.0, 1.0], &[0, 0]).expect("m");
-        assert_eq!(m.packed[0], 0x00);
-        assert_eq!(m.packed[1], 1 | (1 << 4));
+    fn packing_puts_column_j_and_j_plus_32_in_one_byte() {
+        let codes: Vec<u8> = (0..128).map(|i| ((i * 7 + i / 32) % 16) as u8).collect();
+        let m = Int4Matrix::from_codes(1, 128, 64, &codes, &[1.0, 1.0], &[0, 0]).expect("m");
+        for j in 0..32 {
+            assert_eq!(m.packed[j], codes[j] | (codes[j + 32] << 4));
+            assert_eq!(m.packed[32 + j], codes[64 + j] | (codes[96 + j] << 4));
+        }
         for (c, &want) in codes.iter().enumerate() {
             assert_eq!(m.code(0, c), want);
         }
@@ -310,7 +332,12 @@ mod tests {
         assert!(Int4Config::new(48).is_err());
         let w = dense(2, 96, 1);
         assert!(Int4Matrix::quantize(&w, Int4Config::new(64).expect("g")).is_err());
-        assert!(Int4Matrix::from_codes(1, 32, 32, &[16; 32], &[1.0], &[0]).is_err());
-        assert!(Int4Matrix::from_codes(1, 32, 32, &[0; 31], &[1.0], &[0]).is_err());
+        // 192 columns: groups of 128 do not divide it, 64 does.
+        let w = dense(2, 192, 1);
+        let q = Int4Matrix::quantize(&w, Int4Config::new(128).expect("g")).expect("fits");
+        assert_eq!(q.group_size(), 64);
+        assert!(Int4Matrix::from_codes(1, 64, 32, &[16; 64], &[1.0; 2], &[0; 2]).is_err());
+        assert!(Int4Matrix::from_codes(1, 64, 32, &[0; 63], &[1.0; 2], &[0; 2]).is_err());
+        assert!(Int4Matrix::from_codes(1, 32, 32, &[0; 32], &[1.0], &[0]).is_err());
     }
 }
