@@ -95,10 +95,10 @@ pub fn paged_attention(
                 let block = seq.blocks[b];
                 let base_row = kv.offset(block, kvh, 0) / d;
                 let mut bmax = f32::NEG_INFINITY;
-                for slot in slot0..slot1 {
+                for (slot, score) in scores.iter_mut().enumerate().take(slot1).skip(slot0) {
                     let (kr, k_scale) = view.key(base_row + slot, &mut row_buf);
                     let sc = dot_f32(qv, kr) * (scale * k_scale);
-                    scores[slot] = sc;
+                    *score = sc;
                     bmax = bmax.max(sc);
                 }
                 if bmax > m {
@@ -109,8 +109,8 @@ pub fn paged_attention(
                     }
                     m = bmax;
                 }
-                for slot in slot0..slot1 {
-                    let p = (scores[slot] - m).exp();
+                for (slot, &score) in scores.iter().enumerate().take(slot1).skip(slot0) {
+                    let p = (score - m).exp();
                     l += p;
                     let (vr, v_scale) = view.value(base_row + slot, &mut row_buf);
                     axpy_f32(acc, p * v_scale, vr);

@@ -260,9 +260,9 @@ mod tests {
         }
     }
 
-    /// The fused kernel (int8 activations) and the prefill path (dequantize
-    /// + GEMM) stay close to the f32 product with the dequantized weights;
-    /// a wrong nibble, scale or zero point is far outside the bound.
+    /// The fused kernel (int8 activations) and the prefill path (dequantize,
+    /// then GEMM) stay close to the f32 product with the dequantized
+    /// weights; a wrong nibble, scale or zero point is far outside the bound.
     #[test]
     fn int4_linear_matches_dequantized_f32() {
         for g in GROUP_SIZES {

@@ -244,7 +244,7 @@ macro_rules! int4_kernel {
                         }
                     }
                     c += 64;
-                    if c % group == 0 {
+                    if c.is_multiple_of(group) {
                         flush!(c / group - 1);
                     }
                 }

@@ -68,14 +68,14 @@ impl Int4Config {
     /// configured one, or the largest smaller one dividing `cols`; `None`
     /// when `cols` is not a multiple of the 64-column packing block.
     pub fn group_for(&self, cols: usize) -> Option<usize> {
-        if cols % BLOCK != 0 {
+        if !cols.is_multiple_of(BLOCK) {
             return None;
         }
         GROUP_SIZES
             .iter()
             .rev()
             .copied()
-            .find(|&g| g <= self.group_size && cols % g == 0)
+            .find(|&g| g <= self.group_size && cols.is_multiple_of(g))
     }
 }
 
@@ -107,7 +107,7 @@ impl Int4Matrix {
         zeros: &[u8],
     ) -> Result<Self> {
         Int4Config::new(group_size)?;
-        if cols % group_size != 0 || cols % BLOCK != 0 {
+        if !cols.is_multiple_of(group_size) || !cols.is_multiple_of(BLOCK) {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "INT4: {cols} input columns are not a multiple of the group size {group_size} and of {BLOCK}"
             )));
