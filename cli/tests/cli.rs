@@ -374,7 +374,7 @@ fn plan_json_follows_the_capacity_formula() {
     // (64 where 128 does not divide the input size); the embedding as stored.
     let p = run(&["--memory", "64MiB", "--quantize", "int4"]);
     let int4 = |rows: u64, cols: u64| {
-        let g = if cols % 128 == 0 { 128 } else { 64 };
+        let g = if cols.is_multiple_of(128) { 128 } else { 64 };
         rows * cols / 2 + 3 * rows * (cols / g)
     };
     let shapes = [

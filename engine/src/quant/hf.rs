@@ -148,7 +148,11 @@ impl HfQuantization {
         inp: usize,
     ) -> Result<Int4Matrix> {
         let g = self.group_size.unwrap_or(inp);
-        if !GROUP_SIZES.contains(&g) || !inp.is_multiple_of(g) || !out.is_multiple_of(8) || !inp.is_multiple_of(8) {
+        if !GROUP_SIZES.contains(&g)
+            || !inp.is_multiple_of(g)
+            || !out.is_multiple_of(8)
+            || !inp.is_multiple_of(8)
+        {
             return Err(unsupported(format!(
                 "`{prefix}`: {out}×{inp} in groups of {g} (the kernels take groups of {GROUP_SIZES:?} dividing the input size, and sizes divisible by 8)"
             )));
