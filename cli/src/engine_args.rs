@@ -51,10 +51,10 @@ pub struct EngineArgs {
     /// bytes; `--kv-cache-memory` then holds four times the blocks).
     #[arg(long, default_value = "f32", value_parser = parse_kv_cache_dtype)]
     kv_dtype: tandem_engine::KvCacheDtype,
-    /// Quantize the linear layers' weights at load: `int4` = 4-bit codes
-    /// with a scale and zero point per group of input columns, run by
-    /// integer kernels (CPU only). Pre-quantized AWQ/GPTQ checkpoints
-    /// need no flag.
+    /// Quantize the linear layers' and the output head's weights at load:
+    /// `int4` = 4-bit codes with a scale and zero point per group of input
+    /// columns, run by integer kernels (CPU only). Pre-quantized AWQ/GPTQ
+    /// checkpoints need no flag.
     #[arg(long, value_enum)]
     quantize: Option<Quantize>,
     /// Input columns per INT4 scale (`--quantize int4`): 32, 64 or 128 (a
