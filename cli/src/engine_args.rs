@@ -7,7 +7,7 @@ use tandem_engine::serving::{EngineConfig, KvPoolSize};
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// Memory for the KV cache, e.g. 2GiB (the CPU engine stores K/V in f32).
+    /// Memory for the KV cache, e.g. 2GiB (counted in the `--kv-dtype`).
     #[arg(long, default_value = "1GiB", conflicts_with = "num_kv_blocks")]
     kv_cache_memory: String,
     /// KV cache size in blocks instead of bytes.
@@ -46,6 +46,21 @@ pub struct EngineArgs {
     /// engine's numerics, bf16 is fast.
     #[arg(long, value_enum, default_value_t = GpuDtype::Bf16)]
     gpu_dtype: GpuDtype,
+    /// What the KV cache stores (CPU): f32, or 8-bit `int8` / `fp8-e4m3`
+    /// codes with one scale per block and KV head (a quarter of f32's
+    /// bytes; `--kv-cache-memory` then holds four times the blocks).
+    #[arg(long, default_value = "f32", value_parser = parse_kv_cache_dtype)]
+    kv_dtype: tandem_engine::KvCacheDtype,
+    /// Quantize the linear layers' and the output head's weights at load:
+    /// `int4` = 4-bit codes with a scale and zero point per group of input
+    /// columns, run by integer kernels (CPU only). Pre-quantized AWQ/GPTQ
+    /// checkpoints need no flag.
+    #[arg(long, value_enum)]
+    quantize: Option<Quantize>,
+    /// Input columns per INT4 scale (`--quantize int4`): 32, 64 or 128 (a
+    /// matrix it does not divide uses the largest smaller one that does).
+    #[arg(long, default_value_t = 128)]
+    quantize_group_size: usize,
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]
     gpu_index: usize,
@@ -58,6 +73,16 @@ pub struct EngineArgs {
 pub enum Device {
     Cpu,
     Cuda,
+}
+
+fn parse_kv_cache_dtype(s: &str) -> Result<tandem_engine::KvCacheDtype, String> {
+    s.parse()
+}
+
+/// Weight quantization applied at load.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantize {
+    Int4,
 }
 
 /// Storage type of weights and KV on a GPU.
@@ -78,6 +103,22 @@ impl EngineArgs {
             Some(n) => KvPoolSize::Blocks(n),
             None => KvPoolSize::Bytes(usize::try_from(parse_memory_size(&self.kv_cache_memory)?)?),
         };
+        let weight_quantization = match self.quantize {
+            Some(Quantize::Int4) => Some(
+                tandem_engine::quant::Int4Config::new(self.quantize_group_size)
+                    .map_err(|e| anyhow::anyhow!("--quantize-group-size: {e}"))?,
+            ),
+            None => None,
+        };
+        if weight_quantization.is_some() && self.device == Device::Cuda {
+            bail!("--quantize int4 runs on the CPU only (the CUDA backend has no INT4 kernels)");
+        }
+        if self.kv_dtype != tandem_engine::KvCacheDtype::F32 && self.device == Device::Cuda {
+            bail!(
+                "--kv-dtype {} runs on the CPU only (use --gpu-dtype on a GPU)",
+                self.kv_dtype
+            );
+        }
         Ok(EngineConfig {
             block_size: self.block_size,
             kv_pool,
@@ -88,6 +129,8 @@ impl EngineArgs {
             enable_prefix_caching: !self.no_prefix_caching,
             batch_invariant: self.batch_invariant,
             max_queued_requests: Some(self.max_queued_requests),
+            weight_quantization,
+            kv_cache_dtype: self.kv_dtype,
         })
     }
 }

@@ -11,8 +11,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 use tandem_engine::capacity::{
-    checkpoint_weight_bytes, format_bytes, parse_memory_size, Capacity, CapacityPlan, KvDtype,
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+    checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, parse_memory_size,
+    Capacity, CapacityPlan, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
 };
 use tandem_engine::ModelConfig;
 
@@ -29,9 +30,17 @@ pub struct PlanArgs {
     /// max_position_embeddings).
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// What the KV cache stores: f32 (the CPU engine today), bf16, f16, fp8.
+    /// What the KV cache stores: f32, bf16, f16, fp8 or int8 (the 8-bit
+    /// ones with an f32 scale per block and KV head, as the CPU engine
+    /// stores `--kv-dtype int8` / `fp8-e4m3`).
     #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
+    /// Plan for weights quantized at load (`tandem serve --quantize int4`).
+    #[arg(long, value_enum)]
+    quantize: Option<crate::engine_args::Quantize>,
+    /// INT4 group size (with `--quantize int4`).
+    #[arg(long, default_value_t = 128)]
+    quantize_group_size: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
@@ -57,8 +66,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     let cfg = ModelConfig::from_dir(&dir)
         .with_context(|| format!("reading the config of {}", dir.display()))?;
-    let weight_bytes = checkpoint_weight_bytes(&dir)
-        .with_context(|| format!("reading the weight headers of {}", dir.display()))?;
+    let weight_bytes = match args.quantize {
+        Some(crate::engine_args::Quantize::Int4) => {
+            tandem_engine::quant::Int4Config::new(args.quantize_group_size)
+                .map_err(|e| anyhow::anyhow!("--quantize-group-size: {e}"))?;
+            checkpoint_weight_bytes_int4(&dir, args.quantize_group_size)
+        }
+        None => checkpoint_weight_bytes(&dir),
+    }
+    .with_context(|| format!("reading the weight headers of {}", dir.display()))?;
     let plan = CapacityPlan {
         block_size: args.block_size,
         max_model_len: args.max_model_len,

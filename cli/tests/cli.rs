@@ -358,7 +358,9 @@ fn plan_json_follows_the_capacity_formula() {
     let memory = 500_000_000u64;
     let kv_per_token = 2 * layers * kv_heads * head_dim;
     let activations = 4 * (512 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 8 * vocab);
-    let pool_blocks = (memory - weights - activations) / (32 * kv_per_token);
+    // 8-bit KV carries an f32 scale per (layer, block, KV head), K and V.
+    let scales = 2 * layers * kv_heads * 4;
+    let pool_blocks = (memory - weights - activations) / (32 * kv_per_token + scales);
     assert_eq!(p["memory_bytes"], memory);
     assert_eq!(p["kv_dtype"], "fp8");
     assert_eq!(p["kv_bytes_per_token"], kv_per_token);
@@ -366,6 +368,28 @@ fn plan_json_follows_the_capacity_formula() {
     assert_eq!(p["pool_blocks"], pool_blocks);
     assert_eq!(p["blocks_per_seq"], 4);
     assert_eq!(p["max_concurrent_seqs"], pool_blocks / 4);
+
+    // INT4 weights: the linear layers and the (untied) head at half a byte
+    // per weight plus an f16 scale and a u8 zero point per group of 128
+    // (64 where 128 does not divide the input size); the embedding as stored.
+    let p = run(&["--memory", "64MiB", "--quantize", "int4"]);
+    let int4 = |rows: u64, cols: u64| {
+        let g = if cols.is_multiple_of(128) { 128 } else { 64 };
+        rows * cols / 2 + 3 * rows * (cols / g)
+    };
+    let shapes = [
+        (q, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, q),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+    ];
+    let dense: u64 = layers * shapes.iter().map(|(r, c)| r * c).sum::<u64>() + vocab * hidden;
+    let quantized: u64 =
+        layers * shapes.iter().map(|&(r, c)| int4(r, c)).sum::<u64>() + int4(vocab, hidden);
+    assert_eq!(p["weight_bytes"], weights - 2 * dense + quantized); // bf16 stored
 
     // The table names every number.
     let out = tandem(&["plan", "--model", m, "--memory", "64MiB"], tmp.path());

@@ -5,6 +5,10 @@
 //! so no score matrix is ever materialised and K/V are read straight from the
 //! paged pool. Work is split over (sequence, query head, tile of queries), so
 //! a long prefill and many single-token decodes parallelise alike.
+//!
+//! An 8-bit cache is read in place too: each key or value row is decoded
+//! into the task's `head_dim` buffer and its block-head
+//! scale multiplies the score (keys) or the softmax weight (values).
 
 use rayon::prelude::*;
 
@@ -54,7 +58,7 @@ pub fn paged_attention(
     let group = num_heads / num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let bs = kv.layout().block_size;
-    let (kpool, vpool) = kv.layer(layer);
+    let view = kv.layer(layer);
 
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
@@ -71,6 +75,7 @@ pub fn paged_attention(
         let kvh = h / group;
         let ptr = out_ptr;
         let mut scores = vec![0.0f32; bs];
+        let mut row_buf = vec![0.0f32; d];
         for t in t0..t1 {
             let row = seq.row + t;
             let qv = &q[row * stride + h * d..row * stride + (h + 1) * d];
@@ -88,12 +93,12 @@ pub fn paged_attention(
                 let slot0 = kpos % bs;
                 let slot1 = (bs).min(slot0 + pos + 1 - kpos);
                 let block = seq.blocks[b];
-                let base = kv.offset(block, kvh, 0);
+                let base_row = kv.offset(block, kvh, 0) / d;
                 let mut bmax = f32::NEG_INFINITY;
-                for slot in slot0..slot1 {
-                    let kr = &kpool[base + slot * d..base + (slot + 1) * d];
-                    let sc = dot_f32(qv, kr) * scale;
-                    scores[slot] = sc;
+                for (slot, score) in scores.iter_mut().enumerate().take(slot1).skip(slot0) {
+                    let (kr, k_scale) = view.key(base_row + slot, &mut row_buf);
+                    let sc = dot_f32(qv, kr) * (scale * k_scale);
+                    *score = sc;
                     bmax = bmax.max(sc);
                 }
                 if bmax > m {
@@ -104,10 +109,11 @@ pub fn paged_attention(
                     }
                     m = bmax;
                 }
-                for slot in slot0..slot1 {
-                    let p = (scores[slot] - m).exp();
+                for (slot, &score) in scores.iter().enumerate().take(slot1).skip(slot0) {
+                    let p = (score - m).exp();
                     l += p;
-                    axpy_f32(acc, p, &vpool[base + slot * d..base + (slot + 1) * d]);
+                    let (vr, v_scale) = view.value(base_row + slot, &mut row_buf);
+                    axpy_f32(acc, p * v_scale, vr);
                 }
                 kpos += slot1 - slot0;
             }

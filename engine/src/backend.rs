@@ -18,7 +18,7 @@ use std::borrow::Cow;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::MatmulPolicy;
-use crate::kv_cache::{BlockCopy, BlockId, KvCache, KvLayout};
+use crate::kv_cache::{BlockCopy, BlockId, KvCache, KvCacheDtype, KvLayout};
 use crate::model::{Logits, Model, SeqInput};
 
 /// One layer's K and V of a block, `[kv_head][slot][head_dim]` in f32:
@@ -38,8 +38,7 @@ impl KvBlocks for KvCache {
                 "block {block} of layer {layer} is outside the KV pool"
             )));
         }
-        let (k, v) = self.block(layer, block);
-        Ok((Cow::Borrowed(k), Cow::Borrowed(v)))
+        Ok(self.block(layer, block))
     }
 }
 
@@ -89,9 +88,20 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// The model with a pool of `num_blocks` blocks of `block_size` tokens.
+    /// The model with an f32 pool of `num_blocks` blocks of `block_size`
+    /// tokens.
     pub fn new(model: Model, block_size: usize, num_blocks: usize) -> Self {
-        let kv = KvCache::new(model.kv_layout(block_size), num_blocks);
+        Self::with_kv_dtype(model, block_size, num_blocks, KvCacheDtype::F32)
+    }
+
+    /// As [`new`](Self::new) with the pool storing `dtype`.
+    pub fn with_kv_dtype(
+        model: Model,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvCacheDtype,
+    ) -> Self {
+        let kv = KvCache::with_dtype(model.kv_layout(block_size), num_blocks, dtype);
         Self { model, kv }
     }
 }
@@ -114,7 +124,7 @@ impl ComputeBackend for CpuBackend {
     }
 
     fn block_bytes(&self) -> usize {
-        self.kv.layout().block_bytes()
+        self.kv.block_bytes()
     }
 
     fn set_batch_invariant(&mut self, on: bool) -> Result<()> {
@@ -187,5 +197,40 @@ mod tests {
         assert!(KvBlocks::read_block(&b.kv, 2, 0).is_err(), "layer 2 of 2");
         assert_eq!(b.block_bytes(), 2 * 2 * 2 * 16 * 16 * 4);
         assert_eq!(b.device(), "cpu");
+    }
+
+    /// An 8-bit pool takes a quarter of the f32 bytes (half of a 16-bit
+    /// one) plus its scales, and its blocks cross the seam in f32 within a
+    /// quantization step of what was written.
+    #[test]
+    fn eight_bit_pools_round_trip_blocks_and_take_a_quarter_of_the_bytes() {
+        for dtype in [KvCacheDtype::Int8, KvCacheDtype::Fp8E4m3] {
+            let tmp = tempfile::tempdir().expect("tempdir");
+            synth::preset("tiny")
+                .expect("preset")
+                .write(tmp.path(), 1, DType::F32)
+                .expect("write");
+            let model = Model::load(tmp.path()).expect("load");
+            let mut b = CpuBackend::with_kv_dtype(model, 16, 4, dtype);
+            let layout = b.kv_layout();
+            let n = layout.block_elems();
+            let k: Vec<f32> = (0..n).map(|i| (i % 37) as f32 / 10.0 - 1.8).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x * 0.5).collect();
+            b.write_block(1, 2, &k, &v).expect("in range");
+            b.copy_block(BlockCopy { src: 2, dst: 3 })
+                .expect("in range");
+            let (rk, rv) = KvBlocks::read_block(&b.kv, 1, 3).expect("in range");
+            let tol = if dtype == KvCacheDtype::Int8 {
+                0.01
+            } else {
+                0.12
+            };
+            for (a, b) in k.iter().chain(&v).zip(rk.iter().chain(rv.iter())) {
+                assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
+            }
+            let f32_bytes = layout.block_bytes();
+            let scales = 2 * layout.num_layers * layout.num_kv_heads * 4;
+            assert_eq!(b.block_bytes(), f32_bytes / 4 + scales);
+        }
     }
 }

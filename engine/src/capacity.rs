@@ -48,30 +48,42 @@ pub enum KvDtype {
     F32,
     Bf16,
     F16,
-    /// One byte per element (e4m3 or e5m2; the size is the same).
+    /// One byte per element (e4m3 or e5m2; the size is the same), plus an
+    /// f32 scale per (layer, block, KV head) as the CPU engine stores it.
     Fp8,
+    /// One byte per element plus an f32 scale per (layer, block, KV head).
+    Int8,
 }
 
 impl KvDtype {
     /// Every dtype, in the order `tandem plan --help` lists them.
-    pub const ALL: [KvDtype; 4] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8];
+    pub const ALL: [KvDtype; 5] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8, Self::Int8];
 
     /// Bytes per stored element.
     pub fn bytes(self) -> usize {
         match self {
             Self::F32 => 4,
             Self::Bf16 | Self::F16 => 2,
-            Self::Fp8 => 1,
+            Self::Fp8 | Self::Int8 => 1,
         }
     }
 
-    /// The canonical lower-case name (`f32`, `bf16`, `f16`, `fp8`).
+    /// Bytes of scales per (layer, block, KV head), for K and for V each.
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            Self::F32 | Self::Bf16 | Self::F16 => 0,
+            Self::Fp8 | Self::Int8 => 4,
+        }
+    }
+
+    /// The canonical lower-case name (`f32`, `bf16`, `f16`, `fp8`, `int8`).
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
             Self::Fp8 => "fp8",
+            Self::Int8 => "int8",
         }
     }
 }
@@ -93,9 +105,9 @@ impl FromStr for KvDtype {
             "f32" | "fp32" | "float32" | "float" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             "f16" | "fp16" | "float16" | "half" => Ok(Self::F16),
-            "fp8" | "f8" | "fp8_e4m3" | "fp8_e5m2" | "float8_e4m3fn" | "float8_e5m2" => {
-                Ok(Self::Fp8)
-            }
+            "fp8" | "f8" | "fp8_e4m3" | "fp8-e4m3" | "fp8_e5m2" | "float8_e4m3fn"
+            | "float8_e5m2" => Ok(Self::Fp8),
+            "int8" | "i8" => Ok(Self::Int8),
             _ => Err(CapacityError::InvalidKvDtype(s.to_string())),
         }
     }
@@ -134,7 +146,7 @@ pub enum CapacityError {
     )]
     InvalidMemorySize(String),
     /// A KV dtype name did not parse.
-    #[error("unknown KV dtype `{0}` (expected f32, bf16, f16 or fp8)")]
+    #[error("unknown KV dtype `{0}` (expected f32, bf16, f16, fp8 or int8)")]
     InvalidKvDtype(String),
 }
 
@@ -208,7 +220,8 @@ pub struct Capacity {
     pub kv_dtype: KvDtype,
     pub kv_bytes_per_token: u64,
     pub block_size: usize,
-    /// `block_size × kv_bytes_per_token`.
+    /// `block_size × kv_bytes_per_token`, plus the 8-bit dtypes' scales
+    /// (`2 × layers × kv_heads × 4`).
     pub bytes_per_block: u64,
     /// `(memory − weights − activations) / bytes_per_block`, rounded down.
     pub pool_blocks: u64,
@@ -276,7 +289,8 @@ impl CapacityPlan {
                 max_num_batched_tokens: self.max_num_batched_tokens,
             })?;
         let kv_bytes_per_token = kv_bytes_per_token(cfg, self.kv_dtype);
-        let bytes_per_block = self.block_size as u64 * kv_bytes_per_token;
+        let bytes_per_block = self.block_size as u64 * kv_bytes_per_token
+            + 2 * (cfg.num_layers * cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
         // A model without KV (no layers) would divide by zero; it has no
         // pool to plan either.
         let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);
@@ -386,7 +400,50 @@ pub fn format_bytes(bytes: u64) -> String {
 pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
     let mut total = 0u64;
     for path in crate::weights::safetensors_files(dir)? {
-        total += safetensors_data_bytes(&path)?;
+        total += safetensors_data_bytes(&path, &|_, _, stored| stored)?;
+    }
+    Ok(total)
+}
+
+/// As [`checkpoint_weight_bytes`], for the model quantized at load to INT4
+/// with `group_size` (`--quantize int4`): every 2-D
+/// `model.layers.*.{self_attn,mlp}.*_proj.weight` and `lm_head.weight`
+/// counts what its [`crate::quant::Int4Matrix`] takes
+/// ([`crate::quant::int4_bytes`], with [`crate::quant::Int4Config::group_for`]'s
+/// group); a checkpoint without `lm_head.weight` (tied) adds an INT4 copy of
+/// the embedding as its head; the embedding, norms and biases stay as stored.
+pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64> {
+    let config = crate::quant::Int4Config::new(group_size)?;
+    let int4 = |rows: u64, cols: u64| {
+        let g = config.group_for(cols as usize).unwrap_or(group_size);
+        crate::quant::int4_bytes(rows as usize, cols as usize, g) as u64
+    };
+    let head_seen = std::cell::Cell::new(false);
+    let embed_shape = std::cell::Cell::new(None);
+    let quantized = |name: &str, shape: &[u64], stored: u64| {
+        let is_linear = name.starts_with("model.layers.")
+            && (name.contains(".self_attn.") || name.contains(".mlp."))
+            && name.ends_with("_proj.weight");
+        if name == "model.embed_tokens.weight" {
+            if let [rows, cols] = shape {
+                embed_shape.set(Some((*rows, *cols)));
+            }
+        }
+        match shape {
+            [rows, cols] if is_linear => int4(*rows, *cols),
+            [rows, cols] if name == "lm_head.weight" => {
+                head_seen.set(true);
+                int4(*rows, *cols)
+            }
+            _ => stored,
+        }
+    };
+    let mut total = 0u64;
+    for path in crate::weights::safetensors_files(dir)? {
+        total += safetensors_data_bytes(&path, &quantized)?;
+    }
+    if let (false, Some((rows, cols))) = (head_seen.get(), embed_shape.get()) {
+        total += int4(rows, cols);
     }
     Ok(total)
 }
@@ -395,9 +452,10 @@ pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
 /// limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// Sums `end − start` of every tensor's `data_offsets` in one file's header,
-/// checking the offsets against the file's length.
-fn safetensors_data_bytes(path: &Path) -> Result<u64> {
+/// Sums `bytes(name, shape, end − start)` over every tensor's
+/// `data_offsets` in one file's header, checking the offsets against the
+/// file's length.
+fn safetensors_data_bytes(path: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
     let io = |source| EngineError::Io {
         path: path.to_path_buf(),
         source,
@@ -441,7 +499,12 @@ fn safetensors_data_bytes(path: &Path) -> Result<u64> {
                 "tensor `{name}` data_offsets [{start}, {end}] lie outside the {data_len} data bytes"
             )));
         }
-        total += end - start;
+        let shape: Vec<u64> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .map(|dims| dims.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default();
+        total += bytes(name, &shape, end - start);
     }
     Ok(total)
 }
@@ -515,13 +578,48 @@ mod tests {
         }
         .plan(&cfg)
         .expect("fits");
-        // 128 B/token × 32 = 4096 B per block → 2571 blocks; 100 tokens
-        // round up to 4 blocks → 642 sequences.
-        assert_eq!(c.bytes_per_block, 4096);
-        assert_eq!(c.pool_blocks, 2571);
+        // 128 B/token × 32 + 2 × 2 layers × 2 heads × 4 B of scales =
+        // 4128 B per block → 2551 blocks; 100 tokens round up to 4 blocks
+        // → 637 sequences.
+        assert_eq!(c.bytes_per_block, 4128);
+        assert_eq!(c.pool_blocks, 2551);
         assert_eq!(c.blocks_per_seq, 4);
-        assert_eq!(c.max_concurrent_seqs, 642);
-        assert!(c.to_string().contains("2571 blocks"), "{c}");
+        assert_eq!(c.max_concurrent_seqs, 637);
+        assert!(c.to_string().contains("2551 blocks"), "{c}");
+    }
+
+    /// An 8-bit KV pool plans the engine's own block bytes, and holds
+    /// about twice the blocks of a 16-bit one.
+    #[test]
+    fn eight_bit_kv_doubles_the_pool_of_a_sixteen_bit_one() {
+        let cfg = tiny();
+        let plan = CapacityPlan::new(1 << 30, 0);
+        let bf16 = CapacityPlan {
+            kv_dtype: KvDtype::Bf16,
+            ..plan.clone()
+        }
+        .plan(&cfg)
+        .expect("fits");
+        let layout = crate::KvLayout {
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: plan.block_size,
+        };
+        for (dtype, engine) in [
+            (KvDtype::Int8, crate::KvCacheDtype::Int8),
+            (KvDtype::Fp8, crate::KvCacheDtype::Fp8E4m3),
+        ] {
+            let c = CapacityPlan {
+                kv_dtype: dtype,
+                ..plan.clone()
+            }
+            .plan(&cfg)
+            .expect("fits");
+            assert_eq!(c.bytes_per_block as usize, engine.block_bytes(&layout));
+            let ratio = c.pool_blocks as f64 / bf16.pool_blocks as f64;
+            assert!((1.9..=2.0).contains(&ratio), "{dtype}: {ratio}");
+        }
     }
 
     #[test]
@@ -662,6 +760,27 @@ mod tests {
             checkpoint_weight_bytes(empty.path()),
             Err(EngineError::MissingFile { .. })
         ));
+    }
+
+    /// The INT4 plan counts exactly what quantizing at load changes in the
+    /// loaded model.
+    #[test]
+    fn int4_weight_bytes_match_the_quantized_model() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        crate::synth::preset("tiny")
+            .expect("preset")
+            .write(dir.path(), 0, crate::DType::Bf16)
+            .expect("write");
+        let stored = checkpoint_weight_bytes(dir.path()).expect("headers");
+        let planned = checkpoint_weight_bytes_int4(dir.path(), 64).expect("headers");
+        let mut model = crate::Model::load(dir.path()).expect("load");
+        let dense = model.weight_bytes() as u64;
+        model
+            .quantize_int4(crate::quant::Int4Config::new(64).expect("group"))
+            .expect("quantize");
+        let int4 = model.weight_bytes() as u64;
+        assert!(int4 < dense, "{int4} vs {dense}");
+        assert_eq!(stored - planned, dense - int4);
     }
 
     /// Parameters of a Llama checkpoint with untied embeddings.

@@ -21,6 +21,7 @@ pub mod generate;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod quant;
 pub mod sampling;
 pub mod serving;
 pub mod speculative;
@@ -34,8 +35,8 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
 pub use kv_cache::{
-    BlockAllocator, BlockCopy, BlockId, BlockTable, CacheEvent, KvCache, KvError, KvLayout,
-    PrefixCacheStats,
+    BlockAllocator, BlockCopy, BlockId, BlockTable, CacheEvent, KvCache, KvCacheDtype, KvError,
+    KvLayout, PrefixCacheStats,
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};

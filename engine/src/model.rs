@@ -10,33 +10,94 @@
 //! Llama, Mistral and Qwen2 differ only in data: biases are used when the
 //! checkpoint has them (Qwen2's q/k/v, Llama's `attention_bias`), sliding
 //! windows come from the config, and a tied head reuses the embedding matrix.
+//!
+//! A linear layer's weight is dense (the checkpoint's dtype, read in place)
+//! or INT4 ([`crate::quant`]): loaded so from an AWQ/GPTQ checkpoint, or
+//! quantized at load by [`Model::quantize_int4`] (which also quantizes the
+//! output head; the embedding always stays dense).
 
 use std::path::Path;
 
 use crate::attention::{paged_attention, AttnSeq, Heads};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kernels::{self, add_in_place, linear, rms_norm, silu_mul, MatmulPolicy, RopeTable};
+use crate::kernels::{
+    self, add_in_place, linear, linear_int4, rms_norm, silu_mul, MatmulPolicy, RopeTable,
+};
 use crate::kv_cache::{BlockId, KvCache, KvLayout};
+use crate::quant::hf::HfQuantization;
+use crate::quant::{Int4Config, Int4Matrix};
 use crate::weights::{DType, Matrix, WeightStore};
+
+/// A linear layer's weight: dense in the checkpoint's dtype, or INT4.
+#[derive(Debug)]
+enum LinearWeight {
+    Dense(Matrix),
+    Int4(Int4Matrix),
+}
+
+impl LinearWeight {
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Dense(m) => m.bytes(),
+            Self::Int4(q) => q.bytes(),
+        }
+    }
+
+    fn is_mapped(&self) -> bool {
+        match self {
+            Self::Dense(m) => m.is_mapped(),
+            Self::Int4(_) => false,
+        }
+    }
+}
 
 /// A weight matrix with an optional bias.
 #[derive(Debug)]
 struct Linear {
-    w: Matrix,
+    w: LinearWeight,
     b: Option<Vec<f32>>,
 }
 
 impl Linear {
-    fn load(ws: &WeightStore, prefix: &str, out: usize, inp: usize) -> Result<Self> {
+    /// Loads `prefix.weight`, or the `prefix.qweight` family of a
+    /// pre-quantized checkpoint.
+    fn load(
+        ws: &WeightStore,
+        quant: Option<&HfQuantization>,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Self> {
+        let w = match quant {
+            Some(q) if ws.contains(&format!("{prefix}.qweight")) => {
+                LinearWeight::Int4(q.load_linear(ws, prefix, out, inp)?)
+            }
+            _ => LinearWeight::Dense(ws.matrix(&format!("{prefix}.weight"), out, inp)?),
+        };
         Ok(Self {
-            w: ws.matrix(&format!("{prefix}.weight"), out, inp)?,
+            w,
             b: ws.optional_vector(&format!("{prefix}.bias"), out)?,
         })
     }
 
     fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
-        linear(x, m, &self.w, self.b.as_deref(), policy, out);
+        match &self.w {
+            LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
+            LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
+        }
+    }
+
+    /// Replaces a dense weight by its INT4 quantization.
+    fn quantize(&mut self, config: Int4Config, name: &str) -> Result<()> {
+        if let LinearWeight::Dense(m) = &self.w {
+            let q = Int4Matrix::quantize(m, config).map_err(|e| match e {
+                EngineError::Unsupported(msg) => EngineError::Unsupported(format!("{name}: {msg}")),
+                other => other,
+            })?;
+            self.w = LinearWeight::Int4(q);
+        }
+        Ok(())
     }
 }
 
@@ -62,6 +123,9 @@ pub struct Model {
     final_norm: Vec<f32>,
     /// `None` when tied to the embedding.
     lm_head: Option<Matrix>,
+    /// The output head quantized at load (`quantize_int4`), used instead of
+    /// the dense one.
+    lm_head_int4: Option<Int4Matrix>,
     rope: RopeTable,
     matmul: MatmulPolicy,
     _weights: WeightStore,
@@ -124,10 +188,15 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
-        Self::from_parts(config, ws)
+        let quant = HfQuantization::from_dir(dir)?;
+        Self::from_parts(config, ws, quant.as_ref())
     }
 
-    fn from_parts(config: ModelConfig, ws: WeightStore) -> Result<Self> {
+    fn from_parts(
+        config: ModelConfig,
+        ws: WeightStore,
+        quant: Option<&HfQuantization>,
+    ) -> Result<Self> {
         let c = &config;
         let (h, q_out, kv_out) = (
             c.hidden_size,
@@ -140,14 +209,32 @@ impl Model {
                 let p = format!("model.layers.{i}");
                 Ok(Layer {
                     input_norm: ws.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                    q: Linear::load(&ws, &format!("{p}.self_attn.q_proj"), q_out, h)?,
-                    k: Linear::load(&ws, &format!("{p}.self_attn.k_proj"), kv_out, h)?,
-                    v: Linear::load(&ws, &format!("{p}.self_attn.v_proj"), kv_out, h)?,
-                    o: Linear::load(&ws, &format!("{p}.self_attn.o_proj"), h, q_out)?,
+                    q: Linear::load(&ws, quant, &format!("{p}.self_attn.q_proj"), q_out, h)?,
+                    k: Linear::load(&ws, quant, &format!("{p}.self_attn.k_proj"), kv_out, h)?,
+                    v: Linear::load(&ws, quant, &format!("{p}.self_attn.v_proj"), kv_out, h)?,
+                    o: Linear::load(&ws, quant, &format!("{p}.self_attn.o_proj"), h, q_out)?,
                     post_norm: ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                    gate: Linear::load(&ws, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
-                    up: Linear::load(&ws, &format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
-                    down: Linear::load(&ws, &format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
+                    gate: Linear::load(
+                        &ws,
+                        quant,
+                        &format!("{p}.mlp.gate_proj"),
+                        c.intermediate_size,
+                        h,
+                    )?,
+                    up: Linear::load(
+                        &ws,
+                        quant,
+                        &format!("{p}.mlp.up_proj"),
+                        c.intermediate_size,
+                        h,
+                    )?,
+                    down: Linear::load(
+                        &ws,
+                        quant,
+                        &format!("{p}.mlp.down_proj"),
+                        h,
+                        c.intermediate_size,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -169,6 +256,7 @@ impl Model {
             layers,
             final_norm,
             lm_head,
+            lm_head_int4: None,
             rope,
             matmul: MatmulPolicy::default(),
             _weights: ws,
@@ -223,7 +311,44 @@ impl Model {
                     .sum::<usize>()
             })
             .sum();
-        layers + self.head().bytes()
+        layers
+            + self
+                .lm_head_int4
+                .as_ref()
+                .map_or_else(|| self.head().bytes(), Int4Matrix::bytes)
+    }
+
+    /// Quantizes every dense linear layer (attention and MLP projections)
+    /// and the output head to INT4 in place; the embedding stays as stored
+    /// (a tied head gets its own INT4 copy). Decode reads the head every
+    /// step, so it is quantized too, unlike AWQ/GPTQ checkpoints, which keep
+    /// it dense (and load so). Layers already INT4 are kept.
+    pub fn quantize_int4(&mut self, config: Int4Config) -> Result<()> {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            for (name, lin) in [
+                ("q_proj", &mut l.q),
+                ("k_proj", &mut l.k),
+                ("v_proj", &mut l.v),
+                ("o_proj", &mut l.o),
+                ("gate_proj", &mut l.gate),
+                ("up_proj", &mut l.up),
+                ("down_proj", &mut l.down),
+            ] {
+                lin.quantize(config, &format!("layer {i} {name}"))?;
+            }
+        }
+        self.lm_head_int4 = Some(Int4Matrix::quantize(self.head(), config)?);
+        Ok(())
+    }
+
+    /// How many of the linear layers' matrices are INT4 (out of
+    /// `7 × num_layers`).
+    pub fn int4_matrices(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .filter(|lin| matches!(lin.w, LinearWeight::Int4(_)))
+            .count()
     }
 
     /// The stored dtype of the weight matrices.
@@ -421,7 +546,10 @@ impl Model {
         }
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];
-        kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data);
+        match &self.lm_head_int4 {
+            Some(head) => linear_int4(&sel, rows.len(), head, None, self.matmul, &mut data),
+            None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
+        }
         Ok(Logits {
             data,
             vocab,

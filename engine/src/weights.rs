@@ -314,6 +314,23 @@ impl WeightStore {
         })
     }
 
+    /// An int32 tensor of the given shape, copied out (the packed codes and
+    /// zero points of AWQ/GPTQ checkpoints).
+    pub fn tensor_i32(&self, name: &str, shape: &[usize]) -> Result<Vec<i32>> {
+        let e = self.entry(name, shape)?;
+        if e.dtype != Dtype::I32 {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "tensor `{name}` has dtype {:?}, expected I32",
+                e.dtype
+            )));
+        }
+        let bytes = &self.maps[e.file][e.start..e.end];
+        Ok(bytes
+            .chunks_exact(4)
+            .map(bytemuck::pod_read_unaligned::<i32>)
+            .collect())
+    }
+
     /// A 1-D tensor widened to f32 (norm weights, biases).
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let e = self.entry(name, &[len])?;

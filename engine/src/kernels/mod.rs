@@ -12,12 +12,18 @@
 //!   weights widened into a scratch matrix first (O(n·k) work against the
 //!   GEMM's O(m·n·k)).
 //!
+//! INT4 weights have their own kernels ([`int4`]): integer dot products
+//! against activations quantized to int8 per group.
+//!
 //! Work is split over rayon's persistent pool: thread start-up would dominate
 //! the small matrices of small models.
 
+pub mod int4;
+mod int4_simd;
 pub mod rope;
 mod simd;
 
+pub use int4::linear_int4;
 pub use rope::RopeTable;
 
 use rayon::prelude::*;
@@ -100,7 +106,7 @@ fn linear_rows(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     });
 }
 
-fn linear_gemm(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+pub(crate) fn linear_gemm(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let widened;
     let wf: &[f32] = match &w.data {

@@ -17,9 +17,17 @@
 //! Storage layout, per layer, for K and for V: `[block][kv_head][slot][head_dim]`,
 //! so one head's keys of one block are contiguous (what attention streams) and
 //! one block of one layer is one contiguous range (what a transfer sends).
+//! Elements are f32, or 8-bit codes ([`KvCacheDtype::Int8`],
+//! [`KvCacheDtype::Fp8E4m3`]) with one scale per (layer, block, KV head)
+//! (`q8.rs`); attention reads either through [`LayerView`], a row at a time.
 
 mod allocator;
+mod q8;
 mod table;
+
+use std::borrow::Cow;
+
+use q8::{Code, Q8Pool};
 
 pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats};
 pub use table::{BlockCopy, BlockTable};
@@ -74,29 +82,204 @@ impl KvLayout {
     }
 }
 
+/// What the KV cache stores per element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum KvCacheDtype {
+    #[default]
+    F32,
+    /// int8 codes, one f32 scale per (layer, block, KV head).
+    Int8,
+    /// FP8 E4M3 codes, one f32 scale per (layer, block, KV head).
+    Fp8E4m3,
+}
+
+impl KvCacheDtype {
+    /// The command-line spelling (`f32`, `int8`, `fp8-e4m3`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Int8 => "int8",
+            Self::Fp8E4m3 => "fp8-e4m3",
+        }
+    }
+
+    /// Bytes of K and V, all layers, for one block of `layout` (codes and
+    /// scales).
+    pub fn block_bytes(self, layout: &KvLayout) -> usize {
+        match self {
+            Self::F32 => layout.block_bytes(),
+            Self::Int8 | Self::Fp8E4m3 => {
+                let scales = layout.num_kv_heads * std::mem::size_of::<f32>();
+                2 * layout.num_layers * (layout.block_elems() + scales)
+            }
+        }
+    }
+
+    fn code(self) -> Option<Code> {
+        match self {
+            Self::F32 => None,
+            Self::Int8 => Some(Code::Int8),
+            Self::Fp8E4m3 => Some(Code::Fp8E4m3),
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "int8" | "i8" => Ok(Self::Int8),
+            "fp8-e4m3" | "fp8_e4m3" | "fp8" | "e4m3" => Ok(Self::Fp8E4m3),
+            other => Err(format!(
+                "unknown KV cache dtype `{other}` (expected f32, int8 or fp8-e4m3)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Per layer, K and V pools in the cache's element type.
+#[derive(Debug)]
+enum Storage {
+    F32 {
+        k: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+    },
+    Q8 {
+        code: Code,
+        k: Vec<Q8Pool>,
+        v: Vec<Q8Pool>,
+    },
+}
+
+/// Read access to one layer's K and V, a row (one token of one KV head) at
+/// a time; rows are numbered by [`KvCache::offset`]` / head_dim`.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerView<'a>(View<'a>);
+
+#[derive(Debug, Clone, Copy)]
+enum View<'a> {
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+    Q8 {
+        code: Code,
+        k: &'a Q8Pool,
+        v: &'a Q8Pool,
+        block_size: usize,
+    },
+}
+
+impl LayerView<'_> {
+    /// Key row `row` in f32 (borrowed for f32 storage, decoded into `buf`
+    /// otherwise) and the factor it must be multiplied by.
+    #[inline]
+    pub fn key<'b>(&'b self, row: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
+        let d = buf.len();
+        match &self.0 {
+            View::F32 { k, .. } => (&k[row * d..(row + 1) * d], 1.0),
+            View::Q8 {
+                code,
+                k,
+                block_size,
+                ..
+            } => {
+                code.decode_into(&k.codes[row * d..(row + 1) * d], buf);
+                (buf, k.scales[row / block_size])
+            }
+        }
+    }
+
+    /// As [`key`](Self::key) for the value row.
+    #[inline]
+    pub fn value<'b>(&'b self, row: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
+        let d = buf.len();
+        match &self.0 {
+            View::F32 { v, .. } => (&v[row * d..(row + 1) * d], 1.0),
+            View::Q8 {
+                code,
+                v,
+                block_size,
+                ..
+            } => {
+                code.decode_into(&v.codes[row * d..(row + 1) * d], buf);
+                (buf, v.scales[row / block_size])
+            }
+        }
+    }
+}
+
 /// The K/V storage for every block of every layer.
 #[derive(Debug)]
 pub struct KvCache {
     layout: KvLayout,
     num_blocks: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    dtype: KvCacheDtype,
+    storage: Storage,
 }
 
 impl KvCache {
-    /// Zeroed storage for `num_blocks` blocks of `layout`.
+    /// Zeroed f32 storage for `num_blocks` blocks of `layout`.
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
+        Self::with_dtype(layout, num_blocks, KvCacheDtype::F32)
+    }
+
+    /// Zeroed storage of `dtype` for `num_blocks` blocks of `layout`.
+    pub fn with_dtype(layout: KvLayout, num_blocks: usize, dtype: KvCacheDtype) -> Self {
         let per_layer = num_blocks * layout.block_elems();
+        let storage = match dtype.code() {
+            None => Storage::F32 {
+                k: (0..layout.num_layers)
+                    .map(|_| vec![0.0; per_layer])
+                    .collect(),
+                v: (0..layout.num_layers)
+                    .map(|_| vec![0.0; per_layer])
+                    .collect(),
+            },
+            Some(code) => {
+                let pool = || {
+                    (0..layout.num_layers)
+                        .map(|_| {
+                            Q8Pool::new(
+                                num_blocks,
+                                layout.num_kv_heads,
+                                layout.block_size,
+                                layout.head_dim,
+                            )
+                        })
+                        .collect()
+                };
+                Storage::Q8 {
+                    code,
+                    k: pool(),
+                    v: pool(),
+                }
+            }
+        };
         Self {
             layout,
             num_blocks,
-            k: (0..layout.num_layers)
-                .map(|_| vec![0.0; per_layer])
-                .collect(),
-            v: (0..layout.num_layers)
-                .map(|_| vec![0.0; per_layer])
-                .collect(),
+            dtype,
+            storage,
         }
+    }
+
+    /// What the cache stores.
+    pub fn dtype(&self) -> KvCacheDtype {
+        self.dtype
+    }
+
+    /// Bytes one block takes (every layer, K and V, scales included).
+    pub fn block_bytes(&self) -> usize {
+        self.dtype.block_bytes(&self.layout)
     }
 
     /// The cache's layout.
@@ -116,26 +299,60 @@ impl KvCache {
         ((block as usize * l.num_kv_heads + head) * l.block_size + slot) * l.head_dim
     }
 
-    /// One layer's K and V pools, read-only.
-    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
-        (&self.k[layer], &self.v[layer])
+    /// One layer's K and V, for attention.
+    pub fn layer(&self, layer: usize) -> LayerView<'_> {
+        LayerView(match &self.storage {
+            Storage::F32 { k, v } => View::F32 {
+                k: &k[layer],
+                v: &v[layer],
+            },
+            Storage::Q8 { code, k, v } => View::Q8 {
+                code: *code,
+                k: &k[layer],
+                v: &v[layer],
+                block_size: self.layout.block_size,
+            },
+        })
     }
 
     /// Copies one block's K and V, every layer (copy-on-write).
     pub fn copy_block(&mut self, copy: BlockCopy) {
         let n = self.layout.block_elems();
-        let (s, d) = (copy.src as usize * n, copy.dst as usize * n);
-        for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
-            layer.copy_within(s..s + n, d);
+        let heads = self.layout.num_kv_heads;
+        let (s, d) = (copy.src as usize, copy.dst as usize);
+        match &mut self.storage {
+            Storage::F32 { k, v } => {
+                for layer in k.iter_mut().chain(v.iter_mut()) {
+                    layer.copy_within(s * n..(s + 1) * n, d * n);
+                }
+            }
+            Storage::Q8 { k, v, .. } => {
+                for pool in k.iter_mut().chain(v.iter_mut()) {
+                    pool.copy_block(s, d, heads, n / heads);
+                }
+            }
         }
     }
 
     /// One block's K and V in one layer (`[kv_head][slot][head_dim]` each),
-    /// e.g. to send it to another worker.
-    pub fn block(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
+    /// in f32, e.g. to send it to another worker: borrowed from an f32
+    /// cache, dequantized from an 8-bit one.
+    pub fn block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         let n = self.layout.block_elems();
         let s = block as usize * n;
-        (&self.k[layer][s..s + n], &self.v[layer][s..s + n])
+        match &self.storage {
+            Storage::F32 { k, v } => (
+                Cow::Borrowed(&k[layer][s..s + n]),
+                Cow::Borrowed(&v[layer][s..s + n]),
+            ),
+            Storage::Q8 { code, k, v } => {
+                let heads = self.layout.num_kv_heads;
+                (
+                    Cow::Owned(k[layer].read_block(*code, block as usize, heads, n / heads)),
+                    Cow::Owned(v[layer].read_block(*code, block as usize, heads, n / heads)),
+                )
+            }
+        }
     }
 
     /// Overwrites one block's K and V in one layer (a block received from
@@ -161,8 +378,17 @@ impl KvCache {
             });
         }
         let s = block as usize * n;
-        self.k[layer][s..s + n].copy_from_slice(k);
-        self.v[layer][s..s + n].copy_from_slice(v);
+        let heads = self.layout.num_kv_heads;
+        match &mut self.storage {
+            Storage::F32 { k: kp, v: vp } => {
+                kp[layer][s..s + n].copy_from_slice(k);
+                vp[layer][s..s + n].copy_from_slice(v);
+            }
+            Storage::Q8 { code, k: kp, v: vp } => {
+                kp[layer].write_block(*code, block as usize, heads, k);
+                vp[layer].write_block(*code, block as usize, heads, v);
+            }
+        }
         Ok(())
     }
 
@@ -170,10 +396,23 @@ impl KvCache {
     /// `block` in `layer`.
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
         let d = self.layout.head_dim;
-        for h in 0..self.layout.num_kv_heads {
-            let o = self.offset(block, h, slot);
-            self.k[layer][o..o + d].copy_from_slice(&k[h * d..(h + 1) * d]);
-            self.v[layer][o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+        let heads = self.layout.num_kv_heads;
+        let bs = self.layout.block_size;
+        match &mut self.storage {
+            Storage::F32 { k: kp, v: vp } => {
+                for h in 0..heads {
+                    let o = ((block as usize * heads + h) * bs + slot) * d;
+                    kp[layer][o..o + d].copy_from_slice(&k[h * d..(h + 1) * d]);
+                    vp[layer][o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+                }
+            }
+            Storage::Q8 { code, k: kp, v: vp } => {
+                for h in 0..heads {
+                    let bh = block as usize * heads + h;
+                    kp[layer].write_row(*code, bh, slot, bs, &k[h * d..(h + 1) * d]);
+                    vp[layer].write_row(*code, bh, slot, bs, &v[h * d..(h + 1) * d]);
+                }
+            }
         }
     }
 }
@@ -334,10 +573,10 @@ mod tests {
             &[1., 2., 3., 4., 5., 6.],
             &[7., 8., 9., 10., 11., 12.],
         );
-        let (k, v) = kv.layer(1);
-        let o = kv.offset(3, 1, 2);
+        let (k, v) = kv.block(1, 3);
+        let o = kv.offset(0, 1, 2);
         assert_eq!(&k[o..o + 3], &[4., 5., 6.]);
         assert_eq!(&v[o..o + 3], &[10., 11., 12.]);
-        assert!(kv.layer(0).0.iter().all(|&x| x == 0.0));
+        assert!((0..5).all(|b| kv.block(0, b).0.iter().all(|&x| x == 0.0)));
     }
 }

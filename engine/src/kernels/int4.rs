@@ -1,0 +1,290 @@
+//! `out = x · wᵀ` with INT4 weights ([`Int4Matrix`]).
+//!
+//! Decode and small batches (`m <= GEMV_MAX_ROWS`, or any `m` under
+//! [`MatmulPolicy::BatchInvariant`]) never widen a weight to f32. Each token
+//! row is quantized on the fly to int8 with one scale per weight group
+//! (`x ≈ sx · xq`, `|xq| <= 127`), and its f32 sum per group is kept.
+//! A group's contribution to one output is then
+//!
+//! ```text
+//! Σ_{i∈g} (s·q_i + m) · x_i ≈ s · sx · Σ q_i·xq_i + m · Σ x_i
+//! ```
+//!
+//! an integer dot product of unsigned 4-bit codes with signed 8-bit
+//! activations (AVX-VNNI / AVX-512 VNNI `vpdpbusd`, or AVX2
+//! `vpmaddubsw` + `vpmaddwd`) accumulated in i32 across the group, then one
+//! float multiply-add per group; the zero-point term is one multiply per
+//! group against the exact f32 sums. Rows of the weight are split over
+//! rayon's pool as in the dense row kernel. The integer kernels live in
+//! `int4_simd.rs`; [`rows_int4_scalar`] is the portable fallback and the
+//! reference they are tested against.
+//!
+//! Prefill (`m > GEMV_MAX_ROWS`) dequantizes the matrix to f32 once per call
+//! and runs the same `gemm` path as bf16 weights: O(n·k) extra work against
+//! the GEMM's O(m·n·k).
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
+use crate::quant::Int4Matrix;
+use crate::weights::{Matrix, WeightData};
+
+/// Token rows quantized to int8 per weight group.
+#[derive(Debug)]
+pub struct QuantizedActivations {
+    /// `m × k` codes.
+    pub codes: Vec<i8>,
+    /// `m × groups` scales (`x ≈ scale · code`).
+    pub scales: Vec<f32>,
+    /// `m × groups` exact f32 sums of `x` over each group.
+    pub sums: Vec<f32>,
+}
+
+/// Quantizes `m` rows of `k` activations with one scale per `group` columns.
+pub fn quantize_activations(x: &[f32], m: usize, k: usize, group: usize) -> QuantizedActivations {
+    let groups = k / group;
+    let mut codes = vec![0i8; m * k];
+    let mut scales = vec![0f32; m * groups];
+    let mut sums = vec![0f32; m * groups];
+    for (gi, (xg, cg)) in x[..m * k]
+        .chunks_exact(group)
+        .zip(codes.chunks_exact_mut(group))
+        .enumerate()
+    {
+        let amax = xg.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (c, &v) in cg.iter_mut().zip(xg) {
+            *c = (v * inv).round() as i8;
+        }
+        scales[gi] = scale;
+        sums[gi] = xg.iter().sum();
+    }
+    QuantizedActivations {
+        codes,
+        scales,
+        sums,
+    }
+}
+
+/// The integer kernel this CPU runs, for reports: `avx-vnni`,
+/// `avx512-vnni`, `avx2` or `scalar`.
+pub fn kernel_name() -> &'static str {
+    match int4_simd::best_kernel() {
+        int4_simd::Kernel::AvxVnni => "avx-vnni",
+        int4_simd::Kernel::Avx512Vnni => "avx512-vnni",
+        int4_simd::Kernel::Avx2 => "avx2",
+        int4_simd::Kernel::Scalar => "scalar",
+    }
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for an INT4 `w`.
+pub fn linear_int4(
+    x: &[f32],
+    m: usize,
+    w: &Int4Matrix,
+    bias: Option<&[f32]>,
+    policy: MatmulPolicy,
+    out: &mut [f32],
+) {
+    let (n, k) = (w.rows(), w.cols());
+    debug_assert_eq!(x.len(), m * k);
+    debug_assert_eq!(out.len(), m * n);
+    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+        let xa = quantize_activations(x, m, k, w.group_size());
+        linear_int4_rows(&xa, m, w, out, int4_simd::best_kernel());
+    } else {
+        let dense = Matrix {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(w.to_f32().into()),
+        };
+        linear_gemm(x, m, &dense, out);
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+/// The row kernel over pre-quantized activations, split over rayon's pool.
+pub(crate) fn linear_int4_rows(
+    xa: &QuantizedActivations,
+    m: usize,
+    w: &Int4Matrix,
+    out: &mut [f32],
+    kernel: int4_simd::Kernel,
+) {
+    let n = w.rows();
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(4).max(4);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let r0 = c * chunk;
+        let r1 = (r0 + chunk).min(n);
+        let ptr = out_ptr;
+        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1, a range
+        // no other task touches; `out` outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+        let rows = Int4Rows {
+            packed: w.packed_rows(r0, r1),
+            scales: w.scale_rows(r0, r1),
+            zeros: w.zero_rows(r0, r1),
+            k: w.cols(),
+            group: w.group_size(),
+        };
+        int4_simd::rows_int4(kernel, &rows, xa, m, out, n, r0);
+    });
+}
+
+/// A run of consecutive rows of an INT4 matrix.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Int4Rows<'a> {
+    pub packed: &'a [u8],
+    pub scales: &'a [f16],
+    pub zeros: &'a [u8],
+    pub k: usize,
+    pub group: usize,
+}
+
+impl Int4Rows<'_> {
+    pub fn len(&self) -> usize {
+        self.packed.len() * 2 / self.k
+    }
+}
+
+/// The portable kernel: the same integer arithmetic as the SIMD kernels,
+/// one element at a time.
+pub(crate) fn rows_int4_scalar(
+    w: &Int4Rows<'_>,
+    xa: &QuantizedActivations,
+    m: usize,
+    out: &mut [f32],
+    n: usize,
+    r0: usize,
+) {
+    let (k, g) = (w.k, w.group);
+    let gpr = k / g;
+    for r in 0..w.len() {
+        let packed = &w.packed[r * k / 2..(r + 1) * k / 2];
+        for t in 0..m {
+            let xq = &xa.codes[t * k..(t + 1) * k];
+            let mut acc = 0f32;
+            for gi in 0..gpr {
+                let mut isum = 0i32;
+                for c in gi * g..(gi + 1) * g {
+                    let byte = packed[c / 64 * 32 + c % 32];
+                    let code = if c % 64 < 32 { byte & 0x0f } else { byte >> 4 };
+                    isum += i32::from(code) * i32::from(xq[c]);
+                }
+                acc += isum as f32 * (w.scales[r * gpr + gi].to_f32() * xa.scales[t * gpr + gi]);
+            }
+            let zero_term: f32 = (0..gpr)
+                .map(|gi| {
+                    let (s, z) = (w.scales[r * gpr + gi].to_f32(), w.zeros[r * gpr + gi]);
+                    -s * f32::from(z) * xa.sums[t * gpr + gi]
+                })
+                .sum();
+            out[t * n + r0 + r] = acc + zero_term;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::linear;
+    use crate::quant::{Int4Config, GROUP_SIZES};
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn quantized(n: usize, k: usize, g: usize, seed: u32) -> Int4Matrix {
+        let w = Matrix {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(pseudo(n * k, seed).into()),
+        };
+        Int4Matrix::quantize(&w, Int4Config::new(g).expect("group")).expect("quantize")
+    }
+
+    /// Every kernel this CPU runs gives the scalar reference's result (the
+    /// same integer sums; only the float accumulation order differs).
+    #[test]
+    fn simd_kernels_match_the_scalar_kernel() {
+        for g in GROUP_SIZES {
+            for &(m, n, k) in &[
+                (1, 9, 128),
+                (2, 13, 256),
+                (3, 8, 384),
+                (5, 31, 128),
+                (1, 16, 384),
+                (2, 7, 768),
+            ] {
+                let w = quantized(n, k, g, (m * n + g) as u32);
+                let x = pseudo(m * k, 3);
+                let xa = quantize_activations(&x, m, k, g);
+                let mut want = vec![0f32; m * n];
+                let rows = Int4Rows {
+                    packed: w.packed_rows(0, n),
+                    scales: w.scale_rows(0, n),
+                    zeros: w.zero_rows(0, n),
+                    k,
+                    group: g,
+                };
+                rows_int4_scalar(&rows, &xa, m, &mut want, n, 0);
+                for kernel in int4_simd::supported_kernels() {
+                    let mut got = vec![0f32; m * n];
+                    linear_int4_rows(&xa, m, &w, &mut got, kernel);
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                            "{kernel:?} g{g} {m}x{n}x{k}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fused kernel (int8 activations) and the prefill path (dequantize,
+    /// then GEMM) stay close to the f32 product with the dequantized
+    /// weights; a wrong nibble, scale or zero point is far outside the bound.
+    #[test]
+    fn int4_linear_matches_dequantized_f32() {
+        for g in GROUP_SIZES {
+            for &m in &[1, 4, 60] {
+                let (n, k) = (24, 256);
+                let w = quantized(n, k, g, 11);
+                let x = pseudo(m * k, 5);
+                let dense = Matrix {
+                    rows: n,
+                    cols: k,
+                    data: WeightData::F32(w.to_f32().into()),
+                };
+                let mut want = vec![0f32; m * n];
+                linear(&x, m, &dense, None, MatmulPolicy::Fastest, &mut want);
+                let mut got = vec![0f32; m * n];
+                linear_int4(&x, m, &w, None, MatmulPolicy::Fastest, &mut got);
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (a, b) in got.iter().zip(&want) {
+                    // int8 activations: about 1/254 of each group's range.
+                    assert!((a - b).abs() <= 0.02 * scale, "g{g} m{m}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The INT4 × int8 integer row kernels (see `int4.rs` for the arithmetic).
+//!
+//! One 32-byte load holds 64 codes of a row (low nibbles: columns 0..32,
+//! high nibbles: 32..64); a mask and a shift give two registers of 32 codes
+//! in column order, the order of the int8 activations. A tile is `R` weight
+//! rows × `T` token rows: each weight block is unpacked once and multiplied
+//! into every token row, with i32 accumulators per group (folded into f32
+//! accumulators at each group's end) and f32 accumulators across groups.
+//!
+//! The unsigned×signed byte dot product has three forms, one kernel each,
+//! picked at run time: AVX-VNNI `vpdpbusd` (VEX), AVX-512 VNNI `vpdpbusd` on
+//! 256-bit registers (EVEX, AVX-512VL), and AVX2 `vpmaddubsw` + `vpmaddwd`
+//! (codes are at most 15 and activations at most 127 in magnitude, so the
+//! i16 pair sums cannot saturate). Other CPUs use the scalar kernel.
+
+use super::int4::{rows_int4_scalar, Int4Rows, QuantizedActivations};
+
+/// Which implementation runs the integer dot products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    Avx2,
+    AvxVnni,
+    Avx512Vnni,
+}
+
+/// Whether this CPU can run `kernel`.
+pub fn is_supported(kernel: Kernel) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        match kernel {
+            Kernel::Scalar => true,
+            Kernel::Avx2 => avx2,
+            Kernel::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
+            Kernel::Avx512Vnni => {
+                avx2 && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        kernel == Kernel::Scalar
+    }
+}
+
+/// Every kernel this CPU can run (the scalar one always).
+#[cfg(test)]
+pub fn supported_kernels() -> Vec<Kernel> {
+    [
+        Kernel::Scalar,
+        Kernel::Avx2,
+        Kernel::AvxVnni,
+        Kernel::Avx512Vnni,
+    ]
+    .into_iter()
+    .filter(|&k| is_supported(k))
+    .collect()
+}
+
+/// The fastest kernel this CPU runs.
+pub fn best_kernel() -> Kernel {
+    // The EVEX form first: the same instruction, with 32 vector registers
+    // for the tile's accumulators instead of 16.
+    [Kernel::Avx512Vnni, Kernel::AvxVnni, Kernel::Avx2]
+        .into_iter()
+        .find(|&k| is_supported(k))
+        .unwrap_or(Kernel::Scalar)
+}
+
+/// `out[t * n + r0 + r] = w_row(r) · x_row(t)` for the rows of `w`, with
+/// `kernel` (which must be in [`supported_kernels`]; unsupported ones fall
+/// back to the scalar kernel).
+pub(crate) fn rows_int4(
+    kernel: Kernel,
+    w: &Int4Rows<'_>,
+    xa: &QuantizedActivations,
+    m: usize,
+    out: &mut [f32],
+    n: usize,
+    r0: usize,
+) {
+    debug_assert!(w.k.is_multiple_of(w.group) && w.k.is_multiple_of(64));
+    debug_assert!(out.len() >= m * n && xa.codes.len() >= m * w.k);
+    #[cfg(target_arch = "x86_64")]
+    if is_supported(kernel) {
+        // SAFETY: the CPU supports the features of the chosen kernel (checked
+        // just above); the slices' sizes are those `rows` documents.
+        unsafe {
+            match kernel {
+                Kernel::Avx2 => avx2::rows(w, xa, m, out, n, r0),
+                Kernel::AvxVnni => avxvnni::rows(w, xa, m, out, n, r0),
+                Kernel::Avx512Vnni => avx512vnni::rows(w, xa, m, out, n, r0),
+                Kernel::Scalar => rows_int4_scalar(w, xa, m, out, n, r0),
+            }
+        }
+        return;
+    }
+    let _ = kernel;
+    rows_int4_scalar(w, xa, m, out, n, r0);
+}
+
+/// How many tiles ahead the kernels prefetch weights.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_TILES: usize = 2;
+
+/// Generates one kernel module: `$features` are the target features, `$dot`
+/// the i32 accumulate of unsigned codes × signed activations.
+#[cfg(target_arch = "x86_64")]
+macro_rules! int4_kernel {
+    ($name:ident, $features:literal, |$acc:ident, $w:ident, $x:ident| $dot:expr) => {
+        mod $name {
+            use super::super::int4::{Int4Rows, QuantizedActivations};
+            use super::PREFETCH_TILES;
+            use std::arch::x86_64::*;
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn dot($acc: __m256i, $w: __m256i, $x: __m256i) -> __m256i {
+                $dot
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn f16_to_f32(bits: u16) -> f32 {
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn hsum(v: __m256) -> f32 {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+                _mm_cvtss_f32(s)
+            }
+
+            /// One tile of `R` weight rows × `T` token rows.
+            ///
+            /// # Safety
+            /// `w` holds `R` rows of `k / 2` packed bytes, `ws` (f16 bits)
+            /// and `wz` `R` rows of `k / group` values; `xq` holds `T` rows of `k`
+            /// codes, `xs`/`xsum` `T` rows of `k / group`; `out` reaches
+            /// `(T - 1) * n + col + R - 1`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn tile<const R: usize, const T: usize>(
+                w: *const u8,
+                ws: *const u16,
+                wz: *const u8,
+                k: usize,
+                group: usize,
+                xq: *const i8,
+                xs: *const f32,
+                xsum: *const f32,
+                out: *mut f32,
+                n: usize,
+                col: usize,
+            ) {
+                let gpr = k / group;
+                let mask = _mm256_set1_epi8(0x0f);
+                let mut facc = [[_mm256_setzero_ps(); T]; R];
+                let mut iacc = [[_mm256_setzero_si256(); T]; R];
+                // Folds the integer sums of group `g` into the float
+                // accumulators and clears them.
+                macro_rules! flush {
+                    ($g:expr) => {
+                        for r in 0..R {
+                            // SAFETY: group $g of weight row r.
+                            let sw = f16_to_f32(unsafe { *ws.add(r * gpr + $g) });
+                            for t in 0..T {
+                                // SAFETY: group $g of token row t.
+                                let d = sw * unsafe { *xs.add(t * gpr + $g) };
+                                facc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(iacc[r][t]),
+                                    _mm256_set1_ps(d),
+                                    facc[r][t],
+                                );
+                                iacc[r][t] = _mm256_setzero_si256();
+                            }
+                        }
+                    };
+                }
+                let mut c = 0;
+                while c < k {
+                    // The tile's rows are one contiguous run of R·k/2 bytes,
+                    // read as R short interleaved streams that the hardware
+                    // prefetcher follows badly: fetch the run PREFETCH_TILES
+                    // tiles ahead, R/2 cache lines per 64-column step, so
+                    // it is all requested by the time this tile ends. (A
+                    // prefetch never faults, so the address may pass the end.)
+                    let ahead = w.wrapping_add(PREFETCH_TILES * R * k / 2 + c / 64 * R * 32);
+                    for line in 0..R.div_ceil(2) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
+                    }
+                    // One 64-column block: low nibbles are columns c..c+32,
+                    // high nibbles c+32..c+64.
+                    let mut x_lo = [_mm256_setzero_si256(); T];
+                    let mut x_hi = [_mm256_setzero_si256(); T];
+                    for t in 0..T {
+                        // SAFETY: c + 64 <= k inside token row t.
+                        unsafe {
+                            x_lo[t] = _mm256_loadu_si256(xq.add(t * k + c).cast());
+                            x_hi[t] = _mm256_loadu_si256(xq.add(t * k + c + 32).cast());
+                        }
+                    }
+                    if group == 32 {
+                        // The two halves belong to different groups.
+                        for r in 0..R {
+                            // SAFETY: bytes c/2 .. c/2 + 32 of weight row r.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let lo = _mm256_and_si256(raw, mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
+                            }
+                        }
+                        flush!(c / 32);
+                        for r in 0..R {
+                            // SAFETY: as above.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                            }
+                        }
+                    } else {
+                        for r in 0..R {
+                            // SAFETY: bytes c/2 .. c/2 + 32 of weight row r.
+                            let raw =
+                                unsafe { _mm256_loadu_si256(w.add(r * k / 2 + c / 2).cast()) };
+                            let lo = _mm256_and_si256(raw, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            for t in 0..T {
+                                iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
+                                iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                            }
+                        }
+                    }
+                    c += 64;
+                    if c.is_multiple_of(group) {
+                        flush!(c / group - 1);
+                    }
+                }
+                for r in 0..R {
+                    for t in 0..T {
+                        let mut s = hsum(facc[r][t]);
+                        for g in 0..gpr {
+                            // SAFETY: group g of weight row r and token row t.
+                            let (sw, z, xs) = unsafe {
+                                (
+                                    *ws.add(r * gpr + g),
+                                    *wz.add(r * gpr + g),
+                                    *xsum.add(t * gpr + g),
+                                )
+                            };
+                            s -= f16_to_f32(sw) * f32::from(z) * xs;
+                        }
+                        // SAFETY: within the bounds promised by the caller.
+                        unsafe { *out.add(t * n + col + r) = s };
+                    }
+                }
+            }
+
+            /// # Safety
+            /// The CPU supports `$features`; `out` holds `m * n` floats and
+            /// the rows of `w` are rows `r0..` of an `n`-row matrix.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn rows(
+                w: &Int4Rows<'_>,
+                xa: &QuantizedActivations,
+                m: usize,
+                out: &mut [f32],
+                n: usize,
+                r0: usize,
+            ) {
+                let (k, group) = (w.k, w.group);
+                let gpr = k / group;
+                let rows = w.len();
+                let mut r = 0;
+                while r < rows {
+                    let rr = (rows - r).min(4);
+                    let mut t = 0;
+                    while t < m {
+                        let tt = (m - t).min(2);
+                        // SAFETY: rows r..r+rr of this run and token rows
+                        // t..t+tt exist; out index (t+tt-1)*n + r0+r+rr-1 <
+                        // m*n <= out.len().
+                        unsafe {
+                            let args = (
+                                w.packed.as_ptr().add(r * k / 2),
+                                w.scales.as_ptr().add(r * gpr).cast::<u16>(),
+                                w.zeros.as_ptr().add(r * gpr),
+                                xa.codes.as_ptr().add(t * k),
+                                xa.scales.as_ptr().add(t * gpr),
+                                xa.sums.as_ptr().add(t * gpr),
+                                out.as_mut_ptr().add(t * n),
+                            );
+                            macro_rules! go {
+                                ($r:literal, $t:literal) => {
+                                    tile::<$r, $t>(
+                                        args.0,
+                                        args.1,
+                                        args.2,
+                                        k,
+                                        group,
+                                        args.3,
+                                        args.4,
+                                        args.5,
+                                        args.6,
+                                        n,
+                                        r0 + r,
+                                    )
+                                };
+                            }
+                            match (rr, tt) {
+                                (4, 2) => go!(4, 2),
+                                (4, _) => go!(4, 1),
+                                (3, 2) => go!(3, 2),
+                                (3, _) => go!(3, 1),
+                                (2, 2) => go!(2, 2),
+                                (2, _) => go!(2, 1),
+                                (_, 2) => go!(1, 2),
+                                _ => go!(1, 1),
+                            }
+                        }
+                        t += tt;
+                    }
+                    r += rr;
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+int4_kernel!(avx2, "avx2,fma,f16c", |acc, w, x| _mm256_add_epi32(
+    acc,
+    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+));
+#[cfg(target_arch = "x86_64")]
+int4_kernel!(avxvnni, "avx2,fma,f16c,avxvnni", |acc, w, x| {
+    _mm256_dpbusd_avx_epi32(acc, w, x)
+});
+#[cfg(target_arch = "x86_64")]
+int4_kernel!(
+    avx512vnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    |acc, w, x| _mm256_dpbusd_epi32(acc, w, x)
+);

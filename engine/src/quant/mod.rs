@@ -1,0 +1,343 @@
+//! Weight-only INT4 quantization.
+//!
+//! A quantized matrix keeps the `[rows, cols]` (`[out, in]`) shape of the
+//! dense one. Each row is cut along `cols` into groups of `group_size`
+//! (32, 64 or 128) input columns; a weight is a 4-bit code `q` in `0..=15`
+//! with, per (row, group), a scale `s` and an integer zero point `z`:
+//!
+//! ```text
+//! w = s · (q − z) = s · q + m      with m = −s · z
+//! ```
+//!
+//! This is the asymmetric scheme of AWQ and GPTQ, so their checkpoints
+//! convert into it exactly ([`hf`]; their scales are f16, as stored here);
+//! [`Int4Matrix::quantize`] makes it from a dense matrix at load (round to
+//! nearest over each group's min..max). Per group that is 2 bytes of f16
+//! scale and 1 byte of zero point: decode reads every byte of the weights
+//! every step, so the side data is kept small. The zero-point term of a dot
+//! product is `Σ_g m_g · Σ_{i∈g} x_i`, one multiply per group against the
+//! activation's group sums (see [`crate::kernels::int4`]).
+//!
+//! Codes are packed two per byte in blocks of 64 columns: byte `j` of a
+//! block holds column `j` in its low nibble and column `j + 32` in its high
+//! nibble, so one 32-byte load, a mask and a shift give two registers of 32
+//! codes each in column order. The input size must be a multiple of 64
+//! (true of every real model's hidden and intermediate sizes).
+
+pub mod eval;
+pub mod hf;
+
+use half::f16;
+
+use crate::error::{EngineError, Result};
+use crate::weights::Matrix;
+
+/// Columns per packed block (two nibbles per byte, low half then high half).
+pub const BLOCK: usize = 64;
+
+/// Group sizes the kernels accept.
+pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
+
+/// How weights are quantized at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Int4Config {
+    /// Input columns sharing one scale and zero point: 32, 64 or 128. A
+    /// matrix whose input size it does not divide uses the largest smaller
+    /// one that does ([`Int4Config::group_for`]).
+    pub group_size: usize,
+}
+
+impl Default for Int4Config {
+    fn default() -> Self {
+        Self { group_size: 128 }
+    }
+}
+
+impl Int4Config {
+    /// A configuration with the given group size, checked.
+    pub fn new(group_size: usize) -> Result<Self> {
+        if !GROUP_SIZES.contains(&group_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "INT4 group size {group_size} is not one of {GROUP_SIZES:?}"
+            )));
+        }
+        Ok(Self { group_size })
+    }
+
+    /// The group size used for a matrix of `cols` input columns: the
+    /// configured one, or the largest smaller one dividing `cols`; `None`
+    /// when `cols` is not a multiple of the 64-column packing block.
+    pub fn group_for(&self, cols: usize) -> Option<usize> {
+        if !cols.is_multiple_of(BLOCK) {
+            return None;
+        }
+        GROUP_SIZES
+            .iter()
+            .rev()
+            .copied()
+            .find(|&g| g <= self.group_size && cols.is_multiple_of(g))
+    }
+}
+
+/// A `[rows, cols]` matrix of 4-bit codes with per-group scales and mins.
+#[derive(Debug, Clone)]
+pub struct Int4Matrix {
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    /// `rows × cols / 2` bytes, row-major, blocks of 32 columns as described
+    /// in the module docs.
+    packed: Vec<u8>,
+    /// `rows × cols / group_size` scales, row-major.
+    scales: Vec<f16>,
+    /// `rows × cols / group_size` zero points (`0..=15`), row-major.
+    zeros: Vec<u8>,
+}
+
+impl Int4Matrix {
+    /// Builds a matrix from unpacked codes (`rows × cols`, each `0..=15`, in
+    /// column order), scales (rounded to f16) and integer zero points
+    /// (`rows × groups` each).
+    pub fn from_codes(
+        rows: usize,
+        cols: usize,
+        group_size: usize,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[u8],
+    ) -> Result<Self> {
+        Int4Config::new(group_size)?;
+        if !cols.is_multiple_of(group_size) || !cols.is_multiple_of(BLOCK) {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "INT4: {cols} input columns are not a multiple of the group size {group_size} and of {BLOCK}"
+            )));
+        }
+        let groups = rows * cols / group_size;
+        if codes.len() != rows * cols || scales.len() != groups || zeros.len() != groups {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "INT4: {} codes, {} scales, {} zeros for a {rows}×{cols} matrix in groups of {group_size}",
+                codes.len(),
+                scales.len(),
+                zeros.len()
+            )));
+        }
+        if let Some(bad) = codes.iter().chain(zeros).find(|&&c| c > 15) {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "INT4: code or zero point {bad} is outside 0..=15"
+            )));
+        }
+        let mut packed = vec![0u8; rows * cols / 2];
+        for (src, dst) in codes
+            .chunks_exact(BLOCK)
+            .zip(packed.chunks_exact_mut(BLOCK / 2))
+        {
+            for j in 0..BLOCK / 2 {
+                dst[j] = src[j] | (src[j + BLOCK / 2] << 4);
+            }
+        }
+        Ok(Self {
+            rows,
+            cols,
+            group_size,
+            packed,
+            scales: scales.iter().map(|&s| f16::from_f32(s)).collect(),
+            zeros: zeros.to_vec(),
+        })
+    }
+
+    /// Quantizes a dense matrix group by group (round to nearest, asymmetric
+    /// over each group's min..max).
+    pub fn quantize(w: &Matrix, config: Int4Config) -> Result<Self> {
+        Int4Config::new(config.group_size)?;
+        let g = config.group_for(w.cols).ok_or_else(|| {
+            EngineError::Unsupported(format!(
+                "INT4 quantization: a {}×{} matrix has {} input columns, not a multiple of {BLOCK}",
+                w.rows, w.cols, w.cols
+            ))
+        })?;
+        let groups_per_row = w.cols / g;
+        let mut codes = vec![0u8; w.rows * w.cols];
+        let mut scales = vec![0f32; w.rows * groups_per_row];
+        let mut zeros = vec![0u8; w.rows * groups_per_row];
+        let mut row = vec![0f32; w.cols];
+        for r in 0..w.rows {
+            w.row_to_f32(r, &mut row);
+            for (gi, group) in row.chunks_exact(g).enumerate() {
+                let (lo, hi) = group
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                        (lo.min(v), hi.max(v))
+                    });
+                // The range always covers zero so that an all-positive or
+                // all-negative group keeps its small values exact-ish and a
+                // zero group has a well-defined scale.
+                let (lo, hi) = (lo.min(0.0), hi.max(0.0));
+                // The f16 the matrix will store, so codes match it.
+                let scale = if hi > lo { (hi - lo) / 15.0 } else { 1.0 };
+                let scale = f16::from_f32(scale)
+                    .to_f32()
+                    .max(f32::from(f16::MIN_POSITIVE));
+                let zero = (-lo / scale).round().clamp(0.0, 15.0);
+                let idx = r * groups_per_row + gi;
+                scales[idx] = scale;
+                zeros[idx] = zero as u8;
+                let out = &mut codes[r * w.cols + gi * g..r * w.cols + (gi + 1) * g];
+                for (c, &v) in out.iter_mut().zip(group) {
+                    *c = (v / scale + zero).round().clamp(0.0, 15.0) as u8;
+                }
+            }
+        }
+        Self::from_codes(w.rows, w.cols, g, &codes, &scales, &zeros)
+    }
+
+    /// Output rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Input columns per scale.
+    pub fn group_size(&self) -> usize {
+        self.group_size
+    }
+
+    /// Groups in one row.
+    pub fn groups_per_row(&self) -> usize {
+        self.cols / self.group_size
+    }
+
+    /// The packed codes of rows `r0..r1`.
+    pub fn packed_rows(&self, r0: usize, r1: usize) -> &[u8] {
+        &self.packed[r0 * self.cols / 2..r1 * self.cols / 2]
+    }
+
+    /// The scales of rows `r0..r1` (`groups_per_row` each).
+    pub fn scale_rows(&self, r0: usize, r1: usize) -> &[f16] {
+        let g = self.groups_per_row();
+        &self.scales[r0 * g..r1 * g]
+    }
+
+    /// The zero points of rows `r0..r1`.
+    pub fn zero_rows(&self, r0: usize, r1: usize) -> &[u8] {
+        let g = self.groups_per_row();
+        &self.zeros[r0 * g..r1 * g]
+    }
+
+    /// Bytes held: packed codes plus the f16 scales and u8 zero points.
+    pub fn bytes(&self) -> usize {
+        self.packed.len() + 2 * self.scales.len() + self.zeros.len()
+    }
+
+    /// The 4-bit code of element `(r, c)`.
+    pub fn code(&self, r: usize, c: usize) -> u8 {
+        let block = c / BLOCK;
+        let within = c % BLOCK;
+        let byte = self.packed[r * self.cols / 2 + block * (BLOCK / 2) + within % (BLOCK / 2)];
+        if within < BLOCK / 2 {
+            byte & 0x0f
+        } else {
+            byte >> 4
+        }
+    }
+
+    /// Row `r` dequantized to f32.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let g = self.groups_per_row();
+        for (c, o) in out.iter_mut().enumerate().take(self.cols) {
+            let gi = r * g + c / self.group_size;
+            *o =
+                self.scales[gi].to_f32() * (f32::from(self.code(r, c)) - f32::from(self.zeros[gi]));
+        }
+    }
+
+    /// The whole matrix dequantized to row-major f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.row_to_f32(r, row);
+        }
+        out
+    }
+}
+
+/// Bytes an INT4 matrix of this shape takes (codes plus an f16 scale and a
+/// u8 zero point per group), for capacity planning without quantizing.
+pub fn int4_bytes(rows: usize, cols: usize, group_size: usize) -> usize {
+    rows * cols / 2 + 3 * rows * cols.div_ceil(group_size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::WeightData;
+
+    fn dense(rows: usize, cols: usize, seed: u32) -> Matrix {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        Matrix {
+            rows,
+            cols,
+            data: WeightData::F32(v.into()),
+        }
+    }
+
+    #[test]
+    fn quantize_round_trips_within_half_a_step() {
+        for g in GROUP_SIZES {
+            let w = dense(5, 256, g as u32);
+            let q = Int4Matrix::quantize(&w, Int4Config::new(g).expect("group")).expect("q");
+            let mut orig = vec![0f32; 256];
+            let mut back = vec![0f32; 256];
+            for r in 0..5 {
+                w.row_to_f32(r, &mut orig);
+                q.row_to_f32(r, &mut back);
+                for (c, (a, b)) in orig.iter().zip(&back).enumerate() {
+                    let step = q.scales[r * q.groups_per_row() + c / g].to_f32();
+                    assert!(
+                        (a - b).abs() <= step * 0.5 + 1e-6,
+                        "g{g} ({r},{c}): {a} vs {b}"
+                    );
+                }
+            }
+            assert_eq!(q.bytes(), int4_bytes(5, 256, g));
+        }
+    }
+
+    #[test]
+    fn packing_puts_column_j_and_j_plus_32_in_one_byte() {
+        let codes: Vec<u8> = (0..128).map(|i| ((i * 7 + i / 32) % 16) as u8).collect();
+        let m = Int4Matrix::from_codes(1, 128, 64, &codes, &[1.0, 1.0], &[0, 0]).expect("m");
+        for j in 0..32 {
+            assert_eq!(m.packed[j], codes[j] | (codes[j + 32] << 4));
+            assert_eq!(m.packed[32 + j], codes[64 + j] | (codes[96 + j] << 4));
+        }
+        for (c, &want) in codes.iter().enumerate() {
+            assert_eq!(m.code(0, c), want);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_codes_are_errors() {
+        assert!(Int4Config::new(48).is_err());
+        let w = dense(2, 96, 1);
+        assert!(Int4Matrix::quantize(&w, Int4Config::new(64).expect("g")).is_err());
+        // 192 columns: groups of 128 do not divide it, 64 does.
+        let w = dense(2, 192, 1);
+        let q = Int4Matrix::quantize(&w, Int4Config::new(128).expect("g")).expect("fits");
+        assert_eq!(q.group_size(), 64);
+        assert!(Int4Matrix::from_codes(1, 64, 32, &[16; 64], &[1.0; 2], &[0; 2]).is_err());
+        assert!(Int4Matrix::from_codes(1, 64, 32, &[0; 63], &[1.0; 2], &[0; 2]).is_err());
+        assert!(Int4Matrix::from_codes(1, 32, 32, &[0; 32], &[1.0], &[0]).is_err());
+    }
+}
