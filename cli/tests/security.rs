@@ -181,7 +181,31 @@ fn mtls_cluster_refuses_clients_without_a_cluster_certificate_or_api_key() {
             served.prefill.is_some(),
             "not prefilled remotely: {served:?}"
         );
+    });
+    // The KV push under its ticket succeeded (not a fallback to local
+    // prefill): the decode worker counts an ok remote prefill and blocks.
+    let decode = &cluster.decode[0];
+    let metrics = cluster
+        .metrics_addr("decode-worker", decode)
+        .expect("decode metrics");
+    // (The prefill call's reply may land just after the stream ends.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let scrape = loop {
+        let scrape = tandem_tests::prometheus::scrape(metrics);
+        let ok = scrape.value("tandem_remote_prefills_total", &[("outcome", "ok")]);
+        if ok == Some(1.0) || std::time::Instant::now() > deadline {
+            break scrape;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        scrape.value("tandem_remote_prefills_total", &[("outcome", "ok")]),
+        Some(1.0),
+        "the remote prefill did not succeed"
+    );
+    assert!(scrape.sum("tandem_kv_transfer_received_block_layers_total", &[]) > 0.0);
 
+    tandem_tests::cluster::runtime().block_on(async {
         // Refused: no client certificate.
         let no_cert = Endpoint::from_shared(format!("https://{addr}"))
             .expect("uri")
@@ -433,8 +457,7 @@ fn forged_kv_peer_cannot_write_into_a_decode_workers_pool() {
             .await
             .expect("the handshake alone admits a holder of the secret");
         let garbage = bytes::Bytes::from(vec![0x7f; layout.block_layer_bytes()]);
-        let transfers: Vec<u64> = (0..8).chain([u64::MAX, 0x9e37_79b9_7f4a_7c15]).collect();
-        for t in transfers {
+        for t in (0..8).chain([u64::MAX, 0x9e37_79b9_7f4a_7c15]) {
             let blocks: Vec<BlockWrite> = (0..layout.num_layers)
                 .flat_map(|layer| (0..64).map(move |dst| (layer, dst)))
                 .map(|(layer, dst_block)| BlockWrite {
