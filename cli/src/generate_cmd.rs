@@ -15,6 +15,12 @@ pub struct GenerateArgs {
     /// `--router`) instead of loading a model here.
     #[arg(long, alias = "router", conflicts_with_all = ["model", "block_size"])]
     pub server: Option<String>,
+    /// With --server: the API key to send (`authorization: Bearer KEY`).
+    #[arg(long, env = "TANDEM_API_KEY")]
+    pub api_key: Option<String>,
+    /// With --server: connect over mTLS with this certificate, key and CA.
+    #[command(flatten)]
+    pub tls: crate::security_args::TlsArgs,
     /// Hugging Face checkpoint directory (default: the built-in model).
     #[arg(long)]
     model: Option<PathBuf>,

@@ -24,8 +24,13 @@ pub struct HttpArgs {
 impl HttpArgs {
     /// Binds the HTTP port and starts serving `backend` on it (until a
     /// shutdown signal); prints `http listening on ADDR`. Nothing when no
-    /// `--http-addr` was given.
-    pub async fn start(&self, model_dir: &Path, backend: Arc<dyn Backend>) -> Result<()> {
+    /// `--http-addr` was given. `/v1/*` wants one of `api_keys` (when any).
+    pub async fn start(
+        &self,
+        model_dir: &Path,
+        backend: Arc<dyn Backend>,
+        api_keys: tandem_openai::ApiKeys,
+    ) -> Result<()> {
         let Some(addr) = self.http_addr else {
             return Ok(());
         };
@@ -54,6 +59,7 @@ impl HttpArgs {
         let api = OpenAi::builder(tokenizer)
             .model_name(name)
             .chat_template(chat)
+            .api_keys(api_keys)
             .build(backend);
         let listener = tokio::net::TcpListener::bind(addr)
             .await

@@ -6,7 +6,8 @@
 //! process, the public gRPC API), `prefill-worker`, `decode-worker` and
 //! `router` (the cluster's processes), `generate` (run one prompt through a
 //! model), `gen-model` (write a deterministic random checkpoint), `plan` (KV
-//! pool and concurrency for a memory budget) and `bench serve`.
+//! pool and concurrency for a memory budget) and `bench serve`, and
+//! `certs` (a development CA and certificates for `--tls-*`).
 
 mod bench_cmd;
 mod default_model;
@@ -15,6 +16,7 @@ mod generate_cmd;
 mod http_args;
 mod plan_cmd;
 mod remote;
+pub mod security_args;
 mod serve_cmd;
 mod speculative_args;
 pub mod telemetry_args;
@@ -59,6 +61,8 @@ pub enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Benchmarks against a running server (`bench serve`).
     Bench(bench_cmd::BenchArgs),
+    /// Write a development CA and certificates for mTLS (`--tls-*`).
+    Certs(security_args::CertsArgs),
 }
 
 impl Command {
@@ -87,5 +91,6 @@ pub fn run(command: Command, telemetry: &telemetry_args::TelemetryArgs) -> Resul
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Certs(args) => security_args::run_certs(args),
     }
 }

@@ -1,5 +1,6 @@
 //! `tandem generate --server ADDR`: the same request, sent to a running
-//! `tandem serve` (or router) over the public gRPC API.
+//! `tandem serve` (or router) over the public gRPC API — over mTLS with
+//! `--tls-cert/--tls-key/--tls-ca`, with `--api-key` as a bearer token.
 
 use std::io::Write;
 
@@ -11,11 +12,13 @@ use tandem_proto::v1::generation_client::GenerationClient;
 use crate::generate_cmd::GenerateArgs;
 
 pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
-    let url = if server.contains("://") {
-        server.to_string()
-    } else {
-        format!("http://{server}")
-    };
+    let tls = args.tls.load()?;
+    let host_port = server
+        .split_once("://")
+        .map_or(server, |(_, rest)| rest)
+        .trim_end_matches('/');
+    let endpoint = tandem_security::tls::endpoint(tls.as_ref(), host_port)?;
+    let url = endpoint.uri().to_string();
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: ids.clone() }),
         (Some(text), None) => v1::generate_request::Prompt::Text(text.clone()),
@@ -39,14 +42,23 @@ pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
         logprobs: args.logprobs.map(u32::try_from).transpose()?,
         ..Default::default()
     };
+    let mut req = tonic::Request::new(req);
+    if let Some(key) = &args.api_key {
+        let value = format!("Bearer {key}")
+            .parse()
+            .context("the API key must be printable ASCII")?;
+        req.metadata_mut().insert("authorization", value);
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let mut client = GenerationClient::connect(url.clone())
+        let channel = endpoint
+            .connect()
             .await
             .with_context(|| format!("connecting to {url}"))?;
+        let mut client = GenerationClient::new(channel);
         let mut stream = client
             .generate(req)
             .await

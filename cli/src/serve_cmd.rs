@@ -8,8 +8,7 @@ use anyhow::Result;
 use clap::Args;
 use std::sync::Arc;
 
-use tandem_proto::v1;
-use tandem_server::{Bound, GenerationService, Services};
+use tandem_server::{Bound, GenerationService};
 
 use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
 
@@ -27,9 +26,15 @@ pub struct ServeArgs {
     http: crate::http_args::HttpArgs,
     #[command(flatten)]
     metrics: crate::telemetry_args::MetricsArgs,
+    #[command(flatten)]
+    tls: crate::security_args::TlsArgs,
+    #[command(flatten)]
+    api_keys: crate::security_args::ApiKeyArgs,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    let tls = args.tls.load()?;
+    let api_keys = args.api_keys.load()?;
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let bound = Bound::bind(args.addr).await?;
@@ -40,15 +45,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .with_metrics(tandem_server::ServingMetrics::register(&registry)),
         );
         args.metrics.start(&registry).await?;
-        args.http.start(&engine.model_dir, service.clone()).await?;
+        args.http
+            .start(&engine.model_dir, service.clone(), api_keys.clone())
+            .await?;
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.
         println!("listening on {}", bound.local_addr());
-        let mut services = Services::default();
-        services.add(
-            v1::generation_server::GenerationServer::from_arc(service),
-            v1::GENERATION_SERVICE,
-            v1::FILE_DESCRIPTOR_SET,
-        );
+        let mut services = crate::worker_cmd::public_generation(service, &api_keys);
+        services.with_tls(tls.as_ref().map(|t| t.server()));
         tandem_server::serve_services(bound, services, shutdown_signal()).await?;
         Ok(())
     })

@@ -13,6 +13,14 @@
 //! gRPC address (`listening on ADDR`), and waits; Ctrl-C stops everything:
 //! children get SIGTERM (so they flush their spans) and SIGKILL 5 s later.
 //! The log format and the OTLP endpoint are passed on to every child.
+//!
+//! `--tls` runs the cluster with mutual TLS: `up` writes a development CA
+//! and per-component certificates (`tandem certs`) into `--tls-dir` (kept)
+//! or a temporary directory (removed at the end), gives every child its
+//! own certificate, and prints `tls DIR` before the addresses, so clients
+//! find `DIR/ca.pem` and `DIR/client.pem` + `DIR/client.key`. `--api-key`
+//! and `--api-keys-file` go to the router (the keys through its
+//! environment, not its command line).
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -78,6 +86,51 @@ pub struct UpArgs {
     /// `/metrics` on a free loopback port, printed at start).
     #[arg(long)]
     no_metrics: bool,
+    /// Mutual TLS between every process and on the router's public gRPC:
+    /// writes a development CA and certificates (see `tandem certs`).
+    #[arg(long)]
+    tls: bool,
+    /// Where `--tls` writes the certificates (kept after `up` ends).
+    /// Default: a temporary directory removed at the end.
+    #[arg(long, requires = "tls")]
+    tls_dir: Option<PathBuf>,
+    #[command(flatten)]
+    api_keys: crate::security_args::ApiKeyArgs,
+}
+
+/// The certificates of a `--tls` cluster; a temporary directory is removed
+/// when `up` ends.
+struct TlsDir {
+    certs: tandem_security::DevCerts,
+    remove: bool,
+}
+
+impl TlsDir {
+    fn create(dir: Option<&PathBuf>) -> Result<Self> {
+        let (dir, remove) = match dir {
+            Some(d) => (d.clone(), false),
+            None => (
+                std::env::temp_dir().join(format!("tandem-up-tls-{}", std::process::id())),
+                true,
+            ),
+        };
+        let certs = tandem_security::write_dev_certs(&dir, &[])
+            .with_context(|| format!("writing certificates to {}", dir.display()))?;
+        Ok(Self { certs, remove })
+    }
+
+    /// The `--tls-*` flags of one component.
+    fn args(&self, component: &str) -> Vec<String> {
+        crate::security_args::TlsArgs::to_args(&self.certs.config(component))
+    }
+}
+
+impl Drop for TlsDir {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_dir_all(&self.certs.dir);
+        }
+    }
 }
 
 /// A private etcd for the cluster: killed and its data removed at the end.
@@ -232,10 +285,11 @@ struct Spawned {
 /// Starts `tandem <args>` and reads its startup lines up to
 /// `listening on ADDR` (`http listening on ADDR` and `metrics listening on
 /// ADDR` lines may come first).
-fn spawn(children: &mut Children, args: &[String]) -> Result<Spawned> {
+fn spawn(children: &mut Children, args: &[String], env: &[(&str, String)]) -> Result<Spawned> {
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .arg("--exit-on-stdin-eof")
         // A pipe nobody writes: it closes when `up` dies, however it dies,
         // and the child then exits too.
@@ -302,6 +356,12 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     let model = model.display().to_string();
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
     let etcd = if args.no_etcd { None } else { start_etcd()? };
+    // Declared before the children, so it outlives them.
+    let tls = if args.tls {
+        Some(TlsDir::create(args.tls_dir.as_ref())?)
+    } else {
+        None
+    };
     let cluster_name = format!("up-{}", std::process::id());
     let membership: Vec<String> = match &etcd {
         Some(e) => vec![
@@ -334,6 +394,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         ];
         a.extend(membership.iter().cloned());
         a.extend(common.iter().cloned());
+        if let Some(t) = &tls {
+            a.extend(t.args(role.trim_end_matches("-worker")));
+        }
         a.extend(args.worker_args.iter().cloned());
         a
     };
@@ -347,7 +410,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             args.remote_prefill_threshold.to_string(),
         ]);
         a.extend(args.decode_args.iter().cloned());
-        let d = spawn(&mut children, &a)?;
+        let d = spawn(&mut children, &a, &[])?;
         if let Some(m) = d.metrics {
             metrics.push(("decode-worker", d.addr.clone(), m));
         }
@@ -355,7 +418,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     }
     let mut prefills = Vec::new();
     for _ in 0..args.prefill {
-        let p = spawn(&mut children, &worker("prefill-worker"))?;
+        let p = spawn(&mut children, &worker("prefill-worker"), &[])?;
         if let Some(m) = p.metrics {
             metrics.push(("prefill-worker", p.addr.clone(), m));
         }
@@ -375,6 +438,16 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         args.remote_prefill_threshold.to_string(),
     ];
     router.extend(common.iter().cloned());
+    if let Some(t) = &tls {
+        router.extend(t.args("router"));
+    }
+    if let Some(f) = &args.api_keys.api_keys_file {
+        router.extend(["--api-keys-file".into(), f.display().to_string()]);
+    }
+    let mut router_env = Vec::new();
+    if !args.api_keys.api_keys.is_empty() {
+        router_env.push(("TANDEM_API_KEYS", args.api_keys.api_keys.join(",")));
+    }
     if !args.no_http {
         router.extend(["--http-addr".into(), args.http_addr.clone()]);
         if let Some(name) = &args.served_model_name {
@@ -394,12 +467,19 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         http,
         metrics: router_metrics,
         ..
-    } = spawn(&mut children, &router)?;
+    } = spawn(&mut children, &router, &router_env)?;
     if let Some(m) = router_metrics {
         metrics.push(("router", addr.clone(), m));
     }
     if let Some(e) = &etcd {
         println!("etcd {} {cluster_name} {}", e.endpoint, e.child.id());
+    }
+    if let Some(t) = &tls {
+        eprintln!(
+            "mutual TLS: clients need {0}/ca.pem and a certificate from it, e.g. {0}/client.pem with {0}/client.key",
+            t.certs.dir.display()
+        );
+        println!("tls {}", t.certs.dir.display());
     }
     eprintln!(
         "tandem cluster: {} decode ({}), {} prefill ({}); router on {addr}",

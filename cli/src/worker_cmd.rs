@@ -16,6 +16,7 @@ use tandem_router::{Cluster, PolicyKind, Role, RouterService};
 use tandem_server::{Bound, Services};
 
 use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
+use crate::security_args::{ApiKeyArgs, TlsArgs};
 use crate::telemetry_args::MetricsArgs;
 
 #[derive(Args, Debug)]
@@ -54,6 +55,8 @@ pub struct WorkerArgs {
     engine: EngineArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Where cluster membership lives.
@@ -159,6 +162,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
     if args.exit_on_stdin_eof {
         exit_on_stdin_eof();
     }
+    let tls = args.tls.load()?;
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -172,6 +176,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             cluster_token: args.cluster_token,
             advertise_host: args.advertise_host,
             kv_transport: args.kv_transport,
+            tls,
         };
         tandem_prefill_worker::run(
             engine.handle,
@@ -191,6 +196,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     if w.exit_on_stdin_eof {
         exit_on_stdin_eof();
     }
+    let tls = w.tls.load()?;
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -204,6 +210,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             advertise_host: w.advertise_host,
             remote_prefill_threshold: args.remote_prefill_threshold,
             kv_transport: w.kv_transport,
+            tls,
         };
         tandem_decode_worker::run(
             engine.handle,
@@ -264,6 +271,10 @@ pub struct RouterArgs {
     http: crate::http_args::HttpArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
+    api_keys: ApiKeyArgs,
 }
 
 fn router_role(r: tandem_discovery::Role) -> Role {
@@ -323,11 +334,13 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     } else {
         None
     };
+    let tls = args.tls.load()?;
+    let api_keys = args.api_keys.load()?;
     runtime()?.block_on(async move {
         if args.membership.etcd.is_empty() && args.decode.is_empty() {
             anyhow::bail!("give --decode workers, or --etcd for dynamic membership");
         }
-        let cluster = Cluster::new(Duration::from_millis(args.probe_interval_ms));
+        let cluster = Cluster::with_tls(Duration::from_millis(args.probe_interval_ms), tls.clone());
         if !args.membership.etcd.is_empty() {
             follow_membership(cluster.clone(), args.membership.clone()).await?;
         }
@@ -354,15 +367,34 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;
-        args.http.start(&dir, service.clone()).await?;
+        args.http
+            .start(&dir, service.clone(), api_keys.clone())
+            .await?;
         println!("listening on {}", bound.local_addr());
-        let mut services = Services::default();
-        services.add(
-            v1::generation_server::GenerationServer::from_arc(service),
-            v1::GENERATION_SERVICE,
-            v1::FILE_DESCRIPTOR_SET,
-        );
+        let mut services = public_generation(service, &api_keys);
+        services.with_tls(tls.as_ref().map(|t| t.server()));
         tandem_server::serve_services(bound, services, shutdown_signal()).await?;
         Ok(())
     })
+}
+
+/// The public `Generation` service (the router's or `tandem serve`'s):
+/// messages bounded by [`tandem_server::MAX_GRPC_MESSAGE_BYTES`], and every
+/// call checked against `api_keys` (`UNAUTHENTICATED` without a valid
+/// `authorization: Bearer KEY`; no keys, no check). Health and reflection,
+/// added by `serve_services`, stay open.
+pub(crate) fn public_generation<S: v1::generation_server::Generation>(
+    service: Arc<S>,
+    api_keys: &tandem_security::ApiKeys,
+) -> Services {
+    let server = v1::generation_server::GenerationServer::from_arc(service)
+        .max_decoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES);
+    let mut services = Services::default();
+    services.add(
+        tonic::service::interceptor::InterceptedService::new(server, api_keys.interceptor()),
+        v1::GENERATION_SERVICE,
+        v1::FILE_DESCRIPTOR_SET,
+    );
+    services
 }

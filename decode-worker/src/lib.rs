@@ -18,9 +18,33 @@
 //! spans join the same trace. [`DecodeMetrics`] counts remote prefills by
 //! outcome, their latency, and the KV bytes received.
 //!
+//! **Who may write into the KV pool.** Three checks stand between a peer
+//! and this worker's blocks:
+//!
+//! 1. The transport handshake: the peer must prove it holds the cluster
+//!    secret (an HMAC challenge–response in `tandem-kv-transfer`; the secret
+//!    never travels). Only the cluster's workers are given it.
+//! 2. A ticket ([`TransferTickets`]): the transfer id on the wire is a random
+//!    64-bit number this worker draws for one parked request and sends only
+//!    to the prefill worker the router named, inside the `Prefill` call
+//!    (mTLS when the cluster runs TLS, so only a worker with a certificate
+//!    from the cluster CA receives it). A block under any other id is
+//!    refused before it reaches the engine, so even a peer that passes the
+//!    handshake but was not named for this request writes nothing. Tickets
+//!    are retired with the transfer.
+//! 3. The engine checks every block against the parked request's
+//!    destination blocks.
+//!
+//! We chose tickets over checking transfer peers against etcd membership:
+//! the decode worker needs no membership view, the check also holds with
+//! static membership (`--no-etcd`, Kubernetes without etcd), and it binds
+//! each write to the one request and the one worker it was meant for, not
+//! merely to "some registered worker".
+//!
 //! **Architecture Invariant:** the decode worker owns sampling and its KV
 //! blocks; peers can write only into the destination blocks of a transfer
-//! it opened (the engine checks every write).
+//! it opened, under that transfer's ticket (the sink checks the ticket, the
+//! engine every block).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -73,21 +97,81 @@ impl DecodeMetrics {
     }
 }
 
-/// Delivers received blocks to the engine thread.
+/// The open transfers' tickets: wire transfer id (random, told only to the
+/// named prefill worker) → the engine's transfer (the parked request).
+#[derive(Debug)]
+pub struct TransferTickets {
+    open: Mutex<HashMap<u64, u64>>,
+    random: ring::rand::SystemRandom,
+}
+
+impl Default for TransferTickets {
+    fn default() -> Self {
+        Self {
+            open: Mutex::new(HashMap::new()),
+            random: ring::rand::SystemRandom::new(),
+        }
+    }
+}
+
+impl TransferTickets {
+    /// Draws a fresh ticket for the engine's `transfer`.
+    pub fn issue(&self, transfer: u64) -> Result<u64, String> {
+        let mut open = self.open.lock().map_err(|_| "tickets poisoned")?;
+        loop {
+            let mut bytes = [0u8; 8];
+            ring::rand::SecureRandom::fill(&self.random, &mut bytes)
+                .map_err(|_| "no secure randomness for a transfer ticket")?;
+            let ticket = u64::from_le_bytes(bytes);
+            if let std::collections::hash_map::Entry::Vacant(e) = open.entry(ticket) {
+                e.insert(transfer);
+                return Ok(ticket);
+            }
+        }
+    }
+
+    /// The engine transfer of an open ticket.
+    pub fn lookup(&self, ticket: u64) -> Option<u64> {
+        self.open.lock().ok()?.get(&ticket).copied()
+    }
+
+    /// Closes a ticket; the engine transfer it named, if it was open.
+    pub fn retire(&self, ticket: u64) -> Option<u64> {
+        self.open.lock().ok()?.remove(&ticket)
+    }
+
+    /// How many tickets are open.
+    pub fn len(&self) -> usize {
+        self.open.lock().map_or(0, |o| o.len())
+    }
+
+    /// No ticket is open.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Delivers received blocks to the engine thread, for open tickets only.
 #[derive(Debug)]
 pub struct EngineSink {
     engine: EngineHandle,
     num_blocks: u32,
     metrics: DecodeMetrics,
+    tickets: Arc<TransferTickets>,
 }
 
 impl EngineSink {
-    pub fn new(engine: EngineHandle, metrics: DecodeMetrics) -> Self {
+    pub fn new(
+        engine: EngineHandle,
+        metrics: DecodeMetrics,
+        tickets: Arc<TransferTickets>,
+    ) -> Self {
         let num_blocks = u32::try_from(engine.limits().num_blocks).unwrap_or(u32::MAX);
         Self {
             engine,
             num_blocks,
             metrics,
+            tickets,
         }
     }
 }
@@ -112,16 +196,28 @@ impl KvSink for EngineSink {
         k: &[u8],
         v: &[u8],
     ) -> Result<(), String> {
+        let Some(engine_transfer) = self.tickets.lookup(transfer.0) else {
+            tracing::warn!(
+                ticket = transfer.0,
+                "KV block for a transfer this worker did not open; refused"
+            );
+            return Err(format!(
+                "transfer {} was not opened by this worker",
+                transfer.0
+            ));
+        };
         self.metrics.received_bytes.add((k.len() + v.len()) as u64);
         self.metrics.received_blocks.inc();
         // The engine checks the block belongs to this transfer.
         self.engine
-            .write_kv(transfer.0, layer as usize, block, floats(k), floats(v));
+            .write_kv(engine_transfer, layer as usize, block, floats(k), floats(v));
         Ok(())
     }
 
     fn finish(&self, transfer: TransferId, outcome: Result<(), String>) {
-        self.engine.finish_remote_prefill(transfer.0, outcome);
+        if let Some(engine_transfer) = self.tickets.retire(transfer.0) {
+            self.engine.finish_remote_prefill(engine_transfer, outcome);
+        }
     }
 }
 
@@ -135,6 +231,10 @@ pub struct GrpcPrefiller {
     layout: KvLayoutDescriptor,
     clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
     metrics: DecodeMetrics,
+    /// mTLS to prefill workers, when the cluster runs TLS.
+    tls: Option<tandem_security::LoadedTls>,
+    /// Shared with the [`EngineSink`].
+    tickets: Arc<TransferTickets>,
 }
 
 impl GrpcPrefiller {
@@ -143,6 +243,8 @@ impl GrpcPrefiller {
         transfer_endpoint: String,
         layout: KvLayoutDescriptor,
         metrics: DecodeMetrics,
+        tls: Option<tandem_security::LoadedTls>,
+        tickets: Arc<TransferTickets>,
     ) -> Self {
         Self {
             threshold,
@@ -150,6 +252,8 @@ impl GrpcPrefiller {
             layout,
             clients: Mutex::new(HashMap::new()),
             metrics,
+            tls,
+            tickets,
         }
     }
 
@@ -158,8 +262,8 @@ impl GrpcPrefiller {
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
-        let channel = Channel::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad prefill address {addr}: {e}"))?
+        let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
+            .map_err(|e| format!("prefill worker {addr}: {e}"))?
             .connect_lazy();
         let c = PrefillClient::new(channel);
         clients.insert(addr.to_string(), c.clone());
@@ -208,8 +312,9 @@ impl RemotePrefiller for GrpcPrefiller {
         );
         let client = target
             .ok_or_else(|| "no prefill worker named".to_string())
-            .and_then(|addr| self.client(&addr));
-        let mut client = match client {
+            .and_then(|addr| self.client(&addr))
+            .and_then(|c| self.tickets.issue(transfer).map(|ticket| (c, ticket)));
+        let (mut client, ticket) = match client {
             Ok(c) => c,
             Err(e) => {
                 pspan.record("outcome", "failed");
@@ -226,12 +331,13 @@ impl RemotePrefiller for GrpcPrefiller {
             tokens: prefill.tokens,
             dst_blocks: prefill.blocks,
             transfer_endpoint: self.transfer_endpoint.clone(),
-            transfer_id: transfer,
+            transfer_id: ticket,
             layout: Some(layout::to_proto(&self.layout)),
         };
         let mut call = tonic::Request::new(req);
         tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
         let metrics = self.metrics.clone();
+        let tickets = self.tickets.clone();
         let started = Instant::now();
         let task = async move {
             // Success is reported by the transport (the sink's finish);
@@ -249,6 +355,7 @@ impl RemotePrefiller for GrpcPrefiller {
                     metrics.remote_prefills.with(&["failed"]).inc();
                     tracing::Span::current().record("outcome", "failed");
                     tracing::warn!(transfer, error = %status.message(), "remote prefill failed");
+                    tickets.retire(ticket);
                     engine.finish_remote_prefill(
                         transfer,
                         Err(format!("prefill worker: {}", status.message())),
@@ -277,6 +384,9 @@ pub struct DecodeWorkerConfig {
     /// How KV blocks arrive (`--kv-transport`); prefill workers must use
     /// the same.
     pub kv_transport: tandem_kv_transfer::TransportKind,
+    /// mTLS on the gRPC server and on calls to prefill workers; plain gRPC
+    /// when `None`.
+    pub tls: Option<tandem_security::LoadedTls>,
 }
 
 /// Errors starting a decode worker.
@@ -301,11 +411,16 @@ pub async fn run(
     let layout = layout::descriptor(&kv_layout);
     let metrics = DecodeMetrics::register(registry);
     let transport = tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
+    let tickets = Arc::new(TransferTickets::default());
     let listener = transport
         .listen(
             &config.transfer_bind,
             layout,
-            Arc::new(EngineSink::new(engine.clone(), metrics.clone())),
+            Arc::new(EngineSink::new(
+                engine.clone(),
+                metrics.clone(),
+                tickets.clone(),
+            )),
         )
         .await?;
     let endpoint = match (&config.advertise_host, listener.endpoint().parse()) {
@@ -332,6 +447,8 @@ pub async fn run(
         endpoint,
         layout,
         metrics,
+        config.tls.clone(),
+        tickets,
     ));
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::generation(
@@ -343,7 +460,29 @@ pub async fn run(
         "tandem.worker.v1.Worker",
         wv1::FILE_DESCRIPTOR_SET,
     );
+    services.with_tls(config.tls.as_ref().map(|t| t.server()));
     tandem_server::serve_services(bound, services, shutdown).await?;
     drop(listener);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_are_random_and_retire_once() {
+        let tickets = TransferTickets::default();
+        let a = tickets.issue(7).expect("ticket");
+        let b = tickets.issue(8).expect("ticket");
+        assert_ne!(a, b);
+        // Not the engine's sequential ids: a peer cannot guess them.
+        assert!(a > 1 << 20 || b > 1 << 20, "{a} {b}");
+        assert_eq!(tickets.lookup(a), Some(7));
+        assert_eq!(tickets.lookup(a ^ 1), None);
+        assert_eq!(tickets.retire(a), Some(7));
+        assert_eq!(tickets.retire(a), None);
+        assert_eq!(tickets.lookup(a), None);
+        assert_eq!(tickets.len(), 1);
+    }
 }

@@ -21,10 +21,13 @@ pub enum TransferError {
         /// The peer's value.
         peer: String,
     },
-    /// The peer presented a cluster token different from ours (or we did).
+    /// The peer could not prove it holds our cluster token (the handshake's
+    /// HMAC challenge–response failed, either way): another cluster, a
+    /// misconfigured worker, or not a tandem worker at all.
     #[error(
-        "cluster token mismatch: the peer belongs to another cluster or one side is \
-         misconfigured (check the cluster token on both workers)"
+        "cluster token mismatch: the peer could not prove it holds this cluster's token \
+         (another cluster, a misconfigured worker, or not a tandem worker; check the \
+         cluster token on both workers)"
     )]
     BadToken,
     /// The peer speaks another protocol version.

@@ -31,10 +31,17 @@
 //!   the receiver has delivered every block of it and called
 //!   `finish(Ok)` — one acknowledgement per transfer, never per block.
 //!   [`Session::abort`] gives up a transfer.
-//! - Before the first block both sides exchange the layout descriptor and a
-//!   cluster token; any difference is refused on both sides with an error
-//!   naming it ([`TransferError::LayoutMismatch`], [`TransferError::BadToken`]),
-//!   never silent corruption.
+//! - Before the first block both sides exchange the layout descriptor and
+//!   prove to each other that they hold the cluster token (an HMAC-SHA256
+//!   challenge–response over fresh nonces from both sides: the token never
+//!   travels and a recorded handshake cannot be replayed); any difference is
+//!   refused on both sides with an error naming it
+//!   ([`TransferError::LayoutMismatch`], [`TransferError::BadToken`]), never
+//!   silent corruption. A peer that cannot prove the token never reaches the
+//!   sink (TCP) or the receive region's rkey (UCX), and a listener that
+//!   cannot prove it is never sent a block. Which transfers a proven peer
+//!   may write is the receiver's business: the decode worker accepts only
+//!   transfer ids it handed out (see `tandem-decode-worker`).
 //!
 //! # Guarantees every implementation keeps
 //!

@@ -1,22 +1,43 @@
 //! The TCP wire format (little-endian throughout).
 //!
-//! **Handshake.** The connecting side (sender) sends a hello:
+//! **Handshake** (version 2): mutual challenge–response over the cluster
+//! secret (the cluster token), so the secret itself never crosses the wire
+//! and a recorded handshake cannot be replayed (each side's fresh nonce is
+//! in what the other signs). The connecting side (sender) sends a hello:
 //!
 //! ```text
-//! magic "TDMKVXF1" (8) | version u16 | token_len u16 | layout (20) | token (token_len ≤ 1024)
+//! magic "TDMKVXF1" (8) | version u16 | 0 u16 | layout (20) | sender nonce (32)
 //! ```
 //!
-//! The listening side checks, in order, magic, version, token (constant
-//! time), layout validity and compatibility, and replies:
+//! The listener answers a hello of another version at once with a reply
+//! (status 1, below); otherwise it sends a challenge:
 //!
 //! ```text
-//! magic (8) | version u16 | status u8 | 0 u8 | its layout (20) | its sink's num_blocks u32
+//! magic (8) | version u16 | receiver nonce (32)
 //! ```
 //!
-//! with status 0 accepted, 1 version, 2 token, 3 layout mismatch, 4 invalid
-//! layout; on refusal it closes the connection. The sender checks the reply's
-//! layout itself too, so each side reports a mismatch in its own terms
-//! ("block_size 16 here, 32 at the peer").
+//! The sender proves it holds the secret:
+//!
+//! ```text
+//! HMAC-SHA256(secret, "tandem-kv sender" | magic | sender nonce | receiver nonce | its layout) (32)
+//! ```
+//!
+//! The listener checks, in order, the proof (constant time, `ring::hmac`),
+//! layout validity and compatibility, and replies:
+//!
+//! ```text
+//! magic (8) | version u16 | status u8 | 0 u8 | its layout (20) | its sink's num_blocks u32 | proof (32)
+//! ```
+//!
+//! with status 0 accepted, 1 version, 2 bad proof (the secrets differ), 3
+//! layout mismatch, 4 invalid layout; on refusal it closes the connection.
+//! On acceptance the proof is the receiver's own, `HMAC-SHA256(secret,
+//! "tandem-kv receiver" | magic | sender nonce | receiver nonce | the reply
+//! before the proof)`, and the sender checks it before it sends any block:
+//! a listener that does not hold the secret never sees KV data (zeros on
+//! refusal). The sender checks the reply's layout itself too, so each side
+//! reports a mismatch in its own terms ("block_size 16 here, 32 at the
+//! peer").
 //!
 //! **Frames.** Then every message is `type u8 | body_len u32 | body`.
 //! Sender → receiver:
@@ -49,10 +70,20 @@ pub(crate) const MAGIC: [u8; 8] = *b"TDMKVXF1";
 /// The UCX transport's magic: its control connection uses the same
 /// handshake, and a TCP peer meeting a UCX one is refused at the magic.
 pub(crate) const MAGIC_UCX: [u8; 8] = *b"TDMKVXU1";
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 pub(crate) const MAX_TOKEN_BYTES: usize = 1024;
-pub(crate) const HELLO_FIXED: usize = 8 + 2 + 2 + KvLayoutDescriptor::ENCODED_LEN;
-pub(crate) const REPLY_LEN: usize = 8 + 2 + 1 + 1 + KvLayoutDescriptor::ENCODED_LEN + 4;
+/// Bytes of each side's handshake nonce.
+pub(crate) const NONCE_LEN: usize = 32;
+/// Bytes of an HMAC-SHA256 proof.
+pub(crate) const PROOF_LEN: usize = 32;
+pub(crate) const HELLO_LEN: usize = 8 + 2 + 2 + KvLayoutDescriptor::ENCODED_LEN + NONCE_LEN;
+/// Magic and version: how both the challenge and the reply begin.
+pub(crate) const GREETING_LEN: usize = 8 + 2;
+pub(crate) const CHALLENGE_LEN: usize = GREETING_LEN + NONCE_LEN;
+pub(crate) const REPLY_LEN: usize = 8 + 2 + 1 + 1 + KvLayoutDescriptor::ENCODED_LEN + 4 + PROOF_LEN;
+const REPLY_SIGNED: usize = REPLY_LEN - PROOF_LEN;
+const SENDER_LABEL: &[u8] = b"tandem-kv sender";
+const RECEIVER_LABEL: &[u8] = b"tandem-kv receiver";
 
 pub(crate) const STATUS_OK: u8 = 0;
 pub(crate) const STATUS_VERSION: u8 = 1;
@@ -78,39 +109,136 @@ pub(crate) const WRITE_FIXED: usize = 12;
 /// Bytes of one block's entry in a `WRITE` table.
 pub(crate) const WRITE_ENTRY: usize = 8;
 
-pub(crate) fn encode_hello(magic: [u8; 8], layout: &KvLayoutDescriptor, token: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HELLO_FIXED + token.len());
-    out.extend_from_slice(&magic);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(token.len() as u16).to_le_bytes());
-    out.extend_from_slice(&layout.encode());
-    out.extend_from_slice(token);
+/// A fresh random nonce.
+pub(crate) fn nonce() -> Result<[u8; NONCE_LEN], TransferError> {
+    let mut n = [0u8; NONCE_LEN];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
+        .map_err(|_| TransferError::Config("the system has no secure randomness".into()))?;
+    Ok(n)
+}
+
+/// The HMAC key of a cluster secret.
+pub(crate) fn secret_key(secret: &[u8]) -> ring::hmac::Key {
+    ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret)
+}
+
+fn proof_input(
+    label: &[u8],
+    magic: [u8; 8],
+    sender_nonce: &[u8; NONCE_LEN],
+    receiver_nonce: &[u8; NONCE_LEN],
+    signed: &[u8],
+) -> Vec<u8> {
+    let mut m = Vec::with_capacity(label.len() + 8 + 2 * NONCE_LEN + signed.len());
+    m.extend_from_slice(label);
+    m.extend_from_slice(&magic);
+    m.extend_from_slice(sender_nonce);
+    m.extend_from_slice(receiver_nonce);
+    m.extend_from_slice(signed);
+    m
+}
+
+/// The sender's proof: it holds the secret, for these nonces and its
+/// encoded layout.
+pub(crate) fn sender_proof(
+    key: &ring::hmac::Key,
+    magic: [u8; 8],
+    sender_nonce: &[u8; NONCE_LEN],
+    receiver_nonce: &[u8; NONCE_LEN],
+    layout: &[u8],
+) -> [u8; PROOF_LEN] {
+    let m = proof_input(SENDER_LABEL, magic, sender_nonce, receiver_nonce, layout);
+    let mut out = [0u8; PROOF_LEN];
+    out.copy_from_slice(ring::hmac::sign(key, &m).as_ref());
     out
 }
 
-/// Parses the fixed part of a hello; returns it and the token length still to
-/// read.
-pub(crate) fn decode_hello_fixed(
+/// Checks a sender's proof in constant time.
+pub(crate) fn verify_sender(
+    key: &ring::hmac::Key,
     magic: [u8; 8],
-    bytes: &[u8; HELLO_FIXED],
-) -> Result<(u16, Result<KvLayoutDescriptor, TransferError>, usize), TransferError> {
-    if bytes[0..8] != magic {
+    sender_nonce: &[u8; NONCE_LEN],
+    receiver_nonce: &[u8; NONCE_LEN],
+    layout: &[u8],
+    proof: &[u8],
+) -> bool {
+    let m = proof_input(SENDER_LABEL, magic, sender_nonce, receiver_nonce, layout);
+    ring::hmac::verify(key, &m, proof).is_ok()
+}
+
+pub(crate) fn encode_hello(
+    magic: [u8; 8],
+    layout: &KvLayoutDescriptor,
+    sender_nonce: &[u8; NONCE_LEN],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HELLO_LEN);
+    out.extend_from_slice(&magic);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&layout.encode());
+    out.extend_from_slice(sender_nonce);
+    out
+}
+
+/// A sender's hello.
+#[derive(Debug)]
+pub(crate) struct Hello {
+    /// The layout as sent (what the sender's proof covers).
+    pub layout_bytes: [u8; KvLayoutDescriptor::ENCODED_LEN],
+    pub layout: Result<KvLayoutDescriptor, TransferError>,
+    pub nonce: [u8; NONCE_LEN],
+}
+
+/// Checks the magic a sender's hello begins with.
+pub(crate) fn check_sender_magic(magic: [u8; 8], bytes: &[u8]) -> Result<(), TransferError> {
+    if bytes.get(0..8) != Some(&magic[..]) {
         return Err(TransferError::Protocol(format!(
             "the peer is not a tandem KV transfer sender of this transport (bad magic; \
              both sides need the same --kv-transport, this side is {})",
             transport_name(magic)
         )));
     }
-    let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-    let token_len = usize::from(u16::from_le_bytes([bytes[10], bytes[11]]));
-    if token_len > MAX_TOKEN_BYTES {
+    Ok(())
+}
+
+/// Parses a hello whose version the caller checked already.
+pub(crate) fn decode_hello(
+    magic: [u8; 8],
+    bytes: &[u8; HELLO_LEN],
+) -> Result<Hello, TransferError> {
+    check_sender_magic(magic, bytes)?;
+    let mut layout_bytes = [0u8; KvLayoutDescriptor::ENCODED_LEN];
+    layout_bytes.copy_from_slice(&bytes[12..12 + KvLayoutDescriptor::ENCODED_LEN]);
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&bytes[HELLO_LEN - NONCE_LEN..]);
+    Ok(Hello {
+        layout: KvLayoutDescriptor::decode(&layout_bytes),
+        layout_bytes,
+        nonce,
+    })
+}
+
+pub(crate) fn encode_challenge(magic: [u8; 8], receiver_nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(CHALLENGE_LEN);
+    out.extend_from_slice(&magic);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(receiver_nonce);
+    out
+}
+
+/// The magic and version that begin a challenge or a reply.
+pub(crate) fn decode_greeting(
+    magic: [u8; 8],
+    bytes: &[u8; GREETING_LEN],
+) -> Result<u16, TransferError> {
+    if bytes[0..8] != magic {
         return Err(TransferError::Protocol(format!(
-            "cluster token of {token_len} bytes; at most {MAX_TOKEN_BYTES}"
+            "the endpoint is not a tandem KV transfer listener of this transport (bad magic; \
+             both sides need the same --kv-transport, this side is {})",
+            transport_name(magic)
         )));
     }
-    let mut layout = [0u8; KvLayoutDescriptor::ENCODED_LEN];
-    layout.copy_from_slice(&bytes[12..HELLO_FIXED]);
-    Ok((version, KvLayoutDescriptor::decode(&layout), token_len))
+    Ok(u16::from_le_bytes([bytes[8], bytes[9]]))
 }
 
 /// The listener's reply.
@@ -131,11 +259,14 @@ pub(crate) fn transport_name(magic: [u8; 8]) -> &'static str {
     }
 }
 
+/// The listener's reply; with `proof` (accepted) it carries the receiver's
+/// proof over everything before it.
 pub(crate) fn encode_reply(
     magic: [u8; 8],
     status: u8,
     layout: &KvLayoutDescriptor,
     num_blocks: u32,
+    proof: Option<ReceiverProof<'_>>,
 ) -> Vec<u8> {
     let mut out = Vec::with_capacity(REPLY_LEN);
     out.extend_from_slice(&magic);
@@ -144,24 +275,58 @@ pub(crate) fn encode_reply(
     out.push(0);
     out.extend_from_slice(&layout.encode());
     out.extend_from_slice(&num_blocks.to_le_bytes());
+    match proof {
+        Some(p) => {
+            let m = proof_input(
+                RECEIVER_LABEL,
+                magic,
+                p.sender_nonce,
+                p.receiver_nonce,
+                &out,
+            );
+            out.extend_from_slice(ring::hmac::sign(p.key, &m).as_ref());
+        }
+        None => out.extend_from_slice(&[0u8; PROOF_LEN]),
+    }
     out
 }
 
+/// What the receiver's proof binds.
+#[derive(Clone, Copy)]
+pub(crate) struct ReceiverProof<'a> {
+    pub key: &'a ring::hmac::Key,
+    pub sender_nonce: &'a [u8; NONCE_LEN],
+    pub receiver_nonce: &'a [u8; NONCE_LEN],
+}
+
+/// Checks the receiver's proof of a whole reply, in constant time.
+pub(crate) fn verify_receiver(
+    magic: [u8; 8],
+    reply: &[u8; REPLY_LEN],
+    p: ReceiverProof<'_>,
+) -> bool {
+    let m = proof_input(
+        RECEIVER_LABEL,
+        magic,
+        p.sender_nonce,
+        p.receiver_nonce,
+        &reply[..REPLY_SIGNED],
+    );
+    ring::hmac::verify(p.key, &m, &reply[REPLY_SIGNED..]).is_ok()
+}
+
+/// Parses a reply whose greeting was read already.
 pub(crate) fn decode_reply(
     magic: [u8; 8],
     bytes: &[u8; REPLY_LEN],
 ) -> Result<Reply, TransferError> {
-    if bytes[0..8] != magic {
-        return Err(TransferError::Protocol(format!(
-            "the endpoint is not a tandem KV transfer listener of this transport (bad magic; \
-             both sides need the same --kv-transport, this side is {})",
-            transport_name(magic)
-        )));
-    }
+    let mut greeting = [0u8; GREETING_LEN];
+    greeting.copy_from_slice(&bytes[..GREETING_LEN]);
+    let version = decode_greeting(magic, &greeting)?;
     let mut layout = [0u8; KvLayoutDescriptor::ENCODED_LEN];
     layout.copy_from_slice(&bytes[12..32]);
     Ok(Reply {
-        version: u16::from_le_bytes([bytes[8], bytes[9]]),
+        version,
         status: bytes[10],
         layout: KvLayoutDescriptor::decode(&layout),
         num_blocks: u32::from_le_bytes([bytes[32], bytes[33], bytes[34], bytes[35]]),
@@ -422,19 +587,76 @@ mod tests {
 
     #[test]
     fn handshake_round_trips() -> Result<(), TransferError> {
-        let hello = encode_hello(MAGIC, &layout(), b"tok");
-        let mut fixed = [0u8; HELLO_FIXED];
-        fixed.copy_from_slice(&hello[..HELLO_FIXED]);
-        let (version, l, token_len) = decode_hello_fixed(MAGIC, &fixed)?;
-        assert_eq!((version, l?, token_len), (VERSION, layout(), 3));
-        let reply = encode_reply(MAGIC, STATUS_TOKEN, &layout(), 99);
+        let (ns, nr) = (nonce()?, nonce()?);
+        assert_ne!(ns, nr, "nonces are fresh");
+        let hello = encode_hello(MAGIC, &layout(), &ns);
+        let mut fixed = [0u8; HELLO_LEN];
+        fixed.copy_from_slice(&hello);
+        let h = decode_hello(MAGIC, &fixed)?;
+        assert_eq!(u16::from_le_bytes([hello[8], hello[9]]), VERSION);
+        assert_eq!((h.layout?, h.nonce), (layout(), ns));
+        let challenge = encode_challenge(MAGIC, &nr);
+        assert_eq!(challenge.len(), CHALLENGE_LEN);
+
+        let key = secret_key(b"cluster secret");
+        let proof = sender_proof(&key, MAGIC, &ns, &nr, &h.layout_bytes);
+        assert!(verify_sender(
+            &key,
+            MAGIC,
+            &ns,
+            &nr,
+            &h.layout_bytes,
+            &proof
+        ));
+        // Another secret, another nonce (a replay) or another transport fails.
+        let other = secret_key(b"cluster secreT");
+        assert!(!verify_sender(
+            &other,
+            MAGIC,
+            &ns,
+            &nr,
+            &h.layout_bytes,
+            &proof
+        ));
+        assert!(!verify_sender(
+            &key,
+            MAGIC,
+            &ns,
+            &nonce()?,
+            &h.layout_bytes,
+            &proof
+        ));
+        assert!(!verify_sender(
+            &key,
+            MAGIC_UCX,
+            &ns,
+            &nr,
+            &h.layout_bytes,
+            &proof
+        ));
+
+        let p = ReceiverProof {
+            key: &key,
+            sender_nonce: &ns,
+            receiver_nonce: &nr,
+        };
+        let reply = encode_reply(MAGIC, STATUS_OK, &layout(), 99, Some(p));
         let mut fixed = [0u8; REPLY_LEN];
         fixed.copy_from_slice(&reply);
         let r = decode_reply(MAGIC, &fixed)?;
         assert_eq!(
             (r.status, r.layout?, r.num_blocks),
-            (STATUS_TOKEN, layout(), 99)
+            (STATUS_OK, layout(), 99)
         );
+        assert!(verify_receiver(MAGIC, &fixed, p));
+        // A reply tampered with (more blocks) or signed with another key fails.
+        let mut tampered = fixed;
+        tampered[32] ^= 1;
+        assert!(!verify_receiver(MAGIC, &tampered, p));
+        let forged = ReceiverProof { key: &other, ..p };
+        assert!(!verify_receiver(MAGIC, &fixed, forged));
+        let refusal = encode_reply(MAGIC, STATUS_TOKEN, &layout(), 0, None);
+        assert!(refusal[REPLY_LEN - PROOF_LEN..].iter().all(|b| *b == 0));
         Ok(())
     }
 }

@@ -24,9 +24,13 @@
 //! frame naming it) and fails its open transfers; the listener keeps
 //! accepting others.
 //!
-//! The cluster token is compared in constant time but travels in clear: it
-//! keeps workers of different clusters (or misconfigured ones) apart; it is
-//! not authentication against an attacker on the network.
+//! Peers are authenticated by the cluster token without sending it: each
+//! side proves it holds the token with an HMAC over both sides' fresh nonces
+//! (see the `protocol` module's source), so a peer without the token cannot
+//! write a block, a listener without it never receives one, the token never
+//! crosses the wire, and a recorded handshake cannot be replayed. The frames
+//! after the handshake are not encrypted (KV blocks are activations, not
+//! secrets; the gRPC hops carrying prompts and tokens are mTLS).
 
 use std::io::IoSlice;
 use std::sync::Arc;
@@ -44,7 +48,7 @@ use crate::protocol::{self, Segments};
 use crate::session::{
     AbortOnDrop, ChannelSession, Command, Completions, Done, ReceiverCore, COMMAND_QUEUE,
 };
-use crate::{token_eq, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
+use crate::{KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
 
 /// Receive payloads in chunks of about this many bytes (whole blocks).
 const PAYLOAD_CHUNK_BYTES: usize = 256 << 10;
@@ -226,23 +230,15 @@ impl Transport for TcpTransport {
     }
 }
 
-/// The sender's half of the handshake (`magic` names the transport);
-/// returns the receiver's pool size.
-pub(crate) async fn client_handshake(
+/// Reads exactly `buf` during the sender's handshake; a peer that hangs up
+/// is named as probably not a listener of this transport.
+async fn read_reply_part<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut [u8],
     magic: [u8; 8],
-    reader: &mut OwnedReadHalf,
-    writer: &mut OwnedWriteHalf,
-    layout: &KvLayoutDescriptor,
-    config: &TcpConfig,
     endpoint: &str,
-) -> Result<u32, TransferError> {
-    let hello = protocol::encode_hello(magic, layout, config.cluster_token.as_bytes());
-    writer
-        .write_all(&hello)
-        .await
-        .map_err(|e| TransferError::io("sending the handshake", &e))?;
-    let mut bytes = [0u8; protocol::REPLY_LEN];
-    reader.read_exact(&mut bytes).await.map_err(|e| {
+) -> Result<(), TransferError> {
+    reader.read_exact(buf).await.map(|_| ()).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             TransferError::ConnectionLost(format!(
                 "{endpoint} closed the connection during the handshake (not a tandem KV \
@@ -252,8 +248,53 @@ pub(crate) async fn client_handshake(
         } else {
             TransferError::io("reading the handshake reply", &e)
         }
-    })?;
-    let reply = protocol::decode_reply(magic, &bytes)?;
+    })
+}
+
+/// The sender's half of the handshake (`magic` names the transport):
+/// hello, the receiver's challenge, our proof, the reply with the
+/// receiver's proof. Returns the receiver's pool size.
+pub(crate) async fn client_handshake(
+    magic: [u8; 8],
+    reader: &mut OwnedReadHalf,
+    writer: &mut OwnedWriteHalf,
+    layout: &KvLayoutDescriptor,
+    config: &TcpConfig,
+    endpoint: &str,
+) -> Result<u32, TransferError> {
+    let key = protocol::secret_key(config.cluster_token.as_bytes());
+    let sender_nonce = protocol::nonce()?;
+    let hello = protocol::encode_hello(magic, layout, &sender_nonce);
+    writer
+        .write_all(&hello)
+        .await
+        .map_err(|e| TransferError::io("sending the handshake", &e))?;
+    let mut reply_bytes = [0u8; protocol::REPLY_LEN];
+    let mut greeting = [0u8; protocol::GREETING_LEN];
+    read_reply_part(reader, &mut greeting, magic, endpoint).await?;
+    let version = protocol::decode_greeting(magic, &greeting)?;
+    if version != protocol::VERSION {
+        // A listener of another version answers the hello with a refusal.
+        return Err(TransferError::VersionMismatch {
+            here: protocol::VERSION,
+            peer: version,
+        });
+    }
+    let mut receiver_nonce = [0u8; protocol::NONCE_LEN];
+    read_reply_part(reader, &mut receiver_nonce, magic, endpoint).await?;
+    let proof = protocol::sender_proof(
+        &key,
+        magic,
+        &sender_nonce,
+        &receiver_nonce,
+        &layout.encode(),
+    );
+    writer
+        .write_all(&proof)
+        .await
+        .map_err(|e| TransferError::io("sending the handshake proof", &e))?;
+    read_reply_part(reader, &mut reply_bytes, magic, endpoint).await?;
+    let reply = protocol::decode_reply(magic, &reply_bytes)?;
     if reply.version != protocol::VERSION {
         return Err(TransferError::VersionMismatch {
             here: protocol::VERSION,
@@ -262,7 +303,17 @@ pub(crate) async fn client_handshake(
     }
     let peer_layout = reply.layout?;
     match reply.status {
-        protocol::STATUS_OK => {}
+        protocol::STATUS_OK => {
+            // The receiver must prove the secret too before it sees a block.
+            let receiver = protocol::ReceiverProof {
+                key: &key,
+                sender_nonce: &sender_nonce,
+                receiver_nonce: &receiver_nonce,
+            };
+            if !protocol::verify_receiver(magic, &reply_bytes, receiver) {
+                return Err(TransferError::BadToken);
+            }
+        }
         protocol::STATUS_TOKEN => return Err(TransferError::BadToken),
         protocol::STATUS_LAYOUT_MISMATCH => {
             layout.check_compatible(&peer_layout)?;
@@ -459,6 +510,7 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
     .unwrap_or_else(|_| Err(timeout_error("waiting for the sender's hello", limit)));
     if let Err(e) = handshake {
         report(&ctx, &peer, &e);
+        linger_close(&mut reader, &mut writer).await;
         return;
     }
     let mut core = ReceiverCore::new(ctx.sink.clone(), &ctx.layout);
@@ -474,7 +526,33 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
     }
 }
 
-/// The receiver's half of the handshake (`magic` names the transport).
+/// Closes a refused connection gracefully: our side first (FIN, after the
+/// refusal), then whatever the peer still sends is read and discarded
+/// (bounded: 1 MiB, 500 ms), so closing with unread bytes does not reset
+/// the connection and destroy the refusal before the peer reads it. Nothing
+/// read here reaches the sink.
+pub(crate) async fn linger_close<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    writer: &mut OwnedWriteHalf,
+) {
+    let _ = writer.shutdown().await;
+    let drain = async {
+        let mut buf = [0u8; 16 << 10];
+        let mut left = 1usize << 20;
+        while left > 0 {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
+}
+
+/// The receiver's half of the handshake (`magic` names the transport):
+/// the sender's hello, our challenge, the sender's proof, our reply (with
+/// our proof when accepted). Nothing the sender writes is read as a frame
+/// before its proof checked out.
 pub(crate) async fn server_handshake<R: AsyncRead + Unpin>(
     magic: [u8; 8],
     reader: &mut R,
@@ -483,29 +561,51 @@ pub(crate) async fn server_handshake<R: AsyncRead + Unpin>(
     config: &TcpConfig,
     num_blocks: u32,
 ) -> Result<(), TransferError> {
-    let mut fixed = [0u8; protocol::HELLO_FIXED];
+    let mut hello = [0u8; protocol::HELLO_LEN];
     reader
-        .read_exact(&mut fixed)
+        .read_exact(&mut hello[..protocol::GREETING_LEN])
         .await
         .map_err(|e| TransferError::io("reading the sender's hello", &e))?;
-    let (version, theirs, token_len) = protocol::decode_hello_fixed(magic, &fixed)?;
-    let mut token = vec![0u8; token_len];
+    protocol::check_sender_magic(magic, &hello)?;
+    let version = u16::from_le_bytes([hello[8], hello[9]]);
+    if version != protocol::VERSION {
+        // Refuse at once: an older sender's hello is shorter than ours.
+        let reply =
+            protocol::encode_reply(magic, protocol::STATUS_VERSION, layout, num_blocks, None);
+        let _ = writer.write_all(&reply).await;
+        return Err(TransferError::VersionMismatch {
+            here: protocol::VERSION,
+            peer: version,
+        });
+    }
     reader
-        .read_exact(&mut token)
+        .read_exact(&mut hello[protocol::GREETING_LEN..])
         .await
-        .map_err(|e| TransferError::io("reading the sender's cluster token", &e))?;
-    let verdict = if version != protocol::VERSION {
-        Err((
-            protocol::STATUS_VERSION,
-            TransferError::VersionMismatch {
-                here: protocol::VERSION,
-                peer: version,
-            },
-        ))
-    } else if !token_eq(&token, config.cluster_token.as_bytes()) {
+        .map_err(|e| TransferError::io("reading the sender's hello", &e))?;
+    let hello = protocol::decode_hello(magic, &hello)?;
+    let receiver_nonce = protocol::nonce()?;
+    writer
+        .write_all(&protocol::encode_challenge(magic, &receiver_nonce))
+        .await
+        .map_err(|e| TransferError::io("sending the handshake challenge", &e))?;
+    let mut proof = [0u8; protocol::PROOF_LEN];
+    reader
+        .read_exact(&mut proof)
+        .await
+        .map_err(|e| TransferError::io("reading the sender's proof", &e))?;
+    let key = protocol::secret_key(config.cluster_token.as_bytes());
+    let proven = protocol::verify_sender(
+        &key,
+        magic,
+        &hello.nonce,
+        &receiver_nonce,
+        &hello.layout_bytes,
+        &proof,
+    );
+    let verdict = if !proven {
         Err((protocol::STATUS_TOKEN, TransferError::BadToken))
     } else {
-        match theirs {
+        match hello.layout {
             Err(e) => Err((protocol::STATUS_LAYOUT_INVALID, e)),
             Ok(theirs) => match theirs.validate().and(layout.check_compatible(&theirs)) {
                 Ok(()) => Ok(()),
@@ -516,11 +616,18 @@ pub(crate) async fn server_handshake<R: AsyncRead + Unpin>(
             },
         }
     };
-    let status = match &verdict {
-        Ok(()) => protocol::STATUS_OK,
-        Err((status, _)) => *status,
+    let (status, receiver_proof) = match &verdict {
+        Ok(()) => (
+            protocol::STATUS_OK,
+            Some(protocol::ReceiverProof {
+                key: &key,
+                sender_nonce: &hello.nonce,
+                receiver_nonce: &receiver_nonce,
+            }),
+        ),
+        Err((status, _)) => (*status, None),
     };
-    let reply = protocol::encode_reply(magic, status, layout, num_blocks);
+    let reply = protocol::encode_reply(magic, status, layout, num_blocks, receiver_proof);
     let sent = writer
         .write_all(&reply)
         .await

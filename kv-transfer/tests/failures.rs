@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{block, layout, raw_hello, RecordingSink, REPLY_LEN, WAIT};
+use common::{block, layout, raw_handshake, test_nonce, RecordingSink, WAIT};
 use tandem_kv_transfer::inproc::InProcTransport;
 use tandem_kv_transfer::tcp::{TcpConfig, TcpTransport};
 use tandem_kv_transfer::{Session, TransferError, TransferId, Transport};
@@ -100,12 +100,8 @@ async fn receiver_going_away_fails_pending_finishes() {
 /// Handshakes a raw TCP connection and returns it.
 async fn raw_session(endpoint: &str) -> TcpStream {
     let mut s = TcpStream::connect(endpoint).await.expect("connect");
-    s.write_all(&raw_hello(&layout(), "tok"))
-        .await
-        .expect("hello");
-    let mut reply = [0u8; REPLY_LEN];
-    s.read_exact(&mut reply).await.expect("reply");
-    assert_eq!(reply[10], 0, "handshake accepted");
+    let h = raw_handshake(&mut s, &layout(), "tok", test_nonce(1)).await;
+    assert_eq!(h.reply[10], 0, "handshake accepted");
     s
 }
 

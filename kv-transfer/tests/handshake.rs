@@ -3,11 +3,11 @@
 
 mod common;
 
-use common::{layout, raw_hello, RecordingSink, REPLY_LEN, WAIT};
+use common::{layout, raw_handshake, test_nonce, RecordingSink, WAIT};
 use tandem_kv_transfer::inproc::InProcTransport;
 use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, TransferError, Transport};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 fn block_size_32() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
@@ -147,7 +147,7 @@ async fn tcp_connecting_to_something_else_fails_cleanly() {
 }
 
 #[tokio::test]
-async fn tcp_raw_hello_gets_the_documented_reply() {
+async fn tcp_raw_handshake_gets_the_documented_challenge_and_reply() {
     let transport = TcpTransport::new("tok");
     let sink = RecordingSink::new(77);
     let listener = transport
@@ -157,21 +157,28 @@ async fn tcp_raw_hello_gets_the_documented_reply() {
     let mut s = tokio::net::TcpStream::connect(listener.endpoint())
         .await
         .expect("connect");
-    s.write_all(&raw_hello(&layout(), "tok"))
-        .await
-        .expect("hello");
-    let mut reply = [0u8; REPLY_LEN];
-    tokio::time::timeout(WAIT, s.read_exact(&mut reply))
-        .await
-        .expect("timely")
-        .expect("reply");
+    let h = raw_handshake(&mut s, &layout(), "tok", test_nonce(9)).await;
+    let reply = h.reply;
     assert_eq!(&reply[..8], b"TDMKVXF1");
+    assert_eq!(u16::from_le_bytes([reply[8], reply[9]]), 2, "version");
     assert_eq!(reply[10], 0, "status accepted");
     assert_eq!(&reply[12..32], &layout().encode());
     assert_eq!(
         u32::from_le_bytes([reply[32], reply[33], reply[34], reply[35]]),
         77
     );
+    // The receiver's proof covers both nonces and the reply before it.
+    let expected = common::hmac(
+        "tok",
+        &[
+            b"tandem-kv receiver",
+            b"TDMKVXF1",
+            &h.sender_nonce,
+            &h.receiver_nonce,
+            &reply[..36],
+        ],
+    );
+    assert_eq!(&reply[36..], &expected[..]);
 }
 
 /// A UCX worker and a TCP worker (different `--kv-transport`) refuse each

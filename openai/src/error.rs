@@ -63,6 +63,30 @@ impl ApiError {
         }
     }
 
+    /// 401 `invalid_api_key`: the caller's API key is missing or wrong.
+    pub fn unauthorized(reason: &tandem_security::ApiKeyError) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: format!("{reason}. Send your API key as `Authorization: Bearer <key>`."),
+            param: None,
+            code: Some("invalid_api_key"),
+            retry_after: None,
+        }
+    }
+
+    /// 413: the request body is over the API's limit.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "The request body is larger than this server's limit of {limit} bytes."
+            ),
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+    }
+
     /// OpenAI's `type` for this status.
     pub fn kind(&self) -> &'static str {
         match self.status.as_u16() {
@@ -158,6 +182,15 @@ mod tests {
         assert_eq!(e.kind(), "rate_limit_error");
         let r = e.into_response();
         assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "3");
+    }
+
+    #[test]
+    fn a_refused_key_is_a_401_authentication_error() {
+        let e = ApiError::unauthorized(&tandem_security::ApiKeyError::Invalid);
+        assert_eq!(e.status.as_u16(), 401);
+        let b = e.body();
+        assert_eq!(b["error"]["type"], "authentication_error");
+        assert_eq!(b["error"]["code"], "invalid_api_key");
     }
 
     #[test]

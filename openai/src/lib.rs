@@ -18,6 +18,15 @@
 //!   client goes away hyper drops it, which cancels the backend call, and
 //!   the engine frees the request's KV blocks, as a cancelled gRPC call does.
 //! * Errors have OpenAI's JSON shape and status codes ([`ApiError`]).
+//! * API keys ([`OpenAiBuilder::api_keys`]): every `/v1/*` route wants
+//!   `Authorization: Bearer KEY`, checked in constant time by
+//!   [`tandem_security::ApiKeys`] before the body is read; a missing or wrong
+//!   key is a 401 `invalid_api_key`. `/health` stays open (probes carry no
+//!   key).
+//! * Size limits: a body over [`OpenAiBuilder::max_body_bytes`] (default
+//!   [`DEFAULT_MAX_BODY_BYTES`]) is a 413 in OpenAI's shape; prompt and
+//!   output lengths are the backend's to refuse (the engine's context limit
+//!   and the router's prompt limit), which arrive here as 400s.
 //!
 //! **Architecture Invariant:** this crate knows the `Generation` API and the
 //! tokenizer, never the engine's scheduler or the cluster: anything that
@@ -36,8 +45,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{Method, StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -50,6 +61,11 @@ use tandem_proto::v1;
 
 pub use chat::ChatTemplate;
 pub use error::ApiError;
+pub use tandem_security::ApiKeys;
+
+/// The default limit on a request body: 1 MiB is far beyond any prompt the
+/// context windows we serve can hold.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 use params::{ChatRequest, CompletionRequest, Plan};
 use response::{Chunker, Collector, Endpoint, Header};
 
@@ -85,6 +101,8 @@ struct Inner {
     model: String,
     created: u64,
     next_id: AtomicU64,
+    api_keys: ApiKeys,
+    max_body_bytes: usize,
 }
 
 impl std::fmt::Debug for OpenAi {
@@ -102,9 +120,24 @@ pub struct OpenAiBuilder {
     tokenizer: Arc<Tokenizer>,
     chat: Option<ChatTemplate>,
     model: String,
+    api_keys: ApiKeys,
+    max_body_bytes: usize,
 }
 
 impl OpenAiBuilder {
+    /// The keys `/v1/*` callers must present (default: none, open API).
+    pub fn api_keys(mut self, keys: ApiKeys) -> Self {
+        self.api_keys = keys;
+        self
+    }
+
+    /// The largest request body accepted (default
+    /// [`DEFAULT_MAX_BODY_BYTES`]).
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+
     /// The name clients pass as `model` (default `tandem`).
     pub fn model_name(mut self, name: impl Into<String>) -> Self {
         self.model = name.into();
@@ -126,6 +159,8 @@ impl OpenAiBuilder {
                 model: self.model,
                 created: unix_now(),
                 next_id: AtomicU64::new(0),
+                api_keys: self.api_keys,
+                max_body_bytes: self.max_body_bytes,
             }),
         }
     }
@@ -144,6 +179,8 @@ impl OpenAi {
             tokenizer,
             chat: None,
             model: "tandem".to_string(),
+            api_keys: ApiKeys::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }
 
@@ -158,7 +195,13 @@ impl OpenAi {
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
+            // Everything above wants a key; everything below is open.
+            .route_layer(axum::middleware::from_fn_with_state(
+                self.inner.api_keys.clone(),
+                require_api_key,
+            ))
             .route("/health", get(health))
+            .layer(DefaultBodyLimit::max(self.inner.max_body_bytes))
             .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
             .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
                 ApiError {
@@ -241,6 +284,37 @@ impl Inner {
 type IndexedStream =
     Pin<Box<dyn Stream<Item = (usize, Result<v1::GenerateResponse, tonic::Status>)> + Send>>;
 
+/// Refuses a `/v1/*` call without a valid API key (401), before its body
+/// is read.
+async fn require_api_key(State(keys): State<ApiKeys>, request: Request, next: Next) -> Response {
+    let header = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    match keys.check_bearer(header) {
+        Ok(()) => next.run(request).await,
+        Err(e) => {
+            tracing::debug!(reason = %e, path = %request.uri().path(), "refused: API key");
+            ApiError::unauthorized(&e).into_response()
+        }
+    }
+}
+
+/// The body, or the error for one that could not be read (over the size
+/// limit: 413 in OpenAI's shape).
+fn body_bytes(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::body_too_large(api.max_body_bytes),
+        status => ApiError {
+            status,
+            message: format!("We could not read the body of your request: {e}"),
+            param: None,
+            code: None,
+            retry_after: None,
+        },
+    })
+}
+
 /// Parses a JSON body; malformed JSON and wrong types are 400s (axum's
 /// extractor would answer 422 in its own shape).
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -251,8 +325,12 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
-async fn completions(State(api): State<Arc<Inner>>, body: Bytes) -> Response {
+async fn completions(
+    State(api): State<Arc<Inner>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let run = async {
+        let body = body_bytes(&api, body)?;
         let req: CompletionRequest = parse(&body)?;
         api.check_model(req.common.model.as_deref())?;
         let plan = req.plan()?;
@@ -265,8 +343,12 @@ async fn completions(State(api): State<Arc<Inner>>, body: Bytes) -> Response {
     }
 }
 
-async fn chat_completions(State(api): State<Arc<Inner>>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(api): State<Arc<Inner>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let run = || {
+        let body = body_bytes(&api, body)?;
         let req: ChatRequest = parse(&body)?;
         api.check_model(req.common.model.as_deref())?;
         let plan = req.plan()?;

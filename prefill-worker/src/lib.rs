@@ -381,6 +381,9 @@ pub struct PrefillWorkerConfig {
     /// How KV blocks are sent (`--kv-transport`); decode workers must use
     /// the same.
     pub kv_transport: tandem_kv_transfer::TransportKind,
+    /// mTLS on the gRPC server (clients need a certificate from the
+    /// cluster CA); plain gRPC when `None`.
+    pub tls: Option<tandem_security::LoadedTls>,
 }
 
 /// Errors running a prefill worker.
@@ -433,5 +436,6 @@ pub async fn run(
         "tandem.worker.v1.Worker",
         wv1::FILE_DESCRIPTOR_SET,
     );
+    services.with_tls(config.tls.as_ref().map(|t| t.server()));
     Ok(tandem_server::serve_services(bound, services, shutdown).await?)
 }

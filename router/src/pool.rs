@@ -112,11 +112,25 @@ pub struct Cluster {
     /// Set by the first worker that answers `Info` (or by configuration).
     expected: Mutex<Option<Expected>>,
     probe_interval_ms: AtomicUsize,
+    /// mTLS to the workers (probes and calls), when the cluster runs TLS.
+    tls: Option<tandem_security::LoadedTls>,
 }
 
 impl Cluster {
     pub fn new(probe_interval: Duration) -> Arc<Self> {
-        let c = Self::default();
+        Self::with_tls(probe_interval, None)
+    }
+
+    /// A cluster whose workers are called over mTLS with `tls` (plain gRPC
+    /// when `None`).
+    pub fn with_tls(
+        probe_interval: Duration,
+        tls: Option<tandem_security::LoadedTls>,
+    ) -> Arc<Self> {
+        let c = Self {
+            tls,
+            ..Self::default()
+        };
         c.probe_interval_ms
             .store(probe_interval.as_millis() as usize, Ordering::Relaxed);
         Arc::new(c)
@@ -155,8 +169,8 @@ impl Cluster {
         {
             return Ok(());
         }
-        let channel = Channel::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad worker address {addr}: {e}"))?
+        let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
+            .map_err(|e| format!("worker {addr}: {e}"))?
             .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
         let w = Arc::new(Worker {

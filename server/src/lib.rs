@@ -85,13 +85,20 @@ pub fn advertised_addr(host: Option<&str>, bound: SocketAddr) -> String {
     }
 }
 
+/// The largest gRPC message a tandem server decodes (a request) or encodes
+/// (a response). tonic's default decoding limit is the same 4 MiB; it is
+/// set explicitly on every service so the limit is one visible number. A
+/// larger request is refused with `OUT_OF_RANGE` before it is parsed.
+pub const MAX_GRPC_MESSAGE_BYTES: usize = 4 << 20;
+
 /// What one gRPC server offers: services, the names health reports as
-/// SERVING, and the descriptor sets reflection describes.
+/// SERVING, the descriptor sets reflection describes, and its TLS settings.
 #[derive(Debug, Default)]
 pub struct Services {
     routes: RoutesBuilder,
     serving: Vec<&'static str>,
     descriptors: Vec<&'static [u8]>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 impl Services {
@@ -99,25 +106,35 @@ impl Services {
     pub fn generation(generation: GenerationService) -> Self {
         let mut s = Self::default();
         s.add(
-            v1::generation_server::GenerationServer::new(generation),
+            v1::generation_server::GenerationServer::new(generation)
+                .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
             v1::GENERATION_SERVICE,
             v1::FILE_DESCRIPTOR_SET,
         );
         s
     }
 
-    /// Adds a service, its health name and its descriptor set.
+    /// Serves over TLS with these settings (mutual TLS when they name a
+    /// client CA, as [`tandem_security::LoadedTls::server`]'s do).
+    pub fn with_tls(&mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> &mut Self {
+        self.tls = tls;
+        self
+    }
+
+    /// Adds a service, its health name and its descriptor set. Any service
+    /// tonic routes will do, e.g. one wrapped in an interceptor.
     pub fn add<S>(&mut self, svc: S, name: &'static str, descriptor: &'static [u8]) -> &mut Self
     where
         S: tower_service::Service<
                 http::Request<tonic::body::Body>,
-                Response = http::Response<tonic::body::Body>,
                 Error = std::convert::Infallible,
             > + tonic::server::NamedService
             + Clone
             + Send
             + Sync
             + 'static,
+        S::Response: axum::response::IntoResponse,
         S::Future: Send + 'static,
     {
         self.routes.add_service(svc);
@@ -160,8 +177,12 @@ pub async fn serve_services(
     routes.add_service(health_service);
     routes.add_service(reflection);
     routes.add_service(reflection_alpha);
-    tracing::info!(addr = %bound.addr, services = ?services.serving, "serving");
-    tonic::transport::Server::builder()
+    tracing::info!(addr = %bound.addr, services = ?services.serving, tls = services.tls.is_some(), "serving");
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = services.tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .add_routes(routes.routes())
         .serve_with_incoming_shutdown(TcpListenerStream::new(bound.listener), shutdown)
         .await?;

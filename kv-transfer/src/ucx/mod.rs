@@ -72,8 +72,8 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use crate::protocol;
 use crate::session::{AbortOnDrop, ChannelSession, Command, Completions, ReceiverCore};
 use crate::tcp::{
-    client_handshake, frame_len, lost, read_header, send_done, server_handshake, timeout_error,
-    TcpConfig,
+    client_handshake, frame_len, linger_close, lost, read_header, send_done, server_handshake,
+    timeout_error, TcpConfig,
 };
 use crate::{
     BlockWrite, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, TransferId, Transport,
@@ -658,8 +658,11 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
     .unwrap_or_else(|_| Err(timeout_error("waiting for the sender's hello", limit)));
     if let Err(e) = handshake {
         report(&ctx, &peer, &e);
+        linger_close(&mut reader, &mut writer).await;
         return;
     }
+    // The region and its rkey exist only for a peer that proved the
+    // cluster secret: nobody else can address an RMA put to this pool.
     let region = match rt::Region::new(
         ctx.rt.context().clone(),
         ctx.slots as usize * ctx.slot_bytes,

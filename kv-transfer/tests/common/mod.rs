@@ -89,6 +89,11 @@ impl RecordingSink {
         self.lock().peer_errors.clone()
     }
 
+    /// How many blocks were delivered, for any transfer.
+    pub fn write_count(&self) -> usize {
+        self.lock().writes.len()
+    }
+
     /// Waits (bounded) for `transfer`'s finish and checks it came exactly once.
     pub async fn wait_finish(&self, transfer: TransferId) -> Result<(), String> {
         let found = wait_for(|| {
@@ -219,9 +224,27 @@ pub fn assert_delivered(sink: &RecordingSink, transfer: TransferId, expected: &[
     }
 }
 
-/// The TCP hello as the protocol defines it, for raw-socket tests.
-pub fn raw_hello(layout: &KvLayoutDescriptor, token: &str) -> Vec<u8> {
-    let mut out = b"TDMKVXF1".to_vec();
+/// The TCP transport's magic.
+pub const MAGIC: &[u8; 8] = b"TDMKVXF1";
+/// Length of the listener's challenge (magic, version, nonce).
+pub const CHALLENGE_LEN: usize = 42;
+/// Length of the listener's handshake reply (with its proof).
+pub const REPLY_LEN: usize = 68;
+
+/// The TCP hello (version 2) as the protocol defines it, for raw-socket
+/// tests: magic, version, 0, layout, the sender's nonce.
+pub fn raw_hello(layout: &KvLayoutDescriptor, nonce: &[u8; 32]) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend_from_slice(&2u16.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&layout.encode());
+    out.extend_from_slice(nonce);
+    out
+}
+
+/// The version-1 hello, which carried the token in clear.
+pub fn raw_hello_v1(layout: &KvLayoutDescriptor, token: &str) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
     out.extend_from_slice(&1u16.to_le_bytes());
     out.extend_from_slice(&(token.len() as u16).to_le_bytes());
     out.extend_from_slice(&layout.encode());
@@ -229,8 +252,87 @@ pub fn raw_hello(layout: &KvLayoutDescriptor, token: &str) -> Vec<u8> {
     out
 }
 
-/// Length of the listener's handshake reply.
-pub const REPLY_LEN: usize = 36;
+/// HMAC-SHA256 of the parts under `token`.
+pub fn hmac(token: &str, parts: &[&[u8]]) -> Vec<u8> {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    let mut ctx = ring::hmac::Context::with_key(&key);
+    for p in parts {
+        ctx.update(p);
+    }
+    ctx.sign().as_ref().to_vec()
+}
+
+/// The sender's proof, as the protocol module documents it.
+pub fn raw_proof(
+    token: &str,
+    sender_nonce: &[u8],
+    receiver_nonce: &[u8],
+    layout: &KvLayoutDescriptor,
+) -> Vec<u8> {
+    hmac(
+        token,
+        &[
+            b"tandem-kv sender",
+            MAGIC,
+            sender_nonce,
+            receiver_nonce,
+            &layout.encode(),
+        ],
+    )
+}
+
+/// What a raw handshake exchanged.
+#[derive(Debug, Clone)]
+pub struct RawHandshake {
+    /// Every byte the sender wrote (hello, proof).
+    pub sent: Vec<u8>,
+    pub sender_nonce: [u8; 32],
+    pub receiver_nonce: [u8; 32],
+    pub reply: [u8; REPLY_LEN],
+}
+
+/// Runs the sender's side of the handshake by hand on `s`, proving
+/// `token`, with `sender_nonce`.
+pub async fn raw_handshake(
+    s: &mut tokio::net::TcpStream,
+    layout: &KvLayoutDescriptor,
+    token: &str,
+    sender_nonce: [u8; 32],
+) -> RawHandshake {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hello = raw_hello(layout, &sender_nonce);
+    s.write_all(&hello).await.expect("hello");
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    tokio::time::timeout(WAIT, s.read_exact(&mut challenge))
+        .await
+        .expect("timely")
+        .expect("challenge");
+    assert_eq!(&challenge[..8], MAGIC);
+    assert_eq!(u16::from_le_bytes([challenge[8], challenge[9]]), 2);
+    let mut receiver_nonce = [0u8; 32];
+    receiver_nonce.copy_from_slice(&challenge[10..]);
+    let proof = raw_proof(token, &sender_nonce, &receiver_nonce, layout);
+    s.write_all(&proof).await.expect("proof");
+    let mut reply = [0u8; REPLY_LEN];
+    tokio::time::timeout(WAIT, s.read_exact(&mut reply))
+        .await
+        .expect("timely")
+        .expect("reply");
+    let mut sent = hello;
+    sent.extend_from_slice(&proof);
+    RawHandshake {
+        sent,
+        sender_nonce,
+        receiver_nonce,
+        reply,
+    }
+}
+
+/// A nonce for raw tests (any 32 bytes; the listener's own nonce is what
+/// makes every handshake fresh).
+pub fn test_nonce(seed: u8) -> [u8; 32] {
+    [seed; 32]
+}
 
 /// The UCX transport over UCX's own TCP (loopback only) and over shared
 /// memory, each with a small receive region (16 slots) so the slot ring
