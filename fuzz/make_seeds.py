@@ -12,13 +12,13 @@ import struct
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 
 # --- kv_listener: the layout in fuzz_targets/kv_listener.rs -------------
-TOKEN = b"fuzz-token"
 LAYOUT = struct.pack("<IIIIB3x", 2, 1, 4, 2, 0)  # layers, heads, dim, block, f32
 HALF = 1 * 2 * 4 * 4  # kv heads x block size x head dim x 4 bytes
 
 
 def hello():
-    return b"TDMKVXF1" + struct.pack("<HH", 1, len(TOKEN)) + LAYOUT + TOKEN
+    """A version-2 hello (the listener then challenges; the proof needs the secret)."""
+    return b"TDMKVXF1" + struct.pack("<HH", 2, 0) + LAYOUT + bytes(range(32))
 
 
 def frame(kind, body):

@@ -2,10 +2,11 @@
 //!
 //! One listener (its own tokio runtime) lives for the whole run; every input
 //! is one connection. The first input byte picks what is fuzzed: even, the
-//! raw bytes are the connection (the handshake parser); odd, a valid hello
-//! goes first and the rest are frames (WRITE/FINISH/ABORT parsing, payload
-//! reads, the per-transfer bookkeeping) — the cluster token is compared in
-//! constant time, so the fuzzer could never guess it on its own.
+//! raw bytes are the connection (the hello and proof parsers); odd, the
+//! harness first completes the handshake as an honest peer (hello, the
+//! HMAC proof over the listener's challenge) and the rest are frames
+//! (WRITE/FINISH/ABORT parsing, payload reads, the per-transfer
+//! bookkeeping) — the fuzzer could never forge the proof on its own.
 //!
 //! The sink is the oracle: a write the receiver lets through must name a
 //! block and layer inside the pool, with K and V of exactly one
@@ -91,28 +92,49 @@ fn server() -> &'static Server {
     })
 }
 
-fn hello() -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(b"TDMKVXF1");
-    out.extend_from_slice(&1u16.to_le_bytes());
-    out.extend_from_slice(&(TOKEN.len() as u16).to_le_bytes());
-    out.extend_from_slice(&layout().encode());
-    out.extend_from_slice(TOKEN);
-    out
+const MAGIC: &[u8; 8] = b"TDMKVXF1";
+
+/// The honest sender's side of the version-2 handshake
+/// (`kv-transfer/src/protocol.rs`); false if the listener refused it.
+fn handshake(conn: &mut TcpStream) -> std::io::Result<bool> {
+    let nonce = [7u8; 32];
+    let layout = layout().encode();
+    let mut hello = Vec::new();
+    hello.extend_from_slice(MAGIC);
+    hello.extend_from_slice(&2u16.to_le_bytes());
+    hello.extend_from_slice(&0u16.to_le_bytes());
+    hello.extend_from_slice(&layout);
+    hello.extend_from_slice(&nonce);
+    conn.write_all(&hello)?;
+    let mut challenge = [0u8; 8 + 2 + 32];
+    conn.read_exact(&mut challenge)?;
+    let mut signed = Vec::new();
+    signed.extend_from_slice(b"tandem-kv sender");
+    signed.extend_from_slice(MAGIC);
+    signed.extend_from_slice(&nonce);
+    signed.extend_from_slice(&challenge[10..]);
+    signed.extend_from_slice(&layout);
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, TOKEN);
+    conn.write_all(ring::hmac::sign(&key, &signed).as_ref())?;
+    let mut reply = [0u8; 8 + 2 + 1 + 1 + 20 + 4 + 32];
+    conn.read_exact(&mut reply)?;
+    Ok(reply[10] == 0)
 }
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };
-    let mut bytes = if mode % 2 == 1 { hello() } else { Vec::new() };
-    bytes.extend_from_slice(rest);
     let mut conn = TcpStream::connect(&server().endpoint).expect("connect");
     conn.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
+    if mode % 2 == 1 {
+        let accepted = handshake(&mut conn).expect("the handshake completes");
+        assert!(accepted, "the listener refused an honest handshake");
+    }
     // The receiver may close early on a protocol error: a failed write is
     // an answer, not a failure.
-    let _ = conn.write_all(&bytes);
+    let _ = conn.write_all(rest);
     let _ = conn.shutdown(Shutdown::Write);
     let mut sink = [0u8; 4096];
     loop {
