@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
 use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
-use tandem_tests::cluster::{all_blocks_free, load, KillOnDrop, Started};
+use tandem_tests::cluster::{all_blocks_free, load, KillOnDrop, Outcome, Started};
 
 fn start(args: &[&str]) -> Started {
     tandem_tests::cluster::start(Path::new(env!("CARGO_BIN_EXE_tandem")), args)
@@ -63,58 +63,8 @@ fn rt() -> tokio::runtime::Runtime {
     tandem_tests::cluster::runtime()
 }
 
-/// What one call produced, and where the router sent it.
-#[derive(Debug, Default, Clone)]
-struct Outcome {
-    tokens: Vec<u32>,
-    /// Drafted tokens, from the `Finished` message.
-    drafted: u64,
-    decode: Option<String>,
-    prefill: Option<String>,
-}
-
 async fn generate(addr: &str, prompt: Vec<u32>, max_tokens: u32) -> Result<Outcome, tonic::Status> {
-    let mut c = GenerationClient::connect(format!("http://{addr}"))
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let req = v1::GenerateRequest {
-        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
-            ids: prompt,
-        })),
-        sampling: Some(v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        max_tokens: Some(max_tokens),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let resp = c.generate(req).await?;
-    let header = |k: &str| {
-        resp.metadata()
-            .get(k)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
-    let mut out = Outcome {
-        decode: header(ROUTED_DECODE_HEADER),
-        prefill: header(ROUTED_PREFILL_HEADER),
-        ..Outcome::default()
-    };
-    let mut stream = resp.into_inner();
-    let mut finished = false;
-    while let Some(msg) = stream.message().await? {
-        match msg.event {
-            Some(v1::generate_response::Event::Delta(d)) => out.tokens.extend(d.token_ids),
-            Some(v1::generate_response::Event::Finished(f)) => {
-                finished = true;
-                out.drafted = f.speculation.map_or(0, |s| s.drafted_tokens);
-            }
-            None => {}
-        }
-    }
-    assert!(finished, "no Finished message");
-    Ok(out)
+    tandem_tests::cluster::greedy(addr, prompt, max_tokens).await
 }
 
 /// 32 mixed requests: prompts of 5..~300 tokens, 4..24 new tokens.

@@ -83,7 +83,10 @@ fn a_frozen_etcd_does_not_stop_serving_and_membership_resyncs_after() {
     };
     let rt = runtime();
     rt.block_on(async {
-        let (reference, _) = greedy(&cluster.addr, prompt(0), 6).await.expect("served");
+        let reference = greedy(&cluster.addr, prompt(0), 6)
+            .await
+            .expect("served")
+            .tokens;
 
         // Frozen for three lease TTLs: every request is still served, by
         // both decode workers, with remote prefill.
@@ -91,13 +94,13 @@ fn a_frozen_etcd_does_not_stop_serving_and_membership_resyncs_after() {
         let until = Instant::now() + Duration::from_secs(3 * TTL_S);
         let (mut served, mut decodes) = (0u32, BTreeSet::new());
         while Instant::now() < until {
-            let (tokens, decode) = greedy(&cluster.addr, prompt(served % 5), 6)
+            let o = greedy(&cluster.addr, prompt(served % 5), 6)
                 .await
                 .unwrap_or_else(|s| panic!("request {served} failed while etcd was frozen: {s}"));
             if served % 5 == 0 {
-                assert_eq!(tokens, reference, "same prompt, same greedy tokens");
+                assert_eq!(o.tokens, reference, "same prompt, same greedy tokens");
             }
-            decodes.extend(decode);
+            decodes.extend(o.decode);
             served += 1;
         }
         assert!(served >= 5, "only {served} requests in {}s", 3 * TTL_S);
@@ -128,9 +131,9 @@ fn a_frozen_etcd_does_not_stop_serving_and_membership_resyncs_after() {
             i += 1;
             let synced = healthy("decode") == Some(2.0) && healthy("prefill") == Some(1.0);
             match greedy(&cluster.addr, prompt(100 + i), 4).await {
-                Ok((_, decode)) if synced => {
+                Ok(o) if synced => {
                     streak += 1;
-                    decodes.extend(decode);
+                    decodes.extend(o.decode);
                 }
                 Ok(_) => streak = 0,
                 Err(status) => {

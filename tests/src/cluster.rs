@@ -191,14 +191,25 @@ pub async fn all_blocks_free(cluster: &Started) {
     }
 }
 
-/// A greedy call through `addr` (`ignore_eos`): the tokens and the decode
-/// worker the router chose (its `routed-decode` header).
+/// What one greedy call produced, and where the router sent it.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    /// Drafted tokens, from the `Finished` message.
+    pub drafted: u64,
+    /// The decode and prefill workers (the router's `routed-*` headers).
+    pub decode: Option<String>,
+    pub prefill: Option<String>,
+}
+
+/// A greedy call through `addr` (`ignore_eos`), ending with `Finished`.
 pub async fn greedy(
     addr: &str,
     prompt: Vec<u32>,
     max_tokens: u32,
-) -> Result<(Vec<u32>, Option<String>), tonic::Status> {
+) -> Result<Outcome, tonic::Status> {
     use tandem_proto::v1;
+    use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
     let mut c = v1::generation_client::GenerationClient::connect(format!("http://{addr}"))
         .await
         .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
@@ -215,24 +226,33 @@ pub async fn greedy(
         ..Default::default()
     };
     let resp = c.generate(req).await?;
-    let decode = resp
-        .metadata()
-        .get(tandem_proto::worker::ROUTED_DECODE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let header = |k: &str| {
+        resp.metadata()
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let mut out = Outcome {
+        decode: header(ROUTED_DECODE_HEADER),
+        prefill: header(ROUTED_PREFILL_HEADER),
+        ..Outcome::default()
+    };
     let mut stream = resp.into_inner();
-    let (mut tokens, mut finished) = (Vec::new(), false);
+    let mut finished = false;
     while let Some(msg) = stream.message().await? {
         match msg.event {
-            Some(v1::generate_response::Event::Delta(d)) => tokens.extend(d.token_ids),
-            Some(v1::generate_response::Event::Finished(_)) => finished = true,
+            Some(v1::generate_response::Event::Delta(d)) => out.tokens.extend(d.token_ids),
+            Some(v1::generate_response::Event::Finished(f)) => {
+                finished = true;
+                out.drafted = f.speculation.map_or(0, |s| s.drafted_tokens);
+            }
             None => {}
         }
     }
     if !finished {
         return Err(tonic::Status::internal("the stream ended without Finished"));
     }
-    Ok((tokens, decode))
+    Ok(out)
 }
 
 /// Starts `<tandem> <subcommand> <args> --exit-on-stdin-eof` (a router or a
