@@ -26,6 +26,8 @@ const RATE: u64 = 20;
 const LOAD_SECONDS: u64 = 40;
 /// The client's gRPC deadline; a call still open 10 s past it hangs.
 const DEADLINE: Duration = Duration::from_secs(20);
+/// The request that is streaming when its decode worker dies.
+const LONG_TOKENS: u32 = 400;
 
 fn tandem() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tandem"))
@@ -182,9 +184,59 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     signal("-KILL", victim.0.id());
     drop(victim);
     at(12);
-    let (victim, _) = decodes.remove(0);
+    // A long request is streaming when its decode worker is killed: it must
+    // migrate to the other one and deliver every token.
+    let (long_stream, victim_addr, first_tokens) = rt.block_on(async {
+        let mut c = GenerationClient::connect(format!("http://{router_addr}"))
+            .await
+            .expect("router");
+        let resp = c
+            .generate(v1::GenerateRequest {
+                prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                    ids: (1..30).collect(),
+                })),
+                max_tokens: Some(LONG_TOKENS),
+                ignore_eos: true,
+                ..Default::default()
+            })
+            .await
+            .expect("the long call");
+        let routed = resp
+            .metadata()
+            .get(tandem_proto::worker::ROUTED_DECODE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .expect("routed")
+            .to_string();
+        let mut stream = resp.into_inner();
+        let first = match stream
+            .message()
+            .await
+            .expect("a message")
+            .expect("a delta")
+            .event
+        {
+            Some(v1::generate_response::Event::Delta(d)) => d.token_ids.len(),
+            _ => 0,
+        };
+        (stream, routed, first)
+    });
+    let at_victim = decodes
+        .iter()
+        .position(|(_, addr)| *addr == victim_addr)
+        .expect("the long call's decode worker is one of ours");
+    let (victim, _) = decodes.remove(at_victim);
     signal("-KILL", victim.0.id());
     drop(victim);
+    let long_call = rt.spawn(async move {
+        let mut stream = long_stream;
+        let mut tokens = first_tokens;
+        while let Some(msg) = stream.message().await? {
+            if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+                tokens += d.token_ids.len();
+            }
+        }
+        Ok::<usize, tonic::Status>(tokens)
+    });
     at(18);
     let etcd_pid = etcd.pid().expect("etcd runs");
     signal("-STOP", etcd_pid);
@@ -204,6 +256,10 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     router = Some(r);
 
     rt.block_on(load_task).expect("the load ran");
+    let long_tokens = rt
+        .block_on(long_call)
+        .expect("the long call ran")
+        .expect("the long call survived its decode worker");
     let outcomes = outcomes
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -235,6 +291,11 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
          to another decode worker; {leaked} KV blocks leaked on the surviving workers"
     );
     assert_eq!(total, RATE * LOAD_SECONDS, "every request ended");
+    assert_eq!(
+        long_tokens, LONG_TOKENS as usize,
+        "the migrated call's tokens"
+    );
+    assert!(migrated >= 1.0, "the long call migrated");
     assert_eq!(outcomes.get("hung"), None, "hung requests: {outcomes:?}");
     assert_eq!(leaked, 0, "leaked KV blocks");
     assert!(
