@@ -142,6 +142,8 @@ fuzz_target!(|data: &[u8]| {
             Ok(0) => break,
             Ok(_) => continue,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            // libFuzzer's timers interrupt blocking reads.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => panic!("the listener did not end the connection: {e}"),
         }
     }
