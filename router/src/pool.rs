@@ -151,6 +151,15 @@ impl Cluster {
             .collect()
     }
 
+    /// The least-loaded healthy worker of `role` other than `failed`: where
+    /// a call goes when its worker failed it (before or while streaming).
+    pub fn replacement(&self, role: Role, failed: &str) -> Option<Arc<Worker>> {
+        self.healthy(role)
+            .into_iter()
+            .filter(|w| w.addr != failed)
+            .min_by_key(|w| w.active_requests.load(Ordering::Relaxed))
+    }
+
     /// Every worker ever added and not removed.
     pub fn all(&self) -> Vec<Arc<Worker>> {
         self.workers

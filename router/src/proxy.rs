@@ -19,7 +19,6 @@
 //! continue with the same tokens; a seeded sampled request continues as a
 //! valid sample but not the one it would have drawn.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -179,13 +178,7 @@ impl Proxy {
                 return false;
             };
             let failed = self.decode.addr.clone();
-            let Some(next) = resume
-                .cluster
-                .healthy(Role::Decode)
-                .into_iter()
-                .filter(|w| w.addr != failed)
-                .min_by_key(|w| w.active_requests.load(Ordering::Relaxed))
-            else {
+            let Some(next) = resume.cluster.replacement(Role::Decode, &failed) else {
                 self.metrics.migration("no_worker");
                 return false;
             };

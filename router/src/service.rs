@@ -349,13 +349,7 @@ impl RouterService {
                     retried = true;
                     decode.mark_down();
                     let failed = decode.addr.clone();
-                    let Some(next) = self
-                        .cluster
-                        .healthy(Role::Decode)
-                        .into_iter()
-                        .filter(|w| w.addr != failed)
-                        .min_by_key(|w| w.active_requests.load(Ordering::Relaxed))
-                    else {
+                    let Some(next) = self.cluster.replacement(Role::Decode, &failed) else {
                         return Err(upstream_status(&decode, status));
                     };
                     tracing::warn!(
