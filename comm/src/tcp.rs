@@ -1,0 +1,842 @@
+//! [`Communicator`] over a full mesh of TCP connections.
+//!
+//! Setup: rank 0 listens ([`Rendezvous`]). Each follower connects to it, binds
+//! its own listener on the local IP of that connection, and sends a hello
+//! (magic, version, rank, world size, listen address). Rank 0 checks the hellos
+//! (distinct ranks in range, same world size) and answers everyone with the
+//! address table, or with the reason it gives up. Rank `i` then connects to
+//! ranks `1..i` (sending its rank first) and accepts ranks `i+1..world`; rank
+//! 0's links are the rendezvous connections. Finally every follower reports
+//! ready and rank 0 answers "go", so setup either succeeds on every rank or
+//! fails on every rank. Every step is bounded by the setup timeout.
+
+use std::io::{self, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::frame::{f32_bytes, f32_bytes_mut, io_error, read_header, read_payload, write_frame};
+use crate::{CommConfig, CommError, Communicator};
+
+const MAGIC: &[u8; 8] = b"TNDMCOMM";
+const VERSION: u32 = 1;
+/// Setup messages are small; a peer announcing more is not one of ours.
+const SETUP_FRAME_MAX: u64 = 1 << 20;
+/// Collectives move in lock-step chunks of this many bytes (a multiple of 4,
+/// so chunks hold whole floats); two of them per direction must fit in the
+/// kernel's socket buffers (see `TcpComm::exchange`).
+const CHUNK: usize = 16 * 1024;
+const STATUS_OK: u8 = 0;
+const STATUS_ERR: u8 = 1;
+
+/// Rank 0's side of the rendezvous: the listener followers connect to.
+#[derive(Debug)]
+pub struct Rendezvous {
+    listener: TcpListener,
+}
+
+impl Rendezvous {
+    /// Listens on `addr` (port 0 picks a free port, see [`Self::local_addr`]).
+    pub fn bind(addr: SocketAddr) -> Result<Self, CommError> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| CommError::Setup(format!("rank 0 cannot listen on {addr}: {e}")))?;
+        Ok(Self { listener })
+    }
+
+    /// The address followers pass to [`TcpComm::connect`].
+    pub fn local_addr(&self) -> Result<SocketAddr, CommError> {
+        self.listener
+            .local_addr()
+            .map_err(|e| CommError::Setup(format!("rendezvous listener address: {e}")))
+    }
+
+    /// Waits (at most `config.setup_timeout`) for ranks `1..world_size` and
+    /// builds rank 0's communicator.
+    pub fn accept(self, world_size: usize, config: CommConfig) -> Result<TcpComm, CommError> {
+        check_config(&config)?;
+        if world_size == 0 {
+            return Err(CommError::Setup("world size must be at least 1".into()));
+        }
+        let deadline = Instant::now() + config.setup_timeout;
+        let mut followers: Vec<Option<(TcpStream, String)>> =
+            (0..world_size).map(|_| None).collect();
+        let result = leader_setup(&self.listener, world_size, deadline, &mut followers);
+        if let Err(e) = result {
+            // Tell everyone who got this far, so they fail now rather than at
+            // their own timeout (best effort: they may be gone already).
+            let notice = setup_error_frame(&e);
+            for (stream, _) in followers.iter().flatten() {
+                let _ = write_frame(stream, &notice);
+            }
+            return Err(e);
+        }
+        let mut links = Vec::with_capacity(world_size);
+        links.push(None);
+        for (stream, _) in followers.into_iter().skip(1).flatten() {
+            links.push(Some(stream));
+        }
+        TcpComm::new(0, world_size, links, config)
+    }
+}
+
+fn leader_setup(
+    listener: &TcpListener,
+    world: usize,
+    deadline: Instant,
+    followers: &mut [Option<(TcpStream, String)>],
+) -> Result<(), CommError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| CommError::Setup(format!("rendezvous listener: {e}")))?;
+    let mut joined = 1;
+    while joined < world {
+        let (stream, from) = accept_until(listener, deadline, || {
+            let missing: Vec<usize> = (1..world).filter(|&r| followers[r].is_none()).collect();
+            format!("rank 0 timed out waiting for ranks {missing:?} to join")
+        })?;
+        let hello = read_setup_frame(&stream, deadline, &format!("hello from {from}"))?;
+        let (rank, their_world, addr) = parse_hello(&hello, from)?;
+        if their_world != world {
+            let e = CommError::Setup(format!(
+                "world size mismatch: rank {rank} (from {from}) says {their_world}, rank 0 says {world}"
+            ));
+            let _ = write_frame(&stream, &setup_error_frame(&e));
+            return Err(e);
+        }
+        if rank == 0 || rank >= world {
+            let e = CommError::Setup(format!(
+                "rank {rank} (from {from}) is out of range 1..{world}"
+            ));
+            let _ = write_frame(&stream, &setup_error_frame(&e));
+            return Err(e);
+        }
+        if followers[rank].is_some() {
+            let e = CommError::Setup(format!(
+                "duplicate rank {rank}: a second process (from {from}) claims it"
+            ));
+            let _ = write_frame(&stream, &setup_error_frame(&e));
+            return Err(e);
+        }
+        followers[rank] = Some((stream, addr));
+        joined += 1;
+    }
+    // The address table: one string per rank (rank 0's is empty).
+    let mut table = vec![STATUS_OK];
+    table.extend_from_slice(&(world as u64).to_le_bytes());
+    for entry in followers.iter() {
+        let addr = entry.as_ref().map(|(_, a)| a.as_str()).unwrap_or("");
+        table.extend_from_slice(&(addr.len() as u64).to_le_bytes());
+        table.extend_from_slice(addr.as_bytes());
+    }
+    for (rank, entry) in followers.iter().enumerate() {
+        if let Some((stream, _)) = entry {
+            write_frame(stream, &table).map_err(|e| {
+                CommError::Setup(format!("sending the address table to rank {rank}: {e}"))
+            })?;
+        }
+    }
+    for (rank, entry) in followers.iter().enumerate() {
+        if let Some((stream, _)) = entry {
+            let ready = read_setup_frame(stream, deadline, &format!("rank {rank}'s ready"))?;
+            expect_ok(&ready, &format!("rank {rank}"))?;
+        }
+    }
+    for (rank, entry) in followers.iter().enumerate() {
+        if let Some((stream, _)) = entry {
+            write_frame(stream, &[STATUS_OK])
+                .map_err(|e| CommError::Setup(format!("sending go to rank {rank}: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_config(config: &CommConfig) -> Result<(), CommError> {
+    if config.op_timeout.is_zero() || config.setup_timeout.is_zero() {
+        return Err(CommError::Setup(
+            "op_timeout and setup_timeout must be positive".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn remaining(deadline: Instant, what: &str) -> Result<Duration, CommError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(CommError::Setup(format!("timed out during {what}")));
+    }
+    Ok(left)
+}
+
+/// Accepts one connection before `deadline` (the listener is non-blocking).
+fn accept_until(
+    listener: &TcpListener,
+    deadline: Instant,
+    on_timeout: impl Fn() -> String,
+) -> Result<(TcpStream, SocketAddr), CommError> {
+    loop {
+        match listener.accept() {
+            Ok((stream, from)) => {
+                stream.set_nonblocking(false).map_err(|e| {
+                    CommError::Setup(format!("accepted connection from {from}: {e}"))
+                })?;
+                return Ok((stream, from));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(CommError::Setup(on_timeout()));
+                }
+                thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(CommError::Setup(format!("accept: {e}"))),
+        }
+    }
+}
+
+/// Reads one small setup frame, waiting at most until `deadline`.
+fn read_setup_frame(
+    stream: &TcpStream,
+    deadline: Instant,
+    what: &str,
+) -> Result<Vec<u8>, CommError> {
+    let fail = |e: io::Error| {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            CommError::Setup(format!("timed out waiting for {what}"))
+        } else {
+            CommError::Setup(format!("reading {what}: {e}"))
+        }
+    };
+    stream
+        .set_read_timeout(Some(remaining(deadline, what)?))
+        .map_err(fail)?;
+    let len = read_header(stream).map_err(fail)?;
+    if len > SETUP_FRAME_MAX {
+        return Err(CommError::Setup(format!(
+            "{what}: frame of {len} bytes is not a setup message"
+        )));
+    }
+    let mut buf = vec![0u8; len as usize];
+    stream
+        .set_read_timeout(Some(remaining(deadline, what)?))
+        .map_err(fail)?;
+    read_payload(stream, &mut buf).map_err(fail)?;
+    Ok(buf)
+}
+
+fn setup_error_frame(e: &CommError) -> Vec<u8> {
+    let mut frame = vec![STATUS_ERR];
+    frame.extend_from_slice(e.to_string().as_bytes());
+    frame
+}
+
+/// Checks a status frame: OK, or the error the other side reported.
+fn expect_ok(frame: &[u8], from: &str) -> Result<(), CommError> {
+    match frame.first() {
+        Some(&STATUS_OK) => Ok(()),
+        Some(&STATUS_ERR) => Err(CommError::Setup(format!(
+            "{from} reported: {}",
+            String::from_utf8_lossy(&frame[1..])
+        ))),
+        _ => Err(CommError::Setup(format!("{from} sent a bad status frame"))),
+    }
+}
+
+/// A little-endian cursor over a setup message.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    what: &'a str,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CommError> {
+        if self.bytes.len() < n {
+            return Err(CommError::Setup(format!("{} is truncated", self.what)));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+
+    fn u64(&mut self) -> Result<u64, CommError> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn usize(&mut self) -> Result<usize, CommError> {
+        let v = self.u64()?;
+        usize::try_from(v).map_err(|_| CommError::Setup(format!("{}: {v} is too large", self.what)))
+    }
+
+    fn string(&mut self) -> Result<String, CommError> {
+        let len = self.usize()?;
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| CommError::Setup(format!("{} holds a non-UTF-8 string", self.what)))
+    }
+
+    fn magic(&mut self) -> Result<(), CommError> {
+        if self.take(MAGIC.len())? != MAGIC {
+            return Err(CommError::Setup(format!(
+                "{} is not from a tandem communicator (bad magic)",
+                self.what
+            )));
+        }
+        let mut v = [0u8; 4];
+        v.copy_from_slice(self.take(4)?);
+        let version = u32::from_le_bytes(v);
+        if version != VERSION {
+            return Err(CommError::Setup(format!(
+                "{} speaks protocol version {version}, this build speaks {VERSION}",
+                self.what
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn magic_prefix() -> Vec<u8> {
+    let mut m = MAGIC.to_vec();
+    m.extend_from_slice(&VERSION.to_le_bytes());
+    m
+}
+
+/// Hello to rank 0: magic, version, rank, world size, listen address.
+fn hello_frame(rank: usize, world: usize, listen: SocketAddr) -> Vec<u8> {
+    let mut f = magic_prefix();
+    f.extend_from_slice(&(rank as u64).to_le_bytes());
+    f.extend_from_slice(&(world as u64).to_le_bytes());
+    let addr = listen.to_string();
+    f.extend_from_slice(&(addr.len() as u64).to_le_bytes());
+    f.extend_from_slice(addr.as_bytes());
+    f
+}
+
+fn parse_hello(frame: &[u8], from: SocketAddr) -> Result<(usize, usize, String), CommError> {
+    let what = format!("the hello from {from}");
+    let mut c = Cursor {
+        bytes: frame,
+        what: &what,
+    };
+    c.magic()?;
+    let rank = c.usize()?;
+    let world = c.usize()?;
+    let addr = c.string()?;
+    Ok((rank, world, addr))
+}
+
+/// Connects to `addr`, retrying with a short backoff until `deadline`.
+fn connect_until(addr: SocketAddr, deadline: Instant, what: &str) -> Result<TcpStream, CommError> {
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let left = remaining(deadline, what)?;
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(2))) {
+            Ok(s) => return Ok(s),
+            Err(e) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(CommError::Setup(format!(
+                        "{what}: cannot connect to {addr}: {e}"
+                    )));
+                }
+                thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// A [`Communicator`] over a full mesh of TCP connections.
+#[derive(Debug)]
+pub struct TcpComm {
+    rank: usize,
+    world: usize,
+    /// `links[peer]`: the connection to `peer` (`None` at our own rank).
+    links: Vec<Option<TcpStream>>,
+    config: CommConfig,
+    poisoned: bool,
+}
+
+impl TcpComm {
+    /// Joins the communicator as follower `rank` (1..world_size) through rank
+    /// 0's rendezvous at `leader`. Retries connecting until the setup timeout,
+    /// since the leader may not be listening yet.
+    pub fn connect(
+        leader: SocketAddr,
+        rank: usize,
+        world_size: usize,
+        config: CommConfig,
+    ) -> Result<TcpComm, CommError> {
+        check_config(&config)?;
+        if rank == 0 {
+            return Err(CommError::Setup(
+                "rank 0 is the leader: use Rendezvous::bind and accept".into(),
+            ));
+        }
+        if rank >= world_size {
+            return Err(CommError::Setup(format!(
+                "rank {rank} is out of range for world size {world_size}"
+            )));
+        }
+        let deadline = Instant::now() + config.setup_timeout;
+        let to_leader = connect_until(leader, deadline, &format!("rank {rank} joining"))?;
+        match follower_setup(&to_leader, rank, world_size, deadline) {
+            Ok(mut links) => {
+                links[0] = Some(to_leader);
+                TcpComm::new(rank, world_size, links, config)
+            }
+            Err(e) => {
+                // Rank 0 learns of the failure by the connection closing.
+                let _ = to_leader.shutdown(Shutdown::Both);
+                Err(e)
+            }
+        }
+    }
+
+    fn new(
+        rank: usize,
+        world: usize,
+        links: Vec<Option<TcpStream>>,
+        config: CommConfig,
+    ) -> Result<TcpComm, CommError> {
+        for (peer, link) in links.iter().enumerate() {
+            let Some(stream) = link else { continue };
+            let configure = || -> io::Result<()> {
+                stream.set_nodelay(true)?;
+                stream.set_read_timeout(Some(config.op_timeout))?;
+                stream.set_write_timeout(Some(config.op_timeout))
+            };
+            configure().map_err(|e| {
+                CommError::Setup(format!("configuring the link to rank {peer}: {e}"))
+            })?;
+        }
+        Ok(TcpComm {
+            rank,
+            world,
+            links,
+            config,
+            poisoned: false,
+        })
+    }
+
+    /// Whether an earlier error broke this communicator.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.config
+    }
+
+    /// Records an error: poisons the communicator and closes every link, so
+    /// the other ranks fail fast instead of waiting out their timeouts.
+    fn fail(&mut self, err: CommError) -> CommError {
+        if !self.poisoned {
+            tracing::warn!(rank = self.rank, error = %err, "communicator failed; poisoning it");
+            self.poisoned = true;
+            shutdown_all(&self.links);
+        }
+        err
+    }
+
+    fn check_live(&self) -> Result<(), CommError> {
+        if self.poisoned {
+            Err(CommError::Poisoned)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn link(&self, peer: usize) -> Result<&TcpStream, CommError> {
+        if peer == self.rank {
+            return Err(CommError::Protocol(format!(
+                "rank {peer} cannot send to or receive from itself"
+            )));
+        }
+        self.links
+            .get(peer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                CommError::Protocol(format!(
+                    "peer rank {peer} is out of range for world size {}",
+                    self.world
+                ))
+            })
+    }
+
+    fn check_group(&self, group: &[usize]) -> Result<(), CommError> {
+        let sorted = group.windows(2).all(|w| w[0] < w[1]);
+        let in_range = group.iter().all(|&r| r < self.world);
+        if !sorted || !in_range || !group.contains(&self.rank) {
+            return Err(CommError::Protocol(format!(
+                "group {group:?} must be sorted, distinct ranks below {} containing rank {}",
+                self.world, self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads the next frame from `peer` whose payload must be `dst.len()` bytes.
+    fn read_exact_frame(
+        stream: &TcpStream,
+        peer: usize,
+        dst: &mut [u8],
+        timeout: Duration,
+    ) -> Result<(), CommError> {
+        let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout))?;
+        if len != dst.len() as u64 {
+            return Err(CommError::Protocol(format!(
+                "rank {peer} sent {len} bytes where {} were expected (mismatched call?)",
+                dst.len()
+            )));
+        }
+        read_payload(stream, dst).map_err(|e| io_error(peer, &e, timeout))
+    }
+
+    fn read_any_frame(&self, peer: usize, idle: bool) -> Result<Vec<u8>, CommError> {
+        let stream = self.link(peer)?;
+        let timeout = self.config.op_timeout;
+        let len = if idle {
+            let set = |t| {
+                stream
+                    .set_read_timeout(t)
+                    .map_err(|e| io_error(peer, &e, timeout))
+            };
+            set(None)?;
+            let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout));
+            set(Some(timeout))?;
+            len?
+        } else {
+            read_header(stream).map_err(|e| io_error(peer, &e, timeout))?
+        };
+        if len > self.config.max_frame_bytes {
+            return Err(CommError::Protocol(format!(
+                "rank {peer} sent a frame of {len} bytes, over the limit of {}",
+                self.config.max_frame_bytes
+            )));
+        }
+        let len = usize::try_from(len)
+            .map_err(|_| CommError::Protocol(format!("rank {peer} sent a frame of {len} bytes")))?;
+        let mut buf = vec![0u8; len];
+        read_payload(stream, &mut buf).map_err(|e| io_error(peer, &e, timeout))?;
+        Ok(buf)
+    }
+
+    fn check_send_size(&self, len: usize) -> Result<(), CommError> {
+        if len as u64 > self.config.max_frame_bytes {
+            return Err(CommError::Protocol(format!(
+                "a frame of {len} bytes is over the limit of {}",
+                self.config.max_frame_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The core of the collectives: every member of `group` sends its `mine`
+    /// (all the same length) to every other member, as one frame.
+    ///
+    /// The frames move in lock step, [`CHUNK`] bytes at a time: write chunk
+    /// `i` to every peer, then read chunk `i` from every peer in group order,
+    /// handing each (and our own) to `on_chunk(position, byte range, bytes)`.
+    /// Before we write chunk `i`, every peer has written chunk `i - 1`, so has
+    /// read our chunk `i - 2`: at most two chunks per direction are unread,
+    /// which the kernel's socket buffers hold, so no write waits on a peer
+    /// that is itself waiting to write, whatever the buffer size. One thread,
+    /// no hand-offs: the lowest latency for the small buffers of decode steps.
+    fn exchange(
+        &self,
+        group: &[usize],
+        mine: &[u8],
+        mut on_chunk: impl FnMut(usize, Range<usize>, &[u8]),
+    ) -> Result<(), CommError> {
+        self.check_send_size(mine.len())?;
+        let timeout = self.config.op_timeout;
+        let mut peers = Vec::with_capacity(group.len());
+        for &member in group {
+            if member != self.rank {
+                peers.push((member, self.link(member)?));
+            }
+        }
+        let total = mine.len();
+        let chunks = total.div_ceil(CHUNK).max(1);
+        let mut first = Vec::with_capacity(8 + total.min(CHUNK));
+        let mut incoming = vec![0u8; total.min(CHUNK)];
+        for i in 0..chunks {
+            let range = i * CHUNK..((i + 1) * CHUNK).min(total);
+            let out = &mine[range.clone()];
+            let out: &[u8] = if i == 0 {
+                // The frame header travels with the first chunk.
+                first.extend_from_slice(&(total as u64).to_le_bytes());
+                first.extend_from_slice(out);
+                &first
+            } else {
+                out
+            };
+            for &(peer, mut stream) in &peers {
+                stream
+                    .write_all(out)
+                    .map_err(|e| io_error(peer, &e, timeout))?;
+            }
+            let mut next_peer = peers.iter();
+            for (pos, &member) in group.iter().enumerate() {
+                if member == self.rank {
+                    on_chunk(pos, range.clone(), &mine[range.clone()]);
+                    continue;
+                }
+                let Some(&(peer, stream)) = next_peer.next() else {
+                    return Err(CommError::Protocol("group members out of step".into()));
+                };
+                if i == 0 {
+                    let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout))?;
+                    if len != total as u64 {
+                        return Err(CommError::Protocol(format!(
+                            "rank {peer} contributed {len} bytes where {total} were expected \
+                             (mismatched call?)"
+                        )));
+                    }
+                }
+                let dst = &mut incoming[..range.len()];
+                read_payload(stream, dst).map_err(|e| io_error(peer, &e, timeout))?;
+                on_chunk(pos, range.clone(), dst);
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce_inner(&self, group: &[usize], buf: &mut [f32]) -> Result<(), CommError> {
+        if group.len() == 1 {
+            return Ok(());
+        }
+        let mut acc = vec![0f32; buf.len()];
+        self.exchange(group, f32_bytes(buf), |pos, range, bytes| {
+            // CHUNK is a multiple of 4, so chunks hold whole floats.
+            let acc = &mut acc[range.start / 4..range.end / 4];
+            let values = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            if pos == 0 {
+                for (a, v) in acc.iter_mut().zip(values) {
+                    *a = v;
+                }
+            } else {
+                for (a, v) in acc.iter_mut().zip(values) {
+                    *a += v;
+                }
+            }
+        })?;
+        buf.copy_from_slice(&acc);
+        Ok(())
+    }
+}
+
+fn shutdown_all(links: &[Option<TcpStream>]) {
+    for stream in links.iter().flatten() {
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// A follower's part of setup; returns its links (index 0 left for the caller).
+fn follower_setup(
+    to_leader: &TcpStream,
+    rank: usize,
+    world: usize,
+    deadline: Instant,
+) -> Result<Vec<Option<TcpStream>>, CommError> {
+    let local_ip = to_leader
+        .local_addr()
+        .map_err(|e| CommError::Setup(format!("rank {rank}: local address: {e}")))?
+        .ip();
+    let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
+        .map_err(|e| CommError::Setup(format!("rank {rank} cannot listen on {local_ip}: {e}")))?;
+    let listen_addr = listener
+        .local_addr()
+        .map_err(|e| CommError::Setup(format!("rank {rank}: listener address: {e}")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| CommError::Setup(format!("rank {rank}: listener: {e}")))?;
+    write_frame(to_leader, &hello_frame(rank, world, listen_addr))
+        .map_err(|e| CommError::Setup(format!("rank {rank}: sending hello to rank 0: {e}")))?;
+
+    let table = read_setup_frame(to_leader, deadline, "the address table from rank 0")?;
+    expect_ok(&table, "rank 0")?;
+    let mut c = Cursor {
+        bytes: &table[1..],
+        what: "the address table",
+    };
+    let n = c.usize()?;
+    if n != world {
+        return Err(CommError::Setup(format!(
+            "rank 0's table has {n} ranks, expected {world}"
+        )));
+    }
+    let mut addrs = Vec::with_capacity(world);
+    for r in 0..world {
+        let s = c.string()?;
+        if r == 0 {
+            addrs.push(None);
+            continue;
+        }
+        let addr: SocketAddr = s
+            .parse()
+            .map_err(|_| CommError::Setup(format!("rank {r}'s address {s:?} is not an address")))?;
+        addrs.push(Some(addr));
+    }
+
+    let mut links: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    // Connect down to ranks 1..rank.
+    for (peer, addr) in addrs.iter().enumerate().take(rank).skip(1) {
+        let Some(addr) = *addr else { continue };
+        let stream = connect_until(
+            addr,
+            deadline,
+            &format!("rank {rank} connecting to rank {peer}"),
+        )?;
+        let mut intro = magic_prefix();
+        intro.extend_from_slice(&(rank as u64).to_le_bytes());
+        write_frame(&stream, &intro).map_err(|e| {
+            CommError::Setup(format!(
+                "rank {rank} introducing itself to rank {peer}: {e}"
+            ))
+        })?;
+        links[peer] = Some(stream);
+    }
+    // Accept ranks rank+1..world.
+    for _ in rank + 1..world {
+        let (stream, from) = accept_until(&listener, deadline, || {
+            let missing: Vec<usize> = (rank + 1..world).filter(|&r| links[r].is_none()).collect();
+            format!("rank {rank} timed out waiting for ranks {missing:?} to connect")
+        })?;
+        let intro = read_setup_frame(&stream, deadline, &format!("the introduction from {from}"))?;
+        let what = format!("the introduction from {from}");
+        let mut c = Cursor {
+            bytes: &intro,
+            what: &what,
+        };
+        c.magic()?;
+        let peer = c.usize()?;
+        if peer <= rank || peer >= world || links[peer].is_some() {
+            return Err(CommError::Setup(format!(
+                "rank {rank} got an unexpected introduction from rank {peer} ({from})"
+            )));
+        }
+        links[peer] = Some(stream);
+    }
+    write_frame(to_leader, &[STATUS_OK])
+        .map_err(|e| CommError::Setup(format!("rank {rank}: reporting ready to rank 0: {e}")))?;
+    let go = read_setup_frame(to_leader, deadline, "rank 0's go")?;
+    expect_ok(&go, "rank 0")?;
+    Ok(links)
+}
+
+impl Drop for TcpComm {
+    fn drop(&mut self) {
+        shutdown_all(&self.links);
+    }
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&mut self, group: &[usize], buf: &mut [f32]) -> Result<(), CommError> {
+        self.check_live()?;
+        let result = self
+            .check_group(group)
+            .and_then(|()| self.all_reduce_inner(group, buf));
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn all_gather(
+        &mut self,
+        group: &[usize],
+        mine: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.check_live()?;
+        let result = self.check_group(group).and_then(|()| {
+            let n = mine.len();
+            if out.len() != group.len() * n {
+                return Err(CommError::Protocol(format!(
+                    "all_gather: out has {} floats, expected {} members x {n}",
+                    out.len(),
+                    group.len()
+                )));
+            }
+            let slot_bytes = n * 4;
+            let out_bytes = f32_bytes_mut(out);
+            self.exchange(group, f32_bytes(mine), |pos, range, bytes| {
+                let at = pos * slot_bytes;
+                out_bytes[at + range.start..at + range.end].copy_from_slice(bytes);
+            })
+        });
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn broadcast(
+        &mut self,
+        group: &[usize],
+        root: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), CommError> {
+        self.check_live()?;
+        let result = self.check_group(group).and_then(|()| {
+            if !group.contains(&root) {
+                return Err(CommError::Protocol(format!(
+                    "broadcast root {root} is not in group {group:?}"
+                )));
+            }
+            if root == self.rank {
+                self.check_send_size(buf.len())?;
+                for &member in group.iter().filter(|&&m| m != root) {
+                    write_frame(self.link(member)?, buf)
+                        .map_err(|e| io_error(member, &e, self.config.op_timeout))?;
+                }
+            } else {
+                *buf = self.read_any_frame(root, false)?;
+            }
+            Ok(())
+        });
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn send(&mut self, peer: usize, bytes: &[u8]) -> Result<(), CommError> {
+        self.check_live()?;
+        let result = self.check_send_size(bytes.len()).and_then(|()| {
+            write_frame(self.link(peer)?, bytes)
+                .map_err(|e| io_error(peer, &e, self.config.op_timeout))
+        });
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
+        self.check_live()?;
+        self.read_any_frame(peer, false).map_err(|e| self.fail(e))
+    }
+
+    fn recv_idle(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
+        self.check_live()?;
+        self.read_any_frame(peer, true).map_err(|e| self.fail(e))
+    }
+
+    fn send_f32(&mut self, peer: usize, data: &[f32]) -> Result<(), CommError> {
+        self.send(peer, f32_bytes(data))
+    }
+
+    fn recv_f32(&mut self, peer: usize, out: &mut [f32]) -> Result<(), CommError> {
+        self.check_live()?;
+        let result = self.link(peer).and_then(|stream| {
+            Self::read_exact_frame(stream, peer, f32_bytes_mut(out), self.config.op_timeout)
+        });
+        result.map_err(|e| self.fail(e))
+    }
+}
