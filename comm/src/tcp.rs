@@ -10,13 +10,18 @@
 //! ready and rank 0 answers "go", so setup either succeeds on every rank or
 //! fails on every rank. Every step is bounded by the setup timeout.
 
-use std::io::{self, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
+use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use memmap2::MmapMut;
+
 use crate::frame::{f32_bytes, f32_bytes_mut, io_error, read_header, read_payload, write_frame};
+use crate::link::Link;
+use crate::shm;
 use crate::{CommConfig, CommError, Communicator};
 
 const MAGIC: &[u8; 8] = b"TNDMCOMM";
@@ -59,33 +64,44 @@ impl Rendezvous {
             return Err(CommError::Setup("world size must be at least 1".into()));
         }
         let deadline = Instant::now() + config.setup_timeout;
-        let mut followers: Vec<Option<(TcpStream, String)>> =
-            (0..world_size).map(|_| None).collect();
-        let result = leader_setup(&self.listener, world_size, deadline, &mut followers);
-        if let Err(e) = result {
-            // Tell everyone who got this far, so they fail now rather than at
-            // their own timeout (best effort: they may be gone already).
-            let notice = setup_error_frame(&e);
-            for (stream, _) in followers.iter().flatten() {
-                let _ = write_frame(stream, &notice);
+        let mut followers: Vec<Option<Follower>> = (0..world_size).map(|_| None).collect();
+        let shm = match leader_setup(
+            &self.listener,
+            world_size,
+            deadline,
+            &config,
+            &mut followers,
+        ) {
+            Ok(shm) => shm,
+            Err(e) => {
+                // Tell everyone who got this far, so they fail now rather than
+                // at their own timeout (best effort: they may be gone already).
+                let notice = setup_error_frame(&e);
+                for f in followers.iter().flatten() {
+                    let _ = write_frame(&f.stream, &notice);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
-        let mut links = Vec::with_capacity(world_size);
-        links.push(None);
-        for (stream, _) in followers.into_iter().skip(1).flatten() {
-            links.push(Some(stream));
-        }
-        TcpComm::new(0, world_size, links, config)
+        };
+        let streams = followers.into_iter().map(|f| f.map(|f| f.stream)).collect();
+        TcpComm::new(0, world_size, streams, shm, config)
     }
+}
+
+/// A follower as rank 0 knows it during setup.
+struct Follower {
+    stream: TcpStream,
+    addr: String,
+    host: String,
 }
 
 fn leader_setup(
     listener: &TcpListener,
     world: usize,
     deadline: Instant,
-    followers: &mut [Option<(TcpStream, String)>],
-) -> Result<(), CommError> {
+    config: &CommConfig,
+    followers: &mut [Option<Follower>],
+) -> Result<Vec<Option<MmapMut>>, CommError> {
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::Setup(format!("rendezvous listener: {e}")))?;
@@ -96,7 +112,7 @@ fn leader_setup(
             format!("rank 0 timed out waiting for ranks {missing:?} to join")
         })?;
         let hello = read_setup_frame(&stream, deadline, &format!("hello from {from}"))?;
-        let (rank, their_world, addr) = parse_hello(&hello, from)?;
+        let (rank, their_world, addr, host) = parse_hello(&hello, from)?;
         if their_world != world {
             let e = CommError::Setup(format!(
                 "world size mismatch: rank {rank} (from {from}) says {their_world}, rank 0 says {world}"
@@ -118,37 +134,150 @@ fn leader_setup(
             let _ = write_frame(&stream, &setup_error_frame(&e));
             return Err(e);
         }
-        followers[rank] = Some((stream, addr));
+        followers[rank] = Some(Follower { stream, addr, host });
         joined += 1;
     }
-    // The address table: one string per rank (rank 0's is empty).
+    // The table: each rank's listen address (rank 0's is empty) and host id.
+    let mut hosts = vec![shm::host_id()];
+    hosts.extend(followers.iter().skip(1).flatten().map(|f| f.host.clone()));
     let mut table = vec![STATUS_OK];
     table.extend_from_slice(&(world as u64).to_le_bytes());
-    for entry in followers.iter() {
-        let addr = entry.as_ref().map(|(_, a)| a.as_str()).unwrap_or("");
-        table.extend_from_slice(&(addr.len() as u64).to_le_bytes());
-        table.extend_from_slice(addr.as_bytes());
+    for (rank, entry) in followers.iter().enumerate() {
+        let addr = entry.as_ref().map(|f| f.addr.as_str()).unwrap_or("");
+        put_string(&mut table, addr);
+        put_string(&mut table, &hosts[rank]);
     }
     for (rank, entry) in followers.iter().enumerate() {
-        if let Some((stream, _)) = entry {
-            write_frame(stream, &table).map_err(|e| {
+        if let Some(f) = entry {
+            write_frame(&f.stream, &table).map_err(|e| {
                 CommError::Setup(format!("sending the address table to rank {rank}: {e}"))
             })?;
         }
     }
-    for (rank, entry) in followers.iter().enumerate() {
-        if let Some((stream, _)) = entry {
+    let streams: Vec<Option<&TcpStream>> = followers
+        .iter()
+        .map(|f| f.as_ref().map(|f| &f.stream))
+        .collect();
+    let shm = negotiate_shm(0, &streams, &hosts, config, deadline)?;
+    for (rank, stream) in streams.iter().enumerate() {
+        if let Some(stream) = stream {
             let ready = read_setup_frame(stream, deadline, &format!("rank {rank}'s ready"))?;
             expect_ok(&ready, &format!("rank {rank}"))?;
         }
     }
-    for (rank, entry) in followers.iter().enumerate() {
-        if let Some((stream, _)) = entry {
+    for (rank, stream) in streams.iter().enumerate() {
+        if let Some(stream) = stream {
             write_frame(stream, &[STATUS_OK])
                 .map_err(|e| CommError::Setup(format!("sending go to rank {rank}: {e}")))?;
         }
     }
-    Ok(())
+    Ok(shm)
+}
+
+fn put_string(buf: &mut Vec<u8>, s: &str) {
+    buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+}
+
+const SHM_NO: u8 = 0;
+const SHM_YES: u8 = 1;
+
+/// Decides, for every link of rank `me`, whether it runs over shared memory;
+/// returns the ring mappings of those that do. The lower rank of a pair on the
+/// same host offers a ring file, the higher maps it and echoes its nonce, the
+/// lower confirms. Four phases, each waiting only on messages of the phase
+/// before, so no two ranks wait on each other.
+// The loops run over peer ranks, which index several tables at once.
+#[allow(clippy::needless_range_loop)]
+fn negotiate_shm(
+    me: usize,
+    streams: &[Option<&TcpStream>],
+    hosts: &[String],
+    config: &CommConfig,
+    deadline: Instant,
+) -> Result<Vec<Option<MmapMut>>, CommError> {
+    let world = streams.len();
+    let stream = |peer: usize| -> Result<&TcpStream, CommError> {
+        streams[peer]
+            .ok_or_else(|| CommError::Setup(format!("rank {me} has no link to rank {peer}")))
+    };
+    let send = |peer: usize, frame: &[u8]| -> Result<(), CommError> {
+        write_frame(stream(peer)?, frame)
+            .map_err(|e| CommError::Setup(format!("rank {me} negotiating with rank {peer}: {e}")))
+    };
+    let recv = |peer: usize| -> Result<Vec<u8>, CommError> {
+        read_setup_frame(
+            stream(peer)?,
+            deadline,
+            &format!("rank {peer}'s shared-memory answer"),
+        )
+    };
+    let same_host =
+        |peer: usize| config.shared_memory && !hosts[me].is_empty() && hosts[peer] == hosts[me];
+    let mut offers: Vec<Option<shm::Offer>> = (0..world).map(|_| None).collect();
+    let mut mapped: Vec<Option<(MmapMut, u64)>> = (0..world).map(|_| None).collect();
+    let mut result: Vec<Option<MmapMut>> = (0..world).map(|_| None).collect();
+    // 1: offers to higher ranks.
+    for peer in me + 1..world {
+        let offer = if same_host(peer) {
+            shm::Offer::create(me, peer)
+                .map_err(|e| tracing::debug!(rank = me, peer, error = %e, "no shared-memory ring; using TCP"))
+                .ok()
+        } else {
+            None
+        };
+        match &offer {
+            Some(o) => {
+                let mut frame = vec![SHM_YES];
+                frame.extend_from_slice(o.path.to_string_lossy().as_bytes());
+                send(peer, &frame)?;
+            }
+            None => send(peer, &[SHM_NO])?,
+        }
+        offers[peer] = offer;
+    }
+    // 2: answers to lower ranks' offers.
+    for peer in 0..me {
+        let offer = recv(peer)?;
+        let accepted = match offer.split_first() {
+            Some((&SHM_YES, path)) if config.shared_memory => {
+                let path = String::from_utf8_lossy(path).into_owned();
+                shm::accept_offer(Path::new(&path))
+                    .map_err(|e| tracing::debug!(rank = me, peer, error = %e, "cannot map the ring; using TCP"))
+                    .ok()
+            }
+            _ => None,
+        };
+        match &accepted {
+            Some((_, nonce)) => {
+                let mut frame = vec![SHM_YES];
+                frame.extend_from_slice(&nonce.to_le_bytes());
+                send(peer, &frame)?;
+            }
+            None => send(peer, &[SHM_NO])?,
+        }
+        mapped[peer] = accepted;
+    }
+    // 3: confirmations to higher ranks (the offers' files are unlinked here).
+    for peer in me + 1..world {
+        let answer = recv(peer)?;
+        let confirmed = match (offers[peer].take(), answer.split_first()) {
+            (Some(offer), Some((&SHM_YES, nonce))) if nonce == offer.nonce.to_le_bytes() => {
+                offer.take_map()
+            }
+            _ => None,
+        };
+        send(peer, &[if confirmed.is_some() { SHM_YES } else { SHM_NO }])?;
+        result[peer] = confirmed;
+    }
+    // 4: confirmations from lower ranks.
+    for peer in 0..me {
+        let confirmed = recv(peer)?;
+        if confirmed.first() == Some(&SHM_YES) {
+            result[peer] = mapped[peer].take().map(|(map, _)| map);
+        }
+    }
+    Ok(result)
 }
 
 fn check_config(config: &CommConfig) -> Result<(), CommError> {
@@ -310,13 +439,15 @@ fn hello_frame(rank: usize, world: usize, listen: SocketAddr) -> Vec<u8> {
     let mut f = magic_prefix();
     f.extend_from_slice(&(rank as u64).to_le_bytes());
     f.extend_from_slice(&(world as u64).to_le_bytes());
-    let addr = listen.to_string();
-    f.extend_from_slice(&(addr.len() as u64).to_le_bytes());
-    f.extend_from_slice(addr.as_bytes());
+    put_string(&mut f, &listen.to_string());
+    put_string(&mut f, &shm::host_id());
     f
 }
 
-fn parse_hello(frame: &[u8], from: SocketAddr) -> Result<(usize, usize, String), CommError> {
+fn parse_hello(
+    frame: &[u8],
+    from: SocketAddr,
+) -> Result<(usize, usize, String, String), CommError> {
     let what = format!("the hello from {from}");
     let mut c = Cursor {
         bytes: frame,
@@ -326,7 +457,8 @@ fn parse_hello(frame: &[u8], from: SocketAddr) -> Result<(usize, usize, String),
     let rank = c.usize()?;
     let world = c.usize()?;
     let addr = c.string()?;
-    Ok((rank, world, addr))
+    let host = c.string()?;
+    Ok((rank, world, addr, host))
 }
 
 /// Connects to `addr`, retrying with a short backoff until `deadline`.
@@ -356,7 +488,7 @@ pub struct TcpComm {
     rank: usize,
     world: usize,
     /// `links[peer]`: the connection to `peer` (`None` at our own rank).
-    links: Vec<Option<TcpStream>>,
+    links: Vec<Option<Link>>,
     config: CommConfig,
     poisoned: bool,
 }
@@ -384,36 +516,39 @@ impl TcpComm {
         }
         let deadline = Instant::now() + config.setup_timeout;
         let to_leader = connect_until(leader, deadline, &format!("rank {rank} joining"))?;
-        match follower_setup(&to_leader, rank, world_size, deadline) {
-            Ok(mut links) => {
-                links[0] = Some(to_leader);
-                TcpComm::new(rank, world_size, links, config)
-            }
-            Err(e) => {
-                // Rank 0 learns of the failure by the connection closing.
-                let _ = to_leader.shutdown(Shutdown::Both);
-                Err(e)
-            }
-        }
+        // On failure the links close as they drop: rank 0 sees EOF.
+        let (streams, shm) = follower_setup(to_leader, rank, world_size, deadline, &config)?;
+        TcpComm::new(rank, world_size, streams, shm, config)
     }
 
     fn new(
         rank: usize,
         world: usize,
-        links: Vec<Option<TcpStream>>,
+        streams: Vec<Option<TcpStream>>,
+        shm: Vec<Option<MmapMut>>,
         config: CommConfig,
     ) -> Result<TcpComm, CommError> {
-        for (peer, link) in links.iter().enumerate() {
-            let Some(stream) = link else { continue };
-            let configure = || -> io::Result<()> {
-                stream.set_nodelay(true)?;
-                stream.set_read_timeout(Some(config.op_timeout))?;
-                stream.set_write_timeout(Some(config.op_timeout))
+        let mut links = Vec::with_capacity(world);
+        for (peer, (stream, map)) in streams.into_iter().zip(shm).enumerate() {
+            let Some(stream) = stream else {
+                links.push(None);
+                continue;
             };
-            configure().map_err(|e| {
+            let link = match map {
+                Some(map) => Link::Shm(shm::link(map, rank < peer, stream, config.op_timeout)),
+                None => Link::Tcp(stream),
+            };
+            link.configure(config.op_timeout).map_err(|e| {
                 CommError::Setup(format!("configuring the link to rank {peer}: {e}"))
             })?;
+            links.push(Some(link));
         }
+        tracing::debug!(
+            rank,
+            world,
+            shm_links = links.iter().flatten().filter(|l| l.is_shm()).count(),
+            "communicator ready"
+        );
         Ok(TcpComm {
             rank,
             world,
@@ -421,6 +556,11 @@ impl TcpComm {
             config,
             poisoned: false,
         })
+    }
+
+    /// How many of this rank's links run over shared memory (the rest: TCP).
+    pub fn shared_memory_links(&self) -> usize {
+        self.links.iter().flatten().filter(|l| l.is_shm()).count()
     }
 
     /// Whether an earlier error broke this communicator.
@@ -452,7 +592,7 @@ impl TcpComm {
         }
     }
 
-    fn link(&self, peer: usize) -> Result<&TcpStream, CommError> {
+    fn link(&self, peer: usize) -> Result<&Link, CommError> {
         if peer == self.rank {
             return Err(CommError::Protocol(format!(
                 "rank {peer} cannot send to or receive from itself"
@@ -483,37 +623,30 @@ impl TcpComm {
 
     /// Reads the next frame from `peer` whose payload must be `dst.len()` bytes.
     fn read_exact_frame(
-        stream: &TcpStream,
+        link: &Link,
         peer: usize,
         dst: &mut [u8],
         timeout: Duration,
     ) -> Result<(), CommError> {
-        let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout))?;
+        let len = link
+            .read_header(false)
+            .map_err(|e| io_error(peer, &e, timeout))?;
         if len != dst.len() as u64 {
             return Err(CommError::Protocol(format!(
                 "rank {peer} sent {len} bytes where {} were expected (mismatched call?)",
                 dst.len()
             )));
         }
-        read_payload(stream, dst).map_err(|e| io_error(peer, &e, timeout))
+        link.read_exact(dst, false)
+            .map_err(|e| io_error(peer, &e, timeout))
     }
 
     fn read_any_frame(&self, peer: usize, idle: bool) -> Result<Vec<u8>, CommError> {
-        let stream = self.link(peer)?;
+        let link = self.link(peer)?;
         let timeout = self.config.op_timeout;
-        let len = if idle {
-            let set = |t| {
-                stream
-                    .set_read_timeout(t)
-                    .map_err(|e| io_error(peer, &e, timeout))
-            };
-            set(None)?;
-            let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout));
-            set(Some(timeout))?;
-            len?
-        } else {
-            read_header(stream).map_err(|e| io_error(peer, &e, timeout))?
-        };
+        let len = link
+            .read_header(idle)
+            .map_err(|e| io_error(peer, &e, timeout))?;
         if len > self.config.max_frame_bytes {
             return Err(CommError::Protocol(format!(
                 "rank {peer} sent a frame of {len} bytes, over the limit of {}",
@@ -523,7 +656,8 @@ impl TcpComm {
         let len = usize::try_from(len)
             .map_err(|_| CommError::Protocol(format!("rank {peer} sent a frame of {len} bytes")))?;
         let mut buf = vec![0u8; len];
-        read_payload(stream, &mut buf).map_err(|e| io_error(peer, &e, timeout))?;
+        link.read_exact(&mut buf, false)
+            .map_err(|e| io_error(peer, &e, timeout))?;
         Ok(buf)
     }
 
@@ -577,9 +711,8 @@ impl TcpComm {
             } else {
                 out
             };
-            for &(peer, mut stream) in &peers {
-                stream
-                    .write_all(out)
+            for &(peer, link) in &peers {
+                link.write_all(out)
                     .map_err(|e| io_error(peer, &e, timeout))?;
             }
             let mut next_peer = peers.iter();
@@ -588,11 +721,13 @@ impl TcpComm {
                     on_chunk(pos, range.clone(), &mine[range.clone()]);
                     continue;
                 }
-                let Some(&(peer, stream)) = next_peer.next() else {
+                let Some(&(peer, link)) = next_peer.next() else {
                     return Err(CommError::Protocol("group members out of step".into()));
                 };
                 if i == 0 {
-                    let len = read_header(stream).map_err(|e| io_error(peer, &e, timeout))?;
+                    let len = link
+                        .read_header(false)
+                        .map_err(|e| io_error(peer, &e, timeout))?;
                     if len != total as u64 {
                         return Err(CommError::Protocol(format!(
                             "rank {peer} contributed {len} bytes where {total} were expected \
@@ -601,7 +736,8 @@ impl TcpComm {
                     }
                 }
                 let dst = &mut incoming[..range.len()];
-                read_payload(stream, dst).map_err(|e| io_error(peer, &e, timeout))?;
+                link.read_exact(dst, false)
+                    .map_err(|e| io_error(peer, &e, timeout))?;
                 on_chunk(pos, range.clone(), dst);
             }
         }
@@ -634,19 +770,21 @@ impl TcpComm {
     }
 }
 
-fn shutdown_all(links: &[Option<TcpStream>]) {
-    for stream in links.iter().flatten() {
-        let _ = stream.shutdown(Shutdown::Both);
+fn shutdown_all(links: &[Option<Link>]) {
+    for link in links.iter().flatten() {
+        link.shutdown();
     }
 }
 
 /// A follower's part of setup; returns its links (index 0 left for the caller).
+#[allow(clippy::type_complexity)]
 fn follower_setup(
-    to_leader: &TcpStream,
+    to_leader: TcpStream,
     rank: usize,
     world: usize,
     deadline: Instant,
-) -> Result<Vec<Option<TcpStream>>, CommError> {
+    config: &CommConfig,
+) -> Result<(Vec<Option<TcpStream>>, Vec<Option<MmapMut>>), CommError> {
     let local_ip = to_leader
         .local_addr()
         .map_err(|e| CommError::Setup(format!("rank {rank}: local address: {e}")))?
@@ -659,10 +797,10 @@ fn follower_setup(
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::Setup(format!("rank {rank}: listener: {e}")))?;
-    write_frame(to_leader, &hello_frame(rank, world, listen_addr))
+    write_frame(&to_leader, &hello_frame(rank, world, listen_addr))
         .map_err(|e| CommError::Setup(format!("rank {rank}: sending hello to rank 0: {e}")))?;
 
-    let table = read_setup_frame(to_leader, deadline, "the address table from rank 0")?;
+    let table = read_setup_frame(&to_leader, deadline, "the address table from rank 0")?;
     expect_ok(&table, "rank 0")?;
     let mut c = Cursor {
         bytes: &table[1..],
@@ -675,8 +813,10 @@ fn follower_setup(
         )));
     }
     let mut addrs = Vec::with_capacity(world);
+    let mut hosts = Vec::with_capacity(world);
     for r in 0..world {
         let s = c.string()?;
+        hosts.push(c.string()?);
         if r == 0 {
             addrs.push(None);
             continue;
@@ -726,11 +866,17 @@ fn follower_setup(
         }
         links[peer] = Some(stream);
     }
+    links[0] = Some(to_leader);
+    let streams: Vec<Option<&TcpStream>> = links.iter().map(Option::as_ref).collect();
+    let shm = negotiate_shm(rank, &streams, &hosts, config, deadline)?;
+    let Some(to_leader) = &links[0] else {
+        return Err(CommError::Setup("lost the link to rank 0".into()));
+    };
     write_frame(to_leader, &[STATUS_OK])
         .map_err(|e| CommError::Setup(format!("rank {rank}: reporting ready to rank 0: {e}")))?;
     let go = read_setup_frame(to_leader, deadline, "rank 0's go")?;
     expect_ok(&go, "rank 0")?;
-    Ok(links)
+    Ok((links, shm))
 }
 
 impl Drop for TcpComm {
@@ -798,7 +944,8 @@ impl Communicator for TcpComm {
             if root == self.rank {
                 self.check_send_size(buf.len())?;
                 for &member in group.iter().filter(|&&m| m != root) {
-                    write_frame(self.link(member)?, buf)
+                    self.link(member)?
+                        .write_frame(buf)
                         .map_err(|e| io_error(member, &e, self.config.op_timeout))?;
                 }
             } else {
@@ -812,7 +959,8 @@ impl Communicator for TcpComm {
     fn send(&mut self, peer: usize, bytes: &[u8]) -> Result<(), CommError> {
         self.check_live()?;
         let result = self.check_send_size(bytes.len()).and_then(|()| {
-            write_frame(self.link(peer)?, bytes)
+            self.link(peer)?
+                .write_frame(bytes)
                 .map_err(|e| io_error(peer, &e, self.config.op_timeout))
         });
         result.map_err(|e| self.fail(e))
@@ -834,8 +982,8 @@ impl Communicator for TcpComm {
 
     fn recv_f32(&mut self, peer: usize, out: &mut [f32]) -> Result<(), CommError> {
         self.check_live()?;
-        let result = self.link(peer).and_then(|stream| {
-            Self::read_exact_frame(stream, peer, f32_bytes_mut(out), self.config.op_timeout)
+        let result = self.link(peer).and_then(|link| {
+            Self::read_exact_frame(link, peer, f32_bytes_mut(out), self.config.op_timeout)
         });
         result.map_err(|e| self.fail(e))
     }

@@ -2,6 +2,9 @@
 //! nothing about them:
 //! `cargo test -p tandem-comm --release --test latency -- --ignored --nocapture`
 
+/// Setup is the same on both paths; links may use shared memory.
+const SHARED_MEMORY: bool = true;
+
 mod common;
 
 use std::time::Instant;
@@ -10,9 +13,10 @@ use tandem_comm::Communicator;
 
 #[test]
 #[ignore = "a measurement, not a test"]
-fn all_reduce_latency_2_ranks() {
-    for ranks in [2usize, 4] {
-        let mut comms = common::world(ranks);
+fn all_reduce_latency() {
+    for (ranks, shm) in [(2usize, false), (2, true), (4, false), (4, true)] {
+        let mut comms = common::world_with(ranks, |_| common::config().with_shared_memory(shm));
+        let path = if shm { "shm" } else { "tcp" };
         let group: Vec<usize> = (0..ranks).collect();
         for bytes in [
             1usize << 10,
@@ -41,7 +45,7 @@ fn all_reduce_latency_2_ranks() {
                 start.elapsed() / iters as u32
             });
             println!(
-                "all_reduce_sum {ranks} ranks {:>6} KiB: {:?} per call (rank 0)",
+                "all_reduce_sum {path} {ranks} ranks {:>6} KiB: {:?} per call (rank 0)",
                 bytes >> 10,
                 times[0]
             );

@@ -1,5 +1,8 @@
 //! Setup: bad rendezvous inputs fail with `Setup` errors, quickly, everywhere.
 
+/// Setup is the same on both paths; links may use shared memory.
+const SHARED_MEMORY: bool = true;
+
 mod common;
 
 use std::net::TcpListener;
@@ -124,4 +127,17 @@ fn follower_started_before_the_leader_retries() {
     let mut follower = follower.join().expect("thread").expect("follower");
     leader.send(1, b"hi").expect("send");
     assert_eq!(follower.recv(0).expect("recv"), b"hi");
+}
+
+#[test]
+fn mixed_shared_memory_settings_fall_back_to_tcp_per_link() {
+    // Rank 1 turns shared memory off: its links use TCP, 0 <-> 2 uses shm
+    // (world_with checks the per-link choice); collectives work across both.
+    let mut comms = common::world_with(3, |r| common::config().with_shared_memory(r != 1));
+    let sums = common::run(&mut comms, |c| {
+        let mut buf = vec![c.rank() as f32 + 1.0; 100_000];
+        c.all_reduce_sum(&[0, 1, 2], &mut buf).expect("all_reduce");
+        buf.iter().all(|&x| x == 6.0)
+    });
+    assert_eq!(sums, vec![true; 3]);
 }

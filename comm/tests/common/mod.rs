@@ -5,15 +5,17 @@ use std::net::SocketAddr;
 use std::thread;
 use std::time::Duration;
 
-use tandem_comm::{CommConfig, Rendezvous, TcpComm};
+use tandem_comm::{CommConfig, Communicator, Rendezvous, TcpComm};
 
 pub fn localhost() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
 /// A short setup timeout keeps a broken test from hanging.
+/// Links run over shared memory where the test binary's `SHARED_MEMORY` says.
 pub fn config() -> CommConfig {
     CommConfig::default()
+        .with_shared_memory(crate::SHARED_MEMORY)
         .with_op_timeout(Duration::from_secs(20))
         .with_setup_timeout(Duration::from_secs(10))
 }
@@ -32,6 +34,19 @@ pub fn world_with(n: usize, config: impl Fn(usize) -> CommConfig + Sync) -> Vec<
         let mut comms = vec![rendezvous.accept(n, config(0)).expect("leader setup")];
         for f in followers {
             comms.push(f.join().expect("follower thread"));
+        }
+        // Check the links really run on the path the configs ask for: shared
+        // memory where both ends enable it (all ranks share this host).
+        for c in &comms {
+            let r = c.rank();
+            let expected = (0..n)
+                .filter(|&p| p != r && config(p).shared_memory && config(r).shared_memory)
+                .count();
+            assert_eq!(
+                c.shared_memory_links(),
+                expected,
+                "rank {r}'s shared-memory links"
+            );
         }
         comms
     })

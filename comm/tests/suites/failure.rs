@@ -1,12 +1,11 @@
 //! The failure model: lost peers and timeouts surface quickly, and a failed
 //! communicator fails every later call instead of hanging.
 
-mod common;
-
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{config, world, world_with};
+use crate::common;
+use crate::common::{config, world, world_with};
 use tandem_comm::{CommError, Communicator, TcpComm};
 
 /// Ranks 0..3 all-reduce `len` floats while rank 3 drops its communicator

@@ -1,8 +1,7 @@
 //! The collectives and point-to-point operations on healthy worlds.
 
-mod common;
-
-use common::{run, world, world_with};
+use crate::common;
+use crate::common::{run, world, world_with};
 use tandem_comm::{CommError, Communicator};
 
 /// Rank `r`'s contribution: magnitudes chosen so that the summation order
