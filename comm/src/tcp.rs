@@ -6,7 +6,9 @@
 //! (distinct ranks in range, same world size) and answers everyone with the
 //! address table, or with the reason it gives up. Rank `i` then connects to
 //! ranks `1..i` (sending its rank first) and accepts ranks `i+1..world`; rank
-//! 0's links are the rendezvous connections. Finally every follower reports
+//! 0's links are the rendezvous connections. Then each pair on the same host
+//! negotiates a shared-memory ring (see `crate::shm`; TCP otherwise). Finally
+//! every follower reports
 //! ready and rank 0 answers "go", so setup either succeeds on every rank or
 //! fails on every rank. Every step is bounded by the setup timeout.
 
