@@ -157,25 +157,38 @@ pub fn is_default_model(dir: &std::path::Path) -> bool {
 
 fn install(model: &Builtin) -> Result<PathBuf> {
     let dir = cache_dir()?.join("models").join(model.name);
-    let complete = model.files.iter().all(|(name, bytes)| {
-        std::fs::metadata(dir.join(name)).is_ok_and(|m| m.len() == bytes.len() as u64)
-    });
-    if !complete {
+    let complete = |dir: &std::path::Path| {
+        model.files.iter().all(|(name, bytes)| {
+            std::fs::metadata(dir.join(name)).is_ok_and(|m| m.len() == bytes.len() as u64)
+        })
+    };
+    if !complete(&dir) {
         eprintln!(
             "installing the built-in model {} in {}",
             model.name,
             dir.display()
         );
-        let tmp = dir.with_extension("partial");
+        // A directory of our own: several processes (a worker's ranks, a
+        // cluster's workers) may install at once.
+        let tmp = dir.with_extension(format!("partial-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         for (name, bytes) in model.files {
             std::fs::write(tmp.join(name), bytes)
                 .with_context(|| format!("writing {}", tmp.join(name).display()))?;
         }
-        // Rename last so an interrupted run never leaves a half model behind.
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).with_context(|| format!("installing {}", dir.display()))?;
+        // Rename last so an interrupted run never leaves a half model
+        // behind; if another process finished first, keep its copy.
+        if !complete(&dir) {
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = std::fs::rename(&tmp, &dir) {
+                if !complete(&dir) {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    return Err(e).with_context(|| format!("installing {}", dir.display()));
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
     }
     Ok(dir)
 }

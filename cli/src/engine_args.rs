@@ -66,6 +66,8 @@ pub struct EngineArgs {
     gpu_index: usize,
     #[command(flatten)]
     speculative: crate::speculative_args::SpeculativeArgs,
+    #[command(flatten)]
+    parallel: crate::parallel_args::ParallelArgs,
 }
 
 /// Where the model runs.
@@ -143,6 +145,9 @@ pub struct StartedEngine {
     pub model_name: String,
     /// The checkpoint directory.
     pub model_dir: std::path::PathBuf,
+    /// The other ranks of a `--tp`/`--pp` worker, when this process started
+    /// them: held for its `Drop`, which stops them with this process.
+    pub _ranks: Option<crate::parallel_args::RankProcesses>,
 }
 
 /// Loads the model (default: the built-in one) and starts its engine thread.
@@ -159,9 +164,21 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         .with_context(|| format!("loading model from {}", dir.display()))?;
     let kv_layout = ckpt.model.kv_layout(config.block_size);
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
-    let mut core = match args.device {
-        Device::Cpu => EngineCore::new(ckpt.model, tokenizer, ckpt.eos_token_ids, &config)?,
-        Device::Cuda => {
+    let parallel = args.parallel.parallelism()?;
+    let mut ranks = None;
+    let mut core = match (args.device, parallel) {
+        (Device::Cpu, None) => EngineCore::new(ckpt.model, tokenizer, ckpt.eos_token_ids, &config)?,
+        (Device::Cpu, Some(par)) => {
+            drop(ckpt.model);
+            let (backend, children) =
+                crate::parallel_args::start_leader(&dir, &args.parallel, par, &config)?;
+            ranks = Some(children);
+            EngineCore::with_backend(Box::new(backend), tokenizer, ckpt.eos_token_ids, &config)?
+        }
+        (Device::Cuda, Some(_)) => {
+            bail!("--tp/--pp run on the CPU backend (the CUDA backend is one GPU per worker)")
+        }
+        (Device::Cuda, None) => {
             let config_json = ckpt.model.config().clone();
             drop(ckpt.model);
             let backend = cuda_backend(&dir, &config_json, args, &config)?;
@@ -180,6 +197,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         kv_layout,
         model_name,
         model_dir: dir,
+        _ranks: ranks,
     })
 }
 
@@ -242,6 +260,27 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
+}
+
+/// Resolves once the engine has stopped for good (a lost rank), with why.
+pub async fn engine_stopped(handle: tandem_engine::serving::EngineHandle) -> String {
+    loop {
+        if let Some(why) = handle.failure() {
+            return why;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// Ends this process after its engine stopped for good: every request has
+/// already failed, so there is nothing to drain (and a drain would wait on
+/// the router's long-lived streams). Exits non-zero, so a supervisor
+/// restarts the worker; the other ranks exit when this one's links close.
+pub fn exit_after_engine_failure(why: &str) -> ! {
+    tracing::error!(reason = %why, "exiting: the engine stopped");
+    tandem_telemetry::flush();
+    eprintln!("error: the engine stopped: {why}");
+    std::process::exit(1)
 }
 
 /// Resolves on Ctrl-C or SIGTERM (a worker drains on either).

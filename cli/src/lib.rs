@@ -14,6 +14,7 @@ mod default_model;
 mod engine_args;
 mod generate_cmd;
 mod http_args;
+mod parallel_args;
 mod plan_cmd;
 mod remote;
 pub mod security_args;
@@ -63,6 +64,9 @@ pub enum Command {
     Bench(bench_cmd::BenchArgs),
     /// Write a development CA and certificates for mTLS (`--tls-*`).
     Certs(security_args::CertsArgs),
+    /// Run one rank of a `--tp`/`--pp` worker (its leader starts these, or
+    /// the deploy manifests do).
+    Rank(parallel_args::RankArgs),
 }
 
 impl Command {
@@ -74,6 +78,7 @@ impl Command {
             Self::PrefillWorker(_) => "tandem-prefill-worker",
             Self::DecodeWorker(_) => "tandem-decode-worker",
             Self::Router(_) => "tandem-router",
+            Self::Rank(_) => "tandem-rank",
             _ => "tandem",
         }
     }
@@ -92,5 +97,6 @@ pub fn run(command: Command, telemetry: &telemetry_args::TelemetryArgs) -> Resul
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Certs(args) => security_args::run_certs(args),
+        Command::Rank(args) => parallel_args::run_rank(args),
     }
 }

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use tandem_server::{Bound, GenerationService};
 
-use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
+use crate::engine_args::{
+    engine_stopped, exit_after_engine_failure, runtime, shutdown_signal, start_engine, EngineArgs,
+};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -52,7 +54,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         println!("listening on {}", bound.local_addr());
         let mut services = crate::worker_cmd::public_generation(service, &api_keys);
         services.with_tls(tls.as_ref().map(|t| t.server()));
-        tandem_server::serve_services(bound, services, shutdown_signal()).await?;
+        let engine_handle = engine.handle.clone();
+        let stop = async move {
+            tokio::select! {
+                () = shutdown_signal() => {}
+                why = engine_stopped(engine_handle) => exit_after_engine_failure(&why),
+            }
+        };
+        tandem_server::serve_services(bound, services, stop).await?;
         Ok(())
     })
 }

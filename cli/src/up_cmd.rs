@@ -66,6 +66,10 @@ pub struct UpArgs {
     /// `--decode-arg=--speculative=ngram`.
     #[arg(long = "decode-arg", allow_hyphen_values = true)]
     decode_args: Vec<String>,
+    /// Extra flags for prefill workers only, e.g. `--prefill-arg=--tp=2`
+    /// (each pool has its own parallelism).
+    #[arg(long = "prefill-arg", allow_hyphen_values = true)]
+    prefill_args: Vec<String>,
     /// The OpenAI-compatible HTTP API of the router.
     #[arg(long, default_value = "127.0.0.1:8000")]
     http_addr: String,
@@ -418,7 +422,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     }
     let mut prefills = Vec::new();
     for _ in 0..args.prefill {
-        let p = spawn(&mut children, &worker("prefill-worker"), &[])?;
+        let mut a = worker("prefill-worker");
+        a.extend(args.prefill_args.iter().cloned());
+        let p = spawn(&mut children, &a, &[])?;
         if let Some(m) = p.metrics {
             metrics.push(("prefill-worker", p.addr.clone(), m));
         }

@@ -15,7 +15,9 @@ use tandem_proto::v1;
 use tandem_router::{Cluster, PolicyKind, Role, RouterService};
 use tandem_server::{Bound, Services};
 
-use crate::engine_args::{runtime, shutdown_signal, start_engine, EngineArgs};
+use crate::engine_args::{
+    engine_stopped, exit_after_engine_failure, runtime, shutdown_signal, start_engine, EngineArgs,
+};
 use crate::security_args::{ApiKeyArgs, TlsArgs};
 use crate::telemetry_args::MetricsArgs;
 
@@ -124,12 +126,24 @@ impl WorkerArgs {
     }
 }
 
-async fn leave_then_drain(reg: Option<tandem_discovery::Registration>) {
-    shutdown_signal().await;
+/// The shutdown future of a worker: on SIGTERM or Ctrl-C, or when its
+/// engine stops for good (a lost tensor/pipeline-parallel rank), it leaves
+/// the membership first (the router stops sending), then the server drains.
+async fn leave_then_drain(
+    reg: Option<tandem_discovery::Registration>,
+    engine: tandem_engine::serving::EngineHandle,
+) {
+    let failed = tokio::select! {
+        () = shutdown_signal() => None,
+        why = engine_stopped(engine) => Some(why),
+    };
     if let Some(reg) = reg {
         if let Err(e) = reg.deregister().await {
             tracing::warn!(error = %e, "deregistering");
         }
+    }
+    if let Some(why) = failed {
+        exit_after_engine_failure(&why);
     }
     tracing::info!("draining");
 }
@@ -179,12 +193,12 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             tls,
         };
         tandem_prefill_worker::run(
-            engine.handle,
+            engine.handle.clone(),
             engine.kv_layout,
             bound,
             config,
             &registry,
-            leave_then_drain(reg),
+            leave_then_drain(reg, engine.handle.clone()),
         )
         .await?;
         Ok(())
@@ -213,12 +227,12 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             tls,
         };
         tandem_decode_worker::run(
-            engine.handle,
+            engine.handle.clone(),
             engine.kv_layout,
             bound,
             config,
             &registry,
-            leave_then_drain(reg),
+            leave_then_drain(reg, engine.handle.clone()),
         )
         .await?;
         Ok(())

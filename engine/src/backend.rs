@@ -78,6 +78,13 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
 
     /// Writes one layer's K and V of a block (`[kv_head][slot][head_dim]`, f32).
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()>;
+
+    /// Why the backend can never run again (a tensor-parallel rank died, a
+    /// device was lost), once that has happened. The engine then fails every
+    /// request and refuses new ones, rather than failing step after step.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The CPU engine: [`Model`] and a host [`KvCache`].

@@ -55,6 +55,11 @@ pub enum EngineError {
         limit: usize,
         retry_after: std::time::Duration,
     },
+    /// The engine cannot run any more (its backend failed for good: a
+    /// tensor-parallel rank died, a device was lost). Servers answer
+    /// UNAVAILABLE, and the worker leaves the cluster.
+    #[error("the engine has stopped: {0}")]
+    Stopped(String),
     /// The KV cache pool cannot satisfy an allocation.
     #[error(transparent)]
     Kv(#[from] crate::kv_cache::KvError),

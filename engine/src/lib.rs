@@ -24,6 +24,7 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod serving;
+pub mod shard;
 pub mod speculative;
 pub mod synth;
 pub mod tokenizer;
@@ -40,6 +41,7 @@ pub use kv_cache::{
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
+pub use shard::{ShardPeers, ShardSpec};
 /// Constrained decoding (grammars, token masks), re-exported for servers.
 pub use tandem_structured as structured;
 pub use weights::DType;

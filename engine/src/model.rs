@@ -27,6 +27,7 @@ use crate::kernels::{
 use crate::kv_cache::{BlockId, KvCache, KvLayout};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
+use crate::shard::{NoPeers, ShardPeers, ShardSpec};
 use crate::weights::{DType, Matrix, WeightStore};
 
 /// A linear layer's weight: dense in the checkpoint's dtype, or INT4.
@@ -59,26 +60,63 @@ struct Linear {
     b: Option<Vec<f32>>,
 }
 
+/// Which part of a `[out, in]` linear layer a tensor-parallel rank holds.
+#[derive(Debug, Clone)]
+enum Split {
+    Whole,
+    /// Column-parallel: these output features (weight rows, bias elements).
+    Outputs(std::ops::Range<usize>),
+    /// Row-parallel: these input features (weight columns); the bias is
+    /// added by the rank that `keeps_bias` only, so the all-reduce adds it
+    /// once.
+    Inputs {
+        range: std::ops::Range<usize>,
+        keeps_bias: bool,
+    },
+}
+
 impl Linear {
-    /// Loads `prefix.weight`, or the `prefix.qweight` family of a
-    /// pre-quantized checkpoint.
-    fn load(
+    /// Loads a rank's part of the layer (reading only that part):
+    /// `prefix.weight`, or the `prefix.qweight` family of a pre-quantized
+    /// checkpoint (whole layers only).
+    fn load_part(
         ws: &WeightStore,
         quant: Option<&HfQuantization>,
         prefix: &str,
         out: usize,
         inp: usize,
+        split: Split,
     ) -> Result<Self> {
-        let w = match quant {
-            Some(q) if ws.contains(&format!("{prefix}.qweight")) => {
-                LinearWeight::Int4(q.load_linear(ws, prefix, out, inp)?)
-            }
-            _ => LinearWeight::Dense(ws.matrix(&format!("{prefix}.weight"), out, inp)?),
-        };
-        Ok(Self {
-            w,
-            b: ws.optional_vector(&format!("{prefix}.bias"), out)?,
-        })
+        let name = format!("{prefix}.weight");
+        let bias = format!("{prefix}.bias");
+        let packed = quant.filter(|_| ws.contains(&format!("{prefix}.qweight")));
+        match (packed, split) {
+            (Some(q), Split::Whole) => Ok(Self {
+                w: LinearWeight::Int4(q.load_linear(ws, prefix, out, inp)?),
+                b: ws.optional_vector(&bias, out)?,
+            }),
+            (Some(_), _) => Err(EngineError::Unsupported(format!(
+                "{prefix}: pre-quantized (AWQ/GPTQ) checkpoints run without tensor parallelism"
+            ))),
+            (None, Split::Whole) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix(&name, out, inp)?),
+                b: ws.optional_vector(&bias, out)?,
+            }),
+            (None, Split::Outputs(rows)) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix_rows(&name, out, inp, rows.clone())?),
+                b: match ws.contains(&bias) {
+                    true => Some(ws.vector_part(&bias, out, rows)?),
+                    false => None,
+                },
+            }),
+            (None, Split::Inputs { range, keeps_bias }) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix_cols(&name, out, inp, range)?),
+                b: match keeps_bias {
+                    true => ws.optional_vector(&bias, out)?,
+                    false => None,
+                },
+            }),
+        }
     }
 
     fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
@@ -128,6 +166,8 @@ pub struct Model {
     lm_head_int4: Option<Int4Matrix>,
     rope: RopeTable,
     matmul: MatmulPolicy,
+    /// The part of the model this rank holds (all of it unless sharded).
+    shard: ShardSpec,
     _weights: WeightStore,
 }
 
@@ -181,6 +221,11 @@ impl Logits {
     pub fn vocab(&self) -> usize {
         self.vocab
     }
+
+    /// Every row, sequence after sequence (`vocab` floats each).
+    pub fn rows(&self) -> &[f32] {
+        &self.data
+    }
 }
 
 impl Model {
@@ -189,52 +234,71 @@ impl Model {
         let config = ModelConfig::from_dir(dir)?;
         let ws = WeightStore::open(dir)?;
         let quant = HfQuantization::from_dir(dir)?;
-        Self::from_parts(config, ws, quant.as_ref())
+        let shard = ShardSpec::full(&config);
+        Self::from_parts(config, ws, quant.as_ref(), shard)
+    }
+
+    /// Loads one rank's shard of a checkpoint (see [`crate::shard`]): only
+    /// its layers, and of those only its heads and intermediate features.
+    /// Column-parallel weights are mapped in place; row-parallel ones have
+    /// their columns copied out (the shard, never the whole matrix).
+    pub fn load_shard(
+        dir: &Path,
+        tp: usize,
+        tp_rank: usize,
+        pp: usize,
+        stage: usize,
+    ) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let shard = ShardSpec::new(&config, tp, tp_rank, pp, stage)?;
+        let ws = WeightStore::open(dir)?;
+        let quant = HfQuantization::from_dir(dir)?;
+        Self::from_parts(config, ws, quant.as_ref(), shard)
     }
 
     fn from_parts(
         config: ModelConfig,
         ws: WeightStore,
         quant: Option<&HfQuantization>,
+        shard: ShardSpec,
     ) -> Result<Self> {
         let c = &config;
-        let (h, q_out, kv_out) = (
-            c.hidden_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-        );
+        shard.check(c)?;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let whole = shard.tp_size == 1;
+        let (qh, kvh, inter) = (shard.q_heads(c), shard.kv_heads(c), shard.intermediate(c));
+        let outputs = |r: &std::ops::Range<usize>, scale: usize| match whole {
+            true => Split::Whole,
+            false => Split::Outputs(r.start * scale..r.end * scale),
+        };
+        let inputs = |r: &std::ops::Range<usize>, scale: usize| match whole {
+            true => Split::Whole,
+            false => Split::Inputs {
+                range: r.start * scale..r.end * scale,
+                keeps_bias: shard.tp_rank == 0,
+            },
+        };
         let embed = ws.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
-        let layers = (0..c.num_layers)
+        let layers = shard
+            .layers
+            .clone()
             .map(|i| {
                 let p = format!("model.layers.{i}");
+                let load = |name: &str, out: usize, inp: usize, split: Split| {
+                    Linear::load_part(&ws, quant, &format!("{p}.{name}"), out, inp, split)
+                };
+                let i_size = c.intermediate_size;
                 Ok(Layer {
                     input_norm: ws.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                    q: Linear::load(&ws, quant, &format!("{p}.self_attn.q_proj"), q_out, h)?,
-                    k: Linear::load(&ws, quant, &format!("{p}.self_attn.k_proj"), kv_out, h)?,
-                    v: Linear::load(&ws, quant, &format!("{p}.self_attn.v_proj"), kv_out, h)?,
-                    o: Linear::load(&ws, quant, &format!("{p}.self_attn.o_proj"), h, q_out)?,
+                    q: load("self_attn.q_proj", q_out, h, outputs(&qh, d))?,
+                    k: load("self_attn.k_proj", kv_out, h, outputs(&kvh, d))?,
+                    v: load("self_attn.v_proj", kv_out, h, outputs(&kvh, d))?,
+                    o: load("self_attn.o_proj", h, q_out, inputs(&qh, d))?,
                     post_norm: ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                    gate: Linear::load(
-                        &ws,
-                        quant,
-                        &format!("{p}.mlp.gate_proj"),
-                        c.intermediate_size,
-                        h,
-                    )?,
-                    up: Linear::load(
-                        &ws,
-                        quant,
-                        &format!("{p}.mlp.up_proj"),
-                        c.intermediate_size,
-                        h,
-                    )?,
-                    down: Linear::load(
-                        &ws,
-                        quant,
-                        &format!("{p}.mlp.down_proj"),
-                        h,
-                        c.intermediate_size,
-                    )?,
+                    gate: load("mlp.gate_proj", i_size, h, outputs(&inter, 1))?,
+                    up: load("mlp.up_proj", i_size, h, outputs(&inter, 1))?,
+                    down: load("mlp.down_proj", h, i_size, inputs(&inter, 1))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -259,6 +323,7 @@ impl Model {
             lm_head_int4: None,
             rope,
             matmul: MatmulPolicy::default(),
+            shard,
             _weights: ws,
         })
     }
@@ -274,8 +339,14 @@ impl Model {
                 self.layers.len()
             )));
         }
+        if !self.shard.is_full() {
+            return Err(EngineError::Unsupported(
+                "an early-exit copy needs the whole model, not a shard".into(),
+            ));
+        }
         self.layers.truncate(n);
         self.config.num_layers = n;
+        self.shard = ShardSpec::full(&self.config);
         Ok(())
     }
 
@@ -289,11 +360,17 @@ impl Model {
         &self.config
     }
 
-    /// The KV layout this model needs for a given block size.
+    /// The part of the model this rank holds.
+    pub fn shard(&self) -> &ShardSpec {
+        &self.shard
+    }
+
+    /// The KV layout this model (this rank's shard of it: its layers, its
+    /// KV heads) needs for a given block size.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         KvLayout {
-            num_layers: self.config.num_layers,
-            num_kv_heads: self.config.num_kv_heads,
+            num_layers: self.layers.len(),
+            num_kv_heads: self.shard.kv_heads(&self.config).len(),
             head_dim: self.config.head_dim,
             block_size,
         }
@@ -311,11 +388,14 @@ impl Model {
                     .sum::<usize>()
             })
             .sum();
-        layers
-            + self
+        let head = match self.shard.computes_logits() {
+            true => self
                 .lm_head_int4
                 .as_ref()
-                .map_or_else(|| self.head().bytes(), Int4Matrix::bytes)
+                .map_or_else(|| self.head().bytes(), Int4Matrix::bytes),
+            false => 0,
+        };
+        layers + head
     }
 
     /// Quantizes every dense linear layer (attention and MLP projections)
@@ -337,7 +417,9 @@ impl Model {
                 lin.quantize(config, &format!("layer {i} {name}"))?;
             }
         }
-        self.lm_head_int4 = Some(Int4Matrix::quantize(self.head(), config)?);
+        if self.shard.computes_logits() {
+            self.lm_head_int4 = Some(Int4Matrix::quantize(self.head(), config)?);
+        }
         Ok(())
     }
 
@@ -372,7 +454,7 @@ impl Model {
     }
 
     /// Checks a batch against the vocabulary, the context limit and the cache.
-    fn validate(&self, batch: &[SeqInput<'_>], kv: &KvCache) -> Result<()> {
+    pub fn validate(&self, batch: &[SeqInput<'_>], kv: &KvCache) -> Result<()> {
         let c = &self.config;
         let want = self.kv_layout(kv.layout().block_size);
         if *kv.layout() != want {
@@ -431,10 +513,36 @@ impl Model {
         kv: &mut KvCache,
         after_layer: &mut dyn FnMut(usize, &KvCache),
     ) -> Result<Logits> {
+        self.forward_stage(batch, kv, &mut NoPeers, after_layer)?
+            .ok_or_else(|| {
+                EngineError::InvalidRequest(
+                    "this rank holds a shard of the model: run it with forward_stage".into(),
+                )
+            })
+    }
+
+    /// This rank's part of one step ([`crate::shard`]): the first stage
+    /// embeds the tokens, a later one takes the previous stage's activations
+    /// from `peers`; the rank's layers run on its heads and features, with an
+    /// all-reduce after attention and after the MLP when tensor-parallel;
+    /// then the activations go to the next stage, or (last stage, TP rank 0)
+    /// the logits come back. `after_layer` gets the layer's index in this
+    /// rank's KV cache. The unsharded model is the case with no peers.
+    pub fn forward_stage(
+        &self,
+        batch: &[SeqInput<'_>],
+        kv: &mut KvCache,
+        peers: &mut dyn ShardPeers,
+        after_layer: &mut dyn FnMut(usize, &KvCache),
+    ) -> Result<Option<Logits>> {
         self.validate(batch, kv)?;
         let c = &self.config;
         let (hsz, d) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let num_heads = self.shard.q_heads(c).len();
+        let num_kv_heads = self.shard.kv_heads(c).len();
+        let inter = self.shard.intermediate(c).len();
+        let (q_out, kv_out) = (num_heads * d, num_kv_heads * d);
+        let tensor_parallel = self.shard.tp_size > 1;
         let bs = kv.layout().block_size;
 
         // Flatten: token ids, positions, and each sequence's row range.
@@ -454,8 +562,12 @@ impl Model {
         let t = tokens.len();
 
         let mut x = vec![0.0f32; t * hsz];
-        for (row, &tok) in x.chunks_exact_mut(hsz).zip(&tokens) {
-            self.embed.row_to_f32(tok as usize, row);
+        if self.shard.first_stage() {
+            for (row, &tok) in x.chunks_exact_mut(hsz).zip(&tokens) {
+                self.embed.row_to_f32(tok as usize, row);
+            }
+        } else {
+            peers.recv_activations(&mut x)?;
         }
         let half = d / 2;
         let mut cos = vec![0.0f32; t * half];
@@ -474,11 +586,11 @@ impl Model {
         let mut v = vec![0.0f32; t * kv_out];
         let mut attn = vec![0.0f32; t * q_out];
         let mut proj = vec![0.0f32; t * hsz];
-        let mut gate = vec![0.0f32; t * c.intermediate_size];
-        let mut up = vec![0.0f32; t * c.intermediate_size];
+        let mut gate = vec![0.0f32; t * inter];
+        let mut up = vec![0.0f32; t * inter];
         let heads = Heads {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
+            num_heads,
+            num_kv_heads,
             head_dim: d,
         };
 
@@ -511,8 +623,12 @@ impl Model {
                 }
             }
             after_layer(li, kv);
-            paged_attention(&q, kv, li, &seqs, heads, c.sliding_window[li], &mut attn);
+            let window = c.sliding_window[self.shard.layers.start + li];
+            paged_attention(&q, kv, li, &seqs, heads, window, &mut attn);
             layer.o.forward(&attn, t, self.matmul, &mut proj);
+            if tensor_parallel {
+                peers.all_reduce(&mut proj)?;
+            }
             add_in_place(&mut x, &proj);
 
             rms_norm(&x, &layer.post_norm, c.rms_norm_eps, &mut h);
@@ -520,7 +636,17 @@ impl Model {
             layer.up.forward(&h, t, self.matmul, &mut up);
             silu_mul(&mut gate, &up);
             layer.down.forward(&gate, t, self.matmul, &mut proj);
+            if tensor_parallel {
+                peers.all_reduce(&mut proj)?;
+            }
             add_in_place(&mut x, &proj);
+        }
+        if !self.shard.last_stage() {
+            peers.send_activations(&x)?;
+            return Ok(None);
+        }
+        if !self.shard.computes_logits() {
+            return Ok(None);
         }
 
         // Only the rows whose logits were asked for go through the head.
@@ -550,10 +676,10 @@ impl Model {
             Some(head) => linear_int4(&sel, rows.len(), head, None, self.matmul, &mut data),
             None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
         }
-        Ok(Logits {
+        Ok(Some(Logits {
             data,
             vocab,
             starts,
-        })
+        }))
     }
 }

@@ -178,6 +178,17 @@ impl Matrix {
     }
 }
 
+/// Bytes per element of a float weight dtype.
+fn dtype_size(name: &str, dtype: Dtype) -> Result<usize> {
+    match dtype {
+        Dtype::F32 => Ok(4),
+        Dtype::BF16 | Dtype::F16 => Ok(2),
+        other => Err(EngineError::Unsupported(format!(
+            "tensor `{name}` has dtype {other:?} (supported: F32, BF16, F16)"
+        ))),
+    }
+}
+
 struct Entry {
     file: usize,
     dtype: Dtype,
@@ -311,6 +322,96 @@ impl WeightStore {
             rows,
             cols,
             data: self.data(name, e)?,
+        })
+    }
+
+    /// Rows `rows` of a `[total_rows, cols]` matrix: a tensor-parallel
+    /// shard of a column-parallel layer (its output features), mapped in
+    /// place like [`matrix`](Self::matrix) — rows are contiguous.
+    pub fn matrix_rows(
+        &self,
+        name: &str,
+        total_rows: usize,
+        cols: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Matrix> {
+        let e = self.entry(name, &[total_rows, cols])?;
+        if rows.start > rows.end || rows.end > total_rows {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "rows {rows:?} of tensor `{name}` are outside its {total_rows} rows"
+            )));
+        }
+        let size = dtype_size(name, e.dtype)?;
+        let part = Entry {
+            file: e.file,
+            dtype: e.dtype,
+            shape: vec![rows.len(), cols],
+            start: e.start + rows.start * cols * size,
+            end: e.start + rows.end * cols * size,
+        };
+        Ok(Matrix {
+            rows: rows.len(),
+            cols,
+            data: self.data(name, &part)?,
+        })
+    }
+
+    /// Columns `cols` of a `[rows, total_cols]` matrix: a tensor-parallel
+    /// shard of a row-parallel layer (its input features). Columns are
+    /// strided in the file, so the shard (and only the shard) is copied out,
+    /// in the stored dtype.
+    pub fn matrix_cols(
+        &self,
+        name: &str,
+        rows: usize,
+        total_cols: usize,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Matrix> {
+        let e = self.entry(name, &[rows, total_cols])?;
+        if cols.start > cols.end || cols.end > total_cols {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "columns {cols:?} of tensor `{name}` are outside its {total_cols} columns"
+            )));
+        }
+        let size = dtype_size(name, e.dtype)?;
+        let bytes = &self.maps[e.file][e.start..e.end];
+        let mut shard = Vec::with_capacity(rows * cols.len() * size);
+        for r in 0..rows {
+            let row = r * total_cols * size;
+            shard.extend_from_slice(&bytes[row + cols.start * size..row + cols.end * size]);
+        }
+        fn owned<T: bytemuck::Pod>(bytes: &[u8]) -> Buf<T> {
+            Buf::from(
+                bytes
+                    .chunks_exact(std::mem::size_of::<T>())
+                    .map(bytemuck::pod_read_unaligned::<T>)
+                    .collect::<Vec<T>>(),
+            )
+        }
+        let data = match e.dtype {
+            Dtype::F32 => WeightData::F32(owned(&shard)),
+            Dtype::BF16 => WeightData::Bf16(owned(&shard)),
+            _ => WeightData::F16(owned(&shard)),
+        };
+        Ok(Matrix {
+            rows,
+            cols: cols.len(),
+            data,
+        })
+    }
+
+    /// Elements `range` of a 1-D tensor widened to f32 (a shard of a bias).
+    pub fn vector_part(
+        &self,
+        name: &str,
+        len: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let full = self.vector(name, len)?;
+        full.get(range.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
+            EngineError::InvalidCheckpoint(format!(
+                "elements {range:?} of tensor `{name}` are outside its {len}"
+            ))
         })
     }
 

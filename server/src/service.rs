@@ -129,6 +129,7 @@ pub fn status_from_engine(e: EngineError) -> Status {
                 .insert(RETRY_AFTER_HEADER, MetadataValue::from(secs));
             status
         }
+        EngineError::Stopped(_) => Status::unavailable(e.to_string()),
         other => Status::internal(other.to_string()),
     }
 }

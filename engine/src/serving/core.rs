@@ -213,6 +213,9 @@ fn child_span(parent: &tracing::Span, make: impl FnOnce() -> tracing::Span) -> t
 #[derive(Debug)]
 pub struct EngineCore {
     backend: Box<dyn ComputeBackend>,
+    /// Set when the backend failed for good: every request has been failed
+    /// and new ones are refused.
+    failure: Option<String>,
     tokenizer: Option<Arc<Tokenizer>>,
     eos: Vec<u32>,
     scheduler: Scheduler,
@@ -345,6 +348,7 @@ impl EngineCore {
             .map(|t| Arc::new(Grammars::new(t.clone(), mc.vocab_size, eos.clone())));
         Ok(Self {
             backend,
+            failure: None,
             tokenizer,
             grammars,
             masks: MaskWorkers::default(),
@@ -427,6 +431,12 @@ impl EngineCore {
         req: ValidRequest,
         sink: UnboundedSender<RequestEvent>,
     ) {
+        if let Some(why) = &self.failure {
+            let _ = sink.send(RequestEvent::Error(format!(
+                "the engine has stopped: {why}"
+            )));
+            return;
+        }
         let sampler = match Sampler::new(req.sampling.clone(), &req.prompt_ids) {
             Ok(s) => s,
             Err(e) => {
@@ -653,6 +663,7 @@ impl EngineCore {
                 // than compute on a stale block.
                 tracing::error!(error = %e, ?copy, "KV block copy failed");
                 self.fail_scheduled(&plan, &format!("KV block copy failed: {e}"));
+                self.check_backend();
                 self.refresh_stats();
                 return;
             }
@@ -687,8 +698,10 @@ impl EngineCore {
             }
             Err(e) => {
                 // Validation makes this unreachable in practice; if it
-                // happens, fail the step's requests rather than the engine.
+                // happens, fail the step's requests rather than the engine
+                // (unless the backend is gone for good).
                 self.fail_scheduled(&plan, &e.to_string());
+                self.check_backend();
             }
         }
         self.stats.steps += 1;
@@ -1111,6 +1124,26 @@ impl EngineCore {
         for g in groups {
             self.fail_group(g, msg);
         }
+    }
+
+    /// After a failed step: if the backend can never run again, fails every
+    /// request (their blocks go back) and stops taking new ones.
+    fn check_backend(&mut self) {
+        let Some(why) = self.backend.failure() else {
+            return;
+        };
+        tracing::error!(reason = %why, "the compute backend failed for good; failing every request");
+        let msg = format!("the engine has stopped: {why}");
+        let groups: Vec<u64> = self.groups.keys().copied().collect();
+        for g in groups {
+            self.fail_group(g, &msg);
+        }
+        self.failure = Some(why);
+    }
+
+    /// Why the engine stopped, once it has (see [`ComputeBackend::failure`]).
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
     }
 
     fn fail_group(&mut self, group_id: u64, msg: &str) {

@@ -67,6 +67,8 @@ struct Shared {
     in_flight: AtomicUsize,
     /// ... and the engine's waiting requests, as last published.
     waiting: AtomicUsize,
+    /// Why the engine stopped, once its backend failed for good.
+    failure: Mutex<Option<String>>,
 }
 
 /// The retry hint of a refused request: about how long a full queue takes
@@ -114,6 +116,7 @@ impl EngineHandle {
             max_queued: core.max_queued_requests(),
             in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
+            failure: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
         let loop_shared = shared.clone();
@@ -151,8 +154,18 @@ impl EngineHandle {
             .map_or_else(|e| e.into_inner().clone(), |s| s.clone())
     }
 
+    /// Why the engine stopped, once its backend failed for good (a lost
+    /// tensor-parallel rank, a dead device): every request has failed and
+    /// new ones are refused. A server should then leave the cluster.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().ok().and_then(|f| f.clone())
+    }
+
     /// Validates a request and queues it. Errors name the field at fault.
     pub fn submit(&self, req: Request) -> Result<RequestStream> {
+        if let Some(why) = self.failure() {
+            return Err(EngineError::Stopped(why));
+        }
         // Compiles the response format here, on the caller's thread.
         let valid = validate(
             req,
@@ -338,6 +351,11 @@ fn run(mut core: EngineCore, commands: Receiver<Command>, shared: &Shared) {
         publish_queue(&core, shared, 0);
         if let Ok(mut s) = shared.stats.lock() {
             *s = core.stats();
+        }
+        if let Some(why) = core.failure() {
+            if let Ok(mut f) = shared.failure.lock() {
+                f.get_or_insert_with(|| why.to_string());
+            }
         }
     }
 }

@@ -1,0 +1,231 @@
+//! One rank's part of a tensor- and pipeline-parallel model.
+//!
+//! Megatron-style tensor parallelism (TP) splits every layer across the
+//! ranks of a stage: q/k/v, gate and up are *column-parallel* (each rank
+//! computes a slice of their output features: whole attention heads, a slice
+//! of the MLP's intermediate features), o and down are *row-parallel* (each
+//! rank multiplies its slice of their input features and the partial sums
+//! are added by one all-reduce after attention and one after the MLP). A
+//! rank holds only its rows or columns of those weights and only its KV
+//! heads. When the model has fewer KV heads than ranks, each KV head is
+//! replicated on the ranks whose query heads use it.
+//!
+//! Pipeline parallelism (PP) gives each stage a contiguous range of layers;
+//! the first stage embeds, the last one normalises and runs the output head
+//! (on its TP rank 0 only), and activations pass between stages.
+//!
+//! The engine knows nothing of how ranks talk: a sharded forward pass gets a
+//! [`ShardPeers`], which `tandem-parallel` implements over a communicator.
+
+use std::ops::Range;
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+
+/// Which part of the model a rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Ranks in this rank's tensor-parallel group.
+    pub tp_size: usize,
+    /// This rank's place in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The layers this rank's pipeline stage runs (global indices).
+    pub layers: Range<usize>,
+    /// Layers in the whole model.
+    pub total_layers: usize,
+}
+
+impl ShardSpec {
+    /// The whole model on one rank.
+    pub fn full(config: &ModelConfig) -> Self {
+        Self {
+            tp_size: 1,
+            tp_rank: 0,
+            layers: 0..config.num_layers,
+            total_layers: config.num_layers,
+        }
+    }
+
+    /// Stage `stage` of `pp` (contiguous layer ranges, the first stages
+    /// taking one more layer when `pp` does not divide the layers), TP rank
+    /// `tp_rank` of `tp`. Refuses what cannot be split, naming why.
+    pub fn new(
+        config: &ModelConfig,
+        tp: usize,
+        tp_rank: usize,
+        pp: usize,
+        stage: usize,
+    ) -> Result<Self> {
+        let layers = stage_layers(config.num_layers, pp, stage)?;
+        let spec = Self {
+            tp_size: tp,
+            tp_rank,
+            layers,
+            total_layers: config.num_layers,
+        };
+        spec.check(config)?;
+        Ok(spec)
+    }
+
+    /// Checks that `config` can be split this way.
+    pub fn check(&self, c: &ModelConfig) -> Result<()> {
+        let tp = self.tp_size;
+        if tp == 0 || self.tp_rank >= tp {
+            return Err(EngineError::InvalidRequest(format!(
+                "tensor-parallel rank {} of {tp} does not exist",
+                self.tp_rank
+            )));
+        }
+        let fail = |what: String| {
+            Err(EngineError::Unsupported(format!(
+                "tensor parallelism {tp} cannot split this model: {what}"
+            )))
+        };
+        if !c.num_heads.is_multiple_of(tp) {
+            return fail(format!("{} attention heads", c.num_heads));
+        }
+        if !c.intermediate_size.is_multiple_of(tp) {
+            return fail(format!("intermediate size {}", c.intermediate_size));
+        }
+        let kv = c.num_kv_heads;
+        if kv >= tp && !kv.is_multiple_of(tp) || kv < tp && !tp.is_multiple_of(kv) {
+            return fail(format!(
+                "{kv} KV heads (they must divide among the ranks, or the ranks among them)"
+            ));
+        }
+        if self.layers.is_empty()
+            || self.layers.end > c.num_layers
+            || self.total_layers != c.num_layers
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "layers {:?} are not a stage of a {}-layer model",
+                self.layers, c.num_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether this rank embeds the tokens (the first stage).
+    pub fn first_stage(&self) -> bool {
+        self.layers.start == 0
+    }
+
+    /// Whether this rank's stage ends the model (final norm and head).
+    pub fn last_stage(&self) -> bool {
+        self.layers.end == self.total_layers
+    }
+
+    /// Whether this rank computes the logits (TP rank 0 of the last stage).
+    pub fn computes_logits(&self) -> bool {
+        self.last_stage() && self.tp_rank == 0
+    }
+
+    /// Whether this is the whole model.
+    pub fn is_full(&self) -> bool {
+        self.tp_size == 1 && self.layers.start == 0 && self.last_stage()
+    }
+
+    /// This rank's query heads.
+    pub fn q_heads(&self, c: &ModelConfig) -> Range<usize> {
+        let n = c.num_heads / self.tp_size;
+        self.tp_rank * n..(self.tp_rank + 1) * n
+    }
+
+    /// This rank's KV heads (one replicated head when there are fewer KV
+    /// heads than ranks).
+    pub fn kv_heads(&self, c: &ModelConfig) -> Range<usize> {
+        kv_heads_of(c.num_kv_heads, self.tp_size, self.tp_rank)
+    }
+
+    /// This rank's slice of the MLP's intermediate features.
+    pub fn intermediate(&self, c: &ModelConfig) -> Range<usize> {
+        let n = c.intermediate_size / self.tp_size;
+        self.tp_rank * n..(self.tp_rank + 1) * n
+    }
+}
+
+/// The KV heads TP rank `rank` of `tp` holds.
+pub fn kv_heads_of(kv_heads: usize, tp: usize, rank: usize) -> Range<usize> {
+    if kv_heads >= tp {
+        let n = kv_heads / tp;
+        rank * n..(rank + 1) * n
+    } else {
+        let h = rank * kv_heads / tp;
+        h..h + 1
+    }
+}
+
+/// Stage `stage` of `pp`'s layers.
+pub fn stage_layers(num_layers: usize, pp: usize, stage: usize) -> Result<Range<usize>> {
+    if pp == 0 || stage >= pp {
+        return Err(EngineError::InvalidRequest(format!(
+            "pipeline stage {stage} of {pp} does not exist"
+        )));
+    }
+    if pp > num_layers {
+        return Err(EngineError::Unsupported(format!(
+            "pipeline parallelism {pp} needs at least {pp} layers (the model has {num_layers})"
+        )));
+    }
+    let (base, extra) = (num_layers / pp, num_layers % pp);
+    let start = stage * base + stage.min(extra);
+    let len = base + usize::from(stage < extra);
+    Ok(start..start + len)
+}
+
+/// What a sharded forward pass needs from the other ranks.
+pub trait ShardPeers {
+    /// Sums `buf` over this rank's tensor-parallel group (every member gets
+    /// the same bits).
+    fn all_reduce(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// The previous stage's activations for this micro-batch.
+    fn recv_activations(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// This stage's activations, to the next stage.
+    fn send_activations(&mut self, buf: &[f32]) -> Result<()>;
+}
+
+/// The peers of an unsharded model: there are none.
+#[derive(Debug, Default)]
+pub struct NoPeers;
+
+impl ShardPeers for NoPeers {
+    fn all_reduce(&mut self, _: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+
+    fn recv_activations(&mut self, _: &mut [f32]) -> Result<()> {
+        Err(EngineError::InvalidRequest(
+            "an unsharded model has no previous stage".into(),
+        ))
+    }
+
+    fn send_activations(&mut self, _: &[f32]) -> Result<()> {
+        Err(EngineError::InvalidRequest(
+            "an unsharded model has no next stage".into(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_cover_the_layers_contiguously() {
+        let ranges: Vec<_> = (0..3)
+            .map(|s| stage_layers(8, 3, s).expect("stage"))
+            .collect();
+        assert_eq!(ranges, vec![0..3, 3..6, 6..8]);
+        assert!(stage_layers(2, 3, 0).is_err());
+        assert!(stage_layers(8, 2, 2).is_err());
+    }
+
+    #[test]
+    fn kv_heads_split_or_replicate() {
+        assert_eq!(kv_heads_of(4, 2, 1), 2..4);
+        assert_eq!(kv_heads_of(2, 4, 0), 0..1);
+        assert_eq!(kv_heads_of(2, 4, 1), 0..1);
+        assert_eq!(kv_heads_of(2, 4, 2), 1..2);
+        assert_eq!(kv_heads_of(1, 2, 1), 0..1);
+    }
+}

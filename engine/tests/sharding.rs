@@ -1,0 +1,194 @@
+//! Tensor- and pipeline-parallel shards of a model, run as threads joined by
+//! channels (an in-process stand-in for the communicator: the real one, with
+//! one process per rank, is tested in `tandem-parallel` and the CLI), give
+//! the whole model's logits.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+
+use tandem_engine::shard::ShardPeers;
+use tandem_engine::{BlockAllocator, BlockTable, DType, EngineError, KvCache, Model, SeqInput};
+
+/// Channels between every pair of ranks; rank = stage * tp + tp_rank.
+struct ChannelPeers {
+    rank: usize,
+    tp: usize,
+    to: HashMap<usize, Sender<Vec<f32>>>,
+    from: HashMap<usize, Receiver<Vec<f32>>>,
+}
+
+fn mesh(world: usize, tp: usize) -> Vec<ChannelPeers> {
+    let mut peers: Vec<ChannelPeers> = (0..world)
+        .map(|rank| ChannelPeers {
+            rank,
+            tp,
+            to: HashMap::new(),
+            from: HashMap::new(),
+        })
+        .collect();
+    for a in 0..world {
+        for b in 0..world {
+            if a != b {
+                let (tx, rx) = channel();
+                peers[a].to.insert(b, tx);
+                peers[b].from.insert(a, rx);
+            }
+        }
+    }
+    peers
+}
+
+fn lost(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Backend {
+        device: "test",
+        message: e.to_string(),
+    }
+}
+
+impl ShardPeers for ChannelPeers {
+    fn all_reduce(&mut self, buf: &mut [f32]) -> tandem_engine::Result<()> {
+        let first = self.rank / self.tp * self.tp;
+        let group: Vec<usize> = (first..first + self.tp).collect();
+        for &p in group.iter().filter(|&&p| p != self.rank) {
+            self.to[&p].send(buf.to_vec()).map_err(lost)?;
+        }
+        let mut sum = vec![0.0f32; buf.len()];
+        for &p in &group {
+            let part = if p == self.rank {
+                buf.to_vec()
+            } else {
+                self.from[&p].recv().map_err(lost)?
+            };
+            for (s, x) in sum.iter_mut().zip(part) {
+                *s += x;
+            }
+        }
+        buf.copy_from_slice(&sum);
+        Ok(())
+    }
+
+    fn recv_activations(&mut self, buf: &mut [f32]) -> tandem_engine::Result<()> {
+        let got = self.from[&(self.rank - self.tp)].recv().map_err(lost)?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    }
+
+    fn send_activations(&mut self, buf: &[f32]) -> tandem_engine::Result<()> {
+        self.to[&(self.rank + self.tp)]
+            .send(buf.to_vec())
+            .map_err(lost)
+    }
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (seed * 37 + i * 11) % 500).collect()
+}
+
+/// Two steps (a batch of two prompts, then one decode token each) on
+/// `tp × pp` ranks; returns the logit rows of the rank that computes them.
+fn run_sharded(dir: &std::path::Path, tp: usize, pp: usize) -> Vec<Vec<f32>> {
+    let world = tp * pp;
+    let bs = 4;
+    let prompts = [prompt(1, 13), prompt(2, 6)];
+    let results: Vec<Option<Vec<Vec<f32>>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = mesh(world, tp)
+            .into_iter()
+            .map(|mut peers| {
+                let prompts = &prompts;
+                s.spawn(move || {
+                    let (stage, tp_rank) = (peers.rank / tp, peers.rank % tp);
+                    let model = Model::load_shard(dir, tp, tp_rank, pp, stage).expect("shard");
+                    let mut kv = KvCache::new(model.kv_layout(bs), 32);
+                    // Every rank allocates the same block ids, as the leader's
+                    // allocator would hand them out.
+                    let pool = BlockAllocator::new(32, bs).expect("pool");
+                    let mut tables: Vec<BlockTable> =
+                        prompts.iter().map(|_| BlockTable::new(&pool)).collect();
+                    let mut out = Vec::new();
+                    let steps: [Vec<(usize, Vec<u32>)>; 2] = [
+                        vec![(0, prompts[0].clone()), (0, prompts[1].clone())],
+                        vec![(prompts[0].len(), vec![7]), (prompts[1].len(), vec![9])],
+                    ];
+                    for step in steps {
+                        for (t, (_, toks)) in tables.iter_mut().zip(&step) {
+                            t.append(toks.len()).expect("blocks");
+                        }
+                        let batch: Vec<SeqInput<'_>> = step
+                            .iter()
+                            .zip(&tables)
+                            .map(|((start, toks), t)| SeqInput {
+                                tokens: toks,
+                                start_pos: *start,
+                                blocks: t.blocks(),
+                                all_logits: *start == 0,
+                            })
+                            .collect();
+                        let logits = model
+                            .forward_stage(&batch, &mut kv, &mut peers, &mut |_, _| {})
+                            .expect("forward");
+                        if let Some(l) = logits {
+                            out.extend((0..batch.len()).map(|i| l.seq(i).to_vec()));
+                        }
+                    }
+                    model.shard().computes_logits().then_some(out)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let mut with_logits = results.into_iter().flatten();
+    let out = with_logits.next().expect("one rank computes logits");
+    assert!(
+        with_logits.next().is_none(),
+        "exactly one rank computes logits"
+    );
+    out
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn tensor_and_pipeline_shards_give_the_whole_models_logits() {
+    for (preset, layouts) in [
+        ("tiny", &[(2, 1), (1, 2), (2, 2)][..]),
+        // One KV head, replicated on every rank of the group; tied head.
+        ("tiny-mqa", &[(2, 1), (4, 1), (4, 2)][..]),
+    ] {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        tandem_engine::synth::preset(preset)
+            .expect("preset")
+            .write(tmp.path(), 5, DType::F32)
+            .expect("write");
+        let whole = run_sharded(tmp.path(), 1, 1);
+        for &(tp, pp) in layouts {
+            let d = max_diff(&whole, &run_sharded(tmp.path(), tp, pp));
+            assert!(d < 1e-4, "{preset} tp={tp} pp={pp}: logits differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn splits_that_do_not_divide_the_model_are_refused_by_name() {
+    let (tmp, _) = common::synth_model("tiny", 1, DType::F32);
+    let err = Model::load_shard(tmp.path(), 3, 0, 1, 0).expect_err("4 heads / 3");
+    assert!(err.to_string().contains("attention heads"), "{err}");
+    let err = Model::load_shard(tmp.path(), 1, 0, 3, 0).expect_err("2 layers / 3 stages");
+    assert!(err.to_string().contains("layers"), "{err}");
+    let shard = Model::load_shard(tmp.path(), 2, 1, 2, 1).expect("tp2 pp2");
+    let layout = shard.kv_layout(16);
+    assert_eq!((layout.num_layers, layout.num_kv_heads), (1, 1));
+}
