@@ -119,22 +119,31 @@ fn prefill_and_decode_pools_with_different_tensor_parallelism_agree() {
     }
 }
 
-/// The pids of `pid`'s children.
+/// The pids of `pid`'s children (from `/proc`).
 fn children(pid: u32) -> Vec<u32> {
-    let out = Command::new("pgrep")
-        .args(["-P", &pid.to_string()])
-        .output()
-        .expect("pgrep");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.trim().parse().ok())
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|stat| {
+                // `pid (comm) state ppid ...`; comm may hold spaces.
+                stat.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.split(' ').nth(1))
+                    .and_then(|ppid| ppid.parse::<u32>().ok())
+                    == Some(pid)
+            })
+        })
         .collect()
 }
 
 fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.split(' ').nth(2) == Some("Z"))
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
 }
 
 #[test]

@@ -17,6 +17,9 @@ use tandem_parallel::{
 };
 
 const BLOCKS: usize = 32;
+
+/// One layer of one block: K and V.
+type BlockPair = (Vec<f32>, Vec<f32>);
 const BS: usize = 4;
 
 fn checkpoint(preset: &str) -> tempfile::TempDir {
@@ -78,7 +81,7 @@ fn argmax(row: &[f32]) -> u32 {
 fn greedy(
     backend: &mut dyn ComputeBackend,
     steps: usize,
-) -> (Vec<Vec<f32>>, Vec<(Vec<f32>, Vec<f32>)>) {
+) -> (Vec<Vec<f32>>, Vec<BlockPair>) {
     let pool = BlockAllocator::new(BLOCKS, BS).expect("pool");
     let mut seqs: Vec<Vec<u32>> = vec![prompt(1, 11), prompt(2, 5), prompt(3, 8)];
     let mut tables: Vec<BlockTable> = seqs.iter().map(|_| BlockTable::new(&pool)).collect();

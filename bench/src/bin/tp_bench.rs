@@ -15,7 +15,9 @@
 //! speed-ups and their median. Each child times `--reps` prefills of a
 //! `--prompt-len`-token prompt (median) and `--decode-steps` single-token
 //! decode steps, and the leader reports the time inside all-reduces per
-//! layer (two per layer, after attention and after the MLP).
+//! layer (two per layer, after attention and after the MLP) — inside the
+//! forward pass (transfer plus waiting for the other rank) and alone (two
+//! pinned processes doing nothing but a layer's all-reduces).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -98,6 +100,19 @@ fn main() -> Result<()> {
                 "rank" => {
                     let comm = TcpComm::connect(leader?, 1, 2, CommConfig::default())?;
                     run_follower(&dir, par, Box::new(comm))?;
+                    Ok(())
+                }
+                "allreduce-0" => {
+                    let rv = Rendezvous::bind(leader?)?;
+                    let mut comm = rv.accept(2, CommConfig::default())?;
+                    let hidden = Model::load(&dir)?.config().hidden_size;
+                    println!("{}", all_reduce_cost(&mut comm, hidden, &args)?);
+                    Ok(())
+                }
+                "allreduce-1" => {
+                    let mut comm = TcpComm::connect(leader?, 1, 2, CommConfig::default())?;
+                    let hidden = Model::load(&dir)?.config().hidden_size;
+                    all_reduce_cost(&mut comm, hidden, &args)?;
                     Ok(())
                 }
                 other => bail!("unknown role {other}"),
@@ -206,6 +221,33 @@ fn measure_leader(backend: &mut ParallelBackend, args: &Args) -> Result<Value> {
     }))
 }
 
+/// The communicator alone: the all-reduces of one layer (two of
+/// `tokens × hidden` floats) back to back between the two ranks, for a
+/// prefill's and a decode step's token counts. Median of many.
+fn all_reduce_cost(comm: &mut TcpComm, hidden: usize, args: &Args) -> Result<Value> {
+    use tandem_parallel::Communicator;
+    let group = [0, 1];
+    let mut time = |tokens: usize, reps: usize| -> Result<Duration> {
+        let mut buf = vec![1.0f32; tokens * hidden];
+        comm.all_reduce_sum(&group, &mut buf)?; // warm-up
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = Instant::now();
+            comm.all_reduce_sum(&group, &mut buf)?;
+            comm.all_reduce_sum(&group, &mut buf)?;
+            times.push(t.elapsed());
+        }
+        Ok(median(&times))
+    };
+    let prefill = time(args.prompt_len, 20)?;
+    let decode = time(1, 200)?;
+    Ok(json!({
+        "per_layer_prefill_s": prefill.as_secs_f64(),
+        "per_layer_decode_s": decode.as_secs_f64(),
+        "shared_memory_links": comm.shared_memory_links(),
+    }))
+}
+
 fn median(xs: &[Duration]) -> Duration {
     let mut v = xs.to_vec();
     v.sort();
@@ -284,6 +326,11 @@ fn parent(args: &Args) -> Result<()> {
             }
         }
         let (single, tp2) = (single.context("single")?, tp2.context("tp2")?);
+        let addr = free_port()?;
+        let ar0 = spawn(&exe, 0, &dir, args, "allreduce-0", Some(addr))?;
+        let mut ar1 = spawn(&exe, 1, &dir, args, "allreduce-1", Some(addr))?;
+        let all_reduce = result_of(ar0)?;
+        ar1.wait()?;
         let speedup = single["prefill_s"].as_f64().unwrap_or(0.0)
             / tp2["prefill_s"].as_f64().unwrap_or(f64::INFINITY);
         let decode_speedup = single["decode_step_s"].as_f64().unwrap_or(0.0)
@@ -292,6 +339,7 @@ fn parent(args: &Args) -> Result<()> {
         rounds.push(json!({
             "single": single,
             "tp2": tp2,
+            "all_reduce_alone": all_reduce,
             "prefill_speedup": speedup,
             "decode_speedup": decode_speedup,
         }));
@@ -309,14 +357,27 @@ fn parent(args: &Args) -> Result<()> {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
+    let med_ar = |key: &str| {
+        let mut v: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| r["all_reduce_alone"][key].as_f64())
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
     let report = json!({
         "model": if args.model.is_some() { dir.display().to_string() } else { "bench-100m (bf16, 88M params)".into() },
         "prompt_len": args.prompt_len,
         "threads_per_process": 1,
         "prefill_speedup_median": med("prefill_speedup"),
         "decode_speedup_median": med("decode_speedup"),
-        "all_reduce_per_layer_prefill_s_median": med_tp("all_reduce_per_layer_prefill_s"),
-        "all_reduce_per_layer_decode_s_median": med_tp("all_reduce_per_layer_decode_s"),
+        // Inside the forward pass: transfer plus waiting for the other
+        // rank to arrive (imbalance, scheduling).
+        "in_forward_all_reduce_per_layer_prefill_s_median": med_tp("all_reduce_per_layer_prefill_s"),
+        "in_forward_all_reduce_per_layer_decode_s_median": med_tp("all_reduce_per_layer_decode_s"),
+        // The communicator alone, both ranks ready: the transfer cost.
+        "all_reduce_alone_per_layer_prefill_s_median": med_ar("per_layer_prefill_s"),
+        "all_reduce_alone_per_layer_decode_s_median": med_ar("per_layer_decode_s"),
         "rounds": rounds,
     });
     let text = serde_json::to_string_pretty(&report)?;
