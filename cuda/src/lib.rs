@@ -13,6 +13,8 @@
 //! - [`ptx`]: the kernel source and the PTX cache key.
 //! - `device`, `model` (feature `cuda`): the CUDA context, cuBLAS, the
 //!   NVRTC-compiled kernels, and [`CudaModel`].
+//! - `nccl` (feature `cuda`): `NcclComm`, the `tandem_comm::Communicator`
+//!   seam on NCCL (one rank per GPU, bootstrapped over the CPU communicator).
 //!
 //! GEMMs are cuBLAS (`GemmEx`, f32 or bf16 inputs, f32 accumulation);
 //! decode steps of at most 8 rows use our own bf16 GEMV (weight streaming is
@@ -39,12 +41,16 @@ pub mod ptx;
 mod device;
 #[cfg(feature = "cuda")]
 mod model;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 #[cfg(feature = "cuda")]
 pub use device::{gpu_count, Gpu};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use model::{kv_block_bytes, CudaModel, CudaOptions, DeviceDType, StepOutput};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclComm;
 
 /// Warps per attention CTA (`ATTN_WARPS` in `kernels.cu`).
 pub const ATTN_WARPS: usize = 8;
