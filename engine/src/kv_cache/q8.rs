@@ -2,7 +2,8 @@
 //! (layer, block, KV head), for K and for V separately.
 //!
 //! A block-head's scale is `amax / code_max` of what it holds (127 for
-//! int8, 448 for e4m3), so `x ≈ scale · decode(code)`. Tokens arrive one at
+//! int8, 448 for e4m3; e4m3's rounded up to a power of two, see
+//! [`Code::scale_for`]), so `x ≈ scale · decode(code)`. Tokens arrive one at
 //! a time during decode: the first token of a block (slot 0) sets the scale;
 //! a later token whose magnitude exceeds it raises the scale and re-encodes
 //! the slots already written (one rounding more for them, only when the
@@ -76,6 +77,22 @@ impl Code {
         }
     }
 
+    /// The scale that fits magnitudes up to `amax`. Int8 uses its whole
+    /// range (`amax / 127`). E4M3 is a float: its relative precision is the
+    /// same across its range, so its scale is rounded up to a power of two,
+    /// which costs no precision and makes raising a block's scale later an
+    /// exact exponent shift of the codes already written (no second
+    /// rounding).
+    #[inline]
+    pub fn scale_for(self, amax: f32) -> f32 {
+        let s = amax / self.max();
+        match self {
+            Self::Int8 => s,
+            Self::Fp8E4m3 if s > 0.0 && s.is_finite() => 2f32.powi(s.log2().ceil() as i32),
+            Self::Fp8E4m3 => s,
+        }
+    }
+
     /// The code of `x / scale`'s nearest representable value.
     #[inline]
     pub fn encode(self, x: f32) -> u8 {
@@ -135,10 +152,10 @@ impl Q8Pool {
         let base = bh * block_size * d;
         let old = self.scales[bh];
         let scale = if slot == 0 {
-            amax / code.max()
+            code.scale_for(amax)
         } else if amax > old * code.max() {
             // Raise the block-head's scale and re-encode the rows before.
-            let new = amax / code.max();
+            let new = code.scale_for(amax);
             let mut buf = vec![0f32; slot * d];
             code.decode_into(&self.codes[base..base + slot * d], &mut buf);
             let ratio = old / new;
@@ -164,7 +181,7 @@ impl Q8Pool {
         for (h, src) in values.chunks_exact(per_head).enumerate() {
             let bh = block * heads + h;
             let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let scale = amax / code.max();
+            let scale = code.scale_for(amax);
             self.scales[bh] = scale;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             let dst = &mut self.codes[bh * per_head..(bh + 1) * per_head];
@@ -214,6 +231,23 @@ mod tests {
         assert_eq!(e4m3_encode(1e6), 0x7e);
         assert_eq!(t[e4m3_encode(1.06) as usize], 1.0); // 1.0 and 1.125 neighbours
         assert_eq!(t[e4m3_encode(1.1) as usize], 1.125);
+    }
+
+    #[test]
+    fn raising_an_e4m3_scale_keeps_the_earlier_rows_exactly() {
+        let (bs, d) = (4, 8);
+        let mut pool = Q8Pool::new(1, 1, bs, d);
+        let small: Vec<f32> = (0..d).map(|i| (i as f32 - 3.3) * 0.013).collect();
+        pool.write_row(Code::Fp8E4m3, 0, 0, bs, &small);
+        let before = pool.read_block(Code::Fp8E4m3, 0, 1, bs * d)[..d].to_vec();
+        let big: Vec<f32> = small.iter().map(|v| v * 37.0).collect();
+        pool.write_row(Code::Fp8E4m3, 0, 1, bs, &big);
+        assert!(pool.scales[0] > 16.0 * Code::Fp8E4m3.scale_for(0.05), "the scale grew");
+        let after = pool.read_block(Code::Fp8E4m3, 0, 1, bs * d)[..d].to_vec();
+        assert_eq!(before, after, "a power-of-two rescale is exact");
+        assert_eq!(Code::Fp8E4m3.scale_for(448.0), 1.0);
+        assert_eq!(Code::Fp8E4m3.scale_for(449.0), 2.0);
+        assert_eq!(Code::Fp8E4m3.scale_for(0.0), 0.0);
     }
 
     #[test]
