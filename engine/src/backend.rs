@@ -79,6 +79,13 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
     /// Writes one layer's K and V of a block (`[kv_head][slot][head_dim]`, f32).
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()>;
 
+    /// Whether the forward pass runs on rayon's global pool (CPU kernels):
+    /// the engine then runs each step on a pool thread, so the kernels'
+    /// parallel loops start and end without waking a sleeping thread.
+    fn uses_cpu_pool(&self) -> bool {
+        false
+    }
+
     /// Why the backend can never run again (a tensor-parallel rank died, a
     /// device was lost), once that has happened. The engine then fails every
     /// request and refuses new ones, rather than failing step after step.
@@ -152,6 +159,10 @@ impl ComputeBackend for CpuBackend {
             .forward_with_layer_hook(batch, &mut self.kv, &mut |l, kv: &KvCache| {
                 after_layer(l, kv)
             })
+    }
+
+    fn uses_cpu_pool(&self) -> bool {
+        true
     }
 
     fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use tandem_comm::Communicator;
-use tandem_engine::kernels::MatmulPolicy;
+use tandem_engine::kernels::{MatmulPolicy, GEMV_MAX_ROWS};
 use tandem_engine::{BlockCopy, KvCache, KvCacheDtype, Model, SeqInput};
 
 use crate::peers::{CommPeers, CommStats};
@@ -89,8 +89,11 @@ pub fn run_follower(
     loop {
         match Command::decode(&comm.recv_idle(0)?)? {
             Command::Step { micro_batches } => {
-                let mut logits = Vec::new();
-                {
+                // A small step runs on a pool thread, as the leader's engine
+                // runs it (see `EngineCore`'s `forward_placed`).
+                let rows: usize = micro_batches.iter().flatten().map(|s| s.tokens.len()).sum();
+                let mut run = || {
+                    let mut logits = Vec::new();
                     let mut peers = CommPeers::new(&mut *comm, par, place, &mut stats);
                     for mb in &micro_batches {
                         let inputs: Vec<SeqInput<'_>> = mb.iter().map(|s| s.input()).collect();
@@ -100,7 +103,13 @@ pub fn run_follower(
                             logits.push(l);
                         }
                     }
-                }
+                    Ok::<_, ParallelError>(logits)
+                };
+                let logits = if rows <= GEMV_MAX_ROWS {
+                    rayon::scope(|_| run())?
+                } else {
+                    run()?
+                };
                 // Sent after the whole step: see the crate docs.
                 for l in logits {
                     comm.send_f32(0, l.rows())?;

@@ -472,6 +472,10 @@ impl ComputeBackend for ParallelBackend {
     fn failure(&self) -> Option<String> {
         self.lost.clone()
     }
+
+    fn uses_cpu_pool(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for ParallelBackend {

@@ -73,15 +73,18 @@ fn decode_steps(model: &Model, context: usize, steps: usize) -> Result<Vec<f64>>
     let mut secs = Vec::with_capacity(steps);
     for step in 0..steps {
         let t = Instant::now();
-        let logits = model.forward(
-            &[SeqInput {
-                tokens: &[next],
-                start_pos: context + step,
-                blocks: &blocks,
-                all_logits: false,
-            }],
-            &mut kv,
-        )?;
+        // On a pool thread, as the engine runs a small step.
+        let logits = rayon::scope(|_| {
+            model.forward(
+                &[SeqInput {
+                    tokens: &[next],
+                    start_pos: context + step,
+                    blocks: &blocks,
+                    all_logits: false,
+                }],
+                &mut kv,
+            )
+        })?;
         secs.push(t.elapsed().as_secs_f64());
         next = argmax(logits.last(0));
     }

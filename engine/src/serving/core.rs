@@ -672,10 +672,10 @@ impl EngineCore {
         // their masks computed while it runs.
         let mut jobs = self.take_mask_jobs(&plan);
         let result = if jobs.is_empty() {
-            self.forward(&plan)
+            self.forward_placed(&plan)
         } else {
             let mut masks = std::mem::take(&mut self.masks);
-            let (result, timing) = masks.overlap(&mut jobs, || self.forward(&plan));
+            let (result, timing) = masks.overlap(&mut jobs, || self.forward_placed(&plan));
             self.masks = masks;
             let s = &mut self.stats;
             s.mask_steps += 1;
@@ -743,6 +743,23 @@ impl EngineCore {
         for (group, msg) in failed {
             self.fail_group(group, &format!("response_format: {msg}"));
         }
+    }
+
+    /// Runs the step's forward pass; a small step on a CPU backend runs on
+    /// a thread of rayon's pool: one hand-off per step instead of one per
+    /// parallel row kernel (about a hundred in a decode step, each waking
+    /// this thread from a sleep when it ends). Measured on the ~100M model,
+    /// 2 threads: batch-1 decode 1.1x (bf16) to 1.4x (INT4) faster. Large
+    /// steps (the GEMM path) stay here: they ran 7–15% slower on the pool.
+    fn forward_placed(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
+        let rows: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
+        if self.backend.uses_cpu_pool()
+            && rows <= crate::kernels::GEMV_MAX_ROWS
+            && rayon::current_thread_index().is_none()
+        {
+            return rayon::scope(|_| self.forward(plan));
+        }
+        self.forward(plan)
     }
 
     fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
