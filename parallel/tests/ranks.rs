@@ -78,10 +78,7 @@ fn argmax(row: &[f32]) -> u32 {
 /// Three prompts, then `steps` greedy decode steps, all batched; returns
 /// every step's logits and the blocks of layer `l` of the first prompt as
 /// the export hook read them after the prefill.
-fn greedy(
-    backend: &mut dyn ComputeBackend,
-    steps: usize,
-) -> (Vec<Vec<f32>>, Vec<BlockPair>) {
+fn greedy(backend: &mut dyn ComputeBackend, steps: usize) -> (Vec<Vec<f32>>, Vec<BlockPair>) {
     let pool = BlockAllocator::new(BLOCKS, BS).expect("pool");
     let mut seqs: Vec<Vec<u32>> = vec![prompt(1, 11), prompt(2, 5), prompt(3, 8)];
     let mut tables: Vec<BlockTable> = seqs.iter().map(|_| BlockTable::new(&pool)).collect();

@@ -242,7 +242,10 @@ mod tests {
         let before = pool.read_block(Code::Fp8E4m3, 0, 1, bs * d)[..d].to_vec();
         let big: Vec<f32> = small.iter().map(|v| v * 37.0).collect();
         pool.write_row(Code::Fp8E4m3, 0, 1, bs, &big);
-        assert!(pool.scales[0] > 16.0 * Code::Fp8E4m3.scale_for(0.05), "the scale grew");
+        assert!(
+            pool.scales[0] > 16.0 * Code::Fp8E4m3.scale_for(0.05),
+            "the scale grew"
+        );
         let after = pool.read_block(Code::Fp8E4m3, 0, 1, bs * d)[..d].to_vec();
         assert_eq!(before, after, "a power-of-two rescale is exact");
         assert_eq!(Code::Fp8E4m3.scale_for(448.0), 1.0);
