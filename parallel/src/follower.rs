@@ -79,6 +79,16 @@ pub fn run_follower(
         }
     };
     let mut stats = CommStats::default();
+    // Small steps run as one job on a pool of this rank's own (as the
+    // leader's engine runs them on rayon's), so their row kernels start
+    // without waking this thread. A private pool, because the job blocks in
+    // collectives: ranks sharing a process (tests) must not starve each
+    // other's kernels of threads.
+    let small_steps = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(move |i| format!("rank{rank}-{i}"))
+        .build()
+        .map_err(|e| ParallelError::Setup(format!("starting rank {rank}'s compute pool: {e}")))?;
     tracing::info!(
         rank,
         stage = place.stage,
@@ -89,8 +99,6 @@ pub fn run_follower(
     loop {
         match Command::decode(&comm.recv_idle(0)?)? {
             Command::Step { micro_batches } => {
-                // A small step runs on a pool thread, as the leader's engine
-                // runs it (see `EngineCore`'s `forward_placed`).
                 let rows: usize = micro_batches.iter().flatten().map(|s| s.tokens.len()).sum();
                 let mut run = || {
                     let mut logits = Vec::new();
@@ -106,7 +114,7 @@ pub fn run_follower(
                     Ok::<_, ParallelError>(logits)
                 };
                 let logits = if rows <= GEMV_MAX_ROWS {
-                    rayon::scope(|_| run())?
+                    small_steps.install(run)?
                 } else {
                     run()?
                 };
