@@ -77,10 +77,11 @@ pub struct RankProcesses(Vec<Child>);
 
 impl Drop for RankProcesses {
     fn drop(&mut self) {
+        // They exit on the leader's Shutdown or when its connection closes;
+        // this is for a leader that fails before either. One grace period
+        // for all of them, not one each.
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
         for c in &mut self.0 {
-            // They exit on the leader's Shutdown or when its connection
-            // closes; this is for a leader that fails before either.
-            let deadline = std::time::Instant::now() + Duration::from_secs(2);
             while std::time::Instant::now() < deadline {
                 if matches!(c.try_wait(), Ok(Some(_))) {
                     break;

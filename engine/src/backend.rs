@@ -142,11 +142,8 @@ impl ComputeBackend for CpuBackend {
     }
 
     fn set_batch_invariant(&mut self, on: bool) -> Result<()> {
-        self.model.set_matmul_policy(if on {
-            MatmulPolicy::BatchInvariant
-        } else {
-            MatmulPolicy::default()
-        });
+        self.model
+            .set_matmul_policy(MatmulPolicy::batch_invariant(on));
         Ok(())
     }
 

@@ -185,6 +185,17 @@ pub struct SeqInput<'a> {
     pub all_logits: bool,
 }
 
+impl SeqInput<'_> {
+    /// How many logits rows this sequence gets back.
+    pub fn logit_rows(&self) -> usize {
+        if self.all_logits {
+            self.tokens.len()
+        } else {
+            1
+        }
+    }
+}
+
 /// Logits of a batch: for each sequence, rows of `vocab` floats.
 #[derive(Debug)]
 pub struct Logits {

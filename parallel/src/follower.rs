@@ -140,11 +140,9 @@ pub fn run_follower(
                 both.extend_from_slice(&v);
                 comm.send_f32(0, &both)?;
             }
-            Command::BatchInvariant(on) => model.set_matmul_policy(if on {
-                MatmulPolicy::BatchInvariant
-            } else {
-                MatmulPolicy::default()
-            }),
+            Command::BatchInvariant(on) => {
+                model.set_matmul_policy(MatmulPolicy::batch_invariant(on))
+            }
             Command::Shutdown => return Ok(()),
             Command::Setup { .. } => {
                 return Err(ParallelError::Protocol("Setup sent twice".into()))

@@ -269,7 +269,7 @@ impl ParallelBackend {
         let mut starts = vec![0];
         let mut rows = 0;
         for s in batch {
-            rows += if s.all_logits { s.tokens.len() } else { 1 };
+            rows += s.logit_rows();
             starts.push(rows);
         }
         let place = Place {
@@ -302,10 +302,7 @@ impl ParallelBackend {
                 tp_rank: 0,
             });
             for r in &parts {
-                let n: usize = batch[r.clone()]
-                    .iter()
-                    .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
-                    .sum();
+                let n: usize = batch[r.clone()].iter().map(SeqInput::logit_rows).sum();
                 let mut buf = vec![0.0f32; n * vocab];
                 if let Err(e) = self.comm.recv_f32(last, &mut buf) {
                     return Err(self.lose(comm_error(e)));
@@ -384,11 +381,8 @@ impl ComputeBackend for ParallelBackend {
     fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
         self.alive()?;
         self.tell_followers(&Command::BatchInvariant(on))?;
-        self.model.set_matmul_policy(if on {
-            MatmulPolicy::BatchInvariant
-        } else {
-            MatmulPolicy::default()
-        });
+        self.model
+            .set_matmul_policy(MatmulPolicy::batch_invariant(on));
         Ok(())
     }
 

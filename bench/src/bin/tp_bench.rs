@@ -319,9 +319,8 @@ fn parent(args: &Args) -> Result<()> {
             } else {
                 let addr = free_port()?;
                 let leader = spawn(&exe, 0, &dir, args, "leader", Some(addr))?;
-                let rank = spawn(&exe, 1, &dir, args, "rank", Some(addr))?;
+                let mut rank = spawn(&exe, 1, &dir, args, "rank", Some(addr))?;
                 let out = result_of(leader)?;
-                let mut rank = rank;
                 rank.wait()?;
                 tp2 = Some(out);
             }
@@ -345,23 +344,11 @@ fn parent(args: &Args) -> Result<()> {
             "decode_speedup": decode_speedup,
         }));
     }
-    let med = |key: &str| {
-        let mut v: Vec<f64> = rounds.iter().filter_map(|r| r[key].as_f64()).collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let med_tp = |key: &str| {
+    // The median over rounds of the number at `path` in each round's JSON.
+    let med = |path: &[&str]| {
         let mut v: Vec<f64> = rounds
             .iter()
-            .filter_map(|r| r["tp2"][key].as_f64())
-            .collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let med_ar = |key: &str| {
-        let mut v: Vec<f64> = rounds
-            .iter()
-            .filter_map(|r| r["all_reduce_alone"][key].as_f64())
+            .filter_map(|r| path.iter().fold(r, |v, k| &v[*k]).as_f64())
             .collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
@@ -370,15 +357,15 @@ fn parent(args: &Args) -> Result<()> {
         "model": if args.model.is_some() { dir.display().to_string() } else { "bench-100m (bf16, 88M params)".into() },
         "prompt_len": args.prompt_len,
         "threads_per_process": 1,
-        "prefill_speedup_median": med("prefill_speedup"),
-        "decode_speedup_median": med("decode_speedup"),
+        "prefill_speedup_median": med(&["prefill_speedup"]),
+        "decode_speedup_median": med(&["decode_speedup"]),
         // Inside the forward pass: transfer plus waiting for the other
         // rank to arrive (imbalance, scheduling).
-        "in_forward_all_reduce_per_layer_prefill_s_median": med_tp("all_reduce_per_layer_prefill_s"),
-        "in_forward_all_reduce_per_layer_decode_s_median": med_tp("all_reduce_per_layer_decode_s"),
+        "in_forward_all_reduce_per_layer_prefill_s_median": med(&["tp2", "all_reduce_per_layer_prefill_s"]),
+        "in_forward_all_reduce_per_layer_decode_s_median": med(&["tp2", "all_reduce_per_layer_decode_s"]),
         // The communicator alone, both ranks ready: the transfer cost.
-        "all_reduce_alone_per_layer_prefill_s_median": med_ar("per_layer_prefill_s"),
-        "all_reduce_alone_per_layer_decode_s_median": med_ar("per_layer_decode_s"),
+        "all_reduce_alone_per_layer_prefill_s_median": med(&["all_reduce_alone", "per_layer_prefill_s"]),
+        "all_reduce_alone_per_layer_decode_s_median": med(&["all_reduce_alone", "per_layer_decode_s"]),
         "rounds": rounds,
     });
     let text = serde_json::to_string_pretty(&report)?;

@@ -49,6 +49,17 @@ pub enum MatmulPolicy {
     BatchInvariant,
 }
 
+impl MatmulPolicy {
+    /// `BatchInvariant` when `on`, else the default.
+    pub fn batch_invariant(on: bool) -> Self {
+        if on {
+            Self::BatchInvariant
+        } else {
+            Self::default()
+        }
+    }
+}
+
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)`.
 pub fn linear(
     x: &[f32],
