@@ -5,6 +5,12 @@ use clap::Parser;
 use tandem_cli::Cli;
 
 fn main() {
+    // UCX's transport tuning goes through the environment; set it while
+    // this process has one thread (and before it starts any worker).
+    #[cfg(feature = "ucx")]
+    for (name, value) in tandem_kv_transfer::ucx::tuning_env() {
+        std::env::set_var(name, value);
+    }
     let cli = Cli::parse();
     // Logs go to stderr (text or JSON); RUST_LOG sets the level (default:
     // info). Spans are exported when an OTLP endpoint is given.

@@ -278,3 +278,58 @@ async fn sender_refuses_bad_block_writes_before_sending() {
         assert!(sink.writes_of(t).is_empty());
     }
 }
+
+/// Large batches cross UCX by rendezvous — UCX tcp's automatic data path,
+/// and forced on shared memory — landing byte-exact in a receive ring that
+/// wraps many times, between small eager batches.
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
+    use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport};
+    use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor};
+    // 32 KiB of K and of V per block-layer: a batch of 12 slots is 768 KiB,
+    // far above both wires' rendezvous thresholds (20 KiB tcp, 8 KiB sm).
+    let l = KvLayoutDescriptor {
+        num_layers: 2,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        dtype: KvDtype::F16,
+    };
+    let wires: [(&[(&str, &str)], UcxDataPath); 2] = [
+        (&[("TLS", "tcp"), ("NET_DEVICES", "lo")], UcxDataPath::Auto),
+        (&[("TLS", "sm")], UcxDataPath::Rendezvous),
+    ];
+    for (settings, data_path) in wires {
+        let mut config = UcxConfig::new(TOKEN);
+        config.region_bytes = 24 * 2 * l.block_layer_bytes();
+        config.data_path = data_path;
+        config.ucx_settings = settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let transport = UcxTransport::with_config(config).expect("UCX starts");
+        let sink = RecordingSink::new(256);
+        let listener = transport
+            .listen("127.0.0.1:0", l, sink.clone())
+            .await
+            .expect("listen");
+        let session = transport
+            .connect(listener.endpoint(), l)
+            .await
+            .expect("connect");
+        let t = TransferId(9);
+        let mut expected = Vec::new();
+        for (from, to) in [(0u32, 3u32), (3, 200), (200, 201), (201, 256)] {
+            let blocks: Vec<BlockWrite> = (0..l.num_layers)
+                .flat_map(|layer| (from..to).map(move |dst| (layer, dst)))
+                .map(|(layer, dst)| block(&l, 9, layer, dst))
+                .collect();
+            expected.extend(blocks.clone());
+            session.write(t, blocks).await.expect("write");
+        }
+        finish(session.as_ref(), t).await.expect("finish");
+        assert_eq!(sink.finishes(), vec![(t, Ok(()))], "{settings:?}");
+        assert_delivered(&sink, t, &expected);
+    }
+}

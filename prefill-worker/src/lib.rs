@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::BytesMut;
 use tandem_engine::serving::{
     EngineHandle, ExportedBlock, KvExport, PrefillMode, Prompt, Request, RequestEvent,
 };
@@ -173,24 +173,47 @@ struct Exporter {
 
 impl KvExport for Exporter {
     fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
-        let batch: Vec<BlockWrite> = blocks
+        let picked: Vec<(u32, &ExportedBlock<'_>)> = blocks
             .iter()
             .filter_map(|b| {
                 let dst = *self
                     .dst_blocks
                     .get(b.logical.checked_sub(self.from_block)?)?;
-                Some(BlockWrite {
-                    layer: layer as u32,
-                    dst_block: dst,
-                    k: Bytes::copy_from_slice(bytemuck::cast_slice(b.k)),
-                    v: Bytes::copy_from_slice(bytemuck::cast_slice(b.v)),
-                })
+                Some((dst, b))
             })
             .collect();
-        if !batch.is_empty() {
-            // A closed channel means the call was cancelled; nothing to do.
-            let _ = self.out.send(batch);
+        if picked.is_empty() {
+            return;
         }
+        // One copy out of the pool into one buffer, K₀ V₀ K₁ V₁ …, sliced
+        // per block: a transport can then send the layer as one contiguous
+        // range (UCX's rendezvous moves that several times faster than a
+        // scatter-gather list).
+        let bytes = |x: &[f32]| std::mem::size_of_val(x);
+        let total = picked.iter().map(|(_, b)| bytes(b.k) + bytes(b.v)).sum();
+        let mut buf = BytesMut::with_capacity(total);
+        for (_, b) in &picked {
+            buf.extend_from_slice(bytemuck::cast_slice(b.k));
+            buf.extend_from_slice(bytemuck::cast_slice(b.v));
+        }
+        let buf = buf.freeze();
+        let mut at = 0;
+        let batch: Vec<BlockWrite> = picked
+            .iter()
+            .map(|(dst, b)| {
+                let (k, v) = (bytes(b.k), bytes(b.v));
+                let write = BlockWrite {
+                    layer: layer as u32,
+                    dst_block: *dst,
+                    k: buf.slice(at..at + k),
+                    v: buf.slice(at + k..at + k + v),
+                };
+                at += k + v;
+                write
+            })
+            .collect();
+        // A closed channel means the call was cancelled; nothing to do.
+        let _ = self.out.send(batch);
     }
 }
 

@@ -10,8 +10,9 @@
 //!
 //! One transfer is `write(batch)` + `finish` of one batch of block-layers
 //! (a Llama-8B-like layout: 8 KV heads × 128 dims × 16 slots, f16, so 32
-//! KiB of K and 32 KiB of V per block-layer, each block from its own
-//! memory, as blocks come from a pool), repeated for at least `--seconds`
+//! KiB of K and 32 KiB of V per block-layer, back to back in one buffer as
+//! the prefill worker exports a layer, or each from its own memory with
+//! `--scattered`), repeated for at least `--seconds`
 //! with `--inflight` transfers on the session at a time: 1 measures one
 //! transfer's whole round trip (the first write to the receiver's
 //! acknowledgement) back to back; more keep the wire busy across those round
@@ -23,10 +24,16 @@
 //! data), `copy` copies every block into a pool as the decode worker's
 //! engine does. GB/s are 10^9 bytes per second of K+V payload.
 //!
-//! The UCX runs set `TLS` (and `NET_DEVICES=lo` for tcp) on their own
-//! contexts; `ucx_perftest` gets the same as `UCX_*` variables. The ceiling
-//! is the better of `ucp_put_bw` and `tag_bw` with one message of the
-//! batch's size; `ratio` is the transport (discard sink) over it. For
+//! The UCX wires (`--wires`): `ucx-tcp` and `ucx-sm` with the transport's
+//! automatic data path (rendezvous on tcp, puts on shared memory), and
+//! `ucx-tcp-put` / `ucx-sm-rndv` with the other one forced. They set `TLS`
+//! (and `NET_DEVICES=lo` for tcp) on their own contexts; `ucx_perftest`
+//! gets the same as `UCX_*` variables, and both see the transport's tuning
+//! (`tuning_env`, exported at start as `tandem` does). The ceiling is the
+//! better of `ucp_put_bw` and `tag_bw` with one message of the batch's
+//! size; each point alternates the transport and perftest `--rounds` times
+//! and reports medians, `ratio` being the median of the rounds' transport
+//! (discard sink) over ceiling. For
 //! information it also runs `ucp_put_bw` with 32 KiB messages (the size of
 //! the puts the transport issues); that one rewrites the same cache-resident
 //! 32 KiB every iteration, so on shared memory it measures the CPU cache, not
@@ -45,7 +52,7 @@ use clap::Parser;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tandem_kv_transfer::tcp::TcpTransport;
-use tandem_kv_transfer::ucx::{UcxConfig, UcxTransport};
+use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport, UCX_TUNING};
 use tandem_kv_transfer::{BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferId, Transport};
 
 #[derive(Parser, Debug)]
@@ -60,6 +67,28 @@ struct Args {
     /// Transfers in flight on the session at a time (1: back to back).
     #[arg(long, default_value_t = 4)]
     inflight: usize,
+    /// Wires to measure: tcp, ucx-tcp, ucx-tcp-put, ucx-sm, ucx-sm-rndv.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "tcp,ucx-tcp,ucx-tcp-put,ucx-sm,ucx-sm-rndv"
+    )]
+    wires: Vec<String>,
+    /// Rounds per point: the transport and `ucx_perftest` alternate, and
+    /// medians are reported (the ceiling alone varies 2x run to run).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// The UCX receive region per connection in MiB (default: the
+    /// transport's own).
+    #[arg(long)]
+    region_mib: Option<usize>,
+    /// The UCX sender's batch in KiB (default: the transport's own).
+    #[arg(long)]
+    batch_kib: Option<usize>,
+    /// Give each block its own memory (by default a batch's blocks lie
+    /// back to back in one buffer, as the prefill worker exports a layer).
+    #[arg(long)]
+    scattered: bool,
     /// The ucx_perftest binary.
     #[arg(long, default_value = "ucx_perftest")]
     perftest: PathBuf,
@@ -141,8 +170,22 @@ impl KvSink for BenchSink {
     }
 }
 
-fn ucx(settings: &[(&str, &str)]) -> Result<UcxTransport> {
+/// UCX transport settings the command line overrides.
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    region_mib: Option<usize>,
+    batch_kib: Option<usize>,
+}
+
+fn ucx(settings: &[(&str, &str)], data_path: UcxDataPath, tuning: Tuning) -> Result<UcxTransport> {
     let mut config = UcxConfig::new(TOKEN);
+    config.data_path = data_path;
+    if let Some(mib) = tuning.region_mib {
+        config.region_bytes = mib << 20;
+    }
+    if let Some(kib) = tuning.batch_kib {
+        config.batch_bytes = kib << 10;
+    }
     config.ucx_settings = settings
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -157,6 +200,7 @@ async fn measure(
     copy: bool,
     seconds: f64,
     inflight: usize,
+    scattered: bool,
 ) -> Result<f64> {
     let l = layout();
     let (rx, tx) = (make()?, make()?);
@@ -165,12 +209,34 @@ async fn measure(
     let session = tx.connect(listener.endpoint(), l).await?;
     let half = l.block_layer_bytes();
     let count = (batch_bytes / (2 * half)).max(1);
+    // As the prefill worker exports them: the batch's blocks back to back
+    // in one buffer (K₀ V₀ K₁ V₁ …); `scattered`: each from its own memory.
+    let whole = Bytes::from(
+        (0..count)
+            .flat_map(|_| [vec![0x5au8; half], vec![0xa5u8; half]])
+            .flatten()
+            .collect::<Vec<u8>>(),
+    );
     let batch: Vec<BlockWrite> = (0..count)
-        .map(|i| BlockWrite {
-            layer: (i / POOL_BLOCKS as usize) as u32 % l.num_layers,
-            dst_block: (i % POOL_BLOCKS as usize) as u32,
-            k: Bytes::from(vec![0x5au8; half]),
-            v: Bytes::from(vec![0xa5u8; half]),
+        .map(|i| {
+            let at = i * 2 * half;
+            let (k, v) = if scattered {
+                (
+                    Bytes::copy_from_slice(&whole[at..at + half]),
+                    Bytes::copy_from_slice(&whole[at + half..at + 2 * half]),
+                )
+            } else {
+                (
+                    whole.slice(at..at + half),
+                    whole.slice(at + half..at + 2 * half),
+                )
+            };
+            BlockWrite {
+                layer: (i / POOL_BLOCKS as usize) as u32 % l.num_layers,
+                dst_block: (i % POOL_BLOCKS as usize) as u32,
+                k,
+                v,
+            }
         })
         .collect();
     let payload = count * 2 * half;
@@ -266,7 +332,24 @@ fn perftest(bin: &PathBuf, test: &str, size: usize, env: &[(&str, &str)]) -> Res
     last
 }
 
+/// The median (the mean of the middle two for an even count).
+fn median(xs: &[f64]) -> Option<f64> {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
 fn main() -> Result<()> {
+    // As `tandem` does: UCX's tuning through the environment, set while
+    // this process has one thread.
+    for (name, value) in tandem_kv_transfer::ucx::tuning_env() {
+        std::env::set_var(name, value);
+    }
     let args = Args::parse();
     if args.sizes_mib.is_empty() || args.sizes_mib.iter().any(|&s| s == 0 || s > 1024) {
         bail!("--sizes-mib: 1..=1024 MiB each");
@@ -279,44 +362,62 @@ fn main() -> Result<()> {
     const UCX_SM: &[(&str, &str)] = &[("TLS", "posix,cma,self")];
     type Make = Box<dyn Fn() -> Result<Box<dyn Transport>>>;
     type Settings = &'static [(&'static str, &'static str)];
-    let transports: Vec<(&str, Make, Option<Settings>)> = vec![
+    let tuning = Tuning {
+        region_mib: args.region_mib,
+        batch_kib: args.batch_kib,
+    };
+    let ucx_wire = |settings: Settings, path: UcxDataPath| -> (Make, Option<Settings>) {
         (
-            "tcp",
-            Box::new(|| Ok(Box::new(TcpTransport::new(TOKEN)) as Box<dyn Transport>)),
-            None,
-        ),
-        (
-            "ucx-tcp",
-            Box::new(|| Ok(Box::new(ucx(UCX_TCP)?) as Box<dyn Transport>)),
-            Some(UCX_TCP),
-        ),
-        (
-            "ucx-sm",
-            Box::new(|| Ok(Box::new(ucx(UCX_SM)?) as Box<dyn Transport>)),
-            Some(UCX_SM),
-        ),
-    ];
+            Box::new(move || Ok(Box::new(ucx(settings, path, tuning)?) as Box<dyn Transport>)),
+            Some(settings),
+        )
+    };
+    let mut transports: Vec<(&str, Make, Option<Settings>)> = Vec::new();
+    for wire in &args.wires {
+        let (name, (make, env)): (&str, (Make, Option<Settings>)) = match wire.as_str() {
+            "tcp" => (
+                "tcp",
+                (
+                    Box::new(|| Ok(Box::new(TcpTransport::new(TOKEN)) as Box<dyn Transport>)),
+                    None,
+                ),
+            ),
+            // The automatic data path: rendezvous on tcp, puts on shared memory.
+            "ucx-tcp" => ("ucx-tcp", ucx_wire(UCX_TCP, UcxDataPath::Auto)),
+            "ucx-tcp-put" => ("ucx-tcp-put", ucx_wire(UCX_TCP, UcxDataPath::Put)),
+            "ucx-sm" => ("ucx-sm", ucx_wire(UCX_SM, UcxDataPath::Auto)),
+            "ucx-sm-rndv" => ("ucx-sm-rndv", ucx_wire(UCX_SM, UcxDataPath::Rendezvous)),
+            other => bail!("--wires: unknown wire {other:?}"),
+        };
+        transports.push((name, make, env));
+    }
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "{:<12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8}",
         "wire", "MiB", "discard", "copy", "put_bw", "tag_bw", "ratio"
     );
     let block_put = layout().block_layer_bytes();
+    if args.rounds == 0 {
+        bail!("--rounds: at least 1");
+    }
     for (name, make, ucx_env) in &transports {
-        let env_of = |settings: Settings| -> Vec<(String, String)> {
+        // perftest runs with the wire's settings; the tuning is in this
+        // process's environment, which it inherits: both sides of the
+        // ratio use the same UCX configuration.
+        let env: Option<Vec<(String, String)>> = ucx_env.map(|settings| {
             settings
                 .iter()
                 .map(|(k, v)| (format!("UCX_{k}"), v.to_string()))
                 .collect()
-        };
-        let put_block = match ucx_env {
-            Some(settings) => {
-                let env = env_of(settings);
-                let env: Vec<(&str, &str)> =
-                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                let gbps = perftest(&args.perftest, "ucp_put_bw", block_put, &env)?;
+        });
+        let env: Option<Vec<(&str, &str)>> = env
+            .as_ref()
+            .map(|e| e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect());
+        let put_block = match &env {
+            Some(env) => {
+                let gbps = perftest(&args.perftest, "ucp_put_bw", block_put, env)?;
                 println!(
-                    "{name:<8} ucp_put_bw of {block_put}-byte messages (cache-resident, \
+                    "{name:<12} ucp_put_bw of {block_put}-byte messages (cache-resident, \
                      information only): {gbps:.2} GB/s"
                 );
                 Some(gbps)
@@ -325,54 +426,56 @@ fn main() -> Result<()> {
         };
         for &mib in &args.sizes_mib {
             let bytes = mib << 20;
-            let discard = rt.block_on(measure(
-                make.as_ref(),
-                bytes,
-                false,
-                args.seconds,
-                args.inflight,
-            ))?;
+            let (mut discard, mut put, mut tag, mut ratio) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..args.rounds {
+                let d = rt.block_on(measure(
+                    make.as_ref(),
+                    bytes,
+                    false,
+                    args.seconds,
+                    args.inflight,
+                    args.scattered,
+                ))?;
+                discard.push(d);
+                if let Some(env) = &env {
+                    let p = perftest(&args.perftest, "ucp_put_bw", bytes, env)?;
+                    let t = perftest(&args.perftest, "tag_bw", bytes, env)?;
+                    put.push(p);
+                    tag.push(t);
+                    ratio.push(d / p.max(t));
+                }
+            }
             let copy = rt.block_on(measure(
                 make.as_ref(),
                 bytes,
                 true,
                 args.seconds,
                 args.inflight,
+                args.scattered,
             ))?;
-            let (put, tag) = match ucx_env {
-                Some(settings) => {
-                    let env = env_of(settings);
-                    let env: Vec<(&str, &str)> =
-                        env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                    (
-                        Some(perftest(&args.perftest, "ucp_put_bw", bytes, &env)?),
-                        Some(perftest(&args.perftest, "tag_bw", bytes, &env)?),
-                    )
-                }
-                None => (None, None),
-            };
-            let ceiling = match (put, tag) {
-                (Some(p), Some(t)) => Some(p.max(t)),
-                _ => None,
-            };
-            let ratio = ceiling.map(|c| discard / c);
+            let (put_m, tag_m, ratio_m) = (median(&put), median(&tag), median(&ratio));
+            let discard_m = median(&discard).unwrap_or(0.0);
             let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
             println!(
-                "{name:<8} {mib:>6} {discard:>10.2} {copy:>10.2} {:>10} {:>10} {:>8}",
-                fmt(put),
-                fmt(tag),
-                ratio.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0))
+                "{name:<12} {mib:>6} {discard_m:>10.2} {copy:>10.2} {:>10} {:>10} {:>8}",
+                fmt(put_m),
+                fmt(tag_m),
+                ratio_m.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0))
             );
             rows.push(json!({
                 "transport": name,
                 "batch_mib": mib,
-                "gbps_discard": discard,
+                "gbps_discard": discard_m,
+                "gbps_discard_rounds": discard,
                 "gbps_copy": copy,
-                "perftest_put_bw_gbps": put,
-                "perftest_tag_bw_gbps": tag,
+                "perftest_put_bw_gbps": put_m,
+                "perftest_tag_bw_gbps": tag_m,
+                "perftest_put_bw_rounds": put,
+                "perftest_tag_bw_rounds": tag,
                 "perftest_put_bw_block_gbps": put_block,
-                "ceiling_gbps": ceiling,
-                "fraction_of_perftest": ratio,
+                "fraction_of_perftest": ratio_m,
+                "fraction_of_perftest_rounds": ratio,
             }));
         }
     }
@@ -382,6 +485,19 @@ fn main() -> Result<()> {
         "block_layer_bytes": layout().block_layer_bytes(),
         "seconds_per_point": args.seconds,
         "transfers_in_flight": args.inflight,
+        "rounds": args.rounds,
+        "region_mib": args.region_mib,
+        "batch_kib": args.batch_kib,
+        // In effect for the UCX transports and perftest alike.
+        "ucx_environment": UCX_TUNING
+            .iter()
+            .map(|(k, _)| {
+                let name = format!("UCX_{k}");
+                let value = std::env::var(&name).unwrap_or_default();
+                format!("{name}={value}")
+            })
+            .collect::<Vec<_>>(),
+        "blocks_scattered": args.scattered,
         "rows": rows,
     });
     if let Some(dir) = args.out.parent() {

@@ -1,4 +1,5 @@
-//! KV transfer over UCX: RMA puts into a registered receive region.
+//! KV transfer over UCX: RMA puts, or active-message rendezvous, into a
+//! registered receive region.
 //!
 //! UCX picks the wire from `UCX_TLS` and the other `UCX_*` variables (read
 //! by `ucp_config_read`): RDMA verbs in production, `tcp` or shared memory
@@ -30,16 +31,29 @@
 //! hand out (and register) its pool, and is left for later.
 //!
 //! The sender owns the ring's cursor. For a batch of up to
-//! [`MAX_NOTICE_BLOCKS`] blocks it takes that many *credits* (free slots),
-//! `ucp_put_nbx`es K and V of each block into its slot, flushes the endpoint
-//! (`ucp_ep_flush_nbx`: the data is now in the receiver's memory), then
-//! sends an active message — the *notice* `WRITE(transfer, [(layer, block,
-//! slot)])` — that the receiver turns into [`KvSink::write`] calls from the
-//! slots, after which it returns the slots with a `CREDIT` frame. `FINISH`
-//! and `ABORT` are active messages too. Every active message carries a
+//! [`MAX_NOTICE_BLOCKS`] blocks it takes that many *credits* (free slots,
+//! consecutive in ring order) and moves K and V of each block into its slot
+//! by one of two data paths ([`UcxDataPath`]), then the receiver gets an
+//! active message — the *notice* `WRITE(transfer, [(layer, block, slot)])`
+//! — that it turns into [`KvSink::write`] calls from the slots, after which
+//! it returns the slots with a `CREDIT` frame:
+//!
+//! - **Put** (where the wire does RMA natively: RDMA verbs, shared memory):
+//!   `ucp_put_nbx` of each K and V into its slot, a flush of the endpoint
+//!   (`ucp_ep_flush_nbx`: the data is now in the receiver's memory), then
+//!   the notice, eager, with no data.
+//! - **Rendezvous** (where UCX would emulate RMA over active messages, as
+//!   on `tcp`, at a fifth of its bandwidth): the notice carries the blocks
+//!   as its data — one scatter-gather list, `[K₀, V₀, K₁, V₁, …]`, sent
+//!   eagerly when small and by UCX's rendezvous protocol otherwise — and the
+//!   receiver's handler receives it straight into the slots the header
+//!   names (`ucp_am_recv_data_nbx` with a list of one or two region ranges:
+//!   the ring may wrap), queuing the notice once it has landed.
+//!
+//! `FINISH` and `ABORT` are active messages too. Every message carries a
 //! per-connection sequence number and the receiver applies them in that
-//! order, so a notice is never overtaken by the `FINISH` after it. Notices
-//! are small and sent with the eager protocol.
+//! order (rendezvous receives complete in any order), so a notice is never
+//! overtaken by the `FINISH` after it.
 //!
 //! **Progress.** One UCX worker per transport, owned by a dedicated
 //! progress thread that sleeps on the worker's event fd and an eventfd
@@ -47,14 +61,17 @@
 //! oneshot replies.
 //!
 //! **Memory safety.** Registered memory is RAII (`rt::Region`, unmapped
-//! when its connection's last reference goes); buffers a put reads from are
-//! owned by the in-flight operation until UCX completes it. A receiver that
+//! when its last reference goes: the connection's, or a rendezvous receive
+//! still landing in it); buffers a put or send reads from are owned by the
+//! in-flight operation until UCX completes it. A receiver that
 //! closes a connection on a protocol error waits (bounded) for the sender
 //! to close its side before unmapping the region, so a well-behaved sender
 //! never puts into freed memory; a hostile sender on a transport without
 //! remote-key revocation (CMA) could, as with any RMA design.
 
 mod rt;
+
+pub use rt::{tuning_env, TUNING as UCX_TUNING};
 
 use std::collections::BTreeMap;
 use std::collections::VecDeque;
@@ -63,7 +80,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::{Buf, BufMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -79,10 +96,9 @@ use crate::{
     BlockWrite, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, TransferId, Transport,
 };
 
-/// The most blocks one notice names (keeps notices eager-sized, ~3 KiB).
+/// The most blocks one notice names (keeps notices eager-sized, ~3 KiB;
+/// fewer where the worker's largest message header is smaller).
 pub const MAX_NOTICE_BLOCKS: usize = 256;
-/// A batch (one notice) carries about this many payload bytes.
-const TARGET_BATCH_BYTES: usize = 4 << 20;
 /// Batches a sender keeps in flight (put/flush/notice) at once.
 const WINDOW: usize = 8;
 /// Messages a receiver connection queues before the peer is cut off.
@@ -103,6 +119,19 @@ const MSG_ABORT: u8 = 3;
 const NOTICE_FIXED: usize = 13;
 const NOTICE_ENTRY: usize = 12;
 
+/// How a sender moves block data (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UcxDataPath {
+    /// Put where the endpoint's transports do RMA natively, rendezvous
+    /// where UCX would emulate it (decided per connection).
+    #[default]
+    Auto,
+    /// RMA puts into the receive region, a flush, then the notice.
+    Put,
+    /// The blocks as the notice's data, received into the region.
+    Rendezvous,
+}
+
 /// Settings of a [`UcxTransport`].
 #[derive(Debug, Clone)]
 pub struct UcxConfig {
@@ -116,16 +145,28 @@ pub struct UcxConfig {
     /// without the prefix (`("TLS", "tcp")`); empty in production, where
     /// the environment decides.
     pub ucx_settings: Vec<(String, String)>,
+    /// How this transport's sessions move block data.
+    pub data_path: UcxDataPath,
+    /// Payload bytes a sender puts in one batch (one notice), at most half
+    /// the peer's region (at least one block).
+    pub batch_bytes: usize,
 }
 
 impl UcxConfig {
-    /// Defaults (5 s timeouts, 64 MiB region per connection) with
+    /// Defaults (5 s timeouts, an 8 MiB region per connection, 4 MiB
+    /// batches, the automatic data path) with
     /// `cluster_token`.
     pub fn new(cluster_token: impl Into<String>) -> Self {
         Self {
             tcp: TcpConfig::new(cluster_token),
-            region_bytes: 64 << 20,
+            // Small enough to stay in the receiver's last-level cache, so
+            // the copy out of a slot reads cached data: on shared memory
+            // 8 MiB moved 4 MiB batches at 29 GB/s where 64 MiB managed 13
+            // (bench/RESULTS.md, KV transfer).
+            region_bytes: 8 << 20,
             ucx_settings: Vec::new(),
+            data_path: UcxDataPath::Auto,
+            batch_bytes: 4 << 20,
         }
     }
 }
@@ -215,13 +256,6 @@ fn decode_offer(body: &[u8]) -> Result<Offer, TransferError> {
         worker: b[..worker_len].to_vec(),
         rkey: b[worker_len..].to_vec(),
     })
-}
-
-fn am_header(conn: u64, seq: u64) -> [u8; rt::AM_HEADER] {
-    let mut h = [0u8; rt::AM_HEADER];
-    h[..8].copy_from_slice(&conn.to_le_bytes());
-    h[8..].copy_from_slice(&seq.to_le_bytes());
-    h
 }
 
 fn control_message(kind: u8, transfer: TransferId) -> Vec<u8> {
@@ -318,7 +352,7 @@ impl Transport for UcxTransport {
             .map_err(|e| TransferError::io("setting TCP_NODELAY", &e))?;
         let (mut reader, mut writer) = stream.into_split();
         let limit = config.handshake_timeout;
-        let (num_blocks, offer, ep) = tokio::time::timeout(limit, async {
+        let (num_blocks, offer, connected) = tokio::time::timeout(limit, async {
             let num_blocks = client_handshake(
                 protocol::MAGIC_UCX,
                 &mut reader,
@@ -355,11 +389,11 @@ impl Transport for UcxTransport {
                     2 * layout.block_layer_bytes()
                 )));
             }
-            let ep = self
+            let connected = self
                 .rt
                 .connect(offer.worker.clone(), offer.rkey.clone())
                 .await?;
-            Ok::<_, TransferError>((num_blocks, offer, ep))
+            Ok::<_, TransferError>((num_blocks, offer, connected))
         })
         .await
         .map_err(|_| timeout_error("setting up the UCX session", limit))??;
@@ -368,8 +402,22 @@ impl Transport for UcxTransport {
         let (commands, queue) = mpsc::channel(crate::session::COMMAND_QUEUE);
         let credits = Arc::new(Semaphore::new(offer.slots as usize));
         let (dead_tx, dead_rx) = watch::channel(false);
+        let rendezvous = match self.config.data_path {
+            UcxDataPath::Auto => !connected.native_rma,
+            UcxDataPath::Put => false,
+            UcxDataPath::Rendezvous => true,
+        };
+        tracing::debug!(%endpoint, rendezvous, "UCX KV session open");
+        let header_room = self
+            .rt
+            .max_am_header()
+            .saturating_sub(rt::AM_HEADER + NOTICE_FIXED)
+            / NOTICE_ENTRY;
         let plan = SlotPlan {
             conn: offer.conn,
+            rendezvous,
+            max_batch: MAX_NOTICE_BLOCKS.min(header_room).max(1),
+            batch_bytes: self.config.batch_bytes,
             region_addr: offer.region_addr,
             slots: offer.slots,
             slot_bytes: offer.slot_bytes as usize,
@@ -378,7 +426,7 @@ impl Transport for UcxTransport {
         tokio::spawn(write_loop(WriteCtx {
             queue,
             rt: self.rt.clone(),
-            ep,
+            ep: connected.ep,
             writer,
             plan,
             credits: credits.clone(),
@@ -408,6 +456,12 @@ impl Transport for UcxTransport {
 #[derive(Debug, Clone, Copy)]
 struct SlotPlan {
     conn: u64,
+    /// Blocks travel as the notice's data, not as puts.
+    rendezvous: bool,
+    /// The most blocks one notice may name.
+    max_batch: usize,
+    /// The payload bytes a batch aims at.
+    batch_bytes: usize,
     region_addr: u64,
     slots: u32,
     slot_bytes: usize,
@@ -440,18 +494,51 @@ async fn await_reply(
     }
 }
 
-/// The sender's writer: turns commands into put batches and messages.
+/// One message for the progress thread: its payload, where that lands
+/// (first slot, slots; none for puts and control messages) and its body.
+struct Message {
+    payload: rt::Payload,
+    landing: (u32, u32),
+    body: Vec<u8>,
+}
+
+impl Message {
+    fn control(body: Vec<u8>) -> Self {
+        Self {
+            payload: rt::Payload::Put(Vec::new()),
+            landing: (0, 0),
+            body,
+        }
+    }
+}
+
+/// `buffers` as one contiguous range: as they are when they lie back to back
+/// in memory (a prefill worker exports a layer's blocks in one buffer),
+/// else copied into one. A memory copy costs far less than UCX 1.13's
+/// rendezvous of a scatter-gather list over tcp (see `rt::Payload::Send`).
+fn contiguous(buffers: Vec<Bytes>) -> Vec<Bytes> {
+    if rt::contiguous_ranges(&buffers).len() <= 1 {
+        return buffers;
+    }
+    let mut one = BytesMut::with_capacity(buffers.iter().map(Bytes::len).sum());
+    for b in &buffers {
+        one.extend_from_slice(b);
+    }
+    vec![one.freeze()]
+}
+
+/// The sender's writer: turns commands into batches and messages.
 async fn write_loop(mut ctx: WriteCtx) {
     let plan = ctx.plan;
-    let per_batch = (TARGET_BATCH_BYTES / plan.slot_bytes)
-        .clamp(1, MAX_NOTICE_BLOCKS)
+    let per_batch = (plan.batch_bytes / plan.slot_bytes)
+        .clamp(1, plan.max_batch)
         .min((plan.slots as usize / 2).max(1));
     let mut seq = 0u64;
     let mut cursor = 0u32;
     let mut inflight: VecDeque<Reply> = VecDeque::new();
     let outcome: Result<(), TransferError> = async {
         while let Some(command) = ctx.queue.recv().await {
-            let mut messages: Vec<(Vec<rt::Put>, Vec<u8>)> = Vec::new();
+            let mut messages: Vec<Message> = Vec::new();
             match command {
                 Command::Write { transfer, blocks } => {
                     let mut blocks = blocks.into_iter().peekable();
@@ -466,33 +553,52 @@ async fn write_loop(mut ctx: WriteCtx) {
                             },
                             _ = ctx.dead.wait_for(|d| *d) => return Err(ctx.completions.dead_error()),
                         }
-                        let mut puts = Vec::with_capacity(2 * n);
+                        let first = cursor;
+                        let mut puts = Vec::new();
+                        let mut buffers = Vec::new();
                         let mut body = Vec::with_capacity(NOTICE_FIXED + n * NOTICE_ENTRY);
                         body.put_u8(MSG_WRITE);
                         body.put_u64_le(transfer.0);
                         body.put_u32_le(n as u32);
                         for block in batch {
-                            let slot_addr =
-                                plan.region_addr + cursor as u64 * plan.slot_bytes as u64;
                             body.put_u32_le(block.layer);
                             body.put_u32_le(block.dst_block);
                             body.put_u32_le(cursor);
-                            puts.push(rt::Put {
-                                bytes: block.k,
-                                remote_addr: slot_addr,
-                            });
-                            puts.push(rt::Put {
-                                bytes: block.v,
-                                remote_addr: slot_addr + plan.block_layer_bytes as u64,
-                            });
+                            if plan.rendezvous {
+                                buffers.push(block.k);
+                                buffers.push(block.v);
+                            } else {
+                                let slot_addr =
+                                    plan.region_addr + cursor as u64 * plan.slot_bytes as u64;
+                                puts.push(rt::Put {
+                                    bytes: block.k,
+                                    remote_addr: slot_addr,
+                                });
+                                puts.push(rt::Put {
+                                    bytes: block.v,
+                                    remote_addr: slot_addr + plan.block_layer_bytes as u64,
+                                });
+                            }
                             cursor = (cursor + 1) % plan.slots;
                         }
-                        messages.push((puts, body));
+                        messages.push(if plan.rendezvous {
+                            Message {
+                                payload: rt::Payload::Send(contiguous(buffers)),
+                                landing: (first, n as u32),
+                                body,
+                            }
+                        } else {
+                            Message {
+                                payload: rt::Payload::Put(puts),
+                                landing: (0, 0),
+                                body,
+                            }
+                        });
                         send_messages(&mut ctx, &mut messages, &mut seq, &mut inflight).await?;
                     }
                 }
-                Command::Finish(t) => messages.push((Vec::new(), control_message(MSG_FINISH, t))),
-                Command::Abort(t) => messages.push((Vec::new(), control_message(MSG_ABORT, t))),
+                Command::Finish(t) => messages.push(Message::control(control_message(MSG_FINISH, t))),
+                Command::Abort(t) => messages.push(Message::control(control_message(MSG_ABORT, t))),
             }
             send_messages(&mut ctx, &mut messages, &mut seq, &mut inflight).await?;
         }
@@ -525,14 +631,14 @@ async fn write_loop(mut ctx: WriteCtx) {
 
 async fn send_messages(
     ctx: &mut WriteCtx,
-    messages: &mut Vec<(Vec<rt::Put>, Vec<u8>)>,
+    messages: &mut Vec<Message>,
     seq: &mut u64,
     inflight: &mut VecDeque<Reply>,
 ) -> Result<(), TransferError> {
-    for (puts, body) in messages.drain(..) {
-        let reply = ctx
-            .rt
-            .batch(ctx.ep, puts, am_header(ctx.plan.conn, *seq), body)?;
+    for message in messages.drain(..) {
+        let (first, count) = message.landing;
+        let header = rt::am_header(ctx.plan.conn, *seq, first, count, &message.body);
+        let reply = ctx.rt.batch(ctx.ep, message.payload, header)?;
         *seq += 1;
         inflight.push_back(reply);
         while inflight.len() > WINDOW {
@@ -678,13 +784,22 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
         }
     };
     let (region, rkey) = region;
+    let region = Arc::new(region);
     let conn = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, mut messages) = mpsc::channel(MESSAGE_QUEUE);
     ctx.rt
         .routes()
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .insert(conn, tx);
+        .insert(
+            conn,
+            rt::Route {
+                queue: tx,
+                region: region.clone(),
+                slot_bytes: ctx.slot_bytes,
+                slots: ctx.slots,
+            },
+        );
     let _route = Route {
         rt: ctx.rt.clone(),
         conn,
@@ -777,7 +892,8 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
 
 fn overrun() -> TransferError {
     TransferError::Protocol(
-        "the sender overran its message queue or sent a rendezvous message".into(),
+        "the sender overran its message queue or sent data that does not fit the slots it named"
+            .into(),
     )
 }
 

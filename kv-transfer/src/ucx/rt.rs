@@ -1,6 +1,7 @@
 //! The safe layer over `tandem-ucx-sys`: a UCX context, one worker owned by
 //! a dedicated progress thread, registered memory regions, and the few
-//! operations the transport needs (connect, put + flush + notice, close).
+//! operations the transport needs (connect, put + flush + notice, a notice
+//! carrying its blocks, close).
 //!
 //! Ownership and threads:
 //!
@@ -19,11 +20,18 @@
 //!   owned by the in-flight operation on the progress thread and dropped
 //!   only after UCX has reported the operation complete (or failed), or
 //!   after the worker is destroyed.
+//! - A message's payload lands in its connection's region: copied there by
+//!   the active-message handler when UCX delivered it eagerly, or received
+//!   there by `ucp_am_recv_data_nbx` (rendezvous). Such a receive holds an
+//!   `Arc` of the region, so the region stays mapped until the receive has
+//!   completed or failed, even if its connection is gone by then.
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicI8, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -36,8 +44,28 @@ use crate::TransferError;
 
 /// The active-message id of every sender → receiver message.
 pub(crate) const AM_ID: u32 = 0x7d;
-/// Bytes of an active message's header: connection id, sequence number.
-pub(crate) const AM_HEADER: usize = 16;
+/// Bytes of the fixed part of an active message's header: connection id,
+/// sequence number, and where its payload lands (first slot, slot count).
+/// The rest of the header is the message body (the notice).
+pub(crate) const AM_HEADER: usize = 24;
+/// UCX settings for KV transfer, names without the `UCX_` prefix:
+/// segments of 1 MiB for the `tcp` transport (8 KiB / 64 KiB by default).
+/// Rendezvous over `tcp` moves its data in segments, one system call each.
+/// See [`tuning_env`] for how they are applied.
+pub const TUNING: &[(&str, &str)] = &[("TCP_TX_SEG_SIZE", "1M"), ("TCP_RX_SEG_SIZE", "1M")];
+
+/// The [`TUNING`] settings the environment does not set, as `UCX_<name>`
+/// variables, for a binary to export at start, before it starts threads.
+/// UCX takes transport settings only from the environment: in UCX 1.13
+/// `ucp_config_modify` accepts `TCP_RX_SEG_SIZE` but the `tcp` transport
+/// never sees it. Whatever the operator sets wins.
+pub fn tuning_env() -> Vec<(String, String)> {
+    TUNING
+        .iter()
+        .map(|(name, value)| (format!("UCX_{name}"), value.to_string()))
+        .filter(|(name, _)| std::env::var_os(name).is_none())
+        .collect()
+}
 /// How long dropping the runtime waits for endpoints to close.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Progress rounds without any event before the thread sleeps in `poll`.
@@ -248,6 +276,28 @@ impl Region {
         // lives as long as `self`; see above for concurrent writers.
         Some(unsafe { std::slice::from_raw_parts(self.addr.add(offset), len) })
     }
+
+    /// The address of `len` bytes at `offset`, for UCX to receive into, or
+    /// `None` when out of bounds. The same protocol rule as for `read`
+    /// applies: only ranges the sender holds credits for are written.
+    fn range_ptr(&self, offset: usize, len: usize) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        // SAFETY: `offset <= end <= self.len`, inside the allocation.
+        (end <= self.len).then(|| unsafe { self.addr.add(offset) })
+    }
+
+    /// Copies `bytes` to `offset`; false when out of bounds.
+    fn write(&self, offset: usize, bytes: &[u8]) -> bool {
+        let Some(dst) = self.range_ptr(offset, bytes.len()) else {
+            return false;
+        };
+        // SAFETY: the destination range is inside the mapped allocation and
+        // does not overlap `bytes` (which UCX owns); see `range_ptr` for
+        // concurrent readers.
+        unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+        std::sync::atomic::fence(Ordering::Release);
+        true
+    }
 }
 
 impl Drop for Region {
@@ -265,9 +315,59 @@ pub(crate) struct AmMsg {
     pub(crate) body: Vec<u8>,
 }
 
-/// Where the progress thread delivers active messages: connection id →
-/// that connection's queue.
-pub(crate) type Routes = Mutex<HashMap<u64, mpsc::Sender<AmMsg>>>;
+/// Where the progress thread delivers one connection's messages and lands
+/// their payloads.
+#[derive(Debug)]
+pub(crate) struct Route {
+    pub(crate) queue: mpsc::Sender<AmMsg>,
+    pub(crate) region: Arc<Region>,
+    pub(crate) slot_bytes: usize,
+    pub(crate) slots: u32,
+}
+
+impl Route {
+    /// The region ranges (offset, length) a payload of `length` bytes for
+    /// `count` slots from `first` lands in: one, or two where it wraps
+    /// around the ring. `None` when it does not fit the ring exactly.
+    fn landing(&self, first: u32, count: u32, length: usize) -> Option<Vec<(usize, usize)>> {
+        if count == 0 || first >= self.slots || count > self.slots {
+            return None;
+        }
+        if length != (count as usize).checked_mul(self.slot_bytes)? {
+            return None;
+        }
+        let head = count.min(self.slots - first);
+        let mut ranges = vec![(
+            first as usize * self.slot_bytes,
+            head as usize * self.slot_bytes,
+        )];
+        if count > head {
+            ranges.push((0, (count - head) as usize * self.slot_bytes));
+        }
+        Some(ranges)
+    }
+}
+
+/// Connection id → its route.
+pub(crate) type Routes = Mutex<HashMap<u64, Route>>;
+
+/// A message header: the fixed part (see [`AM_HEADER`]) then `body`.
+pub(crate) fn am_header(conn: u64, seq: u64, first_slot: u32, slots: u32, body: &[u8]) -> Vec<u8> {
+    let mut h = Vec::with_capacity(AM_HEADER + body.len());
+    h.extend_from_slice(&conn.to_le_bytes());
+    h.extend_from_slice(&seq.to_le_bytes());
+    h.extend_from_slice(&first_slot.to_le_bytes());
+    h.extend_from_slice(&slots.to_le_bytes());
+    h.extend_from_slice(body);
+    h
+}
+
+/// The fixed part of a header: (connection, sequence, first slot, slots).
+pub(crate) fn parse_am_header(h: &[u8]) -> Option<(u64, u64, u32, u32)> {
+    let u64_at = |i: usize| Some(u64::from_le_bytes(h.get(i..i + 8)?.try_into().ok()?));
+    let u32_at = |i: usize| Some(u32::from_le_bytes(h.get(i..i + 4)?.try_into().ok()?));
+    Some((u64_at(0)?, u64_at(8)?, u32_at(16)?, u32_at(20)?))
+}
 
 /// Identifies an endpoint on the progress thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -280,18 +380,52 @@ pub(crate) struct Put {
     pub(crate) remote_addr: u64,
 }
 
+/// How a message's blocks travel.
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// RMA puts into the peer's region, flushed before the message is sent
+    /// (the message then carries no data). Empty for control messages.
+    Put(Vec<Put>),
+    /// The buffers, in order, as the message's data (UCX sends it eagerly
+    /// or by rendezvous, by size), landing in the slots the header names.
+    /// Buffers adjacent in memory go as one contiguous range: UCX 1.13's
+    /// rendezvous over tcp moves a scatter-gather list at a seventh of the
+    /// speed of one contiguous buffer (see [`contiguous_ranges`]).
+    Send(Vec<Bytes>),
+}
+
+/// `buffers` as (address, length) ranges, adjacent ones merged.
+pub(crate) fn contiguous_ranges(buffers: &[Bytes]) -> Vec<(*const u8, usize)> {
+    let mut ranges: Vec<(*const u8, usize)> = Vec::new();
+    for b in buffers.iter().filter(|b| !b.is_empty()) {
+        match ranges.last_mut() {
+            Some((start, len)) if start.wrapping_add(*len) == b.as_ptr() => *len += b.len(),
+            _ => ranges.push((b.as_ptr(), b.len())),
+        }
+    }
+    ranges
+}
+
+/// A connected endpoint.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Connected {
+    pub(crate) ep: EpId,
+    /// Whether the transports UCX chose for it do RMA natively (see
+    /// `native_rma`).
+    pub(crate) native_rma: bool,
+}
+
 enum Op {
     Connect {
         address: Vec<u8>,
         rkey: Vec<u8>,
-        reply: oneshot::Sender<Result<EpId, TransferError>>,
+        reply: oneshot::Sender<Result<Connected, TransferError>>,
     },
-    /// Puts (may be none), then a flush, then the active message.
+    /// Puts (then a flush) or data, and the active message.
     Batch {
         ep: EpId,
-        puts: Vec<Put>,
-        header: [u8; AM_HEADER],
-        body: Vec<u8>,
+        payload: Payload,
+        header: Vec<u8>,
         reply: oneshot::Sender<Result<(), TransferError>>,
     },
     Close(EpId),
@@ -304,6 +438,7 @@ pub(crate) struct Runtime {
     ops: std_mpsc::Sender<Op>,
     wake: Arc<OwnedFd>,
     address: Vec<u8>,
+    max_am_header: usize,
     routes: Arc<Routes>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -337,12 +472,12 @@ impl Runtime {
                             return;
                         }
                     };
-                    let _ = ready_tx.send(Ok(worker.address.clone()));
+                    let _ = ready_tx.send(Ok((worker.address.clone(), worker.max_am_header)));
                     worker.run(queue, &wake);
                 })
                 .map_err(|e| TransferError::io("starting the UCX progress thread", &e))?
         };
-        let address = ready_rx.recv().map_err(|_| {
+        let (address, max_am_header) = ready_rx.recv().map_err(|_| {
             TransferError::Config("UCX: the progress thread died while starting".into())
         })??;
         Ok(Self {
@@ -350,6 +485,7 @@ impl Runtime {
             ops,
             wake,
             address,
+            max_am_header,
             routes,
             thread: Some(thread),
         })
@@ -362,6 +498,12 @@ impl Runtime {
     /// This worker's packed address, for peers' `ucp_ep_create`.
     pub(crate) fn address(&self) -> &[u8] {
         &self.address
+    }
+
+    /// The largest active-message header (fixed part and body) the worker
+    /// can send.
+    pub(crate) fn max_am_header(&self) -> usize {
+        self.max_am_header
     }
 
     pub(crate) fn routes(&self) -> &Arc<Routes> {
@@ -384,7 +526,7 @@ impl Runtime {
         &self,
         address: Vec<u8>,
         rkey: Vec<u8>,
-    ) -> Result<EpId, TransferError> {
+    ) -> Result<Connected, TransferError> {
         let (reply, rx) = oneshot::channel();
         self.send(Op::Connect {
             address,
@@ -396,22 +538,21 @@ impl Runtime {
         })?
     }
 
-    /// Puts `puts`, flushes the endpoint (the data is then in the peer's
-    /// memory), then sends one active message; the receiver resolves when
-    /// the message is sent or anything failed.
+    /// Sends one active message with `header` (see [`am_header`]) and its
+    /// payload: puts, flushed first (the data is then in the peer's memory),
+    /// or the message's own data. The receiver resolves when the message is
+    /// sent (for a rendezvous, received) or anything failed.
     pub(crate) fn batch(
         &self,
         ep: EpId,
-        puts: Vec<Put>,
-        header: [u8; AM_HEADER],
-        body: Vec<u8>,
+        payload: Payload,
+        header: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<(), TransferError>>, TransferError> {
         let (reply, rx) = oneshot::channel();
         self.send(Op::Batch {
             ep,
-            puts,
+            payload,
             header,
-            body,
             reply,
         })?;
         Ok(rx)
@@ -460,24 +601,48 @@ enum Stage {
 }
 
 /// A batch between its puts and its active message's completion. Owns the
-/// buffers UCX reads from until then.
+/// buffers UCX reads from until then. UCX holds pointers into the heap
+/// buffers of `header`, `iov` and the payload, which do not move when the
+/// flight does (into and within `Worker::flights`).
 struct Flight {
     ep: EpId,
     stage: Stage,
-    _puts: Vec<Put>,
-    /// Boxed: UCX reads it until the send completes, and the flight itself
-    /// moves (into and within `Worker::flights`).
-    header: Box<[u8; AM_HEADER]>,
-    body: Vec<u8>,
+    payload: Payload,
+    /// The scatter-gather list of a `Payload::Send`, built when it is sent.
+    iov: Vec<sys::ucp_dt_iov_t>,
+    header: Vec<u8>,
     reply: oneshot::Sender<Result<(), TransferError>>,
+}
+
+/// A rendezvous payload being received into a connection's region.
+struct Receive {
+    req: *mut c_void,
+    conn: u64,
+    /// Delivered to the connection once the payload has landed.
+    msg: AmMsg,
+    /// UCX writes through these until the receive completes.
+    _iov: Vec<sys::ucp_dt_iov_t>,
+    /// Keeps the region mapped until then.
+    _region: Arc<Region>,
+}
+
+/// What the active-message handler works with: the routes, the worker (to
+/// start rendezvous receives) and the receives in progress. Lives on the
+/// progress thread only (`Rc`, `RefCell`), as the handler runs inside
+/// `ucp_worker_progress` there.
+struct AmState {
+    routes: Arc<Routes>,
+    worker: Cell<sys::ucp_worker_h>,
+    receives: RefCell<Vec<Receive>>,
 }
 
 struct Worker {
     raw: sys::ucp_worker_h,
     efd: i32,
     address: Vec<u8>,
+    max_am_header: usize,
     /// Kept alive for the AM handler's `arg` pointer.
-    routes: Arc<Routes>,
+    am: Rc<AmState>,
     eps: HashMap<EpId, EpEntry>,
     next_ep: u64,
     flights: Vec<Flight>,
@@ -493,8 +658,87 @@ struct Worker {
     _ctx: Arc<Context>,
 }
 
-/// The active-message handler: copies the message into the connection's
-/// queue, or drops it when the connection is unknown (already closed).
+/// Hands `msg` to connection `conn`'s queue; a full queue (the peer outran
+/// its credits) or a closed one fails the connection (drops its route).
+fn deliver(routes: &mut HashMap<u64, Route>, conn: u64, msg: AmMsg) {
+    if let Some(route) = routes.get(&conn) {
+        if route.queue.try_send(msg).is_err() {
+            routes.remove(&conn);
+        }
+    }
+}
+
+/// Where a payload went.
+enum Landing {
+    /// In the region already.
+    Done,
+    /// Being received (rendezvous).
+    Pending(*mut c_void, Vec<sys::ucp_dt_iov_t>),
+}
+
+/// Lands a message's payload (`length` bytes at `data`, or the rendezvous
+/// descriptor `data`) in `count` slots of `route`'s region from `first`.
+/// An error fails the connection.
+///
+/// # Safety
+/// `data` and `length` as UCX passed them to the handler, which is running;
+/// `worker` is the worker the handler runs on.
+unsafe fn land(
+    worker: sys::ucp_worker_h,
+    route: &Route,
+    data: *mut c_void,
+    length: usize,
+    rndv: bool,
+    first: u32,
+    count: u32,
+) -> Result<Landing, ()> {
+    let ranges = route.landing(first, count, length).ok_or(())?;
+    if !rndv {
+        if data.is_null() {
+            return Err(());
+        }
+        // SAFETY: eager data: `length` readable bytes at `data` for the
+        // handler's duration (the caller's contract).
+        let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) };
+        let mut at = 0;
+        for (offset, len) in ranges {
+            if !route.region.write(offset, &bytes[at..at + len]) {
+                return Err(());
+            }
+            at += len;
+        }
+        return Ok(Landing::Done);
+    }
+    let mut iov = Vec::with_capacity(ranges.len());
+    for (offset, len) in ranges {
+        let buffer = route.region.range_ptr(offset, len).ok_or(())?;
+        iov.push(sys::ucp_dt_iov_t {
+            buffer: buffer.cast(),
+            length: len,
+        });
+    }
+    // One range (the ring did not wrap) is received as a contiguous buffer.
+    let (buffer, count, param) = match iov.as_slice() {
+        [one] => (one.buffer, one.length, request_param(0)),
+        many => (many.as_ptr().cast_mut().cast(), many.len(), iov_param()),
+    };
+    // SAFETY: `data` is a rendezvous descriptor UCX handed to the running
+    // handler (received once, here); the buffer or list points into the
+    // mapped region, and both the list (moved into the `Receive`, its heap
+    // buffer does not move) and the region (an `Arc` in the `Receive`) live
+    // until the request completes.
+    let ptr = unsafe { sys::ucp_am_recv_data_nbx(worker, data, buffer, count, &param) };
+    match started(ptr, "receive") {
+        Ok(Started::Done) => Ok(Landing::Done),
+        Ok(Started::Pending(req)) => Ok(Landing::Pending(req, iov)),
+        Err(_) => Err(()),
+    }
+}
+
+/// The active-message handler: lands the payload, if any, in the
+/// connection's region, then (for a rendezvous, once received) queues the
+/// message for the connection; drops messages for unknown (closed)
+/// connections.
 unsafe extern "C" fn on_am(
     arg: *mut c_void,
     header: *const c_void,
@@ -503,47 +747,47 @@ unsafe extern "C" fn on_am(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    // SAFETY: `arg` is `Arc::as_ptr` of the worker's `routes`, alive as long
-    // as the worker, which is the only caller.
-    let routes = unsafe { &*arg.cast::<Routes>() };
-    if header_length != AM_HEADER || header.is_null() {
+    // SAFETY: `arg` is `Rc::as_ptr` of the worker's `AmState`, alive as long
+    // as the worker, whose progress (on this thread) is the only caller.
+    let state = unsafe { &*arg.cast::<AmState>() };
+    if header_length < AM_HEADER || header.is_null() {
         return sys::ucs_status_t::UCS_OK;
     }
     // SAFETY: UCX passes `header_length` readable bytes at `header`.
-    let header = unsafe { std::slice::from_raw_parts(header.cast::<u8>(), AM_HEADER) };
-    let mut conn = [0u8; 8];
-    conn.copy_from_slice(&header[..8]);
-    let mut seq = [0u8; 8];
-    seq.copy_from_slice(&header[8..]);
-    let conn = u64::from_le_bytes(conn);
+    let header = unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) };
+    let Some((conn, seq, first, count)) = parse_am_header(header) else {
+        return sys::ucs_status_t::UCS_OK;
+    };
     // SAFETY: `param` is valid for the callback's duration.
     let rndv = unsafe { param.as_ref() }
         .is_some_and(|p| p.recv_attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
-    let mut routes = routes.lock().unwrap_or_else(PoisonError::into_inner);
+    let msg = AmMsg {
+        seq,
+        body: header[AM_HEADER..].to_vec(),
+    };
+    let mut routes = state.routes.lock().unwrap_or_else(PoisonError::into_inner);
     let Some(route) = routes.get(&conn) else {
         return sys::ucs_status_t::UCS_OK;
     };
-    // Senders force the eager protocol; a rendezvous message (or a body we
-    // cannot read) breaks the protocol: dropping the route fails the
-    // connection at its task.
-    if rndv || (data.is_null() && length > 0) {
-        routes.remove(&conn);
+    if length == 0 && !rndv {
+        deliver(&mut routes, conn, msg);
         return sys::ucs_status_t::UCS_OK;
     }
-    let body = if length == 0 {
-        Vec::new()
-    } else {
-        // SAFETY: eager data: `length` readable bytes at `data` for the
-        // callback's duration; copied out.
-        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
-    };
-    let msg = AmMsg {
-        seq: u64::from_le_bytes(seq),
-        body,
-    };
-    if route.try_send(msg).is_err() {
-        // A full queue: the peer outran its credits. Fail the connection.
-        routes.remove(&conn);
+    // SAFETY: `data`/`length` as UCX passed them; the worker runs this.
+    match unsafe { land(state.worker.get(), route, data, length, rndv, first, count) } {
+        Ok(Landing::Done) => deliver(&mut routes, conn, msg),
+        Ok(Landing::Pending(req, iov)) => state.receives.borrow_mut().push(Receive {
+            req,
+            conn,
+            msg,
+            _iov: iov,
+            _region: route.region.clone(),
+        }),
+        // A payload that does not fit the slots it names breaks the
+        // protocol: dropping the route fails the connection at its task.
+        Err(()) => {
+            routes.remove(&conn);
+        }
     }
     sys::ucs_status_t::UCS_OK
 }
@@ -554,6 +798,47 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
     // the endpoint is closed.
     let cell = unsafe { &*arg.cast::<EpStatus>() };
     cell.0.store(status.0, Ordering::Release);
+}
+
+/// Whether the transports UCX chose for `ep` do RMA natively. UCX 1.13 has
+/// no query for it; the endpoint's configuration, as `ucp_ep_print_info`
+/// writes it, lists one `put[i]` protocol line per RMA lane, and none where
+/// UCX emulates RMA over active messages (`tcp`). Unknown (the text cannot
+/// be captured) counts as no: the active-message data path works on every
+/// transport.
+fn native_rma(ep: sys::ucp_ep_h) -> bool {
+    let mut buf: *mut libc::c_char = ptr::null_mut();
+    let mut size: libc::size_t = 0;
+    // SAFETY: valid out-pointers; the stream and its buffer are released
+    // below, once.
+    let stream = unsafe { libc::open_memstream(&mut buf, &mut size) };
+    if stream.is_null() {
+        return false;
+    }
+    // SAFETY: valid endpoint and an open stream, closed right after, which
+    // makes `buf`/`size` valid; `buf` is freed once, after copying.
+    let text = unsafe {
+        sys::ucp_ep_print_info(ep, stream.cast());
+        libc::fclose(stream);
+        let text = if buf.is_null() {
+            String::new()
+        } else {
+            String::from_utf8_lossy(std::slice::from_raw_parts(buf.cast::<u8>(), size)).into_owned()
+        };
+        libc::free(buf.cast());
+        text
+    };
+    text.lines()
+        .any(|l| l.trim_start_matches('#').trim_start().starts_with("put["))
+}
+
+/// Parameters for a scatter-gather (`UCP_DATATYPE_IOV`) buffer.
+fn iov_param() -> sys::ucp_request_param_t {
+    sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_DATATYPE,
+        datatype: sys::ucp_datatype_t::from(sys::UCP_DATATYPE_IOV),
+        ..Default::default()
+    }
 }
 
 fn request_param(flags: u32) -> sys::ucp_request_param_t {
@@ -590,6 +875,11 @@ fn started(ptr: sys::ucs_status_ptr_t, what: &str) -> Result<Started, TransferEr
 
 impl Worker {
     fn new(ctx: Arc<Context>, routes: Arc<Routes>) -> Result<Self, TransferError> {
+        let am = Rc::new(AmState {
+            routes,
+            worker: Cell::new(ptr::null_mut()),
+            receives: RefCell::default(),
+        });
         let params = sys::ucp_worker_params_t {
             field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
             thread_mode: sys::UCS_THREAD_MODE_SINGLE,
@@ -606,7 +896,8 @@ impl Worker {
             raw,
             efd: -1,
             address: Vec::new(),
-            routes,
+            max_am_header: 0,
+            am,
             eps: HashMap::new(),
             next_ep: 0,
             flights: Vec::new(),
@@ -622,6 +913,17 @@ impl Worker {
             "getting the worker's event fd",
         )?;
         worker.efd = efd;
+        worker.am.worker.set(worker.raw);
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: u64::from(sys::UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER),
+            ..Default::default()
+        };
+        // SAFETY: valid worker and out-struct.
+        check(
+            unsafe { sys::ucp_worker_query(worker.raw, &mut attr) },
+            "querying the worker (ucp_worker_query)",
+        )?;
+        worker.max_am_header = attr.max_am_header;
         let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: valid worker and out-pointers; the address is copied and
@@ -642,10 +944,10 @@ impl Worker {
             id: AM_ID,
             flags: sys::UCP_AM_FLAG_WHOLE_MSG,
             cb: Some(on_am),
-            arg: Arc::as_ptr(&worker.routes).cast_mut().cast(),
+            arg: Rc::as_ptr(&worker.am).cast_mut().cast(),
         };
         // SAFETY: valid worker; `arg` stays valid while the worker lives
-        // (the worker holds the Arc).
+        // (the worker holds the Rc).
         check(
             unsafe { sys::ucp_worker_set_am_recv_handler(worker.raw, &handler) },
             "setting the active-message handler",
@@ -658,7 +960,13 @@ impl Worker {
     /// address), one without, and the worker remembers that so UCX logs its
     /// refusal once, not per connection. Either way the control connection
     /// is how a dead peer is noticed.
-    fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<EpId, TransferError> {
+    fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<Connected, TransferError> {
+        let ep = self.connect_ep(address, rkey)?;
+        let native_rma = self.eps.get(&ep).is_some_and(|e| native_rma(e.ep));
+        Ok(Connected { ep, native_rma })
+    }
+
+    fn connect_ep(&mut self, address: &[u8], rkey: &[u8]) -> Result<EpId, TransferError> {
         if self.peer_failure_handling {
             match self.connect_with(address, rkey, sys::UCP_ERR_HANDLING_MODE_PEER) {
                 Err(TransferError::Config(first)) => {
@@ -738,13 +1046,12 @@ impl Worker {
         })
     }
 
-    /// Starts a batch: all its puts and the flush.
+    /// Starts a batch: its puts and the flush, or its message with data.
     fn start_batch(
         &mut self,
         id: EpId,
-        puts: Vec<Put>,
-        header: [u8; AM_HEADER],
-        body: Vec<u8>,
+        payload: Payload,
+        header: Vec<u8>,
         reply: oneshot::Sender<Result<(), TransferError>>,
     ) {
         if let Some(e) = self.ep_error(id) {
@@ -756,61 +1063,62 @@ impl Worker {
         };
         let (ep, rkey) = (entry.ep, entry.rkey);
         let param = request_param(0);
-        for put in &puts {
-            // SAFETY: valid endpoint and rkey; `put.bytes` stays alive in the
-            // flight until the flush below completes, which covers this put.
-            let ptr = unsafe {
-                sys::ucp_put_nbx(
-                    ep,
-                    put.bytes.as_ptr().cast(),
-                    put.bytes.len(),
-                    put.remote_addr,
-                    rkey,
-                    &param,
-                )
-            };
-            match started(ptr, "put") {
-                Ok(Started::Done) => {}
-                // SAFETY: freeing a pending send request is allowed; UCX
-                // releases it on completion and the flush reports errors.
-                Ok(Started::Pending(req)) => unsafe { sys::ucp_request_free(req) },
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                    return;
+        let mut flushing = None;
+        if let Payload::Put(puts) = &payload {
+            for put in puts {
+                // SAFETY: valid endpoint and rkey; `put.bytes` stays alive in
+                // the flight until the flush below completes, which covers
+                // this put.
+                let ptr = unsafe {
+                    sys::ucp_put_nbx(
+                        ep,
+                        put.bytes.as_ptr().cast(),
+                        put.bytes.len(),
+                        put.remote_addr,
+                        rkey,
+                        &param,
+                    )
+                };
+                match started(ptr, "put") {
+                    Ok(Started::Done) => {}
+                    // SAFETY: freeing a pending send request is allowed; UCX
+                    // releases it on completion and the flush reports errors.
+                    Ok(Started::Pending(req)) => unsafe { sys::ucp_request_free(req) },
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                }
+            }
+            if !puts.is_empty() {
+                // SAFETY: valid endpoint and param.
+                match started(unsafe { sys::ucp_ep_flush_nbx(ep, &param) }, "flush") {
+                    Ok(Started::Done) => {}
+                    Ok(Started::Pending(req)) => flushing = Some(req),
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
                 }
             }
         }
-        let stage = if puts.is_empty() {
-            None
-        } else {
-            // SAFETY: valid endpoint and param.
-            match started(unsafe { sys::ucp_ep_flush_nbx(ep, &param) }, "flush") {
-                Ok(Started::Done) => None,
-                Ok(Started::Pending(req)) => Some(Stage::Flushing(req)),
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-            }
-        };
-        let mut flight = Flight {
+        let flight = Flight {
             ep: id,
-            stage: Stage::Flushing(ptr::null_mut()),
-            _puts: puts,
-            header: Box::new(header),
-            body,
+            stage: Stage::Flushing(flushing.unwrap_or(ptr::null_mut())),
+            payload,
+            iov: Vec::new(),
+            header,
             reply,
         };
-        match stage {
-            Some(stage) => {
-                flight.stage = stage;
-                self.flights.push(flight);
-            }
-            None => self.send_notice(flight),
+        if flushing.is_some() {
+            self.flights.push(flight);
+        } else {
+            self.send_notice(flight);
         }
     }
 
-    /// Sends a flight's active message (its data is flushed).
+    /// Sends a flight's active message: after its puts were flushed, or
+    /// with its data.
     fn send_notice(&mut self, mut flight: Flight) {
         let Some(entry) = self.eps.get(&flight.ep) else {
             let _ = flight.reply.send(Err(TransferError::ConnectionLost(
@@ -818,18 +1126,35 @@ impl Worker {
             )));
             return;
         };
-        let param = request_param(sys::UCP_AM_SEND_FLAG_EAGER);
-        // SAFETY: valid endpoint; header (boxed) and body (a Vec) live on the
-        // heap, owned by the flight until the send completes, so they do not
-        // move when the flight does.
+        let ep = entry.ep;
+        if let Payload::Send(buffers) = &flight.payload {
+            flight.iov = contiguous_ranges(buffers)
+                .into_iter()
+                .map(|(start, length)| sys::ucp_dt_iov_t {
+                    buffer: start.cast_mut().cast(),
+                    length,
+                })
+                .collect();
+        }
+        // UCX picks eager or rendezvous by size for data; a message with
+        // only the header is small and always eager.
+        let (data, count, param) = match flight.iov.as_slice() {
+            [] => (ptr::null(), 0, request_param(sys::UCP_AM_SEND_FLAG_EAGER)),
+            [one] => (one.buffer.cast_const(), one.length, request_param(0)),
+            many => (many.as_ptr().cast(), many.len(), iov_param()),
+        };
+        // SAFETY: valid endpoint; the header, the scatter-gather list and
+        // the buffers it points to (merged ranges lie inside buffers the
+        // payload owns: adjacent ones only) live on the heap, owned by the
+        // flight until the send completes (UCX only reads them).
         let ptr = unsafe {
             sys::ucp_am_send_nbx(
-                entry.ep,
+                ep,
                 AM_ID,
                 flight.header.as_ptr().cast(),
-                AM_HEADER,
-                flight.body.as_ptr().cast(),
-                flight.body.len(),
+                flight.header.len(),
+                data,
+                count,
                 &param,
             )
         };
@@ -845,6 +1170,42 @@ impl Worker {
                 let _ = flight.reply.send(Err(e));
             }
         }
+    }
+
+    /// Delivers the messages whose payload's rendezvous receive completed
+    /// (or fails their connections); returns whether any did.
+    fn poll_receives(&mut self) -> bool {
+        let receives = std::mem::take(&mut *self.am.receives.borrow_mut());
+        let mut pending = Vec::with_capacity(receives.len());
+        let mut progressed = false;
+        for r in receives {
+            // SAFETY: `r.req` is a live request we have not freed yet.
+            let status = unsafe { sys::ucp_request_check_status(r.req) };
+            if status == sys::ucs_status_t::UCS_INPROGRESS {
+                pending.push(r);
+                continue;
+            }
+            progressed = true;
+            // SAFETY: completed request, freed once; UCX no longer writes
+            // through the list or into the region for it.
+            unsafe { sys::ucp_request_free(r.req) };
+            let mut routes = self
+                .am
+                .routes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if status == sys::ucs_status_t::UCS_OK {
+                deliver(&mut routes, r.conn, r.msg);
+            } else {
+                routes.remove(&r.conn);
+            }
+        }
+        // No handler ran meanwhile (nothing here progresses the worker),
+        // but keep anything one might have added, after the older ones.
+        let mut cell = self.am.receives.borrow_mut();
+        pending.append(&mut cell);
+        *cell = pending;
+        progressed
     }
 
     /// Advances every flight whose request completed; returns whether any did.
@@ -934,11 +1295,10 @@ impl Worker {
             }
             Op::Batch {
                 ep,
-                puts,
+                payload,
                 header,
-                body,
                 reply,
-            } => self.start_batch(ep, puts, header, body, reply),
+            } => self.start_batch(ep, payload, header, reply),
             Op::Close(ep) => self.close(ep),
         }
     }
@@ -967,6 +1327,7 @@ impl Worker {
                 busy = true;
             }
             busy |= self.poll_flights();
+            busy |= self.poll_receives();
             if busy {
                 idle = 0;
                 continue;
@@ -979,7 +1340,10 @@ impl Worker {
             // Sleep until UCX or a command wakes us: briefly while
             // operations are pending (in case a transport signals no
             // event for them), long when idle.
-            let timeout_ms = if self.flights.is_empty() && self.closing.is_empty() {
+            let timeout_ms = if self.flights.is_empty()
+                && self.closing.is_empty()
+                && self.am.receives.borrow().is_empty()
+            {
                 100
             } else {
                 1
@@ -1016,10 +1380,15 @@ impl Worker {
             self.close(id);
         }
         let deadline = Instant::now() + CLOSE_GRACE;
-        while (!self.closing.is_empty() || !self.flights.is_empty()) && Instant::now() < deadline {
+        while (!self.closing.is_empty()
+            || !self.flights.is_empty()
+            || !self.am.receives.borrow().is_empty())
+            && Instant::now() < deadline
+        {
             // SAFETY: the worker is used on this thread only.
             unsafe { sys::ucp_worker_progress(self.raw) };
             self.poll_flights();
+            self.poll_receives();
         }
     }
 }
@@ -1032,10 +1401,48 @@ impl Drop for Worker {
         // with it. Only then are the buffers they referenced (owned by
         // `flights`) dropped. The context outlives it (`self._ctx`).
         unsafe { sys::ucp_worker_destroy(self.raw) };
+        // Receives still pending died with the worker: only now may their
+        // regions be unmapped.
+        self.am.receives.borrow_mut().clear();
         for flight in flights {
             let _ = flight.reply.send(Err(TransferError::ConnectionLost(
                 "the UCX transport was shut down".into(),
             )));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(slots: u32, slot_bytes: usize) -> Result<Route, TransferError> {
+        let ctx = Context::new(&[("TLS".into(), "self".into())])?;
+        let region = Arc::new(Region::new(ctx, slots as usize * slot_bytes)?);
+        Ok(Route {
+            queue: mpsc::channel(1).0,
+            region,
+            slot_bytes,
+            slots,
+        })
+    }
+
+    #[test]
+    fn a_payload_lands_in_its_slots_and_wraps_around_the_ring() -> Result<(), TransferError> {
+        let r = route(8, 16)?;
+        assert_eq!(r.landing(2, 3, 48), Some(vec![(32, 48)]));
+        // Slots 6, 7, then 0, 1.
+        assert_eq!(r.landing(6, 4, 64), Some(vec![(96, 32), (0, 32)]));
+        assert_eq!(r.landing(0, 8, 128), Some(vec![(0, 128)]));
+        // Wrong length, no slots, a start or a count past the ring.
+        assert_eq!(r.landing(2, 3, 47), None);
+        assert_eq!(r.landing(2, 0, 0), None);
+        assert_eq!(r.landing(8, 1, 16), None);
+        assert_eq!(r.landing(0, 9, 144), None);
+        // Writes stay inside the region.
+        assert!(r.region.write(112, &[1; 16]));
+        assert!(!r.region.write(113, &[1; 16]));
+        assert_eq!(r.region.read(112, 16), Some(&[1u8; 16][..]));
+        Ok(())
     }
 }

@@ -30,12 +30,29 @@ fn offer_round_trips_and_rejects_bad_lengths() -> Result<(), TransferError> {
 }
 
 #[test]
-fn am_header_carries_connection_and_sequence() {
-    let h = am_header(3, 0x0102);
-    assert_eq!(u64::from_le_bytes(h[..8].try_into().unwrap_or_default()), 3);
-    assert_eq!(
-        u64::from_le_bytes(h[8..].try_into().unwrap_or_default()),
-        0x0102
-    );
+fn am_header_carries_connection_sequence_landing_and_body() {
+    let h = rt::am_header(3, 0x0102, 7, 2, b"notice");
+    assert_eq!(h.len(), rt::AM_HEADER + 6);
+    assert_eq!(rt::parse_am_header(&h), Some((3, 0x0102, 7, 2)));
+    assert_eq!(&h[rt::AM_HEADER..], b"notice");
+    assert_eq!(rt::parse_am_header(&h[..rt::AM_HEADER - 1]), None);
     assert_eq!(control_message(MSG_FINISH, TransferId(5)).len(), 9);
+}
+
+#[test]
+fn adjacent_buffers_merge_and_scattered_ones_are_staged_in_order() {
+    let whole = Bytes::from((0u8..64).collect::<Vec<_>>());
+    let adjacent = vec![whole.slice(0..16), whole.slice(16..40), whole.slice(40..64)];
+    assert_eq!(rt::contiguous_ranges(&adjacent), vec![(whole.as_ptr(), 64)]);
+    // Already contiguous: passed through, no copy.
+    let kept = contiguous(adjacent);
+    assert_eq!(kept.len(), 3);
+    assert_eq!(kept[0].as_ptr(), whole.as_ptr());
+    // Out of order or from separate allocations: one staged copy, in order.
+    let scattered = vec![whole.slice(32..64), whole.slice(0..32)];
+    assert_eq!(rt::contiguous_ranges(&scattered).len(), 2);
+    let staged = contiguous(scattered);
+    assert_eq!(staged.len(), 1);
+    let expected: Vec<u8> = (32u8..64).chain(0..32).collect();
+    assert_eq!(staged[0].as_ref(), expected.as_slice());
 }

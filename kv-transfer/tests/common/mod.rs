@@ -335,28 +335,35 @@ pub fn test_nonce(seed: u8) -> [u8; 32] {
 }
 
 /// The UCX transport over UCX's own TCP (loopback only) and over shared
-/// memory, each with a small receive region (16 slots) so the slot ring
-/// wraps many times: what the generic tests run on besides TCP and
-/// in-process.
+/// memory, each with its automatic data path (puts on shared memory,
+/// rendezvous on tcp) and with the other one forced, each with a small
+/// receive region (16 slots) so the slot ring wraps many times: what the
+/// generic tests run on besides TCP and in-process.
 #[cfg(feature = "ucx")]
 pub fn ucx_transports(token: &str) -> Vec<(Box<dyn tandem_kv_transfer::Transport>, &'static str)> {
-    use tandem_kv_transfer::ucx::{UcxConfig, UcxTransport};
-    let settings: [&[(&str, &str)]; 2] =
-        [&[("TLS", "sm")], &[("TLS", "tcp"), ("NET_DEVICES", "lo")]];
-    settings
-        .iter()
-        .map(|settings| {
-            let mut config = UcxConfig::new(token);
-            config.region_bytes = 16 * 2 * layout().block_layer_bytes();
-            config.ucx_settings = settings
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            let t = UcxTransport::with_config(config).expect("UCX starts");
-            (
-                Box::new(t) as Box<dyn tandem_kv_transfer::Transport>,
-                "127.0.0.1:0",
-            )
-        })
-        .collect()
+    use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport};
+    let sm: &[(&str, &str)] = &[("TLS", "sm")];
+    let tcp: &[(&str, &str)] = &[("TLS", "tcp"), ("NET_DEVICES", "lo")];
+    [
+        (sm, UcxDataPath::Auto),
+        (tcp, UcxDataPath::Auto),
+        (sm, UcxDataPath::Rendezvous),
+        (tcp, UcxDataPath::Put),
+    ]
+    .into_iter()
+    .map(|(settings, data_path)| {
+        let mut config = UcxConfig::new(token);
+        config.region_bytes = 16 * 2 * layout().block_layer_bytes();
+        config.data_path = data_path;
+        config.ucx_settings = settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let t = UcxTransport::with_config(config).expect("UCX starts");
+        (
+            Box::new(t) as Box<dyn tandem_kv_transfer::Transport>,
+            "127.0.0.1:0",
+        )
+    })
+    .collect()
 }
