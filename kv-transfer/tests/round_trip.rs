@@ -280,8 +280,11 @@ async fn sender_refuses_bad_block_writes_before_sending() {
 }
 
 /// Large batches cross UCX by rendezvous — UCX tcp's automatic data path,
-/// and forced on shared memory — landing byte-exact in a receive ring that
-/// wraps many times, between small eager batches.
+/// and forced on shared memory — and by puts (shared memory's automatic
+/// path), landing byte-exact in a receive ring that wraps many times,
+/// between small eager batches; blocks each in their own memory (staged
+/// into one buffer for a rendezvous) and back to back in one buffer (sent
+/// as they are; puts merged).
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
@@ -296,9 +299,10 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
         block_size: 16,
         dtype: KvDtype::F16,
     };
-    let wires: [(&[(&str, &str)], UcxDataPath); 2] = [
+    let wires: [(&[(&str, &str)], UcxDataPath); 3] = [
         (&[("TLS", "tcp"), ("NET_DEVICES", "lo")], UcxDataPath::Auto),
         (&[("TLS", "sm")], UcxDataPath::Rendezvous),
+        (&[("TLS", "sm")], UcxDataPath::Auto),
     ];
     for (settings, data_path) in wires {
         let mut config = UcxConfig::new(TOKEN);
@@ -320,11 +324,19 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
             .expect("connect");
         let t = TransferId(9);
         let mut expected = Vec::new();
-        for (from, to) in [(0u32, 3u32), (3, 200), (200, 201), (201, 256)] {
+        for (i, (from, to)) in [(0u32, 3u32), (3, 120), (120, 200), (200, 201), (201, 256)]
+            .into_iter()
+            .enumerate()
+        {
             let blocks: Vec<BlockWrite> = (0..l.num_layers)
                 .flat_map(|layer| (from..to).map(move |dst| (layer, dst)))
                 .map(|(layer, dst)| block(&l, 9, layer, dst))
                 .collect();
+            let blocks = if i % 2 == 0 {
+                blocks
+            } else {
+                back_to_back(blocks)
+            };
             expected.extend(blocks.clone());
             session.write(t, blocks).await.expect("write");
         }
@@ -332,4 +344,30 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
         assert_eq!(sink.finishes(), vec![(t, Ok(()))], "{settings:?}");
         assert_delivered(&sink, t, &expected);
     }
+}
+
+/// The same blocks, K₀ V₀ K₁ V₁ … in one buffer, as the prefill worker
+/// exports a layer.
+#[cfg(feature = "ucx")]
+fn back_to_back(blocks: Vec<BlockWrite>) -> Vec<BlockWrite> {
+    let whole = bytes::Bytes::from(
+        blocks
+            .iter()
+            .flat_map(|b| b.k.iter().chain(b.v.iter()).copied())
+            .collect::<Vec<u8>>(),
+    );
+    let mut at = 0;
+    blocks
+        .into_iter()
+        .map(|b| {
+            let (k, v) = (b.k.len(), b.v.len());
+            let out = BlockWrite {
+                k: whole.slice(at..at + k),
+                v: whole.slice(at + k..at + k + v),
+                ..b
+            };
+            at += k + v;
+            out
+        })
+        .collect()
 }

@@ -39,16 +39,20 @@
 //! it returns the slots with a `CREDIT` frame:
 //!
 //! - **Put** (where the wire does RMA natively: RDMA verbs, shared memory):
-//!   `ucp_put_nbx` of each K and V into its slot, a flush of the endpoint
-//!   (`ucp_ep_flush_nbx`: the data is now in the receiver's memory), then
-//!   the notice, eager, with no data.
+//!   `ucp_put_nbx` of K and V into their slots — one put per run where
+//!   both the source and the slots are contiguous, so a batch exported
+//!   back to back is one put, or two where the ring wraps — a flush of the
+//!   endpoint (`ucp_ep_flush_nbx`: the data is now in the receiver's
+//!   memory), then the notice, eager, with no data.
 //! - **Rendezvous** (where UCX would emulate RMA over active messages, as
-//!   on `tcp`, at a fifth of its bandwidth): the notice carries the blocks
-//!   as its data — one scatter-gather list, `[K₀, V₀, K₁, V₁, …]`, sent
-//!   eagerly when small and by UCX's rendezvous protocol otherwise — and the
-//!   receiver's handler receives it straight into the slots the header
-//!   names (`ucp_am_recv_data_nbx` with a list of one or two region ranges:
-//!   the ring may wrap), queuing the notice once it has landed.
+//!   on `tcp`): the notice carries the blocks as its data — `K₀ V₀ K₁ V₁ …`
+//!   as one contiguous buffer (copied into one if the blocks are not back to
+//!   back: UCX 1.13 moves a scatter-gather list over tcp several times
+//!   slower), sent eagerly when small and by UCX's rendezvous protocol
+//!   otherwise — and the receiver's handler receives it straight into the
+//!   slots the header names (`ucp_am_recv_data_nbx` into one region range,
+//!   or a list of two where the ring wraps), queuing the notice once it has
+//!   landed.
 //!
 //! `FINISH` and `ABORT` are active messages too. Every message carries a
 //! per-connection sequence number and the receiver applies them in that

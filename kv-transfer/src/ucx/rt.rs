@@ -406,6 +406,26 @@ pub(crate) fn contiguous_ranges(buffers: &[Bytes]) -> Vec<(*const u8, usize)> {
     ranges
 }
 
+/// `puts` as (address, length, remote address), merging a put into the
+/// previous one where both its source and its destination continue it: a
+/// contiguous batch into consecutive slots is one put (two where the ring
+/// wraps), not one per K and V.
+pub(crate) fn merged_puts(puts: &[Put]) -> Vec<(*const u8, usize, u64)> {
+    let mut merged: Vec<(*const u8, usize, u64)> = Vec::new();
+    for p in puts.iter().filter(|p| !p.bytes.is_empty()) {
+        match merged.last_mut() {
+            Some((start, len, remote))
+                if start.wrapping_add(*len) == p.bytes.as_ptr()
+                    && remote.wrapping_add(*len as u64) == p.remote_addr =>
+            {
+                *len += p.bytes.len();
+            }
+            _ => merged.push((p.bytes.as_ptr(), p.bytes.len(), p.remote_addr)),
+        }
+    }
+    merged
+}
+
 /// A connected endpoint.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Connected {
@@ -1065,20 +1085,13 @@ impl Worker {
         let param = request_param(0);
         let mut flushing = None;
         if let Payload::Put(puts) = &payload {
-            for put in puts {
-                // SAFETY: valid endpoint and rkey; `put.bytes` stays alive in
-                // the flight until the flush below completes, which covers
-                // this put.
-                let ptr = unsafe {
-                    sys::ucp_put_nbx(
-                        ep,
-                        put.bytes.as_ptr().cast(),
-                        put.bytes.len(),
-                        put.remote_addr,
-                        rkey,
-                        &param,
-                    )
-                };
+            for (start, len, remote_addr) in merged_puts(puts) {
+                // SAFETY: valid endpoint and rkey; the range lies inside the
+                // puts' buffers (adjacent ones only are merged), which stay
+                // alive in the flight until the flush below completes, which
+                // covers this put.
+                let ptr =
+                    unsafe { sys::ucp_put_nbx(ep, start.cast(), len, remote_addr, rkey, &param) };
                 match started(ptr, "put") {
                     Ok(Started::Done) => {}
                     // SAFETY: freeing a pending send request is allowed; UCX

@@ -56,3 +56,29 @@ fn adjacent_buffers_merge_and_scattered_ones_are_staged_in_order() {
     let expected: Vec<u8> = (32u8..64).chain(0..32).collect();
     assert_eq!(staged[0].as_ref(), expected.as_slice());
 }
+
+#[test]
+fn puts_merge_only_where_source_and_destination_both_continue() {
+    let whole = Bytes::from(vec![7u8; 64]);
+    let put = |from: usize, to: usize, remote: u64| rt::Put {
+        bytes: whole.slice(from..to),
+        remote_addr: remote,
+    };
+    // K, V of two blocks into consecutive slots: one put.
+    let one = rt::merged_puts(&[put(0, 16, 1000), put(16, 32, 1016), put(32, 64, 1032)]);
+    assert_eq!(one, vec![(whole.as_ptr(), 64, 1000)]);
+    // The ring wraps after the first block: two puts.
+    let wrapped = rt::merged_puts(&[put(0, 16, 1000), put(16, 32, 1016), put(32, 64, 0)]);
+    assert_eq!(wrapped.len(), 2);
+    assert_eq!(wrapped[1], (whole[32..].as_ptr(), 32, 0));
+    // Sources apart: no merge even into consecutive slots.
+    let other = Bytes::from(vec![1u8; 16]);
+    let apart = rt::merged_puts(&[
+        put(0, 16, 1000),
+        rt::Put {
+            bytes: other,
+            remote_addr: 1016,
+        },
+    ]);
+    assert_eq!(apart.len(), 2);
+}
