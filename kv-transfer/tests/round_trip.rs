@@ -36,14 +36,7 @@ async fn many_blocks_across_layers_arrive_byte_exact() {
     let l = layout();
     for (transport, bind) in transports() {
         let sink = RecordingSink::new(1024);
-        let listener = transport
-            .listen(bind, l, sink.clone())
-            .await
-            .expect("listen");
-        let session = transport
-            .connect(listener.endpoint(), l)
-            .await
-            .expect("connect");
+        let (_listener, session) = common::open(transport.as_ref(), bind, l, sink.clone()).await;
         assert_eq!(session.peer_num_blocks(), 1024);
         let t = TransferId(1);
         // Many small writes, then one big enough to be split into several frames.
@@ -179,14 +172,7 @@ async fn abort_fails_the_transfer_on_both_sides() {
     let l = layout();
     for (transport, bind) in transports() {
         let sink = RecordingSink::new(64);
-        let listener = transport
-            .listen(bind, l, sink.clone())
-            .await
-            .expect("listen");
-        let session = transport
-            .connect(listener.endpoint(), l)
-            .await
-            .expect("connect");
+        let (_listener, session) = common::open(transport.as_ref(), bind, l, sink.clone()).await;
         let (aborted, kept) = (TransferId(1), TransferId(2));
         session
             .write(aborted, vec![block(&l, 1, 0, 3)])
@@ -210,14 +196,7 @@ async fn sink_refusal_fails_only_that_transfer() {
     let l = layout();
     for (transport, bind) in transports() {
         let sink = RecordingSink::refusing(64, 13);
-        let listener = transport
-            .listen(bind, l, sink.clone())
-            .await
-            .expect("listen");
-        let session = transport
-            .connect(listener.endpoint(), l)
-            .await
-            .expect("connect");
+        let (_listener, session) = common::open(transport.as_ref(), bind, l, sink.clone()).await;
         let (bad, good) = (TransferId(1), TransferId(2));
         let blocks = vec![
             block(&l, 1, 0, 12),
@@ -250,14 +229,7 @@ async fn sender_refuses_bad_block_writes_before_sending() {
     let l = layout();
     for (transport, bind) in transports() {
         let sink = RecordingSink::new(8);
-        let listener = transport
-            .listen(bind, l, sink.clone())
-            .await
-            .expect("listen");
-        let session = transport
-            .connect(listener.endpoint(), l)
-            .await
-            .expect("connect");
+        let (_listener, session) = common::open(transport.as_ref(), bind, l, sink.clone()).await;
         let t = TransferId(5);
         let mut short = block(&l, 5, 0, 1);
         short.v = short.v.slice(1..);
@@ -288,7 +260,7 @@ async fn sender_refuses_bad_block_writes_before_sending() {
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
-    use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport};
+    use tandem_kv_transfer::ucx::UcxDataPath;
     use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor};
     // 32 KiB of K and of V per block-layer: a batch of 12 slots is 768 KiB,
     // far above both wires' rendezvous thresholds (20 KiB tcp, 8 KiB sm).
@@ -305,23 +277,10 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
         (&[("TLS", "sm")], UcxDataPath::Auto),
     ];
     for (settings, data_path) in wires {
-        let mut config = UcxConfig::new(TOKEN);
-        config.region_bytes = 24 * 2 * l.block_layer_bytes();
-        config.data_path = data_path;
-        config.ucx_settings = settings
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let transport = UcxTransport::with_config(config).expect("UCX starts");
+        let transport =
+            common::ucx_transport(TOKEN, settings, data_path, 24 * 2 * l.block_layer_bytes());
         let sink = RecordingSink::new(256);
-        let listener = transport
-            .listen("127.0.0.1:0", l, sink.clone())
-            .await
-            .expect("listen");
-        let session = transport
-            .connect(listener.endpoint(), l)
-            .await
-            .expect("connect");
+        let (_listener, session) = common::open(&transport, "127.0.0.1:0", l, sink.clone()).await;
         let t = TransferId(9);
         let mut expected = Vec::new();
         for (i, (from, to)) in [(0u32, 3u32), (3, 120), (120, 200), (200, 201), (201, 256)]

@@ -8,8 +8,25 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tandem_kv_transfer::{
-    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferError, TransferId,
+    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, TransferId,
+    Transport,
 };
+
+/// Listens on `bind` with `sink` and connects one session to the listener
+/// (keep the listener: dropping it stops accepting).
+pub async fn open(
+    transport: &dyn Transport,
+    bind: &str,
+    layout: KvLayoutDescriptor,
+    sink: Arc<dyn KvSink>,
+) -> (Listener, Box<dyn Session>) {
+    let listener = transport.listen(bind, layout, sink).await.expect("listen");
+    let session = transport
+        .connect(listener.endpoint(), layout)
+        .await
+        .expect("connect");
+    (listener, session)
+}
 
 /// Upper bound on any wait in the tests.
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -341,7 +358,7 @@ pub fn test_nonce(seed: u8) -> [u8; 32] {
 /// generic tests run on besides TCP and in-process.
 #[cfg(feature = "ucx")]
 pub fn ucx_transports(token: &str) -> Vec<(Box<dyn tandem_kv_transfer::Transport>, &'static str)> {
-    use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport};
+    use tandem_kv_transfer::ucx::UcxDataPath;
     let sm: &[(&str, &str)] = &[("TLS", "sm")];
     let tcp: &[(&str, &str)] = &[("TLS", "tcp"), ("NET_DEVICES", "lo")];
     [
@@ -352,18 +369,36 @@ pub fn ucx_transports(token: &str) -> Vec<(Box<dyn tandem_kv_transfer::Transport
     ]
     .into_iter()
     .map(|(settings, data_path)| {
-        let mut config = UcxConfig::new(token);
-        config.region_bytes = 16 * 2 * layout().block_layer_bytes();
-        config.data_path = data_path;
-        config.ucx_settings = settings
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let t = UcxTransport::with_config(config).expect("UCX starts");
+        let t = ucx_transport(
+            token,
+            settings,
+            data_path,
+            16 * 2 * layout().block_layer_bytes(),
+        );
         (
             Box::new(t) as Box<dyn tandem_kv_transfer::Transport>,
             "127.0.0.1:0",
         )
     })
     .collect()
+}
+
+/// A UCX transport with `settings` (`UCX_` names without the prefix), a
+/// data path and a receive region of `region_bytes` per connection.
+#[cfg(feature = "ucx")]
+pub fn ucx_transport(
+    token: &str,
+    settings: &[(&str, &str)],
+    data_path: tandem_kv_transfer::ucx::UcxDataPath,
+    region_bytes: usize,
+) -> tandem_kv_transfer::ucx::UcxTransport {
+    use tandem_kv_transfer::ucx::{UcxConfig, UcxTransport};
+    let mut config = UcxConfig::new(token);
+    config.region_bytes = region_bytes;
+    config.data_path = data_path;
+    config.ucx_settings = settings
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    UcxTransport::with_config(config).expect("UCX starts")
 }
