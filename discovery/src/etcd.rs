@@ -7,7 +7,12 @@
 //! [`REQUEST_TIMEOUT`] and names the endpoints and the operation in the
 //! error. Streams (watch, lease keep-alive) are not bounded as a whole; their
 //! users bound each step instead, and HTTP/2 keep-alive pings
-//! ([`KEEPALIVE_INTERVAL`]) end a stream whose peer has silently vanished.
+//! ([`KEEPALIVE_INTERVAL`], [`KEEPALIVE_TIMEOUT`]) end a stream whose peer
+//! has silently vanished. The pings respect etcd's keep-alive enforcement
+//! (`--grpc-keepalive-min-time`, 5 s by default, and no pings on a
+//! connection without streams): a client that pings more often is sent
+//! `GOAWAY` ("too many pings") after three strikes, which broke every idle
+//! watch about every 12 s.
 
 use std::future::Future;
 use std::time::Duration;
@@ -22,8 +27,12 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// TCP connect timeout per attempt.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// HTTP/2 ping interval (and timeout) on the etcd connection.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+/// HTTP/2 ping interval on the etcd connection: above etcd's default
+/// minimum of 5 s between a client's pings.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(6);
+
+/// How long a ping may go unanswered before the connection is dropped.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The endpoints, joined for error messages.
 pub(crate) fn shown(endpoints: &[String]) -> String {
@@ -37,8 +46,8 @@ pub(crate) async fn connect(endpoints: &[String]) -> Result<Client, DiscoveryErr
     }
     let options = ConnectOptions::new()
         .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_INTERVAL)
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
+        .with_keep_alive_while_idle(false);
     let connecting = Client::connect(endpoints, Some(options));
     match tokio::time::timeout(REQUEST_TIMEOUT, connecting).await {
         Ok(Ok(client)) => Ok(client),
