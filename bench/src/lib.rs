@@ -51,9 +51,29 @@ pub fn percentile(samples: &[f64], p: f64) -> f64 {
     s[rank.clamp(1, s.len()) - 1]
 }
 
+/// Median of an unsorted sample (the mean of the middle two for an even
+/// count); NaN for none.
+pub fn median(samples: &[f64]) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => s[n / 2],
+        _ => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_empty_samples() {
+        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
 
     #[test]
     fn percentile_nearest_rank() {

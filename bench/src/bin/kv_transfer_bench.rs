@@ -51,6 +51,7 @@ use bytes::Bytes;
 use clap::Parser;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
+use tandem_bench::median;
 use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport, UCX_TUNING};
 use tandem_kv_transfer::{BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferId, Transport};
@@ -332,18 +333,6 @@ fn perftest(bin: &PathBuf, test: &str, size: usize, env: &[(&str, &str)]) -> Res
     last
 }
 
-/// The median (the mean of the middle two for an even count).
-fn median(xs: &[f64]) -> Option<f64> {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(v[n / 2]),
-        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
-    }
-}
-
 fn main() -> Result<()> {
     // As `tandem` does: UCX's tuning through the environment, set while
     // this process has one thread.
@@ -454,8 +443,10 @@ fn main() -> Result<()> {
                 args.inflight,
                 args.scattered,
             ))?;
-            let (put_m, tag_m, ratio_m) = (median(&put), median(&tag), median(&ratio));
-            let discard_m = median(&discard).unwrap_or(0.0);
+            // The tcp wire has no perftest ceiling: those stay empty.
+            let median_of = |xs: &[f64]| (!xs.is_empty()).then(|| median(xs));
+            let (put_m, tag_m, ratio_m) = (median_of(&put), median_of(&tag), median_of(&ratio));
+            let discard_m = median(&discard);
             let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
             println!(
                 "{name:<12} {mib:>6} {discard_m:>10.2} {copy:>10.2} {:>10} {:>10} {:>8}",

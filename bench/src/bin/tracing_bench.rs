@@ -25,6 +25,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use futures_util::StreamExt;
 use serde_json::json;
+use tandem_bench::median;
 use tandem_engine::serving::{EngineConfig, EngineCore, EngineHandle, KvPoolSize};
 use tandem_proto::v1;
 use tandem_proto::v1::generation_server::Generation;
@@ -152,19 +153,6 @@ fn child(args: &Args, mode: &str) -> Result<()> {
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 fn parent(args: &Args) -> Result<()> {
     let model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "small")?;
     let exe = std::env::current_exe()?;
@@ -204,7 +192,7 @@ fn parent(args: &Args) -> Result<()> {
             samples.push(v);
         }
     }
-    let (m_none, m_logs) = (median(&mut none), median(&mut logs));
+    let (m_none, m_logs) = (median(&none), median(&logs));
     let report = json!({
         "benchmark": "tracing-overhead",
         "model": model.dir.display().to_string(),

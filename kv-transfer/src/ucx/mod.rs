@@ -558,8 +558,7 @@ async fn write_loop(mut ctx: WriteCtx) {
                             _ = ctx.dead.wait_for(|d| *d) => return Err(ctx.completions.dead_error()),
                         }
                         let first = cursor;
-                        let mut puts = Vec::new();
-                        let mut buffers = Vec::new();
+                        let mut puts = Vec::with_capacity(2 * n);
                         let mut body = Vec::with_capacity(NOTICE_FIXED + n * NOTICE_ENTRY);
                         body.put_u8(MSG_WRITE);
                         body.put_u64_le(transfer.0);
@@ -568,24 +567,21 @@ async fn write_loop(mut ctx: WriteCtx) {
                             body.put_u32_le(block.layer);
                             body.put_u32_le(block.dst_block);
                             body.put_u32_le(cursor);
-                            if plan.rendezvous {
-                                buffers.push(block.k);
-                                buffers.push(block.v);
-                            } else {
-                                let slot_addr =
-                                    plan.region_addr + cursor as u64 * plan.slot_bytes as u64;
-                                puts.push(rt::Put {
-                                    bytes: block.k,
-                                    remote_addr: slot_addr,
-                                });
-                                puts.push(rt::Put {
-                                    bytes: block.v,
-                                    remote_addr: slot_addr + plan.block_layer_bytes as u64,
-                                });
-                            }
+                            let slot_addr =
+                                plan.region_addr + cursor as u64 * plan.slot_bytes as u64;
+                            puts.push(rt::Put {
+                                bytes: block.k,
+                                remote_addr: slot_addr,
+                            });
+                            puts.push(rt::Put {
+                                bytes: block.v,
+                                remote_addr: slot_addr + plan.block_layer_bytes as u64,
+                            });
                             cursor = (cursor + 1) % plan.slots;
                         }
                         messages.push(if plan.rendezvous {
+                            // The same bytes in the same order, as the data.
+                            let buffers = puts.into_iter().map(|p| p.bytes).collect();
                             Message {
                                 payload: rt::Payload::Send(contiguous(buffers)),
                                 landing: (first, n as u32),
@@ -733,12 +729,12 @@ fn report(ctx: &ListenCtx, peer: &str, err: &TransferError) {
 }
 
 /// Removes a connection's route when dropped.
-struct Route {
+struct RouteGuard {
     rt: Arc<rt::Runtime>,
     conn: u64,
 }
 
-impl Drop for Route {
+impl Drop for RouteGuard {
     fn drop(&mut self) {
         self.rt
             .routes()
@@ -804,7 +800,7 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
                 slots: ctx.slots,
             },
         );
-    let _route = Route {
+    let _route = RouteGuard {
         rt: ctx.rt.clone(),
         conn,
     };

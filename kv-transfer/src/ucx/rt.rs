@@ -394,36 +394,50 @@ pub(crate) enum Payload {
     Send(Vec<Bytes>),
 }
 
-/// `buffers` as (address, length) ranges, adjacent ones merged.
-pub(crate) fn contiguous_ranges(buffers: &[Bytes]) -> Vec<(*const u8, usize)> {
-    let mut ranges: Vec<(*const u8, usize)> = Vec::new();
-    for b in buffers.iter().filter(|b| !b.is_empty()) {
-        match ranges.last_mut() {
-            Some((start, len)) if start.wrapping_add(*len) == b.as_ptr() => *len += b.len(),
-            _ => ranges.push((b.as_ptr(), b.len())),
+/// Pieces (address, length, destination) merged into runs: a piece joins
+/// the previous run where both its source and its destination continue it.
+fn merge_runs(
+    pieces: impl IntoIterator<Item = (*const u8, usize, u64)>,
+) -> Vec<(*const u8, usize, u64)> {
+    let mut runs: Vec<(*const u8, usize, u64)> = Vec::new();
+    for (start, len, dst) in pieces.into_iter().filter(|p| p.1 > 0) {
+        match runs.last_mut() {
+            Some((run, run_len, run_dst))
+                if run.wrapping_add(*run_len) == start
+                    && run_dst.wrapping_add(*run_len as u64) == dst =>
+            {
+                *run_len += len;
+            }
+            _ => runs.push((start, len, dst)),
         }
     }
-    ranges
+    runs
 }
 
-/// `puts` as (address, length, remote address), merging a put into the
+/// `buffers` as (address, length) ranges, adjacent ones merged.
+pub(crate) fn contiguous_ranges(buffers: &[Bytes]) -> Vec<(*const u8, usize)> {
+    // Sent in order, each buffer's destination continues the previous one.
+    let mut at = 0u64;
+    let pieces = buffers.iter().map(|b| {
+        let piece = (b.as_ptr(), b.len(), at);
+        at += b.len() as u64;
+        piece
+    });
+    merge_runs(pieces)
+        .into_iter()
+        .map(|(start, len, _)| (start, len))
+        .collect()
+}
+
+/// `puts` as (address, length, remote address), a put merged into the
 /// previous one where both its source and its destination continue it: a
 /// contiguous batch into consecutive slots is one put (two where the ring
 /// wraps), not one per K and V.
 pub(crate) fn merged_puts(puts: &[Put]) -> Vec<(*const u8, usize, u64)> {
-    let mut merged: Vec<(*const u8, usize, u64)> = Vec::new();
-    for p in puts.iter().filter(|p| !p.bytes.is_empty()) {
-        match merged.last_mut() {
-            Some((start, len, remote))
-                if start.wrapping_add(*len) == p.bytes.as_ptr()
-                    && remote.wrapping_add(*len as u64) == p.remote_addr =>
-            {
-                *len += p.bytes.len();
-            }
-            _ => merged.push((p.bytes.as_ptr(), p.bytes.len(), p.remote_addr)),
-        }
-    }
-    merged
+    merge_runs(
+        puts.iter()
+            .map(|p| (p.bytes.as_ptr(), p.bytes.len(), p.remote_addr)),
+    )
 }
 
 /// A connected endpoint.
