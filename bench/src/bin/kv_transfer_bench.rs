@@ -37,8 +37,17 @@
 //! information it also runs `ucp_put_bw` with 32 KiB messages (the size of
 //! the puts the transport issues); that one rewrites the same cache-resident
 //! 32 KiB every iteration, so on shared memory it measures the CPU cache, not
-//! a transfer, and is not used as the ceiling. Writes one JSON document and
-//! prints a table.
+//! a transfer, and is not used as the ceiling.
+//!
+//! On shared memory the put path's cost is the sender's CPU copying each
+//! batch into the receiver's ring, and perftest's `ucp_put_bw` copies into
+//! one destination of the message's size, rewritten every iteration and so
+//! cache-resident. For the shared-memory wires each round therefore also
+//! times the two copies alone, no protocol involved (`memcpy_*`): the batch
+//! into one same-size destination (perftest's pattern) and into a ring of
+//! the transport's region size in the transport's batches. Their ratio is
+//! the fraction of perftest's figure that copying into a ring can reach at
+//! all on this machine. Writes one JSON document and prints a table.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -53,8 +62,13 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tandem_bench::median;
 use tandem_kv_transfer::tcp::TcpTransport;
-use tandem_kv_transfer::ucx::{UcxConfig, UcxDataPath, UcxTransport, UCX_TUNING};
+use tandem_kv_transfer::ucx::{
+    UcxConfig, UcxDataPath, UcxTransport, MAX_NOTICE_BLOCKS, UCX_TUNING,
+};
 use tandem_kv_transfer::{BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferId, Transport};
+
+/// How long each of the two copies runs per round.
+const COPY_SECONDS: f64 = 0.3;
 
 #[derive(Parser, Debug)]
 #[command(about = "KV transfer bandwidth: TCP, UCX tcp, UCX shared memory, ucx_perftest")]
@@ -77,7 +91,7 @@ struct Args {
     wires: Vec<String>,
     /// Rounds per point: the transport and `ucx_perftest` alternate, and
     /// medians are reported (the ceiling alone varies 2x run to run).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// The UCX receive region per connection in MiB (default: the
     /// transport's own).
@@ -278,6 +292,44 @@ async fn measure(
     Ok(done as f64 * payload as f64 / secs / 1e9)
 }
 
+/// The copy bound of the put path on shared memory: GB/s of copying a
+/// `batch_bytes` source into one destination of the same size every time
+/// (as `ucp_put_bw` does), and into a ring of `region_bytes` in pieces of at
+/// most `chunk_bytes`, wrapping at its end (as the transport's sender does;
+/// a batch larger than the ring passes through it in pieces).
+fn copy_bound(batch_bytes: usize, region_bytes: usize, chunk_bytes: usize) -> (f64, f64) {
+    let source = vec![0x5au8; batch_bytes];
+    let mut same = vec![0u8; batch_bytes];
+    let mut ring = vec![0u8; region_bytes.max(1)];
+    let chunk = chunk_bytes.clamp(1, ring.len());
+    let rate = |copy: &mut dyn FnMut()| {
+        copy(); // first touch
+        let start = Instant::now();
+        let mut copies = 0u64;
+        while copies < 100_000 && start.elapsed().as_secs_f64() < COPY_SECONDS {
+            copy();
+            copies += 1;
+        }
+        copies as f64 * batch_bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let same_gbps = rate(&mut || {
+        same.copy_from_slice(&source);
+        std::hint::black_box(&mut same);
+    });
+    let mut cursor = 0usize;
+    let ring_gbps = rate(&mut || {
+        for piece in source.chunks(chunk) {
+            // Where the transport's batch wraps, it is two copies too.
+            let first = piece.len().min(ring.len() - cursor);
+            ring[cursor..cursor + first].copy_from_slice(&piece[..first]);
+            ring[..piece.len() - first].copy_from_slice(&piece[first..]);
+            cursor = (cursor + piece.len()) % ring.len();
+        }
+        std::hint::black_box(&mut ring);
+    });
+    (same_gbps, ring_gbps)
+}
+
 /// `ucx_perftest` server + client on loopback; GB/s of the final line.
 fn perftest(bin: &PathBuf, test: &str, size: usize, env: &[(&str, &str)]) -> Result<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -362,6 +414,17 @@ fn main() -> Result<()> {
         )
     };
     let mut transports: Vec<(&str, Make, Option<Settings>)> = Vec::new();
+    // The ring the UCX transports use, and the batch their senders copy
+    // (as `UcxTransport` derives it: whole slots, at most half the ring).
+    let defaults = UcxConfig::new(TOKEN);
+    let region_bytes = args.region_mib.map_or(defaults.region_bytes, |m| m << 20);
+    let slot_bytes = 2 * layout().block_layer_bytes();
+    let slots = (region_bytes / slot_bytes).max(1);
+    let batch_bytes = args.batch_kib.map_or(defaults.batch_bytes, |k| k << 10);
+    let chunk_bytes = (batch_bytes / slot_bytes)
+        .clamp(1, MAX_NOTICE_BLOCKS)
+        .min((slots / 2).max(1))
+        * slot_bytes;
     for wire in &args.wires {
         let (name, (make, env)): (&str, (Make, Option<Settings>)) = match wire.as_str() {
             "tcp" => (
@@ -382,8 +445,8 @@ fn main() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8}",
-        "wire", "MiB", "discard", "copy", "put_bw", "tag_bw", "ratio"
+        "{:<12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}",
+        "wire", "MiB", "discard", "copy", "put_bw", "tag_bw", "ratio", "ring/same"
     );
     let block_put = layout().block_layer_bytes();
     if args.rounds == 0 {
@@ -417,6 +480,9 @@ fn main() -> Result<()> {
             let bytes = mib << 20;
             let (mut discard, mut put, mut tag, mut ratio) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            // Shared memory only: elsewhere the kernel or the NIC copies.
+            let with_copy_bound = *ucx_env == Some(UCX_SM);
+            let (mut copy_same, mut copy_ring) = (Vec::new(), Vec::new());
             for _ in 0..args.rounds {
                 let d = rt.block_on(measure(
                     make.as_ref(),
@@ -434,6 +500,11 @@ fn main() -> Result<()> {
                     tag.push(t);
                     ratio.push(d / p.max(t));
                 }
+                if with_copy_bound {
+                    let (same, ring) = copy_bound(bytes, slots * slot_bytes, chunk_bytes);
+                    copy_same.push(same);
+                    copy_ring.push(ring);
+                }
             }
             let copy = rt.block_on(measure(
                 make.as_ref(),
@@ -446,13 +517,22 @@ fn main() -> Result<()> {
             // The tcp wire has no perftest ceiling: those stay empty.
             let median_of = |xs: &[f64]| (!xs.is_empty()).then(|| median(xs));
             let (put_m, tag_m, ratio_m) = (median_of(&put), median_of(&tag), median_of(&ratio));
+            let ring_fraction: Vec<f64> = copy_ring
+                .iter()
+                .zip(&copy_same)
+                .map(|(r, s)| r / s)
+                .collect();
+            let ring_fraction_m = median_of(&ring_fraction);
             let discard_m = median(&discard);
             let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+            let percent =
+                |x: Option<f64>| x.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0));
             println!(
-                "{name:<12} {mib:>6} {discard_m:>10.2} {copy:>10.2} {:>10} {:>10} {:>8}",
+                "{name:<12} {mib:>6} {discard_m:>10.2} {copy:>10.2} {:>10} {:>10} {:>8} {:>10}",
                 fmt(put_m),
                 fmt(tag_m),
-                ratio_m.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0))
+                percent(ratio_m),
+                percent(ring_fraction_m),
             );
             rows.push(json!({
                 "transport": name,
@@ -467,6 +547,11 @@ fn main() -> Result<()> {
                 "perftest_put_bw_block_gbps": put_block,
                 "fraction_of_perftest": ratio_m,
                 "fraction_of_perftest_rounds": ratio,
+                "memcpy_same_gbps": median_of(&copy_same),
+                "memcpy_ring_gbps": median_of(&copy_ring),
+                "memcpy_same_gbps_rounds": copy_same,
+                "memcpy_ring_gbps_rounds": copy_ring,
+                "memcpy_ring_fraction": ring_fraction_m,
             }));
         }
     }
@@ -479,6 +564,8 @@ fn main() -> Result<()> {
         "rounds": args.rounds,
         "region_mib": args.region_mib,
         "batch_kib": args.batch_kib,
+        "ring_bytes": slots * slot_bytes,
+        "sender_batch_bytes": chunk_bytes,
         // In effect for the UCX transports and perftest alike.
         "ucx_environment": UCX_TUNING
             .iter()
