@@ -63,7 +63,7 @@ use serde_json::json;
 use tandem_bench::median;
 use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::ucx::{
-    UcxConfig, UcxDataPath, UcxTransport, MAX_NOTICE_BLOCKS, UCX_TUNING,
+    batch_slots, UcxConfig, UcxDataPath, UcxTransport, MAX_NOTICE_BLOCKS, UCX_TUNING,
 };
 use tandem_kv_transfer::{BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferId, Transport};
 
@@ -192,15 +192,23 @@ struct Tuning {
     batch_kib: Option<usize>,
 }
 
+impl Tuning {
+    /// The transport's default settings with these overrides.
+    fn config(self) -> UcxConfig {
+        let mut config = UcxConfig::new(TOKEN);
+        if let Some(mib) = self.region_mib {
+            config.region_bytes = mib << 20;
+        }
+        if let Some(kib) = self.batch_kib {
+            config.batch_bytes = kib << 10;
+        }
+        config
+    }
+}
+
 fn ucx(settings: &[(&str, &str)], data_path: UcxDataPath, tuning: Tuning) -> Result<UcxTransport> {
-    let mut config = UcxConfig::new(TOKEN);
+    let mut config = tuning.config();
     config.data_path = data_path;
-    if let Some(mib) = tuning.region_mib {
-        config.region_bytes = mib << 20;
-    }
-    if let Some(kib) = tuning.batch_kib {
-        config.batch_bytes = kib << 10;
-    }
     config.ucx_settings = settings
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -416,15 +424,11 @@ fn main() -> Result<()> {
     let mut transports: Vec<(&str, Make, Option<Settings>)> = Vec::new();
     // The ring the UCX transports use, and the batch their senders copy
     // (as `UcxTransport` derives it: whole slots, at most half the ring).
-    let defaults = UcxConfig::new(TOKEN);
-    let region_bytes = args.region_mib.map_or(defaults.region_bytes, |m| m << 20);
+    let config = tuning.config();
     let slot_bytes = 2 * layout().block_layer_bytes();
-    let slots = (region_bytes / slot_bytes).max(1);
-    let batch_bytes = args.batch_kib.map_or(defaults.batch_bytes, |k| k << 10);
-    let chunk_bytes = (batch_bytes / slot_bytes)
-        .clamp(1, MAX_NOTICE_BLOCKS)
-        .min((slots / 2).max(1))
-        * slot_bytes;
+    let slots = config.region_slots(slot_bytes);
+    let chunk_bytes =
+        batch_slots(config.batch_bytes, slot_bytes, MAX_NOTICE_BLOCKS, slots) * slot_bytes;
     for wire in &args.wires {
         let (name, (make, env)): (&str, (Make, Option<Settings>)) = match wire.as_str() {
             "tcp" => (

@@ -173,6 +173,22 @@ impl UcxConfig {
             batch_bytes: 4 << 20,
         }
     }
+
+    /// Slots of `slot_bytes` in the receive region a listener with these
+    /// settings registers per connection (at least one; the sink's pool
+    /// may cap it further).
+    pub fn region_slots(&self, slot_bytes: usize) -> usize {
+        (self.region_bytes / slot_bytes.max(1)).max(1)
+    }
+}
+
+/// Blocks a sender puts in one batch (one notice): `batch_bytes` worth of
+/// slots, at least one, at most `max_batch` (what a notice may name) and
+/// at most half the peer's `slots`, so two batches fit the ring at once.
+pub fn batch_slots(batch_bytes: usize, slot_bytes: usize, max_batch: usize, slots: usize) -> usize {
+    (batch_bytes / slot_bytes.max(1))
+        .clamp(1, max_batch.max(1))
+        .min((slots / 2).max(1))
 }
 
 /// The UCX [`Transport`]. Endpoints are the control connection's
@@ -307,7 +323,7 @@ impl Transport for UcxTransport {
         layout.validate()?;
         let slot_bytes = 2 * layout.block_layer_bytes();
         let pool_slots = u64::from(sink.num_blocks()) * u64::from(layout.num_layers);
-        let slots = (self.config.region_bytes / slot_bytes).max(1) as u64;
+        let slots = self.config.region_slots(slot_bytes) as u64;
         let slots = u32::try_from(slots.min(pool_slots.max(1))).unwrap_or(u32::MAX);
         let listener = TcpListener::bind(bind)
             .await
@@ -534,9 +550,12 @@ fn contiguous(buffers: Vec<Bytes>) -> Vec<Bytes> {
 /// The sender's writer: turns commands into batches and messages.
 async fn write_loop(mut ctx: WriteCtx) {
     let plan = ctx.plan;
-    let per_batch = (plan.batch_bytes / plan.slot_bytes)
-        .clamp(1, plan.max_batch)
-        .min((plan.slots as usize / 2).max(1));
+    let per_batch = batch_slots(
+        plan.batch_bytes,
+        plan.slot_bytes,
+        plan.max_batch,
+        plan.slots as usize,
+    );
     let mut seq = 0u64;
     let mut cursor = 0u32;
     let mut inflight: VecDeque<Reply> = VecDeque::new();

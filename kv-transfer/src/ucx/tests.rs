@@ -82,3 +82,17 @@ fn puts_merge_only_where_source_and_destination_both_continue() {
     ]);
     assert_eq!(apart.len(), 2);
 }
+
+#[test]
+fn batches_are_whole_slots_within_the_notice_and_half_the_ring() {
+    let slot = 64 << 10;
+    // 4 MiB of 64 KiB slots in a 128-slot ring: 64.
+    assert_eq!(batch_slots(4 << 20, slot, MAX_NOTICE_BLOCKS, 128), 64);
+    // Never more than half the ring, nor than a notice names, nor fewer than one.
+    assert_eq!(batch_slots(64 << 20, slot, MAX_NOTICE_BLOCKS, 128), 64);
+    assert_eq!(batch_slots(64 << 20, slot, 16, 4096), 16);
+    assert_eq!(batch_slots(1, slot, MAX_NOTICE_BLOCKS, 1), 1);
+    let config = UcxConfig::new("t");
+    assert_eq!(config.region_slots(slot), 128);
+    assert_eq!(config.region_slots(config.region_bytes * 2), 1);
+}
