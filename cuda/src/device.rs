@@ -18,7 +18,7 @@ use cudarc::driver::{
     result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig,
     PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 
 use crate::error::CudaError;
 use crate::ptx;
@@ -63,7 +63,7 @@ impl Drop for DevBuf {
 fn missing_libraries() -> Vec<&'static str> {
     let mut missing = Vec::new();
     // SAFETY: each probe loads a shared library by name (running its
-    // initialisers); the CUDA driver, cuBLAS and NVRTC are made to be loaded so.
+    // initialisers); the CUDA driver and cuBLAS are made to be loaded so.
     unsafe {
         if !drv_sys::is_culib_present() {
             missing.push("libcuda (the driver)");
@@ -71,9 +71,9 @@ fn missing_libraries() -> Vec<&'static str> {
         if !blas_sys::is_culib_present() {
             missing.push("libcublas");
         }
-        if !cudarc::nvrtc::sys::is_culib_present() {
-            missing.push("libnvrtc");
-        }
+    }
+    if !ptx::nvrtc_available() {
+        missing.push("libnvrtc");
     }
     missing
 }
@@ -190,18 +190,7 @@ impl Gpu {
             Some(text) => text,
             None => {
                 let started = std::time::Instant::now();
-                let mut options: Vec<String> =
-                    ptx::NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
-                options.push(format!("--gpu-architecture={arch}"));
-                let compiled = compile_ptx_with_opts(
-                    ptx::KERNELS_CU,
-                    CompileOptions {
-                        options,
-                        ..Default::default()
-                    },
-                )
-                .map_err(|e| CudaError::driver("NVRTC compile", e))?;
-                let text = compiled.to_src();
+                let text = ptx::compile(&arch)?;
                 if let Err(e) = ptx::store_cached(ptx_cache, &key, &text) {
                     tracing::warn!(error = %e, dir = %ptx_cache.display(), "PTX cache not written");
                 }

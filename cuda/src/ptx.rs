@@ -65,6 +65,33 @@ pub fn store_cached(dir: &Path, key: &str, ptx: &str) -> std::io::Result<()> {
     std::fs::rename(tmp, dir.join(format!("{key}.ptx")))
 }
 
+/// Whether NVRTC (`libnvrtc`) can be loaded here. It needs no GPU: the
+/// kernels compile on any machine that has the library.
+#[cfg(feature = "cuda")]
+pub fn nvrtc_available() -> bool {
+    // SAFETY: loads a shared library by name (running its initialisers);
+    // NVRTC is made to be loaded so.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles [`KERNELS_CU`] with NVRTC for `arch` (`sm_90`) and returns the
+/// PTX. A compile error carries NVRTC's log. Panics (cudarc) if NVRTC cannot
+/// be loaded: check [`nvrtc_available`] first.
+#[cfg(feature = "cuda")]
+pub fn compile(arch: &str) -> Result<String, crate::CudaError> {
+    let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+    options.push(format!("--gpu-architecture={arch}"));
+    cudarc::nvrtc::compile_ptx_with_opts(
+        KERNELS_CU,
+        cudarc::nvrtc::CompileOptions {
+            options,
+            ..Default::default()
+        },
+    )
+    .map(|ptx| ptx.to_src())
+    .map_err(|e| crate::CudaError::driver("NVRTC compile", e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
