@@ -11,7 +11,8 @@
 //! METRICS_ADDR`, unless `--no-metrics`), the router's OpenAI HTTP API
 //! (`http listening on ADDR`, unless `--no-http`) and then the router's
 //! gRPC address (`listening on ADDR`), and waits; Ctrl-C stops everything:
-//! children get SIGTERM (so they flush their spans) and SIGKILL 5 s later.
+//! children get SIGTERM (so they leave etcd and flush their spans) and
+//! SIGKILL 5 s later, and etcd stops last.
 //! The log format and the OTLP endpoint are passed on to every child.
 //!
 //! `--tls` runs the cluster with mutual TLS: `up` writes a development CA
@@ -137,7 +138,9 @@ impl Drop for TlsDir {
     }
 }
 
-/// A private etcd for the cluster: killed and its data removed at the end.
+/// A private etcd for the cluster: killed and its data removed at the end,
+/// after the workers (declared before [`Children`], so dropped after them),
+/// which leave the membership as they stop.
 struct Etcd {
     child: Child,
     endpoint: String,
@@ -188,7 +191,8 @@ fn try_start_etcd(attempt: u32) -> Result<Option<Etcd>> {
     let (client, peer) = (free_port()?, free_port()?);
     let dir = std::env::temp_dir().join(format!("tandem-up-etcd-{}-{attempt}", std::process::id()));
     let endpoint = format!("http://127.0.0.1:{client}");
-    let child = Command::new("etcd")
+    let mut command = Command::new("etcd");
+    command
         .arg("--data-dir")
         .arg(&dir)
         .args([
@@ -201,9 +205,9 @@ fn try_start_etcd(attempt: u32) -> Result<Option<Etcd>> {
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting etcd")?;
+        .stderr(Stdio::null());
+    outlive_the_terminal_group_not_up(&mut command);
+    let child = command.spawn().context("starting etcd")?;
     let mut etcd = Etcd {
         child,
         endpoint,
@@ -223,6 +227,39 @@ fn try_start_etcd(attempt: u32) -> Result<Option<Etcd>> {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(Some(etcd))
+}
+
+/// Puts etcd in its own process group and ties its life to `up`'s.
+///
+/// Ctrl-C in a terminal signals the whole foreground process group: in it,
+/// etcd would stop at the same moment as the workers, which then fail to
+/// leave the membership (their lease revocation finds no etcd). Outside it,
+/// etcd is stopped by `up` once the workers are gone. And should `up` die
+/// without running its drops (SIGKILL), the kernel sends etcd SIGTERM
+/// (`PR_SET_PDEATHSIG`) rather than leave it running with no owner; the
+/// workers already exit when `up`'s end of their stdin closes. (The signal
+/// follows the thread that forked etcd: `up`'s main thread, which lives as
+/// long as `up`.)
+fn outlive_the_terminal_group_not_up(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    command.process_group(0);
+    let up = std::process::id();
+    // SAFETY: the closure runs in the forked child before `exec`; it calls
+    // only `prctl` and `getppid`, which are async-signal-safe, and builds
+    // its error without allocating (`last_os_error`, `from_raw_os_error`).
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // `up` died between the fork and the `prctl`: no signal will
+            // come, so do not start.
+            if libc::getppid() as u32 != up {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Whether etcd's `/health` on this loopback port says `"health":"true"`.
@@ -359,8 +396,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     };
     let model = model.display().to_string();
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
+    // etcd and the certificates are declared before the children, so they
+    // outlive them.
     let etcd = if args.no_etcd { None } else { start_etcd()? };
-    // Declared before the children, so it outlives them.
     let tls = if args.tls {
         Some(TlsDir::create(args.tls_dir.as_ref())?)
     } else {

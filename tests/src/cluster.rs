@@ -20,6 +20,10 @@ pub struct KillOnDrop(pub Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
+        // Already ended (and reaped): its pid may belong to another process.
+        if let Ok(Some(_)) = self.0.try_wait() {
+            return;
+        }
         // SIGTERM lets `up` stop its children (they also exit when `up`'s
         // end of their stdin closes).
         let _ = Command::new("kill")

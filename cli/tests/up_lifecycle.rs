@@ -1,0 +1,159 @@
+//! How a `tandem up` cluster stops: Ctrl-C in a terminal (SIGINT to the
+//! whole process group) lets the workers leave etcd before etcd stops, and
+//! a `tandem up` killed outright takes its etcd and workers with it.
+//!
+//! Needs etcd installed (`.ci/run` installs it), like the other cluster
+//! tests: `up` only starts etcd when it finds it.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_tests::cluster::KillOnDrop;
+
+/// A `tandem up` in a process group of its own, as a shell starts a
+/// foreground job, with its stderr kept in a file.
+struct Up {
+    process: KillOnDrop,
+    etcd_pid: u32,
+    worker_pid: u32,
+    stderr: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn start_up() -> Up {
+    let tandem = Path::new(env!("CARGO_BIN_EXE_tandem"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    tandem_tests::cluster::gen_model(tandem, &model, "tiny");
+    let stderr = dir.path().join("stderr.log");
+    let mut child = Command::new(tandem)
+        .args(["up", "--model"])
+        .arg(&model)
+        .args([
+            "--prefill",
+            "0",
+            "--decode",
+            "1",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-http",
+            "--no-metrics",
+            "--kv-cache-memory",
+            "32MiB",
+        ])
+        .env("RUST_LOG", "info")
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+        .spawn()
+        .expect("tandem up starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let process = KillOnDrop(child);
+    let (mut etcd_pid, mut worker_pid) = (None, None);
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("tandem up exited before listening")
+            .expect("a line");
+        let last_word = || line.rsplit(' ').next().and_then(|p| p.parse::<u32>().ok());
+        if line.starts_with("etcd ") {
+            etcd_pid = last_word();
+        } else if line.starts_with("decode worker ") {
+            worker_pid = last_word();
+        } else if line.starts_with("listening on ") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Up {
+        process,
+        etcd_pid: etcd_pid.expect("`tandem up` starts etcd when it is installed"),
+        worker_pid: worker_pid.expect("a `decode worker ADDR PID` line"),
+        stderr,
+        _dir: dir,
+    }
+}
+
+/// Whether `pid` is a running process (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the parenthesised command name.
+        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+        !state.starts_with('Z') && !state.starts_with('X')
+    })
+}
+
+fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn exited(child: &mut Child) -> bool {
+    matches!(child.try_wait(), Ok(Some(_)))
+}
+
+#[test]
+fn ctrl_c_lets_the_workers_leave_etcd_before_it_stops() {
+    let mut up = start_up();
+    let group = up.process.0.id();
+    // What a terminal does on Ctrl-C: SIGINT to the foreground group.
+    let sent = Command::new("kill")
+        .args(["-INT", "--", &format!("-{group}")])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    wait_for(
+        "tandem up exits after Ctrl-C",
+        Duration::from_secs(30),
+        || exited(&mut up.process.0),
+    );
+    let status = up.process.0.wait().expect("exit status");
+    let log = std::fs::read_to_string(&up.stderr).expect("stderr log");
+    assert!(status.success(), "tandem up failed: {status}\n{log}");
+    assert!(
+        log.contains("deregistered from etcd"),
+        "the worker did not leave etcd:\n{log}"
+    );
+    assert!(
+        !log.contains("failed revoking"),
+        "etcd stopped before the worker left it:\n{log}"
+    );
+    assert!(!alive(up.etcd_pid), "etcd outlived tandem up");
+    assert!(!alive(up.worker_pid), "the worker outlived tandem up");
+}
+
+#[test]
+fn a_killed_up_takes_its_etcd_and_workers_with_it() {
+    let mut up = start_up();
+    let up_pid = up.process.0.id();
+    up.process.0.kill().expect("SIGKILL");
+    let _ = up.process.0.wait();
+    wait_for(
+        "etcd stops after tandem up is killed",
+        Duration::from_secs(10),
+        || !alive(up.etcd_pid),
+    );
+    wait_for(
+        "the worker stops after tandem up is killed",
+        Duration::from_secs(15),
+        || !alive(up.worker_pid),
+    );
+    // A killed `up` cannot remove etcd's data directory; the test does.
+    let prefix = format!("tandem-up-etcd-{up_pid}-");
+    for entry in std::fs::read_dir(std::env::temp_dir())
+        .expect("temp dir")
+        .flatten()
+    {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
