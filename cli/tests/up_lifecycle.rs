@@ -5,18 +5,17 @@
 //! Needs etcd installed (`.ci/run` installs it), like the other cluster
 //! tests: `up` only starts etcd when it finds it.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tandem_tests::cluster::KillOnDrop;
+use tandem_tests::cluster::Started;
 
 /// A `tandem up` in a process group of its own, as a shell starts a
 /// foreground job, with its stderr kept in a file.
 struct Up {
-    process: KillOnDrop,
+    cluster: Started,
     etcd_pid: u32,
     worker_pid: u32,
     stderr: PathBuf,
@@ -29,21 +28,24 @@ fn start_up() -> Up {
     let model = dir.path().join("model");
     tandem_tests::cluster::gen_model(tandem, &model, "tiny");
     let stderr = dir.path().join("stderr.log");
-    let mut child = Command::new(tandem)
-        .args(["up", "--model"])
-        .arg(&model)
-        .args([
-            "--prefill",
-            "0",
-            "--decode",
-            "1",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--no-metrics",
-            "--kv-cache-memory",
-            "32MiB",
-        ])
+    let model = model.to_str().expect("utf8");
+    let args = [
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "0",
+        "--decode",
+        "1",
+        "--addr",
+        "127.0.0.1:0",
+        "--no-http",
+        "--no-metrics",
+        "--kv-cache-memory",
+        "32MiB",
+    ];
+    let child = Command::new(tandem)
+        .args(args)
         .env("RUST_LOG", "info")
         .process_group(0)
         .stdin(Stdio::null())
@@ -51,29 +53,15 @@ fn start_up() -> Up {
         .stderr(std::fs::File::create(&stderr).expect("stderr file"))
         .spawn()
         .expect("tandem up starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let process = KillOnDrop(child);
-    let (mut etcd_pid, mut worker_pid) = (None, None);
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = lines
-            .next()
-            .expect("tandem up exited before listening")
-            .expect("a line");
-        let last_word = || line.rsplit(' ').next().and_then(|p| p.parse::<u32>().ok());
-        if line.starts_with("etcd ") {
-            etcd_pid = last_word();
-        } else if line.starts_with("decode worker ") {
-            worker_pid = last_word();
-        } else if line.starts_with("listening on ") {
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
+    let cluster = tandem_tests::cluster::started(child, &args);
+    let etcd_pid = cluster
+        .etcd_pid
+        .expect("`tandem up` starts etcd when it is installed");
+    let worker_pid = cluster.pids[&cluster.decode[0]];
     Up {
-        process,
-        etcd_pid: etcd_pid.expect("`tandem up` starts etcd when it is installed"),
-        worker_pid: worker_pid.expect("a `decode worker ADDR PID` line"),
+        cluster,
+        etcd_pid,
+        worker_pid,
         stderr,
         _dir: dir,
     }
@@ -103,7 +91,7 @@ fn exited(child: &mut Child) -> bool {
 #[test]
 fn ctrl_c_lets_the_workers_leave_etcd_before_it_stops() {
     let mut up = start_up();
-    let group = up.process.0.id();
+    let group = up.cluster.process.0.id();
     // What a terminal does on Ctrl-C: SIGINT to the foreground group.
     let sent = Command::new("kill")
         .args(["-INT", "--", &format!("-{group}")])
@@ -113,9 +101,9 @@ fn ctrl_c_lets_the_workers_leave_etcd_before_it_stops() {
     wait_for(
         "tandem up exits after Ctrl-C",
         Duration::from_secs(30),
-        || exited(&mut up.process.0),
+        || exited(&mut up.cluster.process.0),
     );
-    let status = up.process.0.wait().expect("exit status");
+    let status = up.cluster.process.0.wait().expect("exit status");
     let log = std::fs::read_to_string(&up.stderr).expect("stderr log");
     assert!(status.success(), "tandem up failed: {status}\n{log}");
     assert!(
@@ -133,9 +121,9 @@ fn ctrl_c_lets_the_workers_leave_etcd_before_it_stops() {
 #[test]
 fn a_killed_up_takes_its_etcd_and_workers_with_it() {
     let mut up = start_up();
-    let up_pid = up.process.0.id();
-    up.process.0.kill().expect("SIGKILL");
-    let _ = up.process.0.wait();
+    let up_pid = up.cluster.process.0.id();
+    up.cluster.process.0.kill().expect("SIGKILL");
+    let _ = up.cluster.process.0.wait();
     wait_for(
         "etcd stops after tandem up is killed",
         Duration::from_secs(10),

@@ -81,7 +81,7 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
 /// [`start`] with extra environment variables (which `tandem up` passes on
 /// to its workers, e.g. `UCX_TLS`).
 pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Started {
-    let mut child = Command::new(tandem)
+    let child = Command::new(tandem)
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
@@ -89,7 +89,14 @@ pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Sta
         .stderr(Stdio::inherit())
         .spawn()
         .expect("tandem starts");
-    let stdout = child.stdout.take().expect("stdout");
+    started(child, args)
+}
+
+/// Reads the startup lines of a `tandem` child the caller spawned itself
+/// (with a piped stdout) until `listening on`. `args` name it in the panic
+/// if it exits first.
+pub fn started(mut child: Child, args: &[&str]) -> Started {
+    let stdout = child.stdout.take().expect("a piped stdout");
     let process = KillOnDrop(child);
     let (mut decode, mut prefill, mut pids, mut etcd, mut http) =
         (Vec::new(), Vec::new(), HashMap::new(), None, None);
