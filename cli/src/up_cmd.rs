@@ -10,9 +10,11 @@
 //! ADDR`), every process's Prometheus endpoint (`metrics ROLE ADDR
 //! METRICS_ADDR`, unless `--no-metrics`), the router's OpenAI HTTP API
 //! (`http listening on ADDR`, unless `--no-http`) and then the router's
-//! gRPC address (`listening on ADDR`), and waits; Ctrl-C stops everything:
-//! children get SIGTERM (so they leave etcd and flush their spans) and
-//! SIGKILL 5 s later, and etcd stops last.
+//! gRPC address (`listening on ADDR`), and waits; Ctrl-C stops everything,
+//! also during the start: every child has its own process group, so the
+//! terminal's SIGINT reaches `up` alone, which gives the children SIGTERM
+//! (so they leave etcd and flush their spans) and SIGKILL 5 s later, and
+//! stops etcd last.
 //! The log format and the OTLP endpoint are passed on to every child.
 //!
 //! `--tls` runs the cluster with mutual TLS: `up` writes a development CA
@@ -326,9 +328,21 @@ struct Spawned {
 /// Starts `tandem <args>` and reads its startup lines up to
 /// `listening on ADDR` (`http listening on ADDR` and `metrics listening on
 /// ADDR` lines may come first).
-fn spawn(children: &mut Children, args: &[String], env: &[(&str, String)]) -> Result<Spawned> {
+///
+/// The child gets its own process group: a Ctrl-C in the terminal reaches
+/// `up` alone, which then stops the children itself ([`Children`]'s drop),
+/// so none is killed by a SIGINT that comes before it has installed its
+/// handler, and all stop before etcd does.
+fn spawn(
+    children: &mut Children,
+    stop: &StopFlag,
+    args: &[String],
+    env: &[(&str, String)],
+) -> Result<Spawned> {
+    use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut child = Command::new(exe)
+        .process_group(0)
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .arg("--exit-on-stdin-eof")
@@ -361,10 +375,16 @@ fn spawn(children: &mut Children, args: &[String], env: &[(&str, String)]) -> Re
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     let (mut http, mut metrics) = (None, None);
     loop {
-        let wait = deadline.saturating_duration_since(std::time::Instant::now());
-        let line = match rx.recv_timeout(wait) {
+        if stopping(stop) {
+            bail!("stopped while tandem {} was starting", args[0]);
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let line = match rx.recv_timeout(left.min(Duration::from_millis(100))) {
             Ok(line) => line?,
-            Err(mpsc::RecvTimeoutError::Timeout) => bail!("tandem {} did not start", args[0]),
+            Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
+                bail!("tandem {} did not start", args[0])
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 bail!("tandem {} exited before listening", args[0])
             }
@@ -395,6 +415,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         None => crate::default_model::default_model_dir()?,
     };
     let model = model.display().to_string();
+    // Before anything is started: a Ctrl-C from here on stops the cluster
+    // in order instead of killing `up` with its children half-started.
+    let stop = stop_flag()?;
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
     // etcd and the certificates are declared before the children, so they
     // outlive them.
@@ -452,7 +475,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             args.remote_prefill_threshold.to_string(),
         ]);
         a.extend(args.decode_args.iter().cloned());
-        let d = spawn(&mut children, &a, &[])?;
+        let d = spawn(&mut children, &stop, &a, &[])?;
         if let Some(m) = d.metrics {
             metrics.push(("decode-worker", d.addr.clone(), m));
         }
@@ -462,7 +485,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     for _ in 0..args.prefill {
         let mut a = worker("prefill-worker");
         a.extend(args.prefill_args.iter().cloned());
-        let p = spawn(&mut children, &a, &[])?;
+        let p = spawn(&mut children, &stop, &a, &[])?;
         if let Some(m) = p.metrics {
             metrics.push(("prefill-worker", p.addr.clone(), m));
         }
@@ -511,7 +534,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         http,
         metrics: router_metrics,
         ..
-    } = spawn(&mut children, &router, &router_env)?;
+    } = spawn(&mut children, &stop, &router, &router_env)?;
     if let Some(m) = router_metrics {
         metrics.push(("router", addr.clone(), m));
     }
@@ -552,10 +575,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     // Wait for Ctrl-C / SIGTERM or for the router to die; a worker that
     // dies is reported and left out (the router stops sending to it). The
     // children are killed on the way out.
-    let stop = stop_flag()?;
     let router_at = children.0.len() - 1;
     let mut reported = vec![false; children.0.len()];
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+    while !stopping(&stop) {
         for (i, c) in children.0.iter_mut().enumerate() {
             if let Some(status) = c.try_wait()? {
                 if i == router_at {
@@ -574,18 +596,41 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
 }
 
 /// A flag raised by Ctrl-C or SIGTERM.
-fn stop_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+///
+/// The handlers are installed before this returns (a tokio `Signal`
+/// registers when it is created, not when first polled), so a signal that
+/// comes right after cannot take the default action and kill `up`.
+fn stop_flag() -> Result<StopFlag> {
+    use tokio::signal::unix::{signal, SignalKind};
     let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let raised = flag.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the signal runtime")?;
+    let (mut interrupt, mut terminate) = {
+        let _in_runtime = rt.enter();
+        (
+            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+        )
+    };
     std::thread::spawn(move || {
-        rt.block_on(crate::engine_args::shutdown_signal());
+        rt.block_on(async {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+        });
         raised.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     Ok(flag)
+}
+
+type StopFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+fn stopping(stop: &StopFlag) -> bool {
+    stop.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn rand_suffix() -> u64 {

@@ -1,6 +1,7 @@
 //! How a `tandem up` cluster stops: Ctrl-C in a terminal (SIGINT to the
-//! whole process group) lets the workers leave etcd before etcd stops, and
-//! a `tandem up` killed outright takes its etcd and workers with it.
+//! whole process group) lets the workers leave etcd before etcd stops, a
+//! Ctrl-C while the cluster is still starting leaves nothing behind, and a
+//! `tandem up` killed outright takes its etcd and workers with it.
 //!
 //! Needs etcd installed (`.ci/run` installs it), like the other cluster
 //! tests: `up` only starts etcd when it finds it.
@@ -22,17 +23,16 @@ struct Up {
     _dir: tempfile::TempDir,
 }
 
-fn start_up() -> Up {
+/// `tandem up` on a tiny model, one decode worker, started but not yet
+/// read from; its stderr goes to `dir/stderr.log`.
+fn spawn_up(dir: &Path) -> (Child, Vec<String>) {
     let tandem = Path::new(env!("CARGO_BIN_EXE_tandem"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("model");
+    let model = dir.join("model");
     tandem_tests::cluster::gen_model(tandem, &model, "tiny");
-    let stderr = dir.path().join("stderr.log");
-    let model = model.to_str().expect("utf8");
     let args = [
         "up",
         "--model",
-        model,
+        model.to_str().expect("utf8"),
         "--prefill",
         "0",
         "--decode",
@@ -43,16 +43,25 @@ fn start_up() -> Up {
         "--no-metrics",
         "--kv-cache-memory",
         "32MiB",
-    ];
+    ]
+    .map(String::from)
+    .to_vec();
     let child = Command::new(tandem)
-        .args(args)
+        .args(&args)
         .env("RUST_LOG", "info")
         .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+        .stderr(std::fs::File::create(dir.join("stderr.log")).expect("stderr file"))
         .spawn()
         .expect("tandem up starts");
+    (child, args)
+}
+
+fn start_up() -> Up {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (child, args) = spawn_up(dir.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let cluster = tandem_tests::cluster::started(child, &args);
     let etcd_pid = cluster
         .etcd_pid
@@ -62,7 +71,7 @@ fn start_up() -> Up {
         cluster,
         etcd_pid,
         worker_pid,
-        stderr,
+        stderr: dir.path().join("stderr.log"),
         _dir: dir,
     }
 }
@@ -143,5 +152,58 @@ fn a_killed_up_takes_its_etcd_and_workers_with_it() {
         if entry.file_name().to_string_lossy().starts_with(&prefix) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
+    }
+}
+
+/// The pids of processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmdline).contains(needle) && alive(pid) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[test]
+fn ctrl_c_while_starting_leaves_no_process_behind() {
+    // Ctrl-C at several points of the start: before etcd, while it or the
+    // worker starts, and once the worker is loading the model.
+    for delay_ms in [0u64, 150, 400, 900] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (child, _) = spawn_up(dir.path());
+        let mut up = tandem_tests::cluster::KillOnDrop(child);
+        let up_pid = up.0.id();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let sent = Command::new("kill")
+            .args(["-INT", "--", &format!("-{up_pid}")])
+            .status()
+            .expect("kill");
+        assert!(sent.success());
+        wait_for(
+            "tandem up exits after Ctrl-C during its start",
+            Duration::from_secs(30),
+            || exited(&mut up.0),
+        );
+        // The worker's command line names the model directory, etcd's its
+        // data directory; `up` stopped both before it exited.
+        let model = dir.path().join("model").display().to_string();
+        let etcd_dir = format!("tandem-up-etcd-{up_pid}-");
+        let left: Vec<u32> = processes_mentioning(&model)
+            .into_iter()
+            .chain(processes_mentioning(&etcd_dir))
+            .collect();
+        let log = std::fs::read_to_string(dir.path().join("stderr.log")).unwrap_or_default();
+        assert!(
+            left.is_empty(),
+            "Ctrl-C {delay_ms} ms into the start left {left:?} running\n{log}"
+        );
     }
 }
