@@ -284,23 +284,28 @@ pub fn exit_after_engine_failure(why: &str) -> ! {
 }
 
 /// Resolves on Ctrl-C or SIGTERM (a worker drains on either).
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+///
+/// Listens from the moment it is called, not from its first poll: call it
+/// before printing `listening on`, so a signal sent by whoever read that
+/// line (a test, `tandem up`, Kubernetes) is handled rather than taking the
+/// default action and killing the process mid-start. Needs a tokio runtime.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{signal, SignalKind};
+    let interrupt = signal(SignalKind::interrupt());
+    let terminate = signal(SignalKind::terminate());
+    async move {
+        let (mut interrupt, mut terminate) = match (interrupt, terminate) {
+            (Ok(i), Ok(t)) => (i, t),
+            // Without handlers the signals keep their default action
+            // (exit), so there is nothing to wait for.
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!(error = %e, "no signal handlers; Ctrl-C and SIGTERM kill at once");
+                return std::future::pending().await;
             }
-            Err(_) => std::future::pending::<()>().await,
+        };
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
     }
 }

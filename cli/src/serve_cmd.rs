@@ -50,6 +50,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         args.http
             .start(&engine.model_dir, service.clone(), api_keys.clone())
             .await?;
+        let signal = shutdown_signal();
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.
         println!("listening on {}", bound.local_addr());
         let mut services = crate::worker_cmd::public_generation(service, &api_keys);
@@ -57,7 +58,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let engine_handle = engine.handle.clone();
         let stop = async move {
             tokio::select! {
-                () = shutdown_signal() => {}
+                () = signal => {}
                 why = engine_stopped(engine_handle) => exit_after_engine_failure(&why),
             }
         };

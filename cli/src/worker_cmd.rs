@@ -103,8 +103,6 @@ async fn register(
     Ok(Some(reg))
 }
 
-/// The shutdown future of a worker: on SIGTERM or Ctrl-C it leaves the
-/// membership first (the router stops sending), then the server drains.
 impl WorkerArgs {
     /// Binds the worker's gRPC port, names it (`--id`, else `ROLE-PORT`),
     /// registers its advertised address, and prints `listening on ADDR`
@@ -130,11 +128,12 @@ impl WorkerArgs {
 /// engine stops for good (a lost tensor/pipeline-parallel rank), it leaves
 /// the membership first (the router stops sending), then the server drains.
 async fn leave_then_drain(
+    signal: impl std::future::Future<Output = ()>,
     reg: Option<tandem_discovery::Registration>,
     engine: tandem_engine::serving::EngineHandle,
 ) {
     let failed = tokio::select! {
-        () = shutdown_signal() => None,
+        () = signal => None,
         why = engine_stopped(engine) => Some(why),
     };
     if let Some(reg) = reg {
@@ -181,6 +180,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
         args.metrics.start(&registry).await?;
+        let signal = shutdown_signal();
         let (bound, id, reg) = args
             .bind_and_register(tandem_discovery::Role::Prefill)
             .await?;
@@ -198,7 +198,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             bound,
             config,
             &registry,
-            leave_then_drain(reg, engine.handle.clone()),
+            leave_then_drain(signal, reg, engine.handle.clone()),
         )
         .await?;
         Ok(())
@@ -215,6 +215,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
         w.metrics.start(&registry).await?;
+        let signal = shutdown_signal();
         let (bound, id, reg) = w.bind_and_register(tandem_discovery::Role::Decode).await?;
         let config = DecodeWorkerConfig {
             id,
@@ -232,7 +233,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             bound,
             config,
             &registry,
-            leave_then_drain(reg, engine.handle.clone()),
+            leave_then_drain(signal, reg, engine.handle.clone()),
         )
         .await?;
         Ok(())
@@ -384,10 +385,11 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         args.http
             .start(&dir, service.clone(), api_keys.clone())
             .await?;
+        let signal = shutdown_signal();
         println!("listening on {}", bound.local_addr());
         let mut services = public_generation(service, &api_keys);
         services.with_tls(tls.as_ref().map(|t| t.server()));
-        tandem_server::serve_services(bound, services, shutdown_signal()).await?;
+        tandem_server::serve_services(bound, services, signal).await?;
         Ok(())
     })
 }
