@@ -269,38 +269,38 @@ impl Sampler {
 
     /// The tokens a sampled draw may pick from penalised logits `z`, with
     /// unnormalised weights: temperature, then top-k, top-p and min-p.
-    /// Most likely first.
+    ///
+    /// In no particular order: a draw needs none, and sorting a 128k
+    /// vocabulary cost more than the rest of the sampler together
+    /// (`sampling-bench`). Top-k selects on the logits, before any `exp`.
     fn candidates(&self, z: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weight = |v: f32| exp_nonpositive((v - max) * inv_t);
         // Masked-out tokens (−∞) are never candidates.
-        let mut cand: Vec<(u32, f32)> = z
-            .iter()
-            .enumerate()
-            .filter(|&(_, &v)| v > f32::NEG_INFINITY)
-            .map(|(i, &v)| (i as u32, ((v - max) * inv_t).exp()))
-            .collect();
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, by_value_desc);
-            cand.truncate(p.top_k);
-        }
-        cand.sort_unstable_by(by_value_desc);
-        let total: f32 = cand.iter().map(|c| c.1).sum();
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                cum += c.1 / total;
-                if cum >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
+        let mut cand: Vec<(u32, f32)> = if p.top_k > 0 && p.top_k < z.len() {
+            // `exp` is monotonic: the k largest logits are the k heaviest.
+            let mut top = top_k_logits(z, p.top_k);
+            for c in &mut top {
+                c.1 = weight(c.1);
             }
-            cand.truncate(keep.max(1));
+            top
+        } else {
+            // A separate pass over a plain array, so it vectorises.
+            let w: Vec<f32> = z.iter().map(|&v| weight(v)).collect();
+            z.iter()
+                .zip(w)
+                .enumerate()
+                .filter(|&(_, (&v, _))| v > f32::NEG_INFINITY)
+                .map(|(i, (_, w))| (i as u32, w))
+                .collect()
+        };
+        if p.top_p < 1.0 {
+            keep_top_p(&mut cand, p.top_p);
         }
         if p.min_p > 0.0 {
-            let floor = cand[0].1 * p.min_p;
+            let floor = cand.iter().map(|c| c.1).fold(0.0, f32::max) * p.min_p;
             cand.retain(|c| c.1 >= floor);
         }
         cand
@@ -392,6 +392,145 @@ fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
     let mut lp = logits.to_vec();
     log_softmax(&mut lp);
     lp
+}
+
+/// The `k` largest logits (ties to the lower token id, as `by_value_desc`
+/// orders them), masked-out ones (−∞) never: one pass against the worst
+/// kept so far, which rejects almost every token with one comparison, where
+/// a selection over the whole vocabulary moves every element.
+fn top_k_logits(z: &[f32], k: usize) -> Vec<(u32, f32)> {
+    use std::collections::BinaryHeap;
+    /// Ordered so that the heap's top is the worst kept candidate.
+    struct Kept((u32, f32));
+    impl PartialEq for Kept {
+        fn eq(&self, other: &Self) -> bool {
+            self.cmp(other) == Ordering::Equal
+        }
+    }
+    impl Eq for Kept {}
+    impl PartialOrd for Kept {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Kept {
+        fn cmp(&self, other: &Self) -> Ordering {
+            by_value_desc(&self.0, &other.0)
+        }
+    }
+    let mut heap = BinaryHeap::with_capacity(k + 1);
+    for (i, &v) in z.iter().enumerate() {
+        if v == f32::NEG_INFINITY {
+            continue;
+        }
+        let c = (i as u32, v);
+        if heap.len() < k {
+            heap.push(Kept(c));
+        } else if let Some(mut worst) = heap.peek_mut() {
+            // A later token ranks after an equal earlier one: only a
+            // strictly larger logit displaces the worst.
+            if v > worst.0 .1 {
+                *worst = Kept(c);
+            }
+        }
+    }
+    heap.into_iter().map(|kept| kept.0).collect()
+}
+
+/// `exp(x)` for `x ≤ 0` (a logit minus the largest, over a temperature),
+/// within 2 ulp of `f32::exp`, and 0 below −87.3 (where the result is no
+/// longer a normal float) and for −∞ and NaN. Plain arithmetic and bit
+/// operations only (Cephes' `expf`: round `x·log2 e` to `n` with the
+/// 1.5·2^23 trick, a degree-6 polynomial for `e^r` on |r| ≤ ln2/2, then
+/// scale by `2^n` through the exponent bits; no `mul_add`, which is a libm
+/// call on CPUs built without FMA), so a loop of it vectorises:
+/// `f32::exp` is a libm call per token, the sampler's largest cost on a
+/// 128k vocabulary.
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const MIN: f32 = -87.336_54;
+    let in_range = x >= MIN; // false for NaN and −∞
+    let x = if in_range { x.min(0.0) } else { 0.0 };
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p: f32 = 1.987_569_1e-4;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e = p * r * r + r + 1.0;
+    // The low mantissa bits of `t` hold n (−126 ≤ n ≤ 0 here).
+    let n = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let scale = f32::from_bits(((n + 127) as u32) << 23);
+    if in_range {
+        e * scale
+    } else {
+        0.0
+    }
+}
+
+/// Top-p buckets weights by the top bits of their `f32` pattern: sign,
+/// exponent and 7 mantissa bits. Weights are in [0, 1] (the largest logit
+/// was subtracted before `exp`), and non-negative floats order like their
+/// bit patterns, so the buckets order like the weights, each spanning
+/// under 1% of its values.
+const TOP_P_BUCKET_SHIFT: u32 = 16;
+
+fn top_p_bucket(weight: f32) -> usize {
+    // Clamped: a NaN or infinite weight (from a NaN logit) must not index
+    // out of range.
+    ((weight.to_bits() >> TOP_P_BUCKET_SHIFT) as usize).min(top_p_buckets() - 1)
+}
+
+fn top_p_buckets() -> usize {
+    (1.0f32.to_bits() >> TOP_P_BUCKET_SHIFT) as usize + 1
+}
+
+/// Keeps the smallest most-likely-first prefix of `cand` whose share of
+/// the total weight reaches `top_p` (ties by token id, as
+/// `by_value_desc` orders them), in linear time instead of a sort: one pass
+/// sums the weight per bucket ([`TOP_P_BUCKET_SHIFT`]); walking the
+/// buckets from the heaviest finds the one where the running mass reaches
+/// the target; every candidate above it is kept, and only that boundary
+/// bucket is sorted, to find exactly where the target is reached.
+fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
+    let mut mass = vec![0.0f64; top_p_buckets()];
+    let mut total = 0.0f64;
+    for c in cand.iter() {
+        mass[top_p_bucket(c.1)] += f64::from(c.1);
+        total += f64::from(c.1);
+    }
+    let target = f64::from(top_p) * total;
+    let (mut above, mut boundary) = (0.0f64, 0);
+    for (b, &m) in mass.iter().enumerate().rev() {
+        if above + m >= target {
+            boundary = b;
+            break;
+        }
+        above += m;
+    }
+    let mut edge: Vec<(u32, f32)> = cand
+        .iter()
+        .filter(|c| top_p_bucket(c.1) == boundary)
+        .copied()
+        .collect();
+    edge.sort_unstable_by(by_value_desc);
+    let mut cum = above;
+    let take = edge
+        .iter()
+        .position(|c| {
+            cum += f64::from(c.1);
+            cum >= target
+        })
+        // Rounding left the whole mass a hair short: keep the bucket.
+        .map_or(edge.len(), |i| i + 1);
+    cand.retain(|c| top_p_bucket(c.1) > boundary);
+    cand.extend_from_slice(&edge[..take]);
 }
 
 fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
@@ -496,6 +635,93 @@ mod tests {
             ..Default::default()
         });
         assert!((0..500).all(|_| s.sample(&logits).token != 3));
+    }
+
+    /// The nucleus found through the weight buckets is the one a sort of
+    /// the whole vocabulary gives, from a handful of tokens to most of it.
+    #[test]
+    fn top_p_keeps_the_nucleus_a_full_sort_keeps() {
+        let mut rng = Rng::seeded(11);
+        // Nearly flat logits: the nuclei span thousands of tokens.
+        let logits: Vec<f32> = (0..20_000)
+            .map(|_| (rng.next_f64() as f32 - 0.5) * 3.0)
+            .collect();
+        for top_p in [0.001f32, 0.05, 0.3, 0.9, 0.999] {
+            let s = sampler(SamplingParams {
+                temperature: 0.8,
+                top_p,
+                ..Default::default()
+            });
+            let got = s.distribution(&logits);
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut all: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, ((v - max) / 0.8).exp()))
+                .collect();
+            all.sort_unstable_by(by_value_desc);
+            let total: f64 = all.iter().map(|c| f64::from(c.1)).sum();
+            let mut cum = 0.0;
+            let keep = 1 + all
+                .iter()
+                .position(|c| {
+                    cum += f64::from(c.1);
+                    cum >= f64::from(top_p) * total
+                })
+                .expect("the target is reached");
+            let want: std::collections::HashSet<u32> = all[..keep].iter().map(|c| c.0).collect();
+            let support: std::collections::HashSet<u32> = (0..logits.len() as u32)
+                .filter(|&t| got[t as usize] > 0.0)
+                .collect();
+            assert_eq!(support, want, "top_p {top_p}: {keep} tokens");
+        }
+    }
+
+    #[test]
+    fn exp_nonpositive_matches_the_library_exp() {
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x > -87.3 {
+            let (got, want) = (exp_nonpositive(x), x.exp());
+            let rel = ((f64::from(got) - f64::from(want)) / f64::from(want)).abs();
+            worst = worst.max(rel);
+            x -= 0.000_37;
+        }
+        assert!(worst < 3.0e-7, "worst relative error {worst:e}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-100.0), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn top_k_keeps_the_largest_logits_ties_to_the_lower_id() {
+        let z = [1.0f32, 3.0, f32::NEG_INFINITY, 3.0, 2.0, 3.0, 0.5];
+        let mut top = top_k_logits(&z, 3);
+        top.sort_unstable_by(by_value_desc);
+        assert_eq!(top, [(1, 3.0), (3, 3.0), (5, 3.0)]);
+        let mut top = top_k_logits(&z, 5);
+        top.sort_unstable_by(by_value_desc);
+        assert_eq!(top, [(1, 3.0), (3, 3.0), (5, 3.0), (4, 2.0), (0, 1.0)]);
+        let mut rng = Rng::seeded(5);
+        let z: Vec<f32> = (0..5000).map(|_| (rng.next_f64() * 8.0) as f32).collect();
+        let mut all: Vec<(u32, f32)> = z.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+        all.sort_unstable_by(by_value_desc);
+        let mut top = top_k_logits(&z, 50);
+        top.sort_unstable_by(by_value_desc);
+        assert_eq!(top, all[..50]);
+    }
+
+    #[test]
+    fn top_p_breaks_ties_by_token_id() {
+        let s = sampler(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.35,
+            ..Default::default()
+        });
+        let d = s.distribution(&[0.5f32; 10]);
+        let kept: Vec<usize> = (0..10).filter(|&t| d[t] > 0.0).collect();
+        assert_eq!(kept, [0, 1, 2, 3], "0.1 each: four reach 0.35");
     }
 
     #[test]
