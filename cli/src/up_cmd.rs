@@ -325,6 +325,17 @@ struct Spawned {
     metrics: Option<String>,
 }
 
+/// The environment of the etcd TLS and auth flags (`MembershipArgs`),
+/// which `up` keeps from its children.
+const ETCD_SECURITY_ENV: [&str; 6] = [
+    "TANDEM_ETCD_CA",
+    "TANDEM_ETCD_CERT",
+    "TANDEM_ETCD_KEY",
+    "TANDEM_ETCD_USER",
+    "TANDEM_ETCD_PASSWORD",
+    "TANDEM_ETCD_PASSWORD_FILE",
+];
+
 /// Starts `tandem <args>` and reads its startup lines up to
 /// `listening on ADDR` (`http listening on ADDR` and `metrics listening on
 /// ADDR` lines may come first).
@@ -341,7 +352,13 @@ fn spawn(
 ) -> Result<Spawned> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().context("finding the tandem binary")?;
-    let mut child = Command::new(exe)
+    let mut command = Command::new(exe);
+    // `up`'s private etcd is plain HTTP without users: settings for an
+    // external etcd exported in this shell would make every child refuse it.
+    for var in ETCD_SECURITY_ENV {
+        command.env_remove(var);
+    }
+    let mut child = command
         .process_group(0)
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))

@@ -61,19 +61,133 @@ pub struct WorkerArgs {
     tls: TlsArgs,
 }
 
-/// Where cluster membership lives.
+/// Where cluster membership lives, and how to reach etcd (TLS, mutual TLS,
+/// user and password). The password is read from `TANDEM_ETCD_PASSWORD` or
+/// a file, never from the command line, where `ps` shows it to everyone.
 #[derive(Args, Debug, Clone)]
 pub struct MembershipArgs {
-    /// etcd endpoints (`http://host:port`, comma-separated). Without them,
-    /// membership is the router's static lists.
+    /// etcd endpoints (`http://host:port`, or `https://host:port` with
+    /// --etcd-ca; comma-separated). Without them, membership is the
+    /// router's static lists.
     #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',')]
     etcd: Vec<String>,
+    /// CA certificate (PEM) that signed etcd's server certificate: talk TLS
+    /// to etcd (the endpoints must then be https://).
+    #[arg(long, env = "TANDEM_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd's mutual TLS
+    /// (`--client-cert-auth`); needs --etcd-key and --etcd-ca.
+    #[arg(long, env = "TANDEM_ETCD_CERT")]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "TANDEM_ETCD_KEY")]
+    etcd_key: Option<PathBuf>,
+    /// etcd user (etcd RBAC auth). Its password comes from the
+    /// `TANDEM_ETCD_PASSWORD` environment variable or --etcd-password-file.
+    #[arg(long, env = "TANDEM_ETCD_USER")]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password (one trailing newline is
+    /// ignored), e.g. a mounted Kubernetes secret.
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD_FILE")]
+    etcd_password_file: Option<PathBuf>,
     /// Cluster name: the etcd key prefix `/tandem/<cluster>/workers/`.
     #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
     cluster: String,
     /// Lease TTL in seconds: a worker that stops renewing leaves after this.
     #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
     lease_ttl_s: u64,
+}
+
+/// The environment variable holding the etcd password.
+const ETCD_PASSWORD_ENV: &str = "TANDEM_ETCD_PASSWORD";
+
+impl MembershipArgs {
+    /// How to reach etcd: the endpoints plus the TLS files and the user
+    /// and password, read and checked here (only meaningful with --etcd).
+    pub fn etcd_config(&self) -> Result<tandem_discovery::EtcdConfig> {
+        self.etcd_config_with(std::env::var_os(ETCD_PASSWORD_ENV))
+    }
+
+    /// [`Self::etcd_config`] with the password variable's value given.
+    fn etcd_config_with(
+        &self,
+        env_password: Option<std::ffi::OsString>,
+    ) -> Result<tandem_discovery::EtcdConfig> {
+        let mut config = tandem_discovery::EtcdConfig::new(self.etcd.iter().cloned());
+        let identity = match (&self.etcd_cert, &self.etcd_key) {
+            (Some(cert), Some(key)) => Some((
+                read_file(cert, "etcd client certificate")?,
+                read_file(key, "etcd client key")?,
+            )),
+            (None, None) => None,
+            _ => anyhow::bail!(
+                "--etcd-cert and --etcd-key (TANDEM_ETCD_CERT, TANDEM_ETCD_KEY) go together: \
+                 give both for etcd's mutual TLS, or neither"
+            ),
+        };
+        match (&self.etcd_ca, identity) {
+            (Some(ca), identity) => {
+                let mut tls = tandem_discovery::EtcdTls::new(read_file(ca, "etcd CA certificate")?);
+                if let Some((cert, key)) = identity {
+                    tls = tls.with_identity(cert, key);
+                }
+                config = config.with_tls(tls);
+            }
+            (None, Some(_)) => anyhow::bail!(
+                "--etcd-cert/--etcd-key need --etcd-ca (TANDEM_ETCD_CA): the CA that signed \
+                 etcd's server certificate"
+            ),
+            (None, None) => {}
+        }
+        // An empty variable counts as unset (a Kubernetes secret key that is
+        // absent can still define the variable).
+        let env_password = env_password
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                p.into_string()
+                    .map_err(|_| anyhow::anyhow!("{ETCD_PASSWORD_ENV} is not valid UTF-8"))
+            })
+            .transpose()?;
+        let password = match (env_password, &self.etcd_password_file) {
+            (Some(_), Some(_)) => anyhow::bail!(
+                "the etcd password is given twice: set {ETCD_PASSWORD_ENV} or \
+                 --etcd-password-file, not both"
+            ),
+            (Some(password), None) => Some(password),
+            (None, Some(path)) => {
+                let text = String::from_utf8(read_file(path, "etcd password file")?).with_context(
+                    || format!("the etcd password file {} is not UTF-8", path.display()),
+                )?;
+                let password = text.strip_suffix('\n').unwrap_or(&text);
+                Some(password.strip_suffix('\r').unwrap_or(password).to_string())
+            }
+            (None, None) => None,
+        };
+        match (&self.etcd_user, password) {
+            (Some(user), Some(password)) => {
+                if password.is_empty() {
+                    anyhow::bail!("the etcd password for user {user:?} is empty");
+                }
+                config = config.with_user(user.clone(), password);
+            }
+            (Some(user), None) => anyhow::bail!(
+                "--etcd-user {user:?} needs a password: set {ETCD_PASSWORD_ENV} or give \
+                 --etcd-password-file (never on the command line)"
+            ),
+            (None, Some(_)) => anyhow::bail!(
+                "an etcd password is set ({ETCD_PASSWORD_ENV} or --etcd-password-file) but no \
+                 --etcd-user (TANDEM_ETCD_USER)"
+            ),
+            (None, None) => {}
+        }
+        config.check()?;
+        Ok(config)
+    }
+}
+
+/// A file's bytes; the error names the file and what it is for.
+fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
 }
 
 /// Registers a worker in etcd (when configured).
@@ -93,7 +207,7 @@ async fn register(
         payload: Vec::new(),
     };
     let reg = tandem_discovery::Registration::register(
-        &m.etcd,
+        &m.etcd_config()?,
         &m.cluster,
         record,
         Duration::from_secs(m.lease_ttl_s.max(1)),
@@ -302,7 +416,7 @@ fn router_role(r: tandem_discovery::Role) -> Role {
 /// Follows etcd membership: workers that register get traffic, workers
 /// that leave (or whose lease expires) stop getting it.
 async fn follow_membership(cluster: Arc<Cluster>, m: MembershipArgs) -> Result<()> {
-    let (snapshot, mut events) = tandem_discovery::watch(&m.etcd, &m.cluster).await?;
+    let (snapshot, mut events) = tandem_discovery::watch(&m.etcd_config()?, &m.cluster).await?;
     let mut addrs = HashMap::new();
     for r in snapshot {
         cluster
@@ -413,4 +527,89 @@ pub(crate) fn public_generation<S: v1::generation_server::Generation>(
         v1::FILE_DESCRIPTOR_SET,
     );
     services
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cmd {
+        #[command(flatten)]
+        m: MembershipArgs,
+    }
+
+    fn parse(args: &[&str]) -> MembershipArgs {
+        let mut argv = vec!["t", "--etcd", "https://127.0.0.1:2379"];
+        argv.extend_from_slice(args);
+        match Cmd::try_parse_from(argv) {
+            Ok(cmd) => cmd.m,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn files() -> (tempfile::TempDir, String, String) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pem = dir.path().join("x.pem");
+        std::fs::write(&pem, "PEM").expect("write");
+        let pw = dir.path().join("pw");
+        std::fs::write(&pw, "s3cret\n").expect("write");
+        let (pem, pw) = (pem.display().to_string(), pw.display().to_string());
+        (dir, pem, pw)
+    }
+
+    fn error(args: &[&str], env_password: Option<&str>) -> String {
+        match parse(args).etcd_config_with(env_password.map(Into::into)) {
+            Ok(config) => panic!("accepted: {config:?}"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn tls_user_and_password_make_one_config() {
+        let (_dir, pem, pw) = files();
+        let args = ["--etcd-ca", &pem, "--etcd-cert", &pem, "--etcd-key", &pem];
+        let err = parse(&args)
+            .etcd_config_with(Some("env-pw".into()))
+            .expect_err("env pw without user");
+        assert!(format!("{err:#}").contains("--etcd-user"), "{err:#}");
+        let mut with_user = args.to_vec();
+        with_user.extend(["--etcd-user", "tandem", "--etcd-password-file", &pw]);
+        let config = parse(&with_user).etcd_config_with(None).expect("config");
+        assert_eq!(config.user(), Some("tandem"));
+        assert!(config.tls().is_some_and(|t| t.has_identity()));
+        assert!(!format!("{config:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn half_an_identity_a_missing_ca_or_password_and_unreadable_files_are_errors() {
+        let (_dir, pem, pw) = files();
+        let e = error(&["--etcd-ca", &pem, "--etcd-cert", &pem], None);
+        assert!(e.contains("go together"), "{e}");
+        let e = error(&["--etcd-cert", &pem, "--etcd-key", &pem], None);
+        assert!(e.contains("need --etcd-ca"), "{e}");
+        let e = error(&["--etcd-ca", &pem, "--etcd-user", "u"], None);
+        assert!(e.contains("needs a password"), "{e}");
+        let e = error(
+            &[
+                "--etcd-ca",
+                &pem,
+                "--etcd-user",
+                "u",
+                "--etcd-password-file",
+                &pw,
+            ],
+            Some("x"),
+        );
+        assert!(e.contains("not both"), "{e}");
+        let e = error(&["--etcd-ca", "/nonexistent/ca.pem"], None);
+        assert!(
+            e.contains("/nonexistent/ca.pem") && e.contains("etcd CA"),
+            "{e}"
+        );
+        // https without a CA: the discovery crate's check.
+        let e = error(&[], None);
+        assert!(e.contains("https://127.0.0.1:2379"), "{e}");
+    }
 }

@@ -18,25 +18,39 @@ pub enum DiscoveryError {
         endpoints: String,
         source: etcd_client::Error,
     },
-    /// etcd did not answer in time (not running, wrong address, partitioned).
-    #[error(
-        "cannot reach etcd at {endpoints}: {what} got no answer within {after:?} \
-         (is etcd running there, and is the address right?)"
-    )]
+    /// An endpoint's URL scheme contradicts the TLS setting (`http://`
+    /// with TLS, `https://` without).
+    #[error("cannot use etcd endpoint {endpoint}: {reason}")]
+    SchemeMismatch {
+        endpoint: String,
+        reason: &'static str,
+    },
+    /// etcd did not answer in time (not running, wrong address, partitioned,
+    /// or a TLS handshake that never completes).
+    #[error("cannot reach etcd at {endpoints}: {what} got no answer within {after:?} ({hint})")]
     Unreachable {
         endpoints: String,
         what: &'static str,
         after: Duration,
+        hint: &'static str,
     },
-    /// The connection to etcd failed (refused, reset, DNS): gRPC
-    /// `UNAVAILABLE`.
-    #[error(
-        "cannot reach etcd at {endpoints} ({what}): {source} (is etcd running there, \
-         and is the address right?)"
-    )]
+    /// The connection to etcd failed (refused, reset, DNS, a TLS handshake
+    /// refused by either side): gRPC `UNAVAILABLE`.
+    #[error("cannot reach etcd at {endpoints} ({what}): {source} ({hint})")]
     Unavailable {
         endpoints: String,
         what: &'static str,
+        source: etcd_client::Error,
+        hint: &'static str,
+    },
+    /// etcd refused the user name and password (or has auth disabled).
+    #[error(
+        "etcd at {endpoints} refused to authenticate user {user:?}: {source} \
+         (is the user name and password right, and is auth enabled in etcd?)"
+    )]
+    Auth {
+        endpoints: String,
+        user: String,
         source: etcd_client::Error,
     },
     /// etcd answered with an error.

@@ -27,11 +27,20 @@
 //! ([`etcd::REQUEST_TIMEOUT`]) and every retry loop backs off, so an
 //! unreachable etcd produces errors and log lines, never a hang or a spin.
 //!
-//! Modules: [`record`] (roles, records, keys, the value encoding), [`etcd`]
-//! (connection, bounded calls, backoff), `register` ([`Registration`]),
+//! How etcd is reached is one value, [`EtcdConfig`]: the endpoints, and
+//! optionally TLS ([`EtcdTls`]: a CA, and a client certificate for mutual
+//! TLS) and a user and password (etcd's RBAC auth). etcd-client
+//! authenticates once per client and etcd forgets tokens when it restarts
+//! or they expire, so every long-lived task here (the keep-alive, the watch)
+//! replaces its client after a failure instead of retrying on the old one.
+//!
+//! Modules: [`record`] (roles, records, keys, the value encoding), `config`
+//! ([`EtcdConfig`], [`EtcdTls`]), [`etcd`] (connection, bounded calls,
+//! backoff), `register` ([`Registration`]),
 //! `watch` ([`watch`], [`MembershipEvents`]), `static_list`
 //! ([`StaticMembership`]), `error` ([`DiscoveryError`]).
 
+mod config;
 mod error;
 pub mod etcd;
 pub mod record;
@@ -39,6 +48,7 @@ mod register;
 mod static_list;
 mod watch;
 
+pub use config::{EtcdConfig, EtcdTls};
 pub use error::DiscoveryError;
 pub use record::{worker_key, workers_prefix, Role, WorkerRecord};
 pub use register::{Registration, DEFAULT_TTL};

@@ -17,12 +17,18 @@
 //! renewal bounded by [`crate::etcd::REQUEST_TIMEOUT`]. When the stream
 //! breaks it reopens it after a backoff (200 ms doubling to a third of the
 //! TTL, so retries never spin and a lease that can still be saved is
-//! retried in time). When etcd answers a renewal with TTL 0 the lease is
+//! retried in time). Every retry (a broken stream, a failed re-grant) first
+//! replaces the task's etcd client with a fresh one: with etcd user auth,
+//! the old client's token dies with an etcd restart or expires, and every
+//! call on it would fail with "invalid auth token" forever; a fresh client
+//! authenticates again. When etcd answers a renewal with TTL 0 the lease is
 //! gone — the worker was partitioned for longer than the TTL — and the task
 //! grants a fresh lease and puts the key again, retrying with the same
 //! backoff until etcd takes it, so a worker that was cut off reappears on
 //! its own. The current lease id is shared with the [`Registration`] so
-//! that `deregister` always revokes the lease the key is under now.
+//! that `deregister` always revokes the lease the key is under now;
+//! `deregister` retries once on a fresh client if etcd refuses the
+//! registration's own client's token.
 //!
 //! The task runs until the [`Registration`] is dropped or deregistered (it
 //! is aborted then); it needs a tokio runtime with the time driver.
@@ -34,9 +40,9 @@ use std::time::Duration;
 use etcd_client::{Client, PutOptions};
 use tokio::task::JoinHandle;
 
-use crate::etcd::{call, connect, shown, Backoff, REQUEST_TIMEOUT};
+use crate::etcd::{call, connect, is_stale_token, Backoff, REQUEST_TIMEOUT};
 use crate::record::{check_name, worker_key};
-use crate::{DiscoveryError, WorkerRecord};
+use crate::{DiscoveryError, EtcdConfig, WorkerRecord};
 
 /// The lease TTL workers use unless told otherwise.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
@@ -45,7 +51,7 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 /// renewing (the key expires after the TTL); call
 /// [`Registration::deregister`] to remove the key at once.
 pub struct Registration {
-    endpoints: Vec<String>,
+    config: EtcdConfig,
     key: String,
     client: Client,
     lease: Arc<AtomicI64>,
@@ -63,25 +69,25 @@ impl Registration {
     /// A second registration with the same role and id overwrites the first
     /// one's key: ids must be unique per role within a cluster.
     pub async fn register(
-        endpoints: &[String],
+        config: &EtcdConfig,
         cluster: &str,
         record: WorkerRecord,
         ttl: Duration,
     ) -> Result<Registration, DiscoveryError> {
         check_name("cluster name", cluster)?;
         record.check()?;
-        let mut client = connect(endpoints).await?;
+        let mut client = connect(config).await?;
         let key = worker_key(cluster, record.role, &record.id);
         let value = record.encode();
         let ttl_secs = i64::try_from(ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0))
             .unwrap_or(i64::MAX)
             .max(1);
         let (lease_id, granted) =
-            grant_and_put(&mut client, endpoints, &key, &value, ttl_secs, |_| {}).await?;
+            grant_and_put(&mut client, config, &key, &value, ttl_secs, |_| {}).await?;
         let lease = Arc::new(AtomicI64::new(lease_id));
         let keeper = KeepAlive {
             client: client.clone(),
-            endpoints: endpoints.to_vec(),
+            config: config.clone(),
             key: key.clone(),
             value,
             ttl_secs,
@@ -91,7 +97,7 @@ impl Registration {
         let task = tokio::spawn(keeper.run());
         tracing::info!(key = %key, lease = lease_id, ttl_s = granted, "registered in etcd");
         Ok(Registration {
-            endpoints: endpoints.to_vec(),
+            config: config.clone(),
             key,
             client,
             lease,
@@ -126,12 +132,14 @@ impl Registration {
         // read the current one. An aborted task's join error is expected.
         let _ = (&mut self.task).await;
         let id = self.lease.load(Ordering::Acquire);
-        let result = call(
-            &self.endpoints,
-            "revoking the worker's lease",
-            self.client.lease_revoke(id),
-        )
-        .await;
+        let what = "revoking the worker's lease";
+        let mut result = call(&self.config, what, self.client.lease_revoke(id)).await;
+        if matches!(&result, Err(e) if is_stale_token(e)) {
+            // etcd forgot this client's token (restarted, or it expired):
+            // authenticate again.
+            let mut client = connect(&self.config).await?;
+            result = call(&self.config, what, client.lease_revoke(id)).await;
+        }
         match result {
             Ok(_) => {
                 tracing::info!(key = %self.key, lease = id, "deregistered from etcd");
@@ -150,7 +158,7 @@ impl Registration {
 impl std::fmt::Debug for Registration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registration")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &self.config.endpoints())
             .field("key", &self.key)
             .field("lease", &self.lease_id())
             .field("ttl", &self.ttl)
@@ -171,21 +179,21 @@ impl Drop for Registration {
 /// put, so by the time a watcher sees the key, the id is already published.
 async fn grant_and_put(
     client: &mut Client,
-    endpoints: &[String],
+    config: &EtcdConfig,
     key: &str,
     value: &[u8],
     ttl_secs: i64,
     granted: impl FnOnce(i64),
 ) -> Result<(i64, i64), DiscoveryError> {
     let grant = call(
-        endpoints,
+        config,
         "granting the worker's lease",
         client.lease_grant(ttl_secs, None),
     )
     .await?;
     if !grant.error().is_empty() || grant.ttl() <= 0 {
         return Err(DiscoveryError::Lease {
-            endpoints: shown(endpoints),
+            endpoints: config.shown(),
             reason: format!(
                 "asked for {ttl_secs} s, got TTL {} s (error: {:?})",
                 grant.ttl(),
@@ -196,7 +204,7 @@ async fn grant_and_put(
     let id = grant.id();
     granted(id);
     let put = call(
-        endpoints,
+        config,
         "putting the worker's key",
         client.put(key, value, Some(PutOptions::new().with_lease(id))),
     )
@@ -211,8 +219,9 @@ async fn grant_and_put(
 
 /// The state of the keep-alive task.
 struct KeepAlive {
+    /// Replaced by a fresh one before every retry (see the module doc).
     client: Client,
-    endpoints: Vec<String>,
+    config: EtcdConfig,
     key: String,
     value: Vec<u8>,
     /// The TTL asked for, used when re-granting.
@@ -254,6 +263,7 @@ impl KeepAlive {
                     let delay = backoff.next_delay();
                     tracing::warn!(key = %self.key, %reason, ?delay, "etcd lease keep-alive failed; retrying");
                     tokio::time::sleep(delay).await;
+                    self.reconnect().await;
                 }
             }
         }
@@ -264,7 +274,7 @@ impl KeepAlive {
     async fn follow_stream(&mut self, backoff: &mut Backoff) -> StreamEnd {
         let id = self.lease.load(Ordering::Acquire);
         let opened = call(
-            &self.endpoints,
+            &self.config,
             "opening the lease keep-alive stream",
             self.client.lease_keep_alive(id),
         )
@@ -307,7 +317,7 @@ impl KeepAlive {
             let lease = Arc::clone(&self.lease);
             let result = grant_and_put(
                 &mut self.client,
-                &self.endpoints,
+                &self.config,
                 &self.key,
                 &self.value,
                 self.ttl_secs,
@@ -326,8 +336,19 @@ impl KeepAlive {
                     let delay = backoff.next_delay();
                     tracing::warn!(key = %self.key, error = %e, ?delay, "re-registering failed; retrying");
                     tokio::time::sleep(delay).await;
+                    self.reconnect().await;
                 }
             }
+        }
+    }
+
+    /// Replaces the client with a fresh one (which authenticates again when
+    /// a user is configured). On failure the old client stays: the next
+    /// attempt fails on it and reconnects again after the backoff.
+    async fn reconnect(&mut self) {
+        match connect(&self.config).await {
+            Ok(client) => self.client = client,
+            Err(e) => tracing::warn!(key = %self.key, error = %e, "reconnecting to etcd failed"),
         }
     }
 }

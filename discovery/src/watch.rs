@@ -21,7 +21,9 @@
 //!
 //! When the watch stream breaks (etcd restarted, the connection dropped, a
 //! compaction overtook the watch), the task waits (backoff 100 ms doubling to
-//! 2 s), takes a fresh snapshot over a fresh connection, emits `Up`/`Down`
+//! 2 s), takes a fresh snapshot over a fresh client (which authenticates
+//! again when etcd has a user configured: etcd forgets auth tokens when it
+//! restarts, so the old client could never work again), emits `Up`/`Down`
 //! for the differences from what it reported, and watches again from the new
 //! snapshot's revision. It retries for as long as someone holds the
 //! [`MembershipEvents`]; dropping that stops the task.
@@ -37,7 +39,7 @@ use tokio::task::JoinHandle;
 
 use crate::etcd::{call, connect, Backoff};
 use crate::record::{check_name, decode_entry, parse_worker_key, workers_prefix};
-use crate::{DiscoveryError, Role, WorkerRecord};
+use crate::{DiscoveryError, EtcdConfig, Role, WorkerRecord};
 
 /// How many events may wait for the router before the watcher pauses.
 const EVENT_BUFFER: usize = 256;
@@ -110,17 +112,17 @@ impl Drop for MembershipEvents {
 /// snapshot cannot be taken (etcd unreachable, bad endpoints or cluster
 /// name); later failures are retried inside. Needs a tokio runtime.
 pub async fn watch(
-    endpoints: &[String],
+    config: &EtcdConfig,
     cluster: &str,
 ) -> Result<(Vec<WorkerRecord>, MembershipEvents), DiscoveryError> {
     check_name("cluster name", cluster)?;
-    let mut client = connect(endpoints).await?;
-    let (known, revision) = snapshot(&mut client, endpoints, cluster).await?;
+    let mut client = connect(config).await?;
+    let (known, revision) = snapshot(&mut client, config, cluster).await?;
     let records = known.values().cloned().collect();
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let watcher = Watcher {
         client,
-        endpoints: endpoints.to_vec(),
+        config: config.clone(),
         cluster: cluster.to_string(),
         known,
         revision,
@@ -140,12 +142,12 @@ type Known = BTreeMap<(Role, String), WorkerRecord>;
 /// Every well-formed record under the prefix, and the store revision.
 async fn snapshot(
     client: &mut Client,
-    endpoints: &[String],
+    config: &EtcdConfig,
     cluster: &str,
 ) -> Result<(Known, i64), DiscoveryError> {
     let prefix = workers_prefix(cluster);
     let resp = call(
-        endpoints,
+        config,
         "reading the worker list",
         client.get(prefix, Some(GetOptions::new().with_prefix())),
     )
@@ -165,8 +167,9 @@ async fn snapshot(
 
 /// The watch task's state.
 struct Watcher {
+    /// Replaced on every resync (see the module doc).
     client: Client,
-    endpoints: Vec<String>,
+    config: EtcdConfig,
     cluster: String,
     /// What the receiver has been told.
     known: Known,
@@ -207,7 +210,7 @@ impl Watcher {
             .with_prev_key()
             .with_start_revision(self.revision + 1);
         let opened = call(
-            &self.endpoints,
+            &self.config,
             "opening the membership watch",
             self.client
                 .watch(workers_prefix(&self.cluster), Some(options)),
@@ -270,8 +273,8 @@ impl Watcher {
         if self.tx.is_closed() {
             return Err(ResyncError::Closed);
         }
-        let mut client = connect(&self.endpoints).await.map_err(ResyncError::Etcd)?;
-        let (fresh, revision) = snapshot(&mut client, &self.endpoints, &self.cluster)
+        let mut client = connect(&self.config).await.map_err(ResyncError::Etcd)?;
+        let (fresh, revision) = snapshot(&mut client, &self.config, &self.cluster)
             .await
             .map_err(ResyncError::Etcd)?;
         self.client = client;

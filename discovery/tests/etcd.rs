@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use tandem_discovery::{
-    watch, worker_key, DiscoveryError, MembershipEvent, MembershipEvents, Registration, Role,
-    WorkerRecord, DEFAULT_TTL,
+    watch, worker_key, DiscoveryError, EtcdConfig, MembershipEvent, MembershipEvents, Registration,
+    Role, WorkerRecord, DEFAULT_TTL,
 };
 use tandem_tests::etcd::EtcdServer;
 
@@ -51,7 +51,7 @@ async fn raw_client(server: &EtcdServer) -> etcd_client::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_then_up_and_prompt_down_on_deregister() {
     let server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let p0 = record(Role::Prefill, "p0", 5000);
     let d0 = record(Role::Decode, "d0", 5001);
     let _reg_p0 = Registration::register(&eps, CLUSTER, p0.clone(), DEFAULT_TTL)
@@ -97,7 +97,7 @@ async fn snapshot_then_up_and_prompt_down_on_deregister() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_registration_expires_after_its_ttl() {
     let server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let (snapshot, mut events) = watch(&eps, CLUSTER).await.expect("watch");
     assert!(snapshot.is_empty());
 
@@ -133,7 +133,7 @@ async fn a_dropped_registration_expires_after_its_ttl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_lease_is_replaced_and_the_worker_comes_back() {
     let server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let w = record(Role::Prefill, "p-lost", 7000);
     let reg = Registration::register(&eps, CLUSTER, w.clone(), Duration::from_secs(3))
         .await
@@ -171,7 +171,7 @@ async fn a_lost_lease_is_replaced_and_the_worker_comes_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_records_are_ignored() {
     let server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let mut raw = raw_client(&server).await;
     let bad_key = worker_key(CLUSTER, Role::Decode, "garbage");
     raw.put(bad_key.as_str(), "not a record", None)
@@ -222,7 +222,7 @@ async fn malformed_records_are_ignored() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_watch_and_the_keep_alive_survive_an_etcd_restart() {
     let mut server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let a = record(Role::Decode, "a", 9000);
     let b = record(Role::Decode, "b", 9001);
     let reg_a = Registration::register(&eps, CLUSTER, a.clone(), Duration::from_secs(4))
@@ -273,7 +273,7 @@ async fn the_watch_and_the_keep_alive_survive_an_etcd_restart() {
 async fn an_unreachable_etcd_is_an_error_naming_the_endpoint() {
     // A port nothing listens on: start etcd, note its endpoint, stop it.
     let mut server = etcd();
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     tokio::task::block_in_place(|| server.stop());
     let start = Instant::now();
     let err = Registration::register(&eps, CLUSTER, record(Role::Decode, "x", 1), DEFAULT_TTL)
@@ -291,7 +291,7 @@ async fn an_unreachable_etcd_is_an_error_naming_the_endpoint() {
         ),
         "{err:?}"
     );
-    let expected = format!("cannot reach etcd at {}", eps[0]);
+    let expected = format!("cannot reach etcd at {}", eps.endpoints()[0]);
     assert!(err.to_string().contains(&expected), "{err}");
     let err = watch(&eps, CLUSTER).await.expect_err("nothing listens");
     assert!(err.to_string().contains(&expected), "{err}");
@@ -299,7 +299,7 @@ async fn an_unreachable_etcd_is_an_error_naming_the_endpoint() {
 
 #[tokio::test]
 async fn bad_names_are_refused_before_any_network() {
-    let eps = vec!["http://127.0.0.1:1".to_string()];
+    let eps = EtcdConfig::new(["http://127.0.0.1:1"]);
     let err = Registration::register(&eps, "a/b", record(Role::Decode, "x", 1), DEFAULT_TTL)
         .await
         .expect_err("bad cluster");
@@ -308,6 +308,8 @@ async fn bad_names_are_refused_before_any_network() {
         .await
         .expect_err("empty id");
     assert!(err.to_string().contains("worker id"), "{err}");
-    let err = watch(&[], CLUSTER).await.expect_err("no endpoints");
+    let err = watch(&EtcdConfig::new(Vec::<String>::new()), CLUSTER)
+        .await
+        .expect_err("no endpoints");
     assert!(matches!(err, DiscoveryError::NoEndpoints), "{err:?}");
 }

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_discovery::{watch, Registration, Role, WorkerRecord, DEFAULT_TTL};
+use tandem_discovery::{watch, EtcdConfig, Registration, Role, WorkerRecord, DEFAULT_TTL};
 use tandem_tests::etcd::EtcdServer;
 
 /// Collects everything logged, for the assertion.
@@ -42,7 +42,7 @@ async fn an_idle_watch_and_lease_stay_connected_under_etcds_ping_policy() {
     tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
 
     let server = EtcdServer::start().unwrap_or_else(|e| panic!("{e}"));
-    let eps = server.endpoints();
+    let eps = EtcdConfig::new(server.endpoints());
     let record = WorkerRecord {
         role: Role::Decode,
         id: "d0".into(),

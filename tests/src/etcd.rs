@@ -19,6 +19,17 @@
 //! process exits meanwhile (for example the port was taken between choosing
 //! it and etcd binding it), its log is in the error.
 //!
+//! # TLS
+//!
+//! [`EtcdServer::start_tls`] serves clients over mutual TLS instead:
+//! `https://127.0.0.1:<port>`, a server certificate and client certificates
+//! from a fresh development CA (`tandem_security::write_dev_certs`, SANs
+//! `localhost` and `127.0.0.1`), and `--client-cert-auth`, so a client
+//! without a certificate from that CA is refused. The files are in
+//! [`EtcdServer::tls`]. The health probe then goes to a third, plain-HTTP
+//! port (`--listen-metrics-urls`, which serves `/health` too), since the
+//! client port wants a TLS handshake and a client certificate.
+//!
 //! # Restarts
 //!
 //! [`EtcdServer::stop`] kills the process but keeps the ports and the data
@@ -64,6 +75,9 @@ pub enum EtcdError {
         status: std::process::ExitStatus,
         log: String,
     },
+    /// The test certificates could not be written.
+    #[error("writing etcd's test certificates: {0}")]
+    Certs(String),
     /// etcd did not answer `/health` in time.
     #[error("etcd at {endpoint} was not healthy within {timeout:?}; its log:\n{log}")]
     NotReady {
@@ -73,11 +87,27 @@ pub enum EtcdError {
     },
 }
 
+/// The PEM files of a TLS etcd ([`EtcdServer::start_tls`]).
+#[derive(Debug, Clone)]
+pub struct EtcdTlsFiles {
+    /// The CA that signed etcd's certificate and the client certificate.
+    pub ca: PathBuf,
+    /// A client certificate etcd accepts, and its key.
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    /// etcd's own certificate and key.
+    server_cert: PathBuf,
+    server_key: PathBuf,
+}
+
 /// A running single-member etcd on 127.0.0.1 (see the module doc).
 #[derive(Debug)]
 pub struct EtcdServer {
     client_port: u16,
     peer_port: u16,
+    /// Plain-HTTP `/health` (and metrics) port, with TLS.
+    metrics_port: Option<u16>,
+    tls: Option<EtcdTlsFiles>,
     /// Owns the temporary directory: removed on drop.
     dir: tempfile::TempDir,
     child: Option<Child>,
@@ -87,6 +117,17 @@ impl EtcdServer {
     /// Starts etcd on two free loopback ports with a fresh data directory
     /// and waits (at most [`START_TIMEOUT`]) until it is healthy.
     pub fn start() -> Result<EtcdServer, EtcdError> {
+        EtcdServer::start_with(false)
+    }
+
+    /// Like [`EtcdServer::start`], but clients must use mutual TLS with
+    /// certificates from a fresh CA (see the module doc and
+    /// [`EtcdServer::tls`]).
+    pub fn start_tls() -> Result<EtcdServer, EtcdError> {
+        EtcdServer::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Result<EtcdServer, EtcdError> {
         let dir = tempfile::Builder::new()
             .prefix("tandem-etcd-")
             .tempdir()
@@ -95,9 +136,26 @@ impl EtcdServer {
                 source,
             })?;
         let (client_port, peer_port) = (free_port()?, free_port()?);
+        let (metrics_port, tls) = if tls {
+            let certs = dir.path().join("certs");
+            let written = tandem_security::write_dev_certs(&certs, &[])
+                .map_err(|e| EtcdError::Certs(e.to_string()))?;
+            let files = EtcdTlsFiles {
+                ca: written.ca,
+                client_cert: certs.join("client.pem"),
+                client_key: certs.join("client.key"),
+                server_cert: certs.join("router.pem"),
+                server_key: certs.join("router.key"),
+            };
+            (Some(free_port()?), Some(files))
+        } else {
+            (None, None)
+        };
         let mut server = EtcdServer {
             client_port,
             peer_port,
+            metrics_port,
+            tls,
             dir,
             child: None,
         };
@@ -105,9 +163,16 @@ impl EtcdServer {
         Ok(server)
     }
 
-    /// The client URL, `http://127.0.0.1:<port>`.
+    /// The client URL, `http://127.0.0.1:<port>` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The CA and a client certificate, when started with
+    /// [`EtcdServer::start_tls`].
+    pub fn tls(&self) -> Option<&EtcdTlsFiles> {
+        self.tls.as_ref()
     }
 
     /// The client URL as a one-element list, the shape discovery takes.
@@ -162,7 +227,20 @@ impl EtcdServer {
         let client_url = self.endpoint();
         let peer_url = format!("http://127.0.0.1:{}", self.peer_port);
         let program = etcd_program();
-        let child = Command::new(&program)
+        let mut command = Command::new(&program);
+        if let (Some(tls), Some(metrics_port)) = (&self.tls, self.metrics_port) {
+            command
+                .arg("--cert-file")
+                .arg(&tls.server_cert)
+                .arg("--key-file")
+                .arg(&tls.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca)
+                .arg("--client-cert-auth")
+                .arg("--listen-metrics-urls")
+                .arg(format!("http://127.0.0.1:{metrics_port}"));
+        }
+        let child = command
             .arg("--name")
             .arg("tandem-test")
             .arg("--data-dir")
@@ -184,7 +262,8 @@ impl EtcdServer {
             .map_err(|source| EtcdError::NotInstalled { program, source })?;
         self.child = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.client_port));
+        let health_port = self.metrics_port.unwrap_or(self.client_port);
+        let addr = SocketAddr::from(([127, 0, 0, 1], health_port));
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
@@ -272,6 +351,22 @@ mod tests {
     fn health_is_false_when_nothing_listens() {
         let port = free_port().expect("a free port");
         assert!(!healthy(SocketAddr::from(([127, 0, 0, 1], port))));
+    }
+
+    #[test]
+    fn a_tls_etcd_serves_https_and_its_client_port_refuses_plain_http() {
+        let server = EtcdServer::start_tls().unwrap_or_else(|e| panic!("{e}"));
+        assert!(server.endpoint().starts_with("https://127.0.0.1:"));
+        let files = server.tls().expect("TLS files");
+        for file in [&files.ca, &files.client_cert, &files.client_key] {
+            assert!(file.is_file(), "{}", file.display());
+        }
+        // Healthy on the metrics port (start_tls waited for that), but the
+        // client port wants TLS: plain HTTP gets no healthy answer there.
+        let client = SocketAddr::from(([127, 0, 0, 1], server.client_port));
+        assert!(!healthy(client));
+        let metrics = server.metrics_port.expect("a metrics port");
+        assert!(healthy(SocketAddr::from(([127, 0, 0, 1], metrics))));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! [`python`] builds a Python gRPC client environment (grpcio, stubs generated
 //! from `proto/`) for end-to-end tests of `tandem serve`. [`etcd`] runs a real,
-//! throwaway `etcd` server on loopback ports for membership tests.
+//! throwaway `etcd` server on loopback ports for membership tests (plain, or
+//! mutual TLS with a fresh test CA).
 //! [`cluster`] starts real `tandem` processes and reads their addresses.
 //! [`otlp`] is an OTLP trace collector inside the test process;
 //! [`prometheus`] parses (strictly) what `/metrics` endpoints serve.
