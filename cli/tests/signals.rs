@@ -6,7 +6,6 @@
 //!
 //! Needs etcd installed (`.ci/run` installs it).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,7 +20,7 @@ fn tandem() -> &'static Path {
 /// Starts `tandem <args>` with its stderr in `log` and reads stdout up to
 /// `listening on`.
 fn start(args: &[&str], log: &Path) -> KillOnDrop {
-    let mut child = Command::new(tandem())
+    let child = Command::new(tandem())
         .args(args)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -29,19 +28,7 @@ fn start(args: &[&str], log: &Path) -> KillOnDrop {
         .stderr(std::fs::File::create(log).expect("log file"))
         .spawn()
         .expect("tandem starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let child = KillOnDrop(child);
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("tandem {args:?} exited before listening"))
-            .expect("a line");
-        if line.starts_with("listening on ") {
-            std::thread::spawn(move || for _ in lines {});
-            return child;
-        }
-    }
+    tandem_tests::cluster::listening(child, args[0]).0
 }
 
 /// SIGTERM now; the exit status within 30 s.

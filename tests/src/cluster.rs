@@ -270,7 +270,7 @@ pub async fn greedy(
 /// worker) and reads its `listening on ADDR` line; the process and the
 /// address. Panics if it exits first.
 pub fn spawn_component(tandem: &Path, subcommand: &str, args: &[&str]) -> (KillOnDrop, String) {
-    let mut child = Command::new(tandem)
+    let child = Command::new(tandem)
         .arg(subcommand)
         .args(args)
         .arg("--exit-on-stdin-eof")
@@ -279,13 +279,20 @@ pub fn spawn_component(tandem: &Path, subcommand: &str, args: &[&str]) -> (KillO
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap_or_else(|e| panic!("tandem {subcommand} starts: {e}"));
-    let stdout = child.stdout.take().expect("stdout");
+    listening(child, subcommand)
+}
+
+/// Reads a started `tandem` server's stdout (piped) up to its `listening on
+/// ADDR` line, then drains the rest in the background so it never blocks;
+/// the process (stopped on drop) and the address. Panics if it exits first.
+pub fn listening(mut child: Child, what: &str) -> (KillOnDrop, String) {
+    let stdout = child.stdout.take().expect("a piped stdout");
     let child = KillOnDrop(child);
     let mut lines = BufReader::new(stdout).lines();
     loop {
         let line = lines
             .next()
-            .unwrap_or_else(|| panic!("tandem {subcommand} exited before listening"))
+            .unwrap_or_else(|| panic!("tandem {what} exited before listening"))
             .expect("a line");
         if let Some(addr) = line.strip_prefix("listening on ") {
             let addr = addr.trim().to_string();
