@@ -420,7 +420,8 @@ fn top_k_logits(z: &[f32], k: usize) -> Vec<(u32, f32)> {
     }
     let mut heap = BinaryHeap::with_capacity(k + 1);
     for (i, &v) in z.iter().enumerate() {
-        if v == f32::NEG_INFINITY {
+        // Masked out (−∞), or NaN: never a candidate.
+        if v == f32::NEG_INFINITY || v.is_nan() {
             continue;
         }
         let c = (i as u32, v);
@@ -481,14 +482,13 @@ fn exp_nonpositive(x: f32) -> f32 {
 /// under 1% of its values.
 const TOP_P_BUCKET_SHIFT: u32 = 16;
 
+/// Buckets up to and including the one of weight 1.
+const TOP_P_BUCKETS: usize = (1.0f32.to_bits() >> TOP_P_BUCKET_SHIFT) as usize + 1;
+
 fn top_p_bucket(weight: f32) -> usize {
     // Clamped: a NaN or infinite weight (from a NaN logit) must not index
     // out of range.
-    ((weight.to_bits() >> TOP_P_BUCKET_SHIFT) as usize).min(top_p_buckets() - 1)
-}
-
-fn top_p_buckets() -> usize {
-    (1.0f32.to_bits() >> TOP_P_BUCKET_SHIFT) as usize + 1
+    ((weight.to_bits() >> TOP_P_BUCKET_SHIFT) as usize).min(TOP_P_BUCKETS - 1)
 }
 
 /// Keeps the smallest most-likely-first prefix of `cand` whose share of
@@ -499,7 +499,7 @@ fn top_p_buckets() -> usize {
 /// the target; every candidate above it is kept, and only that boundary
 /// bucket is sorted, to find exactly where the target is reached.
 fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
-    let mut mass = vec![0.0f64; top_p_buckets()];
+    let mut mass = vec![0.0f64; TOP_P_BUCKETS];
     let mut total = 0.0f64;
     for c in cand.iter() {
         mass[top_p_bucket(c.1)] += f64::from(c.1);
@@ -533,22 +533,12 @@ fn keep_top_p(cand: &mut Vec<(u32, f32)>, top_p: f32) {
     cand.extend_from_slice(&edge[..take]);
 }
 
+/// The `n` largest log-probabilities, most likely first (ties to the lower
+/// token id); masked-out tokens (−∞) are not alternatives.
 fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
-    // Masked-out tokens (−∞) are not alternatives.
-    let mut all: Vec<(u32, f32)> = lp
-        .iter()
-        .enumerate()
-        .filter(|&(_, &v)| v > f32::NEG_INFINITY)
-        .map(|(i, &v)| (i as u32, v))
-        .collect();
-    let n = n.min(all.len());
-    if n == 0 {
-        return Vec::new();
-    }
-    all.select_nth_unstable_by(n - 1, by_value_desc);
-    all.truncate(n);
-    all.sort_unstable_by(by_value_desc);
-    all
+    let mut top = top_k_logits(lp, n);
+    top.sort_unstable_by(by_value_desc);
+    top
 }
 
 #[cfg(test)]
