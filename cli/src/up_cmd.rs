@@ -14,7 +14,8 @@
 //! also during the start: every child has its own process group, so the
 //! terminal's SIGINT reaches `up` alone, which gives the children SIGTERM
 //! (so they leave etcd and flush their spans) and SIGKILL 5 s later, and
-//! stops etcd last.
+//! stops etcd last. Each start phase is logged (`tandem up: starting etcd`,
+//! `tandem up: starting decode-worker`, ...), at `info`.
 //! The log format and the OTLP endpoint are passed on to every child.
 //!
 //! `--tls` runs the cluster with mutual TLS: `up` writes a development CA
@@ -351,6 +352,7 @@ fn spawn(
     env: &[(&str, String)],
 ) -> Result<Spawned> {
     use std::os::unix::process::CommandExt;
+    tracing::info!("tandem up: starting {}", args[0]);
     let exe = std::env::current_exe().context("finding the tandem binary")?;
     let mut command = Command::new(exe);
     // `up`'s private etcd is plain HTTP without users: settings for an
@@ -438,7 +440,12 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
     // etcd and the certificates are declared before the children, so they
     // outlive them.
-    let etcd = if args.no_etcd { None } else { start_etcd()? };
+    let etcd = if args.no_etcd {
+        None
+    } else {
+        tracing::info!("tandem up: starting etcd");
+        start_etcd()?
+    };
     let tls = if args.tls {
         Some(TlsDir::create(args.tls_dir.as_ref())?)
     } else {

@@ -6,7 +6,6 @@
 //! Needs etcd installed (`.ci/run` installs it), like the other cluster
 //! tests: `up` only starts etcd when it finds it.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,13 +22,13 @@ struct Up {
     _dir: tempfile::TempDir,
 }
 
-/// `tandem up` on a tiny model, one decode worker, started but not yet
-/// read from; its stderr goes to `dir/stderr.log`.
-fn spawn_up(dir: &Path) -> (Child, Vec<String>) {
+/// The arguments of `tandem up` on a tiny model (written to `dir/model`),
+/// one decode worker.
+fn up_args(dir: &Path) -> Vec<String> {
     let tandem = Path::new(env!("CARGO_BIN_EXE_tandem"));
     let model = dir.join("model");
     tandem_tests::cluster::gen_model(tandem, &model, "tiny");
-    let args = [
+    [
         "up",
         "--model",
         model.to_str().expect("utf8"),
@@ -45,17 +44,29 @@ fn spawn_up(dir: &Path) -> (Child, Vec<String>) {
         "32MiB",
     ]
     .map(String::from)
-    .to_vec();
-    let child = Command::new(tandem)
-        .args(&args)
+    .to_vec()
+}
+
+/// Starts `command` as a terminal starts a foreground job (its own process
+/// group, SIGINT at its default action), with `RUST_LOG=info` and its
+/// stderr in `dir/stderr.log`.
+fn spawn_job(mut command: Command, dir: &Path) -> Child {
+    tandem_tests::cluster::as_terminal_job(&mut command)
         .env("RUST_LOG", "info")
-        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.join("stderr.log")).expect("stderr file"))
         .spawn()
-        .expect("tandem up starts");
-    (child, args)
+        .expect("tandem up starts")
+}
+
+/// `tandem up` on a tiny model, one decode worker, started but not yet
+/// read from; its stderr goes to `dir/stderr.log`.
+fn spawn_up(dir: &Path) -> (Child, Vec<String>) {
+    let args = up_args(dir);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    command.args(&args);
+    (spawn_job(command, dir), args)
 }
 
 fn start_up() -> Up {
@@ -100,13 +111,7 @@ fn exited(child: &mut Child) -> bool {
 #[test]
 fn ctrl_c_lets_the_workers_leave_etcd_before_it_stops() {
     let mut up = start_up();
-    let group = up.cluster.process.0.id();
-    // What a terminal does on Ctrl-C: SIGINT to the foreground group.
-    let sent = Command::new("kill")
-        .args(["-INT", "--", &format!("-{group}")])
-        .status()
-        .expect("kill");
-    assert!(sent.success());
+    ctrl_c(up.cluster.process.0.id());
     wait_for(
         "tandem up exits after Ctrl-C",
         Duration::from_secs(30),
@@ -172,38 +177,158 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
     found
 }
 
+/// Sends what a terminal's Ctrl-C sends: SIGINT to the process group.
+fn ctrl_c(group: u32) {
+    let sent = Command::new("kill")
+        .args(["-INT", "--", &format!("-{group}")])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+}
+
+/// After a Ctrl-C: `up` exits within `limit` and leaves neither a worker
+/// (its command line names the model directory) nor etcd (its data
+/// directory) behind. `when` names the moment in the panic.
+fn assert_stops_clean(up: &mut Child, dir: &Path, when: &str) {
+    // `up` stops its children (SIGTERM, SIGKILL after 5 s) and then etcd;
+    // under the suite's load a worker that was loading the model takes a
+    // few seconds to leave etcd. 30 s is that bound with room to spare.
+    let limit = Duration::from_secs(30);
+    let deadline = Instant::now() + limit;
+    while !exited(up) {
+        let log = std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default();
+        assert!(
+            Instant::now() < deadline,
+            "tandem up did not exit within {limit:?} of a Ctrl-C {when}\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let up_pid = up.id();
+    let model = dir.join("model").display().to_string();
+    let etcd_dir = format!("tandem-up-etcd-{up_pid}-");
+    let left: Vec<u32> = processes_mentioning(&model)
+        .into_iter()
+        .chain(processes_mentioning(&etcd_dir))
+        .collect();
+    let log = std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "a Ctrl-C {when} left {left:?} running\n{log}"
+    );
+}
+
+/// Waits until `dir/stderr.log` holds a line containing `needle`.
+fn wait_for_log(dir: &Path, needle: &str) {
+    wait_for(
+        &format!("tandem up logs {needle:?}"),
+        Duration::from_secs(60),
+        || {
+            std::fs::read_to_string(dir.join("stderr.log"))
+                .is_ok_and(|log| log.lines().any(|l| l.contains(needle)))
+        },
+    );
+}
+
 #[test]
 fn ctrl_c_while_starting_leaves_no_process_behind() {
-    // Ctrl-C at several points of the start: before etcd, while it or the
-    // worker starts, and once the worker is loading the model.
-    for delay_ms in [0u64, 150, 400, 900] {
+    // Ctrl-C at each phase of the start, as `up` (and the worker) report
+    // them: right after `exec`, while etcd starts, while the worker
+    // starts, once it has loaded the model, and while the router starts.
+    let phases = [
+        None,
+        Some("tandem up: starting etcd"),
+        Some("tandem up: starting decode-worker"),
+        Some("model loaded"),
+        Some("tandem up: starting router"),
+    ];
+    for phase in phases {
         let dir = tempfile::tempdir().expect("tempdir");
         let (child, _) = spawn_up(dir.path());
         let mut up = tandem_tests::cluster::KillOnDrop(child);
-        let up_pid = up.0.id();
-        std::thread::sleep(Duration::from_millis(delay_ms));
-        let sent = Command::new("kill")
-            .args(["-INT", "--", &format!("-{up_pid}")])
-            .status()
-            .expect("kill");
-        assert!(sent.success());
-        wait_for(
-            "tandem up exits after Ctrl-C during its start",
-            Duration::from_secs(30),
-            || exited(&mut up.0),
-        );
-        // The worker's command line names the model directory, etcd's its
-        // data directory; `up` stopped both before it exited.
-        let model = dir.path().join("model").display().to_string();
-        let etcd_dir = format!("tandem-up-etcd-{up_pid}-");
-        let left: Vec<u32> = processes_mentioning(&model)
-            .into_iter()
-            .chain(processes_mentioning(&etcd_dir))
-            .collect();
-        let log = std::fs::read_to_string(dir.path().join("stderr.log")).unwrap_or_default();
-        assert!(
-            left.is_empty(),
-            "Ctrl-C {delay_ms} ms into the start left {left:?} running\n{log}"
-        );
+        if let Some(needle) = phase {
+            wait_for_log(dir.path(), needle);
+        }
+        ctrl_c(up.0.id());
+        let when = phase.map_or("right after exec".to_string(), |p| format!("at {p:?}"));
+        assert_stops_clean(&mut up.0, dir.path(), &when);
     }
+}
+
+/// The window issue 41 found, made deterministic: a Ctrl-C that comes
+/// before `tandem up` has installed its handler. A shell stands in for the
+/// moment between `exec` and the handler: it stops itself, the Ctrl-C
+/// arrives, and only after SIGCONT does it `exec` tandem. The test binary
+/// ignores SIGINT in the child first, as a runner that started `cargo
+/// test` as a background job does; a terminal job gets the default action
+/// back ([`tandem_tests::cluster::as_terminal_job`]), so the Ctrl-C ends
+/// the start. Before that reset, the Ctrl-C was discarded and `up` ran on.
+#[test]
+fn ctrl_c_before_up_has_its_handler_stops_it() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args = up_args(dir.path());
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", "kill -STOP $$; exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_tandem"))
+        .args(&args);
+    // SAFETY: runs in the forked child before `exec`; `signal` is
+    // async-signal-safe and the closure allocates nothing.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut up = tandem_tests::cluster::KillOnDrop(spawn_job(command, dir.path()));
+    let pid = up.0.id();
+    wait_for("the shell stops itself", Duration::from_secs(30), || {
+        stopped(pid)
+    });
+    ctrl_c(pid);
+    let sent = Command::new("kill")
+        .args(["-CONT", "--", &format!("-{pid}")])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    assert_stops_clean(&mut up.0, dir.path(), "before tandem up had its handler");
+}
+
+/// Whether `pid` is stopped (job control, state `T`).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('T')
+    })
+}
+
+/// The harness's own promise, checked on a process that reads its own
+/// dispositions: whatever the test binary inherited, a terminal job does
+/// not ignore SIGINT or SIGQUIT.
+#[test]
+fn a_terminal_job_has_sigint_at_its_default_action() {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new("cat");
+    command.arg("/proc/self/status");
+    // SAFETY: as above.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+            libc::signal(libc::SIGQUIT, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let out = tandem_tests::cluster::as_terminal_job(&mut command)
+        .output()
+        .expect("cat runs");
+    let ignored = tandem_tests::cluster::ignored_signals(&String::from_utf8_lossy(&out.stdout));
+    let bit = |sig: i32| 1u64 << (sig - 1);
+    assert_eq!(
+        ignored & (bit(libc::SIGINT) | bit(libc::SIGQUIT)),
+        0,
+        "SigIgn {ignored:x}"
+    );
 }

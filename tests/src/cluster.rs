@@ -41,6 +41,47 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Makes `command` start the way an interactive shell starts a foreground
+/// job: in a process group of its own, with SIGINT and SIGQUIT at their
+/// default actions, so a test's `kill -INT -- -PGID` is exactly a Ctrl-C.
+///
+/// Why the reset: a test binary inherits its signal dispositions from
+/// whatever ran `cargo test`, and a non-interactive shell's background job
+/// (`cargo test &` in a script, `nohup`, some CI runners) has SIGINT and
+/// SIGQUIT *ignored*, which every child inherits across `exec`. A Ctrl-C
+/// that then lands before `tandem up` has installed its handler is
+/// discarded by the kernel, and `up` starts the whole cluster and waits
+/// forever (issue 41: the window is the time from `exec` to the handler,
+/// microseconds on an idle machine, far longer under load). With the
+/// default action, such a Ctrl-C ends `up` before it has started anything,
+/// as it would in a terminal.
+pub fn as_terminal_job(command: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    command.process_group(0);
+    // SAFETY: runs in the forked child before `exec`; `signal` is
+    // async-signal-safe and the closure allocates nothing.
+    unsafe {
+        command.pre_exec(|| {
+            for sig in [libc::SIGINT, libc::SIGQUIT] {
+                if libc::signal(sig, libc::SIG_DFL) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The signals a process ignores, from its `/proc/PID/status` text
+/// (`SigIgn:` is a hex mask, bit `n - 1` for signal `n`).
+pub fn ignored_signals(status: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .expect("a SigIgn line")
+}
+
 /// A started `tandem up` (or `serve`/`router`): what its startup lines said.
 #[derive(Debug)]
 pub struct Started {
