@@ -257,6 +257,11 @@ impl Sampler {
     fn draw(&mut self, z: &[f32]) -> u32 {
         let cand = self.candidates(z);
         let total: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+        // No weight to draw by (every logit NaN, say): the argmax, not
+        // whichever candidate happens to be last.
+        if total.is_nan() || total <= 0.0 {
+            return argmax(z);
+        }
         let mut u = self.rng.next_f64() * total;
         for &(t, w) in &cand {
             u -= f64::from(w);
@@ -275,7 +280,12 @@ impl Sampler {
     /// (`sampling-bench`). Top-k selects on the logits, before any `exp`.
     fn candidates(&self, z: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
-        let inv_t = 1.0 / p.temperature;
+        // Below ~2.9e-39, 1/t overflows to ∞ and the largest logit's
+        // `0 · ∞` is NaN (weight 0 for every token: the draw then fell to
+        // the last candidate). Capped, the largest weighs exp(0) = 1 and
+        // every other logit's scaled gap is −∞ or huge: the t → 0 limit,
+        // greedy.
+        let inv_t = (1.0 / p.temperature).min(f32::MAX);
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let weight = |v: f32| exp_nonpositive((v - max) * inv_t);
         // Masked-out tokens (−∞) are never candidates.
@@ -326,6 +336,10 @@ impl Sampler {
         }
         let cand = self.candidates(logits);
         let total: f64 = cand.iter().map(|c| f64::from(c.1)).sum();
+        if total.is_nan() || total <= 0.0 {
+            probs[argmax(logits) as usize] = 1.0;
+            return probs;
+        }
         for (t, w) in cand {
             probs[t as usize] = (f64::from(w) / total) as f32;
         }
@@ -563,6 +577,63 @@ mod tests {
         assert_eq!(lp.top[1].0, 2);
         let z: f32 = [0.0f32, 3.0, 1.0].iter().map(|v| v.exp()).sum();
         assert!((lp.logprob - (3.0 - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn tiny_temperatures_behave_as_greedy() {
+        // Logits at least 0.01 apart: from t = 1e-4 down every gap over t
+        // is past exp's range, so each draw must be the argmax, whatever
+        // the filters. t = 1e-40 used to make every weight NaN and draw
+        // the last token every step.
+        let mut seed = 11u64;
+        let logits: Vec<f32> = (0..300)
+            .map(|i| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (i as f32) * 0.01 - 1.5 * ((seed >> 40) % 2) as f32
+            })
+            .collect();
+        let best = argmax(&logits);
+        let temperatures = [
+            1e-4f32,
+            1e-10,
+            1e-30,
+            f32::MIN_POSITIVE,
+            1e-40,
+            1e-44,
+            f32::from_bits(1),
+        ];
+        for t in temperatures {
+            for (top_p, top_k, min_p) in [
+                (1.0, 0, 0.0),
+                (0.9, 0, 0.0),
+                (0.5, 5, 0.0),
+                (1.0, 1, 0.0),
+                (1.0, 0, 0.1),
+                (0.3, 50, 0.5),
+            ] {
+                let params = SamplingParams {
+                    temperature: t,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed: Some(3),
+                    logprobs: Some(1),
+                    ..Default::default()
+                };
+                let mut s = sampler(params);
+                for _ in 0..20 {
+                    let out = s.sample(&logits);
+                    assert_eq!(
+                        out.token, best,
+                        "t={t:e} top_p={top_p} top_k={top_k} min_p={min_p}"
+                    );
+                }
+                let dist = s.distribution(&logits);
+                assert_eq!(dist[best as usize], 1.0, "t={t:e}: {:?}", &dist[..4]);
+            }
+        }
     }
 
     #[test]

@@ -444,11 +444,10 @@ impl EngineCore {
                 return;
             }
         };
-        let stops: Arc<[String]> = req.stop.into();
         let text = self
             .tokenizer
             .as_ref()
-            .map(|_| TextOutput::new(&req.prompt_ids, stops));
+            .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
         let seq_id = self.next_seq;
         self.next_seq += 1;
         let prompt_len = req.prompt_ids.len();

@@ -31,6 +31,7 @@ mod handle;
 mod output;
 pub mod request;
 mod scheduler;
+mod stop;
 
 pub use self::core::{EngineConfig, EngineCore, EngineStats, KvFeed, KvPoolSize};
 pub use handle::{EngineHandle, RequestStream};
@@ -38,4 +39,5 @@ pub use request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, Prompt, RemotePrefill, Request,
     RequestEvent, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
+pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_structured::ResponseFormat;

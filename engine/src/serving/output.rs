@@ -5,10 +5,12 @@
 //! tokens waits for its last byte ([`StreamDecoder`]), and the last
 //! `longest stop string - 1` bytes wait until they cannot be the start of a
 //! stop string. When a stop string appears, the text is cut before it and
-//! the choice ends.
+//! the choice ends. Stop strings are found by [`StopMatcher`], which sees
+//! each byte once.
 
 use std::sync::Arc;
 
+use super::stop::{StopMatcher, StopStrings};
 use crate::error::Result;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -16,7 +18,7 @@ use crate::tokenizer::{StreamDecoder, Tokenizer};
 #[derive(Debug)]
 pub(crate) struct TextOutput {
     decoder: StreamDecoder,
-    stops: Arc<[String]>,
+    stops: StopMatcher,
     /// Bytes that could begin a stop string are held back.
     hold: usize,
     /// All text so far (cut at a matched stop string).
@@ -35,16 +37,11 @@ pub(crate) struct TextUpdate {
 }
 
 impl TextOutput {
-    pub fn new(prompt: &[u32], stops: Arc<[String]>) -> Self {
-        let hold = stops
-            .iter()
-            .map(String::len)
-            .max()
-            .unwrap_or(0)
-            .saturating_sub(1);
+    pub fn new(prompt: &[u32], stops: &Arc<StopStrings>) -> Self {
+        let hold = stops.longest().saturating_sub(1);
         Self {
             decoder: StreamDecoder::after_prompt(prompt),
-            stops,
+            stops: stops.matcher(),
             hold,
             text: String::new(),
             sent: 0,
@@ -52,8 +49,8 @@ impl TextOutput {
     }
 
     /// The stop strings.
-    pub fn stops(&self) -> Arc<[String]> {
-        self.stops.clone()
+    pub fn stops(&self) -> Arc<StopStrings> {
+        self.stops.stops().clone()
     }
 
     /// Adds one token's text; releases what is certain, or ends the choice
@@ -66,26 +63,12 @@ impl TextOutput {
     fn push_text(&mut self, piece: &str) -> TextUpdate {
         let before = self.text.len();
         self.text.push_str(piece);
-        if !self.stops.is_empty() && !piece.is_empty() {
-            // A match must end inside the new piece; start far enough back to
-            // catch one that began in held-back text.
-            let mut from = before.saturating_sub(self.hold);
-            while !self.text.is_char_boundary(from) {
-                from -= 1;
-            }
-            let found = self
-                .stops
-                .iter()
-                .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| (from + p, s)))
-                .min_by_key(|&(p, _)| p);
-            if let Some((at, stop)) = found {
-                let stop = stop.clone();
-                self.text.truncate(at);
-                return TextUpdate {
-                    delta: self.flush(),
-                    matched_stop: Some(stop),
-                };
-            }
+        if let Some(found) = self.stops.feed(before, piece.as_bytes()) {
+            self.text.truncate(found.start);
+            return TextUpdate {
+                delta: self.flush(),
+                matched_stop: Some(found.stop),
+            };
         }
         let mut safe = self.text.len().saturating_sub(self.hold).max(self.sent);
         while !self.text.is_char_boundary(safe) {
@@ -112,7 +95,8 @@ mod tests {
     use super::*;
 
     fn out(stops: &[&str]) -> TextOutput {
-        TextOutput::new(&[], stops.iter().map(|s| s.to_string()).collect())
+        let stops = StopStrings::new(stops.iter().map(|s| s.to_string()).collect());
+        TextOutput::new(&[], &stops.expect("valid stop strings"))
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::Grammars;
+use super::stop::{StopStrings, MAX_STOP_TOKEN_IDS};
 use tandem_structured::{CompiledGrammar, ResponseFormat};
 
 /// Most alternatives a request may ask logprobs for (vLLM's default cap).
@@ -134,7 +135,8 @@ pub(crate) struct ValidRequest {
     /// Effective: never past `max_model_len`.
     pub max_tokens: usize,
     pub n: usize,
-    pub stop: Vec<String>,
+    /// Compiled here, on the caller's thread.
+    pub stop: Arc<StopStrings>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub prefill: PrefillMode,
@@ -178,13 +180,17 @@ pub(crate) fn validate(
     if req.max_tokens == Some(0) {
         return Err(invalid("max_tokens must be at least 1, got 0".into()));
     }
-    if req.stop.iter().any(String::is_empty) {
-        return Err(invalid("stop: stop strings must not be empty".into()));
-    }
     if !req.stop.is_empty() && tokenizer.is_none() {
         return Err(invalid(
             "stop: stop strings need a tokenizer and the model has none".into(),
         ));
+    }
+    let stop = StopStrings::new(req.stop)?;
+    if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(invalid(format!(
+            "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {}",
+            req.stop_token_ids.len()
+        )));
     }
     let prompt_ids = match req.prompt {
         Prompt::Text(text) => {
@@ -266,7 +272,7 @@ pub(crate) fn validate(
         sampling: req.sampling,
         max_tokens,
         n: req.n,
-        stop: req.stop,
+        stop,
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
         prefill: req.prefill,

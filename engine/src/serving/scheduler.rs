@@ -299,7 +299,7 @@ impl Scheduler {
             text: p
                 .text
                 .as_ref()
-                .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], p.text_stops())),
+                .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], &p.text_stops())),
             remote_min_uncached: None,
             export: None,
             // Same place in the grammar, its own parser.
@@ -569,9 +569,9 @@ impl Scheduler {
 }
 
 impl Sequence {
-    fn text_stops(&self) -> std::sync::Arc<[String]> {
+    fn text_stops(&self) -> std::sync::Arc<super::stop::StopStrings> {
         self.text
             .as_ref()
-            .map_or_else(|| std::sync::Arc::from(Vec::new()), TextOutput::stops)
+            .map_or_else(super::stop::StopStrings::none, TextOutput::stops)
     }
 }
