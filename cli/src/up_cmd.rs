@@ -438,6 +438,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     // in order instead of killing `up` with its children half-started.
     let stop = stop_flag()?;
     let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
+    // The workers' shared secret travels in their environment: a command
+    // line is readable by every local user.
+    let secret = [(crate::worker_cmd::CLUSTER_TOKEN_ENV, token)];
     // etcd and the certificates are declared before the children, so they
     // outlive them.
     let etcd = if args.no_etcd {
@@ -474,8 +477,6 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             role.to_string(),
             "--model".into(),
             model.clone(),
-            "--cluster-token".into(),
-            token.clone(),
             "--kv-cache-memory".into(),
             args.kv_cache_memory.clone(),
             "--kv-transport".into(),
@@ -499,7 +500,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             args.remote_prefill_threshold.to_string(),
         ]);
         a.extend(args.decode_args.iter().cloned());
-        let d = spawn(&mut children, &stop, &a, &[])?;
+        let d = spawn(&mut children, &stop, &a, &secret)?;
         if let Some(m) = d.metrics {
             metrics.push(("decode-worker", d.addr.clone(), m));
         }
@@ -509,7 +510,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     for _ in 0..args.prefill {
         let mut a = worker("prefill-worker");
         a.extend(args.prefill_args.iter().cloned());
-        let p = spawn(&mut children, &stop, &a, &[])?;
+        let p = spawn(&mut children, &stop, &a, &secret)?;
         if let Some(m) = p.metrics {
             metrics.push(("prefill-worker", p.addr.clone(), m));
         }

@@ -29,9 +29,13 @@ pub struct WorkerArgs {
     /// gRPC address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     addr: SocketAddr,
-    /// Shared secret every KV transfer handshake must present.
-    #[arg(long, env = "TANDEM_CLUSTER_TOKEN", default_value = "tandem-local")]
-    cluster_token: String,
+    /// A file whose first line is the shared secret every KV transfer
+    /// handshake must present. Without it the secret comes from
+    /// `TANDEM_CLUSTER_TOKEN`, else it is the development default
+    /// `tandem-local`. There is no flag for the secret itself: a command
+    /// line is readable by every local user (`ps`, `/proc/PID/cmdline`).
+    #[arg(long, env = "TANDEM_CLUSTER_TOKEN_FILE")]
+    cluster_token_file: Option<PathBuf>,
     /// Name in membership and logs, unique in the cluster (default: role
     /// and port). In Kubernetes: the pod's name.
     #[arg(long, env = "TANDEM_WORKER_ID")]
@@ -217,7 +221,39 @@ async fn register(
     Ok(Some(reg))
 }
 
+/// The environment variable that carries the cluster token.
+pub const CLUSTER_TOKEN_ENV: &str = "TANDEM_CLUSTER_TOKEN";
+
 impl WorkerArgs {
+    /// The cluster token: `--cluster-token-file`, else
+    /// [`CLUSTER_TOKEN_ENV`], else `tandem-local`.
+    fn cluster_token(&self) -> Result<String> {
+        self.cluster_token_with(std::env::var(CLUSTER_TOKEN_ENV).ok())
+    }
+
+    /// [`Self::cluster_token`] with the environment's value given.
+    fn cluster_token_with(&self, env: Option<String>) -> Result<String> {
+        if let Some(path) = &self.cluster_token_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --cluster-token-file {}", path.display()))?;
+            let token = text.lines().next().unwrap_or("").trim();
+            if token.is_empty() {
+                anyhow::bail!(
+                    "--cluster-token-file {}: the first line is empty",
+                    path.display()
+                );
+            }
+            return Ok(token.to_string());
+        }
+        match env {
+            Some(token) if token.is_empty() => {
+                anyhow::bail!("{CLUSTER_TOKEN_ENV} is set but empty")
+            }
+            Some(token) => Ok(token),
+            None => Ok("tandem-local".to_string()),
+        }
+    }
+
     /// Binds the worker's gRPC port, names it (`--id`, else `ROLE-PORT`),
     /// registers its advertised address, and prints `listening on ADDR`
     /// once registered, so whoever reads it can route to it.
@@ -290,6 +326,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
         exit_on_stdin_eof();
     }
     let tls = args.tls.load()?;
+    let cluster_token = args.cluster_token()?;
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -301,7 +338,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
         let config = PrefillWorkerConfig {
             id,
             model: engine.model_name,
-            cluster_token: args.cluster_token,
+            cluster_token,
             advertise_host: args.advertise_host,
             kv_transport: args.kv_transport,
             tls,
@@ -325,6 +362,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
         exit_on_stdin_eof();
     }
     let tls = w.tls.load()?;
+    let cluster_token = w.cluster_token()?;
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -334,7 +372,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
         let config = DecodeWorkerConfig {
             id,
             model: engine.model_name,
-            cluster_token: w.cluster_token,
+            cluster_token,
             transfer_bind: args.transfer_addr,
             advertise_host: w.advertise_host,
             remote_prefill_threshold: args.remote_prefill_threshold,
@@ -611,5 +649,53 @@ mod tests {
         // https without a CA: the discovery crate's check.
         let e = error(&[], None);
         assert!(e.contains("https://127.0.0.1:2379"), "{e}");
+    }
+
+    #[derive(Parser, Debug)]
+    struct Worker {
+        #[command(flatten)]
+        w: WorkerArgs,
+    }
+
+    #[test]
+    fn the_cluster_token_comes_from_a_file_or_the_environment_never_a_flag() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\n# rest ignored\n").expect("write");
+        let file = file.display().to_string();
+        let worker = |args: &[&str]| {
+            let mut argv = vec!["t"];
+            argv.extend_from_slice(args);
+            Worker::try_parse_from(argv).map(|p| p.w)
+        };
+        let from_file = worker(&["--cluster-token-file", &file]).expect("parses");
+        let token = from_file
+            .cluster_token_with(Some("env".into()))
+            .expect("token");
+        assert_eq!(token, "from-file");
+        let plain = worker(&[]).expect("parses");
+        assert_eq!(
+            plain.cluster_token_with(Some("env".into())).expect("env"),
+            "env"
+        );
+        assert_eq!(
+            plain.cluster_token_with(None).expect("default"),
+            "tandem-local"
+        );
+        let e = plain
+            .cluster_token_with(Some(String::new()))
+            .expect_err("empty");
+        assert!(format!("{e:#}").contains("TANDEM_CLUSTER_TOKEN"), "{e:#}");
+        assert!(
+            worker(&["--cluster-token", "on-argv"]).is_err(),
+            "no flag takes the secret"
+        );
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").expect("write");
+        let e = worker(&["--cluster-token-file", &empty.display().to_string()])
+            .expect("parses")
+            .cluster_token_with(None)
+            .expect_err("empty file");
+        assert!(format!("{e:#}").contains("first line is empty"), "{e:#}");
     }
 }

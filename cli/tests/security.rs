@@ -111,8 +111,9 @@ fn http(addr: &str, method: &str, path: &str, auth: Option<&str>, body: &str) ->
     (status, body)
 }
 
+/// `tandem up --tls` with the API key in the environment (never argv).
 fn up_tls(model: &Path, certs: &Path) -> Started {
-    tandem_tests::cluster::start(
+    tandem_tests::cluster::start_with_env(
         tandem(),
         &[
             "up",
@@ -134,10 +135,60 @@ fn up_tls(model: &Path, certs: &Path) -> Started {
             "--tls",
             "--tls-dir",
             certs.to_str().expect("utf8"),
-            "--api-key",
-            KEY,
         ],
+        &[("TANDEM_API_KEYS", KEY)],
     )
+}
+
+/// The value of `name` in process `pid`'s environment.
+fn environ_var(pid: u32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ.split(|&b| b == 0).find_map(|entry| {
+        let entry = String::from_utf8_lossy(entry);
+        entry
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix('='))
+            .map(str::to_string)
+    })
+}
+
+/// The pids of processes whose command line contains `secret`.
+fn command_lines_containing(secret: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if std::fs::read(entry.path().join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(secret))
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Neither the cluster token `up` drew nor the API key is on any command
+/// line (`ps` shows those to every local user): both travel in the
+/// environment. The KV push of the test above proves the workers got it.
+fn assert_no_secret_on_a_command_line(cluster: &Started) {
+    let decode_pid = cluster.pids[&cluster.decode[0]];
+    let prefill_pid = cluster.pids[&cluster.prefill[0]];
+    let token = environ_var(decode_pid, "TANDEM_CLUSTER_TOKEN")
+        .expect("the decode worker has the cluster token in its environment");
+    assert_eq!(
+        environ_var(prefill_pid, "TANDEM_CLUSTER_TOKEN").as_deref(),
+        Some(token.as_str()),
+        "both workers share the token"
+    );
+    assert!(token.len() >= 16, "a drawn token, got {token:?}");
+    for secret in [token.as_str(), KEY] {
+        let on_argv = command_lines_containing(secret);
+        assert!(
+            on_argv.is_empty(),
+            "a secret is on the command line of {on_argv:?}"
+        );
+    }
 }
 
 /// The acceptance test of mTLS and API keys: a client with a certificate
@@ -182,6 +233,7 @@ fn mtls_cluster_refuses_clients_without_a_cluster_certificate_or_api_key() {
             "not prefilled remotely: {served:?}"
         );
     });
+    assert_no_secret_on_a_command_line(&cluster);
     // The KV push under its ticket succeeded (not a fallback to local
     // prefill): the decode worker counts an ok remote prefill and blocks.
     let decode = &cluster.decode[0];
@@ -395,7 +447,7 @@ fn forged_kv_peer_cannot_write_into_a_decode_workers_pool() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("model");
     tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
-    let worker = tandem_tests::cluster::start(
+    let worker = tandem_tests::cluster::start_with_env(
         tandem(),
         &[
             "decode-worker",
@@ -403,12 +455,11 @@ fn forged_kv_peer_cannot_write_into_a_decode_workers_pool() {
             model.to_str().expect("utf8"),
             "--addr",
             "127.0.0.1:0",
-            "--cluster-token",
-            SECRET,
             "--num-kv-blocks",
             "64",
             "--batch-invariant",
         ],
+        &[("TANDEM_CLUSTER_TOKEN", SECRET)],
     );
     let addr = worker.addr.clone();
     tandem_tests::cluster::runtime().block_on(async {

@@ -85,6 +85,8 @@ fn start(tandem: &Path, cpus: &str, args: &[&str]) -> Result<(Proc, String)> {
         .args(["-c", cpus])
         .arg(tandem)
         .args(args)
+        // The workers' shared secret: from the environment, never argv.
+        .env("TANDEM_CLUSTER_TOKEN", "disagg-bench")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -131,14 +133,11 @@ fn colocated(tandem: &Path, model: &str) -> Result<Config> {
 }
 
 fn disaggregated(tandem: &Path, model: &str) -> Result<Config> {
-    let token = "disagg-bench";
     let common = [
         "--model",
         model,
         "--addr",
         "127.0.0.1:0",
-        "--cluster-token",
-        token,
         "--kv-cache-memory",
         "1GiB",
     ];
