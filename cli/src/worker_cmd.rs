@@ -308,6 +308,14 @@ pub struct DecodeWorkerArgs {
     /// cached here.
     #[arg(long, default_value_t = 256)]
     remote_prefill_threshold: usize,
+    /// Wait this long for a prefill worker's answer (plus the per-1k-token
+    /// allowance) before prefilling locally: a frozen prefill worker costs
+    /// a request this much, not forever.
+    #[arg(long, default_value_t = 5000)]
+    remote_prefill_timeout_ms: u64,
+    /// Added to the prefill wait for every 1000 prompt tokens sent.
+    #[arg(long, default_value_t = 5000)]
+    remote_prefill_timeout_per_1k_tokens_ms: u64,
 }
 
 /// Exits the process once stdin reaches end of file (exporting the spans
@@ -376,6 +384,10 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             transfer_bind: args.transfer_addr,
             advertise_host: w.advertise_host,
             remote_prefill_threshold: args.remote_prefill_threshold,
+            remote_prefill_deadline: tandem_decode_worker::PrefillDeadline {
+                base: Duration::from_millis(args.remote_prefill_timeout_ms),
+                per_1k_tokens: Duration::from_millis(args.remote_prefill_timeout_per_1k_tokens_ms),
+            },
             kv_transport: w.kv_transport,
             tls,
         };

@@ -48,7 +48,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill};
 use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferId};
@@ -221,6 +221,38 @@ impl KvSink for EngineSink {
     }
 }
 
+/// How long a decode worker waits for a prefill worker before it prefills
+/// locally: `base` plus `per_1k_tokens` for every thousand prompt tokens
+/// it asked for. A frozen prefill worker (stopped, deadlocked, its host
+/// partitioned) then costs a request this bound, not forever.
+///
+/// The defaults, 5 s + 5 s per 1k tokens, allow 200 tokens/s of prefill,
+/// below what the CPU engine does on the models it serves here and far
+/// below any GPU, plus room for a queue; raise them for a slow pool rather
+/// than wait on a dead one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillDeadline {
+    pub base: Duration,
+    pub per_1k_tokens: Duration,
+}
+
+impl Default for PrefillDeadline {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_secs(5),
+            per_1k_tokens: Duration::from_secs(5),
+        }
+    }
+}
+
+impl PrefillDeadline {
+    /// The bound for a prefill of `tokens` prompt tokens.
+    pub fn for_tokens(&self, tokens: usize) -> Duration {
+        let per_token = self.per_1k_tokens.as_secs_f64() / 1000.0;
+        self.base + Duration::from_secs_f64(per_token * tokens as f64)
+    }
+}
+
 /// Asks prefill workers over gRPC.
 #[derive(Debug)]
 pub struct GrpcPrefiller {
@@ -235,6 +267,7 @@ pub struct GrpcPrefiller {
     tls: Option<tandem_security::LoadedTls>,
     /// Shared with the [`EngineSink`].
     tickets: Arc<TransferTickets>,
+    deadline: PrefillDeadline,
 }
 
 impl GrpcPrefiller {
@@ -254,7 +287,14 @@ impl GrpcPrefiller {
             metrics,
             tls,
             tickets,
+            deadline: PrefillDeadline::default(),
         }
+    }
+
+    /// Waits at most `deadline` for each prefill worker's answer.
+    pub fn with_deadline(mut self, deadline: PrefillDeadline) -> Self {
+        self.deadline = deadline;
+        self
     }
 
     fn client(&self, addr: &str) -> Result<PrefillClient<Channel>, String> {
@@ -334,7 +374,12 @@ impl RemotePrefiller for GrpcPrefiller {
             transfer_id: ticket,
             layout: Some(layout::to_proto(&self.layout)),
         };
+        let limit = self.deadline.for_tokens(req.tokens.len());
         let mut call = tonic::Request::new(req);
+        // The prefill worker sees the deadline too (grpc-timeout) and can
+        // give up on its side; the timeout below holds even if it never
+        // answers at all.
+        call.set_timeout(limit);
         tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
         let metrics = self.metrics.clone();
         let tickets = self.tickets.clone();
@@ -343,7 +388,13 @@ impl RemotePrefiller for GrpcPrefiller {
             // Success is reported by the transport (the sink's finish);
             // failure before or without a transfer is reported here. A
             // second finish for one transfer is ignored by the engine.
-            match client.prefill(call).await {
+            let answer = match tokio::time::timeout(limit, client.prefill(call)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+                    "no answer within {limit:?}; prefilling locally"
+                ))),
+            };
+            match answer {
                 Ok(_) => {
                     metrics.remote_prefills.with(&["ok"]).inc();
                     metrics
@@ -381,6 +432,8 @@ pub struct DecodeWorkerConfig {
     pub advertise_host: Option<String>,
     /// Remote prefill only from this many uncached prompt tokens.
     pub remote_prefill_threshold: usize,
+    /// How long to wait for a prefill worker before prefilling locally.
+    pub remote_prefill_deadline: PrefillDeadline,
     /// How KV blocks arrive (`--kv-transport`); prefill workers must use
     /// the same.
     pub kv_transport: tandem_kv_transfer::TransportKind,
@@ -442,14 +495,17 @@ pub async fn run(
         num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
         max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
     };
-    let prefiller = Arc::new(GrpcPrefiller::new(
-        config.remote_prefill_threshold,
-        endpoint,
-        layout,
-        metrics,
-        config.tls.clone(),
-        tickets,
-    ));
+    let prefiller = Arc::new(
+        GrpcPrefiller::new(
+            config.remote_prefill_threshold,
+            endpoint,
+            layout,
+            metrics,
+            config.tls.clone(),
+            tickets,
+        )
+        .with_deadline(config.remote_prefill_deadline),
+    );
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::generation(
         tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)

@@ -180,7 +180,6 @@ impl Cluster {
         }
         let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
             .map_err(|e| format!("worker {addr}: {e}"))?
-            .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
         let w = Arc::new(Worker {
             slot: workers.len(),
@@ -255,12 +254,35 @@ impl Cluster {
     }
 }
 
+/// A probe unanswered this long marks the worker down. A live worker
+/// answers `Load` and `Info` from counters, off its engine thread, in
+/// microseconds; a stopped or partitioned one never answers, and without
+/// the bound its last "healthy" stood for good.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `call` with [`PROBE_TIMEOUT`] (also sent as the call's `grpc-timeout`);
+/// a timeout is a failed probe.
+async fn bounded<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<tonic::Response<T>, tonic::Status> {
+    tokio::time::timeout(PROBE_TIMEOUT, call)
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("probe timed out")))
+}
+
+/// A probe's request, carrying [`PROBE_TIMEOUT`] as its deadline.
+fn probe_request<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(PROBE_TIMEOUT);
+    request
+}
+
 async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
     let mut client = WorkerClient::new(w.channel.clone());
     while !w.gone.load(Ordering::Relaxed) {
         let known = lock(&w.info).is_some();
         let ok = if known {
-            match client.load(wv1::LoadRequest {}).await {
+            match bounded(client.load(probe_request(wv1::LoadRequest {}))).await {
                 Ok(r) => {
                     let r = r.into_inner();
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
@@ -270,7 +292,7 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
                 Err(_) => false,
             }
         } else {
-            match client.info(wv1::InfoRequest {}).await {
+            match bounded(client.info(probe_request(wv1::InfoRequest {}))).await {
                 Ok(r) => {
                     let info = r.into_inner();
                     match cluster.admit(&info) {

@@ -190,12 +190,29 @@ pub fn plain_endpoint(addr: &str) -> Result<Endpoint, TlsError> {
     })
 }
 
-/// The endpoint for `addr`: over TLS when `tls` is given, plain otherwise.
+/// HTTP/2 keep-alive on every channel between components: a ping this
+/// often while calls are open...
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// ...and the connection is dropped when one goes unanswered this long. A
+/// peer that is stopped or partitioned still has its kernel ACK TCP, so
+/// without pings a call to it would wait forever; with them its streams
+/// fail within 15 s, whatever their own deadlines.
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Connecting to a peer gives up after this long.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The endpoint for `addr`: over TLS when `tls` is given, plain otherwise,
+/// with the keep-alive and connect timeout every internal channel uses.
 pub fn endpoint(tls: Option<&LoadedTls>, addr: &str) -> Result<Endpoint, TlsError> {
-    match tls {
+    let endpoint = match tls {
         Some(t) => t.endpoint(addr),
         None => plain_endpoint(addr),
-    }
+    }?;
+    Ok(endpoint
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(false))
 }
 
 #[cfg(test)]

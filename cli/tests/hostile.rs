@@ -1,0 +1,165 @@
+//! Frozen peers and hostile inputs against a real `tandem up` cluster
+//! (issue 26): a stopped (SIGSTOP) prefill worker costs a request a
+//! bounded wait, after which the decode worker prefills locally; a request
+//! with too many stop strings is refused naming the field.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tandem_tests::cluster::{all_blocks_free, greedy, runtime, Started};
+
+fn tandem() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tandem"))
+}
+
+/// The decode worker waits 1.5 s + 1 s per 1k prompt tokens for a prefill
+/// worker here (the defaults are 5 s + 5 s, too slow for a test).
+const PREFILL_WAIT_MS: &str = "1500";
+const PREFILL_WAIT_PER_1K_MS: &str = "1000";
+
+/// One prefill and one decode worker; remote prefill from 8 tokens.
+fn up(model: &Path) -> Started {
+    tandem_tests::cluster::start(
+        tandem(),
+        &[
+            "up",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-http",
+            "--kv-cache-memory",
+            "32MiB",
+            "--remote-prefill-threshold",
+            "8",
+            "--worker-arg=--batch-invariant",
+            &format!("--decode-arg=--remote-prefill-timeout-ms={PREFILL_WAIT_MS}"),
+            &format!(
+                "--decode-arg=--remote-prefill-timeout-per-1k-tokens-ms={PREFILL_WAIT_PER_1K_MS}"
+            ),
+        ],
+    )
+}
+
+/// The colocated reference, batch invariant like the cluster's workers.
+fn serve(model: &Path) -> Started {
+    tandem_tests::cluster::start(
+        tandem(),
+        &[
+            "serve",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--addr",
+            "127.0.0.1:0",
+            "--num-kv-blocks",
+            "512",
+            "--batch-invariant",
+        ],
+    )
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| 3 + (i * 7 + salt) % 200).collect()
+}
+
+fn signal(pid: u32, sig: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success(), "kill {sig} {pid}");
+}
+
+#[test]
+fn a_frozen_prefill_worker_costs_a_bounded_wait_then_the_decode_worker_prefills() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let cluster = up(&model);
+    let reference = serve(&model);
+    let prefill_pid = cluster.pids[&cluster.prefill[0]];
+    let rt = runtime();
+    let frozen_prompt = prompt(400, 11);
+    let want = rt
+        .block_on(greedy(&reference.addr, frozen_prompt.clone(), 8))
+        .expect("reference");
+    rt.block_on(async {
+        // Healthy: a long prompt goes through the prefill worker.
+        let warm = greedy(&cluster.addr, prompt(400, 5), 8)
+            .await
+            .expect("warm");
+        assert!(warm.prefill.is_some(), "not prefilled remotely: {warm:?}");
+
+        signal(prefill_pid, "-STOP");
+        // The router still believes the prefill worker healthy (its probe
+        // has not timed out yet), so this call goes to it; the client sets
+        // no deadline.
+        let started = Instant::now();
+        let call = greedy(&cluster.addr, frozen_prompt.clone(), 8);
+        let out = tokio::time::timeout(Duration::from_secs(60), call)
+            .await
+            .expect("the request hung behind a frozen prefill worker")
+            .expect("the request completes");
+        let took = started.elapsed();
+        // The bound: the wait (1.5 s + 0.4 s for 400 tokens) and a local
+        // prefill of a tiny model, with room for a loaded machine.
+        let bound = Duration::from_millis(1900) + Duration::from_secs(8);
+        assert!(took < bound, "took {took:?}, bound {bound:?}");
+        assert_eq!(out.tokens, want.tokens, "local prefill after the wait");
+
+        signal(prefill_pid, "-CONT");
+        // The prefill worker wakes up and finishes writing for a ticket
+        // that is retired: nothing lands, nothing leaks.
+        all_blocks_free(&cluster).await;
+        let again = greedy(&cluster.addr, prompt(300, 23), 8)
+            .await
+            .expect("after");
+        assert_eq!(again.tokens.len(), 8);
+    });
+}
+
+/// 60,000 stop strings (what stalled the engine for everyone when each was
+/// rescanned per token) are refused up front, naming the field; a request
+/// at the limit is served.
+#[test]
+fn too_many_stop_strings_are_refused_naming_the_field() {
+    use tandem_proto::v1;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let cluster = up(&model);
+    let request = |stops: usize| v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Text(
+            "Once upon a time".into(),
+        )),
+        max_tokens: Some(8),
+        stop: (0..stops).map(|i| format!("zq{i}x")).collect(),
+        ..Default::default()
+    };
+    runtime().block_on(async {
+        let mut client =
+            v1::generation_client::GenerationClient::connect(format!("http://{}", cluster.addr))
+                .await
+                .expect("router");
+        let refused = client
+            .generate(request(60_000))
+            .await
+            .expect_err("60,000 stop strings");
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains("stop"), "{refused:?}");
+        let limit = tandem_engine::serving::MAX_STOP_STRINGS;
+        let mut served = client
+            .generate(request(limit))
+            .await
+            .expect("at the limit")
+            .into_inner();
+        while let Some(message) = served.message().await.expect("stream") {
+            drop(message);
+        }
+        all_blocks_free(&cluster).await;
+    });
+}
