@@ -115,3 +115,111 @@ pub fn run_certs(args: CertsArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// The environment variable that carries the cluster token.
+pub const CLUSTER_TOKEN_ENV: &str = "TANDEM_CLUSTER_TOKEN";
+
+/// Where a component finds the cluster token: the shared secret of the KV
+/// handshake and of the worker plane's credential.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ClusterTokenArgs {
+    /// A file whose first line is the cluster token. Without it the token
+    /// comes from `TANDEM_CLUSTER_TOKEN`, else it is the development
+    /// default `tandem-local`. There is no flag for the secret itself: a
+    /// command line is readable by every local user (`ps`,
+    /// `/proc/PID/cmdline`).
+    #[arg(long, env = "TANDEM_CLUSTER_TOKEN_FILE")]
+    cluster_token_file: Option<PathBuf>,
+}
+
+impl ClusterTokenArgs {
+    /// The cluster token: `--cluster-token-file`, else
+    /// [`CLUSTER_TOKEN_ENV`], else `tandem-local`.
+    pub fn load(&self) -> Result<String> {
+        Ok(self
+            .given()?
+            .unwrap_or_else(|| tandem_security::DEV_CLUSTER_TOKEN.to_string()))
+    }
+
+    /// The token the file or the environment gives, if either does.
+    pub fn given(&self) -> Result<Option<String>> {
+        self.given_with(std::env::var(CLUSTER_TOKEN_ENV).ok())
+    }
+
+    /// [`Self::given`] with the environment's value given.
+    fn given_with(&self, env: Option<String>) -> Result<Option<String>> {
+        if let Some(path) = &self.cluster_token_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --cluster-token-file {}", path.display()))?;
+            let token = text.lines().next().unwrap_or("").trim();
+            if token.is_empty() {
+                anyhow::bail!(
+                    "--cluster-token-file {}: the first line is empty",
+                    path.display()
+                );
+            }
+            return Ok(Some(token.to_string()));
+        }
+        match env {
+            Some(token) if token.is_empty() => {
+                anyhow::bail!("{CLUSTER_TOKEN_ENV} is set but empty")
+            }
+            token => Ok(token),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Component {
+        #[command(flatten)]
+        token: ClusterTokenArgs,
+    }
+
+    #[test]
+    fn the_cluster_token_comes_from_a_file_or_the_environment_never_a_flag() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\n# rest ignored\n").expect("write");
+        let file = file.display().to_string();
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["t"];
+            argv.extend_from_slice(args);
+            Component::try_parse_from(argv).map(|c| c.token)
+        };
+        let from_file = parse(&["--cluster-token-file", &file]).expect("parses");
+        assert_eq!(
+            from_file
+                .given_with(Some("env".into()))
+                .expect("token")
+                .as_deref(),
+            Some("from-file")
+        );
+        let plain = parse(&[]).expect("parses");
+        assert_eq!(
+            plain
+                .given_with(Some("env".into()))
+                .expect("env")
+                .as_deref(),
+            Some("env")
+        );
+        assert_eq!(plain.given_with(None).expect("none"), None);
+        let e = plain.given_with(Some(String::new())).expect_err("empty");
+        assert!(format!("{e:#}").contains("TANDEM_CLUSTER_TOKEN"), "{e:#}");
+        assert!(
+            parse(&["--cluster-token", "on-argv"]).is_err(),
+            "no flag takes the secret"
+        );
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").expect("write");
+        let e = parse(&["--cluster-token-file", &empty.display().to_string()])
+            .expect("parses")
+            .given_with(None)
+            .expect_err("empty file");
+        assert!(format!("{e:#}").contains("first line is empty"), "{e:#}");
+    }
+}

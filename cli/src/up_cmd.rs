@@ -104,6 +104,9 @@ pub struct UpArgs {
     tls_dir: Option<PathBuf>,
     #[command(flatten)]
     api_keys: crate::security_args::ApiKeyArgs,
+    /// The workers' shared secret; without it `up` draws a random one.
+    #[command(flatten)]
+    cluster_token: crate::security_args::ClusterTokenArgs,
 }
 
 /// The certificates of a `--tls` cluster; a temporary directory is removed
@@ -437,10 +440,15 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     // Before anything is started: a Ctrl-C from here on stops the cluster
     // in order instead of killing `up` with its children half-started.
     let stop = stop_flag()?;
-    let token = format!("tandem-{}-{}", std::process::id(), rand_suffix());
+    // The cluster token from the file or the environment, if given (so
+    // workers started by hand can join), else a fresh one.
+    let token = match args.cluster_token.given()? {
+        Some(token) => token,
+        None => format!("tandem-{}-{}", std::process::id(), rand_suffix()),
+    };
     // The workers' shared secret travels in their environment: a command
     // line is readable by every local user.
-    let secret = [(crate::worker_cmd::CLUSTER_TOKEN_ENV, token)];
+    let secret = [(crate::security_args::CLUSTER_TOKEN_ENV, token)];
     // etcd and the certificates are declared before the children, so they
     // outlive them.
     let etcd = if args.no_etcd {
@@ -536,7 +544,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     if let Some(f) = &args.api_keys.api_keys_file {
         router.extend(["--api-keys-file".into(), f.display().to_string()]);
     }
-    let mut router_env = Vec::new();
+    // The router presents the worker plane's credential, derived from the
+    // same token.
+    let mut router_env = secret.to_vec();
     if !args.api_keys.api_keys.is_empty() {
         router_env.push(("TANDEM_API_KEYS", args.api_keys.api_keys.join(",")));
     }

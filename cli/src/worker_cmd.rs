@@ -18,7 +18,7 @@ use tandem_server::{Bound, Services};
 use crate::engine_args::{
     engine_stopped, exit_after_engine_failure, runtime, shutdown_signal, start_engine, EngineArgs,
 };
-use crate::security_args::{ApiKeyArgs, TlsArgs};
+use crate::security_args::{ApiKeyArgs, ClusterTokenArgs, TlsArgs};
 use crate::telemetry_args::MetricsArgs;
 
 #[derive(Args, Debug)]
@@ -29,13 +29,8 @@ pub struct WorkerArgs {
     /// gRPC address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     addr: SocketAddr,
-    /// A file whose first line is the shared secret every KV transfer
-    /// handshake must present. Without it the secret comes from
-    /// `TANDEM_CLUSTER_TOKEN`, else it is the development default
-    /// `tandem-local`. There is no flag for the secret itself: a command
-    /// line is readable by every local user (`ps`, `/proc/PID/cmdline`).
-    #[arg(long, env = "TANDEM_CLUSTER_TOKEN_FILE")]
-    cluster_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    cluster_token: ClusterTokenArgs,
     /// Name in membership and logs, unique in the cluster (default: role
     /// and port). In Kubernetes: the pod's name.
     #[arg(long, env = "TANDEM_WORKER_ID")]
@@ -221,39 +216,7 @@ async fn register(
     Ok(Some(reg))
 }
 
-/// The environment variable that carries the cluster token.
-pub const CLUSTER_TOKEN_ENV: &str = "TANDEM_CLUSTER_TOKEN";
-
 impl WorkerArgs {
-    /// The cluster token: `--cluster-token-file`, else
-    /// [`CLUSTER_TOKEN_ENV`], else `tandem-local`.
-    fn cluster_token(&self) -> Result<String> {
-        self.cluster_token_with(std::env::var(CLUSTER_TOKEN_ENV).ok())
-    }
-
-    /// [`Self::cluster_token`] with the environment's value given.
-    fn cluster_token_with(&self, env: Option<String>) -> Result<String> {
-        if let Some(path) = &self.cluster_token_file {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading --cluster-token-file {}", path.display()))?;
-            let token = text.lines().next().unwrap_or("").trim();
-            if token.is_empty() {
-                anyhow::bail!(
-                    "--cluster-token-file {}: the first line is empty",
-                    path.display()
-                );
-            }
-            return Ok(token.to_string());
-        }
-        match env {
-            Some(token) if token.is_empty() => {
-                anyhow::bail!("{CLUSTER_TOKEN_ENV} is set but empty")
-            }
-            Some(token) => Ok(token),
-            None => Ok("tandem-local".to_string()),
-        }
-    }
-
     /// Binds the worker's gRPC port, names it (`--id`, else `ROLE-PORT`),
     /// registers its advertised address, and prints `listening on ADDR`
     /// once registered, so whoever reads it can route to it.
@@ -334,7 +297,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
         exit_on_stdin_eof();
     }
     let tls = args.tls.load()?;
-    let cluster_token = args.cluster_token()?;
+    let cluster_token = args.cluster_token.load()?;
     let engine = start_engine(args.model.as_deref(), &args.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -370,7 +333,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
         exit_on_stdin_eof();
     }
     let tls = w.tls.load()?;
-    let cluster_token = w.cluster_token()?;
+    let cluster_token = w.cluster_token.load()?;
     let engine = start_engine(w.model.as_deref(), &w.engine)?;
     runtime()?.block_on(async move {
         let registry = tandem_telemetry::Registry::new();
@@ -454,6 +417,9 @@ pub struct RouterArgs {
     tls: TlsArgs,
     #[command(flatten)]
     api_keys: ApiKeyArgs,
+    /// Workers take calls only with the credential derived from it.
+    #[command(flatten)]
+    cluster_token: ClusterTokenArgs,
 }
 
 fn router_role(r: tandem_discovery::Role) -> Role {
@@ -515,11 +481,16 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     };
     let tls = args.tls.load()?;
     let api_keys = args.api_keys.load()?;
+    let credential = tandem_security::ClusterCredential::derive(&args.cluster_token.load()?);
     runtime()?.block_on(async move {
         if args.membership.etcd.is_empty() && args.decode.is_empty() {
             anyhow::bail!("give --decode workers, or --etcd for dynamic membership");
         }
-        let cluster = Cluster::with_tls(Duration::from_millis(args.probe_interval_ms), tls.clone());
+        let cluster = Cluster::with_tls(
+            Duration::from_millis(args.probe_interval_ms),
+            tls.clone(),
+            credential,
+        );
         if !args.membership.etcd.is_empty() {
             follow_membership(cluster.clone(), args.membership.clone()).await?;
         }
@@ -567,16 +538,7 @@ pub(crate) fn public_generation<S: v1::generation_server::Generation>(
     service: Arc<S>,
     api_keys: &tandem_security::ApiKeys,
 ) -> Services {
-    let server = v1::generation_server::GenerationServer::from_arc(service)
-        .max_decoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES)
-        .max_encoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES);
-    let mut services = Services::default();
-    services.add(
-        tonic::service::interceptor::InterceptedService::new(server, api_keys.interceptor()),
-        v1::GENERATION_SERVICE,
-        v1::FILE_DESCRIPTOR_SET,
-    );
-    services
+    Services::guarded_generation(service, api_keys.interceptor())
 }
 
 #[cfg(test)]
@@ -661,53 +623,5 @@ mod tests {
         // https without a CA: the discovery crate's check.
         let e = error(&[], None);
         assert!(e.contains("https://127.0.0.1:2379"), "{e}");
-    }
-
-    #[derive(Parser, Debug)]
-    struct Worker {
-        #[command(flatten)]
-        w: WorkerArgs,
-    }
-
-    #[test]
-    fn the_cluster_token_comes_from_a_file_or_the_environment_never_a_flag() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let file = dir.path().join("token");
-        std::fs::write(&file, "from-file\n# rest ignored\n").expect("write");
-        let file = file.display().to_string();
-        let worker = |args: &[&str]| {
-            let mut argv = vec!["t"];
-            argv.extend_from_slice(args);
-            Worker::try_parse_from(argv).map(|p| p.w)
-        };
-        let from_file = worker(&["--cluster-token-file", &file]).expect("parses");
-        let token = from_file
-            .cluster_token_with(Some("env".into()))
-            .expect("token");
-        assert_eq!(token, "from-file");
-        let plain = worker(&[]).expect("parses");
-        assert_eq!(
-            plain.cluster_token_with(Some("env".into())).expect("env"),
-            "env"
-        );
-        assert_eq!(
-            plain.cluster_token_with(None).expect("default"),
-            "tandem-local"
-        );
-        let e = plain
-            .cluster_token_with(Some(String::new()))
-            .expect_err("empty");
-        assert!(format!("{e:#}").contains("TANDEM_CLUSTER_TOKEN"), "{e:#}");
-        assert!(
-            worker(&["--cluster-token", "on-argv"]).is_err(),
-            "no flag takes the secret"
-        );
-        let empty = dir.path().join("empty");
-        std::fs::write(&empty, "\n").expect("write");
-        let e = worker(&["--cluster-token-file", &empty.display().to_string()])
-            .expect("parses")
-            .cluster_token_with(None)
-            .expect_err("empty file");
-        assert!(format!("{e:#}").contains("first line is empty"), "{e:#}");
     }
 }

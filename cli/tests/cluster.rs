@@ -216,23 +216,33 @@ fn a_killed_decode_workers_request_migrates_and_the_worker_is_dropped() {
     // Big enough that a long generation is still running when we kill.
     gen_model(tmp.path(), "small");
     let model = tmp.path().to_str().expect("utf8");
-    let cluster = start(&[
-        "up",
-        "--model",
-        model,
-        "--prefill",
-        "0",
-        "--decode",
-        "2",
-        "--addr",
-        "127.0.0.1:0",
-        "--http-addr",
-        "127.0.0.1:0",
-        "--kv-cache-memory",
-        "64MiB",
-        "--lease-ttl-s",
-        "2",
-    ]);
+    // The cluster's token, given to `up` (in its environment) and to the
+    // worker started later (in a file), so the router may call it.
+    const TOKEN: &str = "late-joiner-token-5d1e";
+    let token_dir = tempfile::tempdir().expect("tempdir");
+    let token_file = token_dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).expect("token file");
+    let cluster = tandem_tests::cluster::start_with_env(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &[
+            "up",
+            "--model",
+            model,
+            "--prefill",
+            "0",
+            "--decode",
+            "2",
+            "--addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--kv-cache-memory",
+            "64MiB",
+            "--lease-ttl-s",
+            "2",
+        ],
+        &[("TANDEM_CLUSTER_TOKEN", TOKEN)],
+    );
     let (etcd, name) = cluster
         .etcd
         .clone()
@@ -319,6 +329,8 @@ fn a_killed_decode_workers_request_migrates_and_the_worker_is_dropped() {
         "2",
         "--kv-cache-memory",
         "64MiB",
+        "--cluster-token-file",
+        token_file.to_str().expect("utf8"),
     ]);
     let reached = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(10);

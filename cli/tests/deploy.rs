@@ -40,6 +40,9 @@ const OVERLAYS: &[&str] = &["cpu", "gpu", "gpu-pipeline"];
 /// reference must resolve inside the rendered manifests.
 const OPERATOR_SECRET: &str = "tandem-cluster-token";
 
+/// Variables tandem reads itself rather than as a flag's `env`: secrets.
+const SECRET_ENV: [&str; 1] = ["TANDEM_CLUSTER_TOKEN"];
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -269,6 +272,11 @@ fn effective_argv(args: &[String], env: &BTreeMap<String, String>) -> Vec<String
     let mut argv = vec!["tandem".to_string()];
     argv.extend(args.iter().cloned());
     for (var, value) in env {
+        // Secrets are read from the environment directly: no flag may
+        // carry them (a command line is readable by every local user).
+        if SECRET_ENV.contains(&var.as_str()) {
+            continue;
+        }
         let arg = sub
             .get_arguments()
             .find(|a| a.get_env().is_some_and(|e| e == var.as_str()))

@@ -163,3 +163,60 @@ fn too_many_stop_strings_are_refused_naming_the_field() {
         all_blocks_free(&cluster).await;
     });
 }
+
+/// The worker plane: a client that learns a worker's address (the router
+/// names them in its response metadata) gets nothing around the router's
+/// API keys. `Generate` on a decode worker and `Prefill` on a prefill
+/// worker refuse callers without the cluster credential, and one derived
+/// from another token; the router, which presents it, is served.
+#[test]
+fn workers_refuse_calls_without_the_cluster_credential() {
+    use tandem_proto::v1;
+    use tandem_proto::worker::v1 as wv1;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let cluster = up(&model);
+    let (decode, prefill) = (cluster.decode[0].clone(), cluster.prefill[0].clone());
+    let generate = || v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt(20, 1),
+        })),
+        max_tokens: Some(4),
+        ..Default::default()
+    };
+    runtime().block_on(async {
+        let channel = |addr: String| async move {
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .expect("endpoint")
+                .connect()
+                .await
+                .expect("connects")
+        };
+        let mut bare = v1::generation_client::GenerationClient::new(channel(decode.clone()).await);
+        let refused = bare.generate(generate()).await.expect_err("no credential");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+        let forged = tandem_security::ClusterCredential::derive("a-guessed-token");
+        let mut wrong = v1::generation_client::GenerationClient::new(
+            forged.channel(channel(decode.clone()).await),
+        );
+        let refused = wrong.generate(generate()).await.expect_err("wrong cluster");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+        let mut prefill_client =
+            wv1::prefill_client::PrefillClient::new(channel(prefill.clone()).await);
+        let refused = prefill_client
+            .prefill(wv1::PrefillRequest {
+                tokens: prompt(20, 2),
+                ..Default::default()
+            })
+            .await
+            .expect_err("no credential");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+        // Read-only probes stay open; the router serves.
+        tandem_tests::cluster::load(&decode).await;
+        let served = greedy(&cluster.addr, prompt(20, 3), 4)
+            .await
+            .expect("router");
+        assert_eq!(served.tokens.len(), 4);
+    });
+}

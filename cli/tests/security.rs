@@ -475,10 +475,17 @@ fn forged_kv_peer_cannot_write_into_a_decode_workers_pool() {
             tandem_server::layout::from_proto(&info.layout.expect("layout")).expect("layout");
         let endpoint = info.transfer_endpoint.clone();
 
+        // Generate on a worker is the router's call: it presents the
+        // cluster credential.
         let greedy = |addr: String| async move {
-            let mut c = GenerationClient::connect(format!("http://{addr}"))
+            let channel = Endpoint::from_shared(format!("http://{addr}"))
+                .expect("endpoint")
+                .connect()
                 .await
                 .expect("connects");
+            let mut c = GenerationClient::new(
+                tandem_security::ClusterCredential::derive(SECRET).channel(channel),
+            );
             let mut stream = c.generate(request()).await.expect("generate").into_inner();
             let (mut tokens, mut cached) = (Vec::new(), 0);
             while let Some(msg) = stream.message().await.expect("message") {

@@ -54,6 +54,7 @@ use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill};
 use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferId};
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
+use tandem_security::{ClusterChannel, ClusterCredential};
 use tandem_server::{layout, PrefillGuard, RemotePrefiller};
 use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
 use tonic::metadata::MetadataMap;
@@ -261,7 +262,9 @@ pub struct GrpcPrefiller {
     /// Where prefill workers push to.
     transfer_endpoint: String,
     layout: KvLayoutDescriptor,
-    clients: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    clients: Mutex<HashMap<String, PrefillClient<ClusterChannel<Channel>>>>,
+    /// Presented on every call to a prefill worker.
+    credential: ClusterCredential,
     metrics: DecodeMetrics,
     /// mTLS to prefill workers, when the cluster runs TLS.
     tls: Option<tandem_security::LoadedTls>,
@@ -278,12 +281,14 @@ impl GrpcPrefiller {
         metrics: DecodeMetrics,
         tls: Option<tandem_security::LoadedTls>,
         tickets: Arc<TransferTickets>,
+        credential: ClusterCredential,
     ) -> Self {
         Self {
             threshold,
             transfer_endpoint,
             layout,
             clients: Mutex::new(HashMap::new()),
+            credential,
             metrics,
             tls,
             tickets,
@@ -297,7 +302,7 @@ impl GrpcPrefiller {
         self
     }
 
-    fn client(&self, addr: &str) -> Result<PrefillClient<Channel>, String> {
+    fn client(&self, addr: &str) -> Result<PrefillClient<ClusterChannel<Channel>>, String> {
         let mut clients = self.clients.lock().map_err(|_| "client cache poisoned")?;
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
@@ -305,7 +310,7 @@ impl GrpcPrefiller {
         let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
             .map_err(|e| format!("prefill worker {addr}: {e}"))?
             .connect_lazy();
-        let c = PrefillClient::new(channel);
+        let c = PrefillClient::new(self.credential.channel(channel));
         clients.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -495,6 +500,7 @@ pub async fn run(
         num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
         max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
     };
+    let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
     let prefiller = Arc::new(
         GrpcPrefiller::new(
             config.remote_prefill_threshold,
@@ -503,13 +509,19 @@ pub async fn run(
             metrics,
             config.tls.clone(),
             tickets,
+            credential.clone(),
         )
         .with_deadline(config.remote_prefill_deadline),
     );
     tandem_server::register_engine(registry, engine.clone());
-    let mut services = tandem_server::Services::generation(
-        tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
-            .with_metrics(tandem_server::ServingMetrics::register(registry)),
+    // Generate is for the router alone: a client that learns this
+    // worker's address must not get around the router's API keys.
+    let mut services = tandem_server::Services::guarded_generation(
+        Arc::new(
+            tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
+                .with_metrics(tandem_server::ServingMetrics::register(registry)),
+        ),
+        credential.interceptor(),
     );
     services.add(
         wv1::worker_server::WorkerServer::new(tandem_server::WorkerService::new(engine, info)),

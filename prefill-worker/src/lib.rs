@@ -446,10 +446,15 @@ pub async fn run(
     };
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::default();
+    // Prefill is for decode workers alone (the cluster credential).
+    let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
     services.add(
-        wv1::prefill_server::PrefillServer::new(
-            PrefillService::new(engine.clone(), transport, layout)
-                .with_metrics(PrefillMetrics::register(registry)),
+        tonic::service::interceptor::InterceptedService::new(
+            wv1::prefill_server::PrefillServer::new(
+                PrefillService::new(engine.clone(), transport, layout)
+                    .with_metrics(PrefillMetrics::register(registry)),
+            ),
+            credential.interceptor(),
         ),
         "tandem.worker.v1.Prefill",
         wv1::FILE_DESCRIPTOR_SET,

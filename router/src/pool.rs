@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::worker_client::WorkerClient;
+use tandem_security::{ClusterChannel, ClusterCredential};
 use tonic::transport::Channel;
 
 use crate::index::KvIndex;
@@ -34,7 +35,7 @@ pub struct Worker {
     pub role: Role,
     /// gRPC `host:port`.
     pub addr: String,
-    pub channel: Channel,
+    pub channel: ClusterChannel<Channel>,
     pub info: Mutex<Option<wv1::WorkerInfo>>,
     healthy: AtomicBool,
     /// Why it was refused, if it was.
@@ -114,21 +115,25 @@ pub struct Cluster {
     probe_interval_ms: AtomicUsize,
     /// mTLS to the workers (probes and calls), when the cluster runs TLS.
     tls: Option<tandem_security::LoadedTls>,
+    /// Presented on every call to a worker (the worker plane's check).
+    credential: ClusterCredential,
 }
 
 impl Cluster {
     pub fn new(probe_interval: Duration) -> Arc<Self> {
-        Self::with_tls(probe_interval, None)
+        Self::with_tls(probe_interval, None, ClusterCredential::default())
     }
 
     /// A cluster whose workers are called over mTLS with `tls` (plain gRPC
-    /// when `None`).
+    /// when `None`), presenting `credential`.
     pub fn with_tls(
         probe_interval: Duration,
         tls: Option<tandem_security::LoadedTls>,
+        credential: ClusterCredential,
     ) -> Arc<Self> {
         let c = Self {
             tls,
+            credential,
             ..Self::default()
         };
         c.probe_interval_ms
@@ -181,6 +186,7 @@ impl Cluster {
         let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
             .map_err(|e| format!("worker {addr}: {e}"))?
             .connect_lazy();
+        let channel = self.credential.channel(channel);
         let w = Arc::new(Worker {
             slot: workers.len(),
             role,

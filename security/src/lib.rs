@@ -25,8 +25,10 @@
 
 pub mod api_keys;
 pub mod certs;
+pub mod cluster_auth;
 pub mod tls;
 
 pub use api_keys::{ApiKeyError, ApiKeyInterceptor, ApiKeys};
 pub use certs::{write_dev_certs, DevCerts, COMPONENTS};
+pub use cluster_auth::{ClusterChannel, ClusterCredential, CLUSTER_AUTH_HEADER, DEV_CLUSTER_TOKEN};
 pub use tls::{LoadedTls, TlsConfig, TlsError};

@@ -115,6 +115,27 @@ impl Services {
         s
     }
 
+    /// The `Generation` service over `service`, every call checked by
+    /// `interceptor` first (API keys on a public server, the cluster
+    /// credential on a decode worker). Health and reflection, added by
+    /// [`serve_services`], stay open.
+    pub fn guarded_generation<S, I>(service: std::sync::Arc<S>, interceptor: I) -> Self
+    where
+        S: v1::generation_server::Generation,
+        I: tonic::service::Interceptor + Clone + Send + Sync + 'static,
+    {
+        let server = v1::generation_server::GenerationServer::from_arc(service)
+            .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
+        let mut s = Self::default();
+        s.add(
+            tonic::service::interceptor::InterceptedService::new(server, interceptor),
+            v1::GENERATION_SERVICE,
+            v1::FILE_DESCRIPTOR_SET,
+        );
+        s
+    }
+
     /// Serves over TLS with these settings (mutual TLS when they name a
     /// client CA, as [`tandem_security::LoadedTls::server`]'s do).
     pub fn with_tls(&mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> &mut Self {

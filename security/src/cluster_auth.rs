@@ -1,0 +1,166 @@
+//! The worker plane's credential: proof of the cluster secret on every call
+//! a router or a decode worker makes to a worker.
+//!
+//! Workers serve `Generate`, `Prefill` and `KvEvents` to the cluster only:
+//! a client that learns a decode worker's address must not get tokens
+//! around the router's API keys, nor a prefill worker's KV. Every member
+//! holds the cluster token (the KV handshake proves it too), so the
+//! credential is derived from it: HMAC-SHA256 of the token over a fixed
+//! label, hex in the [`CLUSTER_AUTH_HEADER`] metadata. The token itself
+//! never travels, and a credential says nothing about other uses of the
+//! token (the KV handshake's challenge–response uses its own nonces).
+//! Like any bearer value it can be replayed by whoever can read the
+//! traffic, which is what `--tls` is for.
+//!
+//! Health, reflection and the read-only `Info` and `Load` calls stay open,
+//! as `/metrics` does: probes and dashboards need no secret.
+
+use std::task::{Context, Poll};
+
+use tonic::codegen::{http, Service};
+use tonic::metadata::MetadataValue;
+
+/// The metadata key the credential travels in.
+pub const CLUSTER_AUTH_HEADER: &str = "x-tandem-cluster-auth";
+
+/// What the HMAC signs: a label of this use, so the value is useless
+/// anywhere else the token is used.
+const LABEL: &[u8] = b"tandem worker plane v1";
+
+/// The cluster token of a development cluster that names none (every
+/// component falls back to it alike).
+pub const DEV_CLUSTER_TOKEN: &str = "tandem-local";
+
+/// The credential of one cluster token.
+#[derive(Clone)]
+pub struct ClusterCredential {
+    hex: String,
+}
+
+impl Default for ClusterCredential {
+    /// The credential of [`DEV_CLUSTER_TOKEN`].
+    fn default() -> Self {
+        Self::derive(DEV_CLUSTER_TOKEN)
+    }
+}
+
+impl std::fmt::Debug for ClusterCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterCredential(..)")
+    }
+}
+
+impl ClusterCredential {
+    /// The credential every member of the cluster with `token` presents.
+    pub fn derive(token: &str) -> Self {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+        let tag = ring::hmac::sign(&key, LABEL);
+        let hex = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        Self { hex }
+    }
+
+    /// Whether `presented` is this credential (constant time).
+    pub fn accepts(&self, presented: Option<&[u8]>) -> bool {
+        presented.is_some_and(|p| crate::api_keys::constant_time_eq(p, self.hex.as_bytes()))
+    }
+
+    /// A server-side interceptor refusing calls without the credential
+    /// with `UNAUTHENTICATED`.
+    pub fn interceptor(&self) -> ClusterAuthInterceptor {
+        ClusterAuthInterceptor {
+            credential: self.clone(),
+        }
+    }
+
+    /// `channel`, presenting this credential on every call.
+    pub fn channel<C>(&self, channel: C) -> ClusterChannel<C> {
+        ClusterChannel {
+            inner: channel,
+            // Hex digits are always a valid header value.
+            value: http::HeaderValue::from_str(&self.hex).ok(),
+        }
+    }
+}
+
+/// Refuses calls that do not present the cluster credential.
+#[derive(Clone, Debug)]
+pub struct ClusterAuthInterceptor {
+    credential: ClusterCredential,
+}
+
+impl tonic::service::Interceptor for ClusterAuthInterceptor {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let presented = request
+            .metadata()
+            .get(CLUSTER_AUTH_HEADER)
+            .map(MetadataValue::as_bytes);
+        if self.credential.accepts(presented) {
+            Ok(request)
+        } else {
+            Err(tonic::Status::unauthenticated(
+                "worker plane: only members of the cluster may call this worker; \
+                 clients call the router",
+            ))
+        }
+    }
+}
+
+/// A channel that adds the cluster credential to every request: what the
+/// router's and decode workers' clients of workers run over.
+#[derive(Clone, Debug)]
+pub struct ClusterChannel<C> {
+    inner: C,
+    value: Option<http::HeaderValue>,
+}
+
+impl<C, B> Service<http::Request<B>> for ClusterChannel<C>
+where
+    C: Service<http::Request<B>>,
+{
+    type Response = C::Response;
+    type Error = C::Error;
+    type Future = C::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        if let Some(v) = &self.value {
+            request.headers_mut().insert(
+                http::HeaderName::from_static(CLUSTER_AUTH_HEADER),
+                v.clone(),
+            );
+        }
+        self.inner.call(request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::service::Interceptor;
+
+    #[test]
+    fn only_the_same_tokens_credential_passes() {
+        let ours = ClusterCredential::derive("secret-a");
+        let theirs = ClusterCredential::derive("secret-b");
+        assert_eq!(ours.hex.len(), 64);
+        assert!(ours.accepts(Some(ClusterCredential::derive("secret-a").hex.as_bytes())));
+        assert!(!ours.accepts(Some(theirs.hex.as_bytes())));
+        assert!(
+            !ours.accepts(Some(b"secret-a")),
+            "the token itself is not the credential"
+        );
+        assert!(!ours.accepts(None));
+        assert!(!format!("{ours:?}").contains(&ours.hex));
+        let mut check = ours.interceptor();
+        let mut request = tonic::Request::new(());
+        request
+            .metadata_mut()
+            .insert(CLUSTER_AUTH_HEADER, theirs.hex.parse().expect("ascii"));
+        let refused = check.call(request).expect_err("wrong cluster");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+        assert!(check.call(tonic::Request::new(())).is_err());
+    }
+}
