@@ -23,6 +23,7 @@ pub enum Architecture {
     Qwen3,
     Gemma2,
     Gemma3,
+    Phi3,
 }
 
 impl Architecture {
@@ -36,6 +37,7 @@ impl Architecture {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -96,6 +98,7 @@ struct RawConfig {
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
+    partial_rotary_factor: Option<f64>,
     tie_word_embeddings: Option<bool>,
     sliding_window: Option<usize>,
     layer_types: Option<Vec<String>>,
@@ -191,6 +194,16 @@ fn parse_rope(raw: &RawConfig) -> Result<RopeParams> {
             .unwrap_or(p)
     });
     let legacy = raw.rope_scaling.as_ref().filter(|v| v.is_object());
+    // Rotating only part of each head (Phi-4-mini, GPT-NeoX style) needs a
+    // kernel that leaves the rest alone: refused by name.
+    let partial = raw
+        .partial_rotary_factor
+        .or_else(|| params.and_then(|p| field_f64(p, "partial_rotary_factor")));
+    if let Some(f) = partial.filter(|&f| f != 1.0) {
+        return Err(EngineError::Unsupported(format!(
+            "partial_rotary_factor {f} (rotary embeddings over part of each head)"
+        )));
+    }
     let theta = raw
         .rope_theta
         .or_else(|| params.and_then(|p| field_f64(p, "rope_theta")))

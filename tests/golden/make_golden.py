@@ -39,6 +39,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -194,6 +196,14 @@ def cases():
                 BASE, head_dim=16, sliding_window=8, query_pre_attn_scalar=32,
                 attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0,
             ),
+        ),
+        # Phi-3: fused qkv_proj and gate_up_proj, GQA, a window on every layer.
+        "phi3_fused": (Phi3Config, Phi3ForCausalLM, dict(BASE, sliding_window=16, pad_token_id=0)),
+        # Phi-3 with multi-head attention and a tied head.
+        "phi3_mha_tied": (
+            Phi3Config,
+            Phi3ForCausalLM,
+            dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0),
         ),
     }
 

@@ -187,6 +187,8 @@ fn every_fixture_architecture_is_covered() {
         "gemma3_legacy",
         "gemma3_multimodal",
         "gemma2_softcap",
+        "phi3_fused",
+        "phi3_mha_tied",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -229,6 +231,8 @@ parity!(
     gemma3_legacy,
     gemma3_multimodal,
     gemma2_softcap,
+    phi3_fused,
+    phi3_mha_tied,
 );
 
 #[test]

@@ -18,7 +18,9 @@
 
 use serde_json::Value;
 
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, RopeParams};
+use super::{
+    Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections, RopeParams,
+};
 use crate::config::{rope_params, Architecture};
 use crate::error::{EngineError, Result};
 
@@ -118,6 +120,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
     Ok(ArchSpec {
         layer_names: LAYER_NAMES,
         roots: ROOTS,
+        qkv: Projections::Split,
+        gate_up: Projections::Split,
         norm: NormPlacement::Sandwich,
         norm_offset: 1.0,
         activation: c.activation(Activation::GeluTanh)?,

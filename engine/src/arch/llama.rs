@@ -5,7 +5,7 @@
 //! config (Mistral: every layer; Qwen2: layers from `max_window_layers` on
 //! when `use_sliding_window`), and a tied head reuses the embedding.
 
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement};
+use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections};
 use crate::config::Architecture;
 use crate::error::Result;
 
@@ -42,6 +42,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
     Ok(ArchSpec {
         layer_names: LAYER_NAMES,
         roots: ROOTS,
+        qkv: Projections::Split,
+        gate_up: Projections::Split,
         norm: NormPlacement::Pre,
         norm_offset: 0.0,
         activation: c.activation(Activation::Silu)?,

@@ -24,6 +24,7 @@
 
 pub mod gemma;
 pub mod llama;
+pub mod phi3;
 pub mod qwen3;
 
 use serde_json::Value;
@@ -63,6 +64,14 @@ impl Activation {
     }
 }
 
+/// Whether related projections are separate tensors or one fused tensor
+/// (rows concatenated in order: q, k, v; gate, up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Projections {
+    Split,
+    Fused,
+}
+
 /// The tensors of one decoder layer, by role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerTensor {
@@ -71,6 +80,8 @@ pub enum LayerTensor {
     Q,
     K,
     V,
+    /// q, k and v in one tensor (`Projections::Fused`).
+    Qkv,
     O,
     /// Per-head RMSNorm of the queries (before RoPE).
     QNorm,
@@ -84,6 +95,8 @@ pub enum LayerTensor {
     MlpOutNorm,
     Gate,
     Up,
+    /// gate and up in one tensor (`Projections::Fused`).
+    GateUp,
     Down,
 }
 
@@ -112,6 +125,10 @@ pub struct ArchSpec {
     /// precedes `embed_tokens`, `layers.{i}.` and `norm`; the head is the
     /// output projection's module path.
     pub roots: &'static [(&'static str, &'static str)],
+    /// q/k/v as three tensors or one.
+    pub qkv: Projections,
+    /// gate/up as two tensors or one.
+    pub gate_up: Projections,
     pub norm: NormPlacement,
     /// Added to every RMSNorm weight at load: Gemma's norms scale by
     /// `1 + w`.
@@ -148,7 +165,15 @@ impl ArchSpec {
     /// The tensors every layer of this model must have.
     pub fn required_layer_tensors(&self) -> Vec<LayerTensor> {
         use LayerTensor::*;
-        let mut t = vec![AttnNorm, Q, K, V, O, MlpNorm, Gate, Up, Down];
+        let mut t = vec![AttnNorm, O, MlpNorm, Down];
+        match self.qkv {
+            Projections::Split => t.extend([Q, K, V]),
+            Projections::Fused => t.push(Qkv),
+        }
+        match self.gate_up {
+            Projections::Split => t.extend([Gate, Up]),
+            Projections::Fused => t.push(GateUp),
+        }
         if self.qk_norm {
             t.extend([QNorm, KNorm]);
         }
@@ -300,7 +325,12 @@ impl FamilyInput<'_> {
 }
 
 /// Every family the engine runs.
-pub const FAMILIES: &[&Family] = &[&llama::FAMILY, &qwen3::FAMILY, &gemma::FAMILY];
+pub const FAMILIES: &[&Family] = &[
+    &llama::FAMILY,
+    &qwen3::FAMILY,
+    &gemma::FAMILY,
+    &phi3::FAMILY,
+];
 
 /// The family and engine architecture of a Hugging Face class name.
 pub fn lookup(class: &str) -> Option<(&'static Family, Architecture)> {

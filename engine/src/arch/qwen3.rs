@@ -3,7 +3,7 @@
 //! and no q/k/v biases unless `attention_bias`.
 
 use super::llama::{qwen_windows, ROOTS};
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement};
+use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections};
 use crate::config::Architecture;
 use crate::error::Result;
 
@@ -35,6 +35,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
     Ok(ArchSpec {
         layer_names: LAYER_NAMES,
         roots: ROOTS,
+        qkv: Projections::Split,
+        gate_up: Projections::Split,
         norm: NormPlacement::Pre,
         norm_offset: 0.0,
         activation: c.activation(Activation::Silu)?,

@@ -37,6 +37,17 @@ pub(super) struct Linear {
     b: Option<Vec<f32>>,
 }
 
+/// Where one projection sits in a fused tensor.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FusedPart<'a> {
+    /// The fused tensor's module path.
+    pub(super) prefix: &'a str,
+    /// Rows of the whole fused tensor.
+    pub(super) total_rows: usize,
+    /// First row of this projection.
+    pub(super) offset: usize,
+}
+
 /// Which part of a `[out, in]` linear layer a tensor-parallel rank holds.
 #[derive(Debug, Clone)]
 pub(super) enum Split {
@@ -94,6 +105,49 @@ impl Linear {
                 },
             }),
         }
+    }
+
+    /// Loads a rank's part of one projection stored inside a fused tensor
+    /// (Phi-3's `qkv_proj`, `gate_up_proj`): its rows
+    /// `part.offset..part.offset + out` of a `[part.total_rows, inp]`
+    /// weight, mapped in place like any row range. Only column-parallel
+    /// splits apply (the fused parts are outputs).
+    pub(super) fn load_fused_part(
+        ws: &WeightStore,
+        quant: Option<&HfQuantization>,
+        part: FusedPart<'_>,
+        out: usize,
+        inp: usize,
+        split: Split,
+    ) -> Result<Self> {
+        let FusedPart {
+            prefix,
+            total_rows,
+            offset,
+        } = part;
+        if quant.is_some() && ws.contains(&format!("{prefix}.qweight")) {
+            return Err(EngineError::Unsupported(format!(
+                "{prefix}: a fused projection in a pre-quantized (AWQ/GPTQ) checkpoint"
+            )));
+        }
+        let rows = match split {
+            Split::Whole => offset..offset + out,
+            Split::Outputs(r) => offset + r.start..offset + r.end,
+            Split::Inputs { .. } => {
+                return Err(EngineError::Unsupported(format!(
+                    "{prefix}: a fused tensor split by input features"
+                )))
+            }
+        };
+        let name = format!("{prefix}.weight");
+        let bias = format!("{prefix}.bias");
+        Ok(Self {
+            w: LinearWeight::Dense(ws.matrix_rows(&name, total_rows, inp, rows.clone())?),
+            b: match ws.contains(&bias) {
+                true => Some(ws.vector_part(&bias, total_rows, rows)?),
+                false => None,
+            },
+        })
     }
 
     pub(super) fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {

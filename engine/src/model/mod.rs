@@ -21,7 +21,7 @@
 
 use std::path::Path;
 
-use crate::arch::{Activation, LayerAttention, LayerTensor, TensorNames};
+use crate::arch::{Activation, LayerAttention, LayerTensor, Projections, TensorNames};
 use crate::attention::{paged_attention, AttnSeq, Scoring};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -38,7 +38,7 @@ mod step;
 
 use crate::shard::{NoPeers, ShardPeers, ShardSpec};
 use crate::weights::{DType, Matrix, WeightStore};
-use linear::{Linear, LinearWeight, Split};
+use linear::{FusedPart, Linear, LinearWeight, Split};
 use step::Step;
 
 /// One decoder layer. Optional norms are those the family's placement or
@@ -103,6 +103,14 @@ fn norm_vector(c: &ModelConfig, ws: &WeightStore, name: &str, len: usize) -> Res
     Ok(w)
 }
 
+/// The `N` projections loaded from one fused tensor.
+fn parts<const N: usize>(loaded: Vec<Linear>) -> Result<[Linear; N]> {
+    let n = loaded.len();
+    loaded.try_into().map_err(|_| {
+        EngineError::InvalidCheckpoint(format!("a fused tensor gave {n} parts, not {N}"))
+    })
+}
+
 /// Loads layer `i` (this rank's part of it) as the family describes it.
 fn load_layer(
     c: &ModelConfig,
@@ -122,19 +130,63 @@ fn load_layer(
     let norm = |t: T, len: usize| norm_vector(c, ws, &names.layer_weight(i, t)?, len);
     let optional_norm = |on: bool, t: T, len: usize| on.then(|| norm(t, len)).transpose();
     let sandwich = spec.norm == crate::arch::NormPlacement::Sandwich;
+    // The projections stored in one fused tensor, in order: (rows, split).
+    let fused = |t: T, parts: &[(usize, &Split)]| -> Result<Vec<Linear>> {
+        let prefix = names.layer(i, t)?;
+        let total_rows = parts.iter().map(|p| p.0).sum();
+        let mut offset = 0;
+        parts
+            .iter()
+            .map(|&(rows, split)| {
+                let part = FusedPart {
+                    prefix: &prefix,
+                    total_rows,
+                    offset,
+                };
+                offset += rows;
+                Linear::load_fused_part(ws, quant, part, rows, h, split.clone())
+            })
+            .collect()
+    };
+    let (q, k, v) = match spec.qkv {
+        Projections::Split => (
+            linear(T::Q, q_out, h, &splits.q_cols)?,
+            linear(T::K, kv_out, h, &splits.kv_cols)?,
+            linear(T::V, kv_out, h, &splits.kv_cols)?,
+        ),
+        Projections::Fused => {
+            let kv = &splits.kv_cols;
+            let [q, k, v] = parts(fused(
+                T::Qkv,
+                &[(q_out, &splits.q_cols), (kv_out, kv), (kv_out, kv)],
+            )?)?;
+            (q, k, v)
+        }
+    };
+    let (gate, up) = match spec.gate_up {
+        Projections::Split => (
+            linear(T::Gate, i_size, h, &splits.inter_cols)?,
+            linear(T::Up, i_size, h, &splits.inter_cols)?,
+        ),
+        Projections::Fused => {
+            let cols = &splits.inter_cols;
+            let [gate, up] = parts(fused(T::GateUp, &[(i_size, cols), (i_size, cols)])?)?;
+            (gate, up)
+        }
+    };
     Ok(Layer {
         attn_norm: norm(T::AttnNorm, h)?,
-        q: linear(T::Q, q_out, h, &splits.q_cols)?,
-        k: linear(T::K, kv_out, h, &splits.kv_cols)?,
-        v: linear(T::V, kv_out, h, &splits.kv_cols)?,
+        q,
+        k,
+        v,
         o: linear(T::O, h, q_out, &splits.o_rows)?,
         q_norm: optional_norm(spec.qk_norm, T::QNorm, d)?,
         k_norm: optional_norm(spec.qk_norm, T::KNorm, d)?,
         attn_out_norm: optional_norm(sandwich, T::AttnOutNorm, h)?,
         mlp_norm: norm(T::MlpNorm, h)?,
         mlp_out_norm: optional_norm(sandwich, T::MlpOutNorm, h)?,
-        gate: linear(T::Gate, i_size, h, &splits.inter_cols)?,
-        up: linear(T::Up, i_size, h, &splits.inter_cols)?,
+        gate,
+        up,
         down: linear(T::Down, h, i_size, &splits.down_rows)?,
         attention: spec.layer_attention(c.sliding_window[i]),
     })
@@ -245,6 +297,12 @@ impl Model {
         let c = &config;
         shard.check(c)?;
         let names = c.arch.names(|n| ws.contains(n))?;
+        if let Some(class) = c.arch.text_tower_of {
+            tracing::warn!(
+                "{class} checkpoint: serving its text tower only; images are not served \
+                 (the vision tower's tensors are not loaded)"
+            );
+        }
         let h = c.hidden_size;
         let whole = shard.tp_size == 1;
         let (qh, kvh, inter) = (shard.q_heads(c), shard.kv_heads(c), shard.intermediate(c));
