@@ -6,6 +6,9 @@
 //! position, block table) and keeps weights and the paged KV pool in device
 //! memory; the host keeps scheduling, block allocation and prefix caching.
 //!
+//! - [`arch`]: which architecture descriptions the kernels run (others are
+//!   refused by the name of the missing feature) and the tensors the loader
+//!   fuses: host code, tested without a GPU.
 //! - [`layout`]: the per-step arrays the kernels read (token ids, positions,
 //!   KV slots, query tiles, padded block tables) and the attention split
 //!   heuristics: host code, tested without a GPU.
@@ -32,6 +35,7 @@
 //! CUDA; with it, CUDA libraries are loaded at run time (cudarc's dynamic
 //! loading), so the feature compiles on machines without CUDA.
 
+pub mod arch;
 pub mod error;
 pub mod graphs;
 pub mod layout;

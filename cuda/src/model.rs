@@ -24,6 +24,7 @@ use tandem_engine::{
     SeqInput,
 };
 
+use crate::arch::{check_supported, layer_plan, Fused};
 use crate::device::{Arg, DevBuf, Gemm, GemmType, Gpu};
 use crate::error::CudaError;
 use crate::graphs::GraphSizes;
@@ -244,11 +245,11 @@ impl CudaModel {
     /// Loads a Hugging Face checkpoint onto the GPU.
     pub fn load(dir: &Path, opts: CudaOptions) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
+        check_supported(&config)?;
         let ws = WeightStore::open(dir)?;
         let gpu = Gpu::open(opts.device, &opts.ptx_cache)?;
         let c = &config;
-        let (h, d) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out, inter) = (c.num_heads * d, c.num_kv_heads * d, c.intermediate_size);
+        let h = c.hidden_size;
         let ty = opts.weights;
         let upload_fused = |names: &[(&str, usize)], cols: usize| -> Result<DevMatrix> {
             let mut bytes = Vec::new();
@@ -287,44 +288,51 @@ impl CudaModel {
                 Ok(None)
             }
         };
-        let embed = upload_fused(&[("model.embed_tokens.weight", c.vocab_size)], h)?;
+        let names = c.arch.names(|n| ws.contains(n))?;
+        let norm = |name: &str| -> Result<DevBuf> {
+            let mut w = ws.vector(name, h)?;
+            w.iter_mut().for_each(|v| *v += c.arch.norm_offset);
+            upload_f32(&w)
+        };
+        let fused = |f: &Fused| -> Result<(DevMatrix, Option<DevBuf>)> {
+            let weights = f.weights();
+            let parts: Vec<(&str, usize)> = weights.iter().map(|(n, r)| (n.as_str(), *r)).collect();
+            let biases = f.biases();
+            let bias_parts: Vec<(&str, usize)> =
+                biases.iter().map(|(n, r)| (n.as_str(), *r)).collect();
+            Ok((upload_fused(&parts, f.cols)?, fused_bias(&bias_parts)?))
+        };
+        let embed = upload_fused(&[(&names.embed(), c.vocab_size)], h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
-            let a = |s: &str| format!("{p}.self_attn.{s}");
-            let m = |s: &str| format!("{p}.mlp.{s}");
-            let (qw, kw, vw) = (a("q_proj.weight"), a("k_proj.weight"), a("v_proj.weight"));
-            let (qb, kb, vb) = (a("q_proj.bias"), a("k_proj.bias"), a("v_proj.bias"));
-            let (gw, uw, gb, ub) = (
-                m("gate_proj.weight"),
-                m("up_proj.weight"),
-                m("gate_proj.bias"),
-                m("up_proj.bias"),
-            );
+            let plan = layer_plan(c, &names, i)?;
+            let (qkv, qkv_bias) = fused(&plan.qkv)?;
+            let (o, o_bias) = fused(&plan.o)?;
+            let (gate_up, gate_up_bias) = fused(&plan.gate_up)?;
+            let (down, down_bias) = fused(&plan.down)?;
             layers.push(DevLayer {
-                input_norm: upload_f32(&ws.vector(&format!("{p}.input_layernorm.weight"), h)?)?,
-                qkv: upload_fused(&[(&qw, q_out), (&kw, kv_out), (&vw, kv_out)], h)?,
-                qkv_bias: fused_bias(&[(&qb, q_out), (&kb, kv_out), (&vb, kv_out)])?,
-                o: upload_fused(&[(&a("o_proj.weight"), h)], q_out)?,
-                o_bias: fused_bias(&[(&a("o_proj.bias"), h)])?,
-                post_norm: upload_f32(
-                    &ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                )?,
-                gate_up: upload_fused(&[(&gw, inter), (&uw, inter)], h)?,
-                gate_up_bias: fused_bias(&[(&gb, inter), (&ub, inter)])?,
-                down: upload_fused(&[(&m("down_proj.weight"), h)], inter)?,
-                down_bias: fused_bias(&[(&m("down_proj.bias"), h)])?,
+                input_norm: norm(&plan.attn_norm)?,
+                qkv,
+                qkv_bias,
+                o,
+                o_bias,
+                post_norm: norm(&plan.mlp_norm)?,
+                gate_up,
+                gate_up_bias,
+                down,
+                down_bias,
             });
         }
-        let final_norm = upload_f32(&ws.vector("model.norm.weight", h)?)?;
-        let lm_head = if ws.contains("lm_head.weight") {
-            Some(upload_fused(&[("lm_head.weight", c.vocab_size)], h)?)
+        let final_norm = norm(&names.final_norm())?;
+        let head = names.lm_head();
+        let lm_head = if ws.contains(&head) {
+            Some(upload_fused(&[(&head, c.vocab_size)], h)?)
         } else if c.tie_word_embeddings {
             None
         } else {
-            return Err(CudaError::Unsupported(
-                "tensor `lm_head.weight` is missing and tie_word_embeddings is false".into(),
-            ));
+            return Err(CudaError::Unsupported(format!(
+                "tensor `{head}` is missing and tie_word_embeddings is false"
+            )));
         };
         let weights = DevWeights {
             embed,
@@ -341,6 +349,7 @@ impl CudaModel {
         if opts.weights != DeviceDType::Bf16 {
             return Err(CudaError::Unsupported("random models are bf16 only".into()));
         }
+        check_supported(&config)?;
         let gpu = Gpu::open(opts.device, &opts.ptx_cache)?;
         let c = &config;
         let (h, d) = (c.hidden_size, c.head_dim);
@@ -697,7 +706,7 @@ impl CudaModel {
                 None => Ok(()),
             }
         };
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = c.arch.attn_scale;
 
         for (li, layer) in self.weights.layers.iter().enumerate() {
             self.norm_matmul(&layer.input_norm, &layer.qkv, s.qkv.ptr, rows)?;

@@ -36,17 +36,40 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// How one layer scores keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scoring {
+    /// Scores are `q·k · scale` (`1/√head_dim` unless the family says).
+    pub scale: f32,
+    /// Scores become `cap · tanh(score / cap)` before the softmax.
+    pub softcap: Option<f32>,
+    /// Only the last `window` positions (the query's own included) are seen.
+    pub window: Option<usize>,
+}
+
+impl Scoring {
+    /// Plain causal attention scaled by `1/√head_dim`.
+    pub fn causal(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+}
+
 const QUERY_TILE: usize = 32;
 
-/// `out[row, head] = softmax(q·Kᵀ/√d + causal/window mask)·V` for every new
-/// token of every sequence. `q` and `out` are `[rows, num_heads * head_dim]`.
+/// `out[row, head] = softmax(cap(q·Kᵀ·scale) + causal/window mask)·V` for
+/// every new token of every sequence. `q` and `out` are
+/// `[rows, num_heads * head_dim]`.
 pub fn paged_attention(
     q: &[f32],
     kv: &KvCache,
     layer: usize,
     seqs: &[AttnSeq<'_>],
     heads: Heads,
-    window: Option<usize>,
+    scoring: Scoring,
     out: &mut [f32],
 ) {
     let Heads {
@@ -56,7 +79,11 @@ pub fn paged_attention(
     } = heads;
     let stride = num_heads * d;
     let group = num_heads / num_kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let Scoring {
+        scale,
+        softcap,
+        window,
+    } = scoring;
     let bs = kv.layout().block_size;
     let view = kv.layer(layer);
 
@@ -98,6 +125,10 @@ pub fn paged_attention(
                 for (slot, score) in scores.iter_mut().enumerate().take(slot1).skip(slot0) {
                     let (kr, k_scale) = view.key(base_row + slot, &mut row_buf);
                     let sc = dot_f32(qv, kr) * (scale * k_scale);
+                    let sc = match softcap {
+                        Some(cap) => cap * (sc / cap).tanh(),
+                        None => sc,
+                    };
                     *score = sc;
                     bmax = bmax.max(sc);
                 }

@@ -10,33 +10,34 @@ use std::path::Path;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::arch::{self, ArchSpec, FamilyInput, RopeParams};
 use crate::error::{EngineError, Result};
 
-/// The model families the engine runs. All are Llama-shaped decoders; they
-/// differ only in details captured by [`ModelConfig`] fields.
+/// The model families the engine runs. What each does differently is
+/// described by its [`ArchSpec`] (`crate::arch`), built from the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Gemma2,
+    Gemma3,
+    Phi3,
 }
 
 impl Architecture {
-    fn from_hf_name(name: &str) -> Option<Self> {
-        match name {
-            "LlamaForCausalLM" => Some(Self::Llama),
-            "MistralForCausalLM" => Some(Self::Mistral),
-            "Qwen2ForCausalLM" => Some(Self::Qwen2),
-            _ => None,
-        }
-    }
-
-    /// The Hugging Face class name, as written in `config.json`.
+    /// The Hugging Face class name, as written in `config.json` (the text
+    /// model's, for a multimodal checkpoint served as its text tower).
     pub fn hf_name(self) -> &'static str {
         match self {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -77,12 +78,12 @@ pub struct ModelConfig {
     pub sliding_window: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// What this family does differently from a plain Llama.
+    pub arch: ArchSpec,
 }
 
 #[derive(Deserialize)]
 struct RawConfig {
-    #[serde(default)]
-    architectures: Vec<String>,
     hidden_size: usize,
     intermediate_size: usize,
     num_hidden_layers: usize,
@@ -97,11 +98,9 @@ struct RawConfig {
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
+    partial_rotary_factor: Option<f64>,
     tie_word_embeddings: Option<bool>,
-    hidden_act: Option<String>,
     sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
-    max_window_layers: Option<usize>,
     layer_types: Option<Vec<String>>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
@@ -142,21 +141,17 @@ fn field_f64(obj: &Value, key: &str) -> Option<f64> {
     obj.get(key).and_then(Value::as_f64)
 }
 
-fn parse_rope(raw: &RawConfig) -> Result<(f64, RopeScaling)> {
-    // transformers 5 folds theta and scaling into `rope_parameters`;
-    // published checkpoints carry `rope_theta` + `rope_scaling`.
-    let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
-    let scaling = raw
-        .rope_scaling
-        .as_ref()
-        .filter(|v| v.is_object())
-        .or(params);
-    let theta = raw
-        .rope_theta
-        .or_else(|| params.and_then(|p| field_f64(p, "rope_theta")))
-        .unwrap_or(10000.0);
-    let Some(scaling) = scaling else {
-        return Ok((theta, RopeScaling::None));
+/// RoPE theta and scaling from one parameter object (`rope_scaling`, or a
+/// `rope_parameters` entry), `theta` when the object has none.
+pub(crate) fn rope_params(params: Option<&Value>, theta: f64) -> Result<RopeParams> {
+    let theta = params
+        .and_then(|p| field_f64(p, "rope_theta"))
+        .unwrap_or(theta);
+    let Some(scaling) = params else {
+        return Ok(RopeParams {
+            theta,
+            scaling: RopeScaling::None,
+        });
     };
     let kind = scaling
         .get("rope_type")
@@ -168,7 +163,7 @@ fn parse_rope(raw: &RawConfig) -> Result<(f64, RopeScaling)> {
             EngineError::InvalidCheckpoint(format!("rope scaling `{kind}` lacks `{key}`"))
         })
     };
-    let rope = match kind {
+    let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear {
             factor: need("factor")?,
@@ -185,7 +180,59 @@ fn parse_rope(raw: &RawConfig) -> Result<(f64, RopeScaling)> {
             )))
         }
     };
-    Ok((theta, rope))
+    Ok(RopeParams { theta, scaling })
+}
+
+/// The global layers' RoPE: transformers 5 folds theta and scaling into
+/// `rope_parameters` (per layer type for Gemma 3: its `full_attention`
+/// entry); published checkpoints carry `rope_theta` + `rope_scaling`.
+fn parse_rope(raw: &RawConfig) -> Result<RopeParams> {
+    let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
+    let params = params.map(|p| {
+        p.get("full_attention")
+            .filter(|f| f.is_object())
+            .unwrap_or(p)
+    });
+    let legacy = raw.rope_scaling.as_ref().filter(|v| v.is_object());
+    // Rotating only part of each head (Phi-4-mini, GPT-NeoX style) needs a
+    // kernel that leaves the rest alone: refused by name.
+    let partial = raw
+        .partial_rotary_factor
+        .or_else(|| params.and_then(|p| field_f64(p, "partial_rotary_factor")));
+    if let Some(f) = partial.filter(|&f| f != 1.0) {
+        return Err(EngineError::Unsupported(format!(
+            "partial_rotary_factor {f} (rotary embeddings over part of each head)"
+        )));
+    }
+    let theta = raw
+        .rope_theta
+        .or_else(|| params.and_then(|p| field_f64(p, "rope_theta")))
+        .unwrap_or(10000.0);
+    rope_params(legacy.or(params), theta)
+}
+
+/// A multimodal checkpoint's text config (`text_config`), with the
+/// top-level keys it leaves out (token ids, tying) filled in.
+fn text_config(value: &Value) -> Result<Value> {
+    let mut text = value
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or_else(|| {
+            EngineError::InvalidCheckpoint("a multimodal config.json without `text_config`".into())
+        })?;
+    if let (Some(obj), Some(top)) = (text.as_object_mut(), value.as_object()) {
+        for (k, v) in top {
+            if k != "text_config" && k != "vision_config" && !obj.contains_key(k) {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+        // The class that names the family stays the multimodal one.
+        if let Some(a) = top.get("architectures") {
+            obj.insert("architectures".into(), a.clone());
+        }
+    }
+    Ok(text)
 }
 
 impl ModelConfig {
@@ -203,23 +250,31 @@ impl ModelConfig {
 
     /// Builds a config from the parsed JSON of a `config.json`.
     pub fn from_json(value: &Value) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_value(value.clone())
-            .map_err(|e| EngineError::InvalidCheckpoint(format!("config.json: {e}")))?;
-        let arch_name = raw.architectures.first().ok_or_else(|| {
-            EngineError::InvalidCheckpoint("config.json has no `architectures`".into())
-        })?;
-        let architecture = Architecture::from_hf_name(arch_name).ok_or_else(|| {
+        let class = value
+            .get("architectures")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                EngineError::InvalidCheckpoint("config.json has no `architectures`".into())
+            })?
+            .to_owned();
+        let (family, architecture) = arch::lookup(&class).ok_or_else(|| {
             EngineError::Unsupported(format!(
-                "architecture `{arch_name}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+                "architecture `{class}` (supported: {})",
+                arch::supported_classes().join(", ")
             ))
         })?;
-        if let Some(act) = raw.hidden_act.as_deref() {
-            if act != "silu" {
-                return Err(EngineError::Unsupported(format!(
-                    "hidden_act `{act}` (only silu)"
-                )));
+        let nested;
+        let value = match (family.nested_text_config)(&class) {
+            true => {
+                nested = text_config(value)?;
+                &nested
             }
-        }
+            false => value,
+        };
+        let raw: RawConfig = serde_json::from_value(value.clone())
+            .map_err(|e| EngineError::InvalidCheckpoint(format!("config.json: {e}")))?;
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if raw.num_attention_heads == 0 || num_kv_heads == 0 {
             return Err(EngineError::InvalidCheckpoint(
@@ -234,15 +289,28 @@ impl ModelConfig {
         }
         let head_dim = raw
             .head_dim
+            .or(family.default_head_dim)
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "head_dim {head_dim} must be even and positive for rotary embeddings"
             )));
         }
-        let (rope_theta, rope_scaling) = parse_rope(&raw)?;
-        let sliding_window = sliding_windows(&raw, architecture)?;
-        let tie_word_embeddings = raw.tie_word_embeddings.unwrap_or(false);
+        let rope = parse_rope(&raw)?;
+        let input = FamilyInput {
+            json: value,
+            architecture,
+            class: &class,
+            hidden_size: raw.hidden_size,
+            head_dim,
+            num_layers: raw.num_hidden_layers,
+        };
+        let spec = (family.describe)(&input)?;
+        let sliding_window = match &raw.layer_types {
+            Some(types) => layer_windows(&raw, types)?,
+            None => (family.default_windows)(&input)?,
+        };
+        let tie_word_embeddings = raw.tie_word_embeddings.unwrap_or(family.tied_by_default);
         Ok(Self {
             architecture,
             hidden_size: raw.hidden_size,
@@ -254,12 +322,13 @@ impl ModelConfig {
             vocab_size: raw.vocab_size,
             max_position_embeddings: raw.max_position_embeddings,
             rms_norm_eps: raw.rms_norm_eps as f32,
-            rope_theta,
-            rope_scaling,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
             tie_word_embeddings,
             sliding_window,
             bos_token_id: token_ids(raw.bos_token_id.as_ref()).first().copied(),
             eos_token_ids: token_ids(raw.eos_token_id.as_ref()),
+            arch: spec,
         })
     }
 
@@ -274,42 +343,28 @@ impl ModelConfig {
     }
 }
 
-fn sliding_windows(raw: &RawConfig, arch: Architecture) -> Result<Vec<Option<usize>>> {
+/// Per-layer windows from `layer_types` (transformers 5 writes it for
+/// every family with sliding layers).
+fn layer_windows(raw: &RawConfig, types: &[String]) -> Result<Vec<Option<usize>>> {
     let n = raw.num_hidden_layers;
-    if let Some(types) = &raw.layer_types {
-        if types.len() != n {
-            return Err(EngineError::InvalidCheckpoint(format!(
-                "layer_types has {} entries for {n} layers",
-                types.len()
-            )));
-        }
-        return types
-            .iter()
-            .map(|t| match t.as_str() {
-                "full_attention" => Ok(None),
-                "sliding_attention" => raw.sliding_window.map(Some).ok_or_else(|| {
-                    EngineError::InvalidCheckpoint(
-                        "sliding_attention layer without sliding_window".into(),
-                    )
-                }),
-                other => Err(EngineError::Unsupported(format!("layer type `{other}`"))),
-            })
-            .collect();
+    if types.len() != n {
+        return Err(EngineError::InvalidCheckpoint(format!(
+            "layer_types has {} entries for {n} layers",
+            types.len()
+        )));
     }
-    Ok(match arch {
-        Architecture::Llama => vec![None; n],
-        Architecture::Mistral => vec![raw.sliding_window; n],
-        Architecture::Qwen2 => {
-            let from = raw.max_window_layers.unwrap_or(n);
-            (0..n)
-                .map(|i| {
-                    (raw.use_sliding_window.unwrap_or(false) && i >= from)
-                        .then_some(raw.sliding_window)
-                        .flatten()
-                })
-                .collect()
-        }
-    })
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(None),
+            "sliding_attention" => raw.sliding_window.map(Some).ok_or_else(|| {
+                EngineError::InvalidCheckpoint(
+                    "sliding_attention layer without sliding_window".into(),
+                )
+            }),
+            other => Err(EngineError::Unsupported(format!("layer type `{other}`"))),
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! tandem's model engine.
 //!
-//! Loads Llama-family Hugging Face checkpoints (Llama 2/3, Mistral, Qwen2;
-//! MHA, GQA, MQA; f32, bf16, f16 weights, memory-mapped) and runs them on the
+//! Loads Hugging Face checkpoints of the families in [`arch`] (Llama 2/3,
+//! Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3; MHA, GQA, MQA; f32, bf16, f16
+//! weights, memory-mapped) and runs them on the
 //! CPU with the same numerics as transformers in f32. The KV cache is paged
 //! from the start ([`kv_cache`]), and [`Model::forward`] takes a flattened
 //! batch of sequences with their block tables, so the serving scheduler can mix
@@ -11,6 +12,7 @@
 //! cluster roles; workers drive it through `Model::forward`, the KV cache
 //! types and the sampler.
 
+pub mod arch;
 pub mod attention;
 pub mod backend;
 pub mod capacity;
@@ -30,6 +32,7 @@ pub mod synth;
 pub mod tokenizer;
 pub mod weights;
 
+pub use arch::{Activation, ArchSpec, LayerTensor, NormPlacement};
 pub use backend::{BlockKv, ComputeBackend, CpuBackend, KvBlocks};
 pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, RopeScaling};

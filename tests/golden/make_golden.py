@@ -29,12 +29,23 @@ import sys
 import torch
 import transformers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SiglipVisionConfig,
 )
 
 PROMPT_LEN = 12
@@ -58,6 +69,62 @@ BASE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+# Gemma 3 text, two layers: a sliding one (window 8, shorter than prompt +
+# generation) rotating with the local base, and a global one with linear
+# long-context scaling, as the 4B+ checkpoints have. query_pre_attn_scalar
+# differs from head_dim so the scale is checked.
+GEMMA3 = dict(
+    BASE,
+    tie_word_embeddings=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=24,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    pad_token_id=0,
+)
+
+
+def legacy_qwen3(cfg):
+    """A published Qwen3 config.json: rope_theta at the top, torch_dtype,
+    no layer_types."""
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg.pop("layer_types", None)
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def legacy_gemma3(cfg):
+    """A published Gemma 3 config.json: rope_theta + rope_scaling for the
+    global layers, rope_local_base_freq, sliding_window_pattern instead of
+    layer_types, torch_dtype."""
+    rope = cfg.pop("rope_parameters")
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = full
+    cfg["rope_local_base_freq"] = local["rope_theta"]
+    cfg.pop("layer_types")
+    cfg.pop("_sliding_window_pattern", None)
+    cfg["sliding_window_pattern"] = 2
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def gemma3_multimodal(**text):
+    """A Gemma 3 text + vision config with a tiny SigLIP tower (the loader
+    must serve the text tower and ignore the rest)."""
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )
+    return Gemma3Config(
+        text_config=Gemma3TextConfig(**text), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+    )
 
 
 def cases():
@@ -91,6 +158,53 @@ def cases():
         "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(BASE, use_sliding_window=False)),
         # Tied input/output embeddings.
         "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(BASE, tie_word_embeddings=True)),
+        # Qwen3: per-head q/k RMSNorm; head_dim 32 (!= hidden / heads), GQA.
+        "qwen3_gqa": (Qwen3Config, Qwen3ForCausalLM, dict(BASE, head_dim=32)),
+        # Qwen3 with multi-query attention and a tied head.
+        "qwen3_mqa_tied": (
+            Qwen3Config,
+            Qwen3ForCausalLM,
+            dict(BASE, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
+        ),
+        # Qwen3 with its config.json rewritten in the published spelling.
+        "qwen3_legacy": (Qwen3Config, Qwen3ForCausalLM, dict(BASE, head_dim=16), legacy_qwen3),
+        # Gemma 3 text, GQA, tied (the family's default).
+        "gemma3_gqa": (Gemma3TextConfig, Gemma3ForCausalLM, dict(GEMMA3, head_dim=16)),
+        # Gemma 3 at head_dim 256 with MQA and an untied head; hidden 16 keeps it small.
+        "gemma3_hd256": (
+            Gemma3TextConfig,
+            Gemma3ForCausalLM,
+            dict(
+                GEMMA3, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, tie_word_embeddings=False,
+            ),
+        ),
+        # Gemma 3 with its config.json rewritten in the published spelling.
+        "gemma3_legacy": (Gemma3TextConfig, Gemma3ForCausalLM, dict(GEMMA3, head_dim=16), legacy_gemma3),
+        # The text tower of a Gemma 3 text + vision checkpoint.
+        "gemma3_multimodal": (
+            gemma3_multimodal,
+            Gemma3ForConditionalGeneration,
+            dict(GEMMA3, head_dim=16, num_key_value_heads=1),
+        ),
+        # Gemma 2: attention and final-logit soft caps small enough to bind,
+        # alternating sliding (window 8) and global layers, untied head.
+        "gemma2_softcap": (
+            Gemma2Config,
+            Gemma2ForCausalLM,
+            dict(
+                BASE, head_dim=16, sliding_window=8, query_pre_attn_scalar=32,
+                attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0,
+            ),
+        ),
+        # Phi-3: fused qkv_proj and gate_up_proj, GQA, a window on every layer.
+        "phi3_fused": (Phi3Config, Phi3ForCausalLM, dict(BASE, sliding_window=16, pad_token_id=0)),
+        # Phi-3 with multi-head attention and a tied head.
+        "phi3_mha_tied": (
+            Phi3Config,
+            Phi3ForCausalLM,
+            dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0),
+        ),
     }
 
 
@@ -140,9 +254,17 @@ def main():
     torch.set_num_threads(2)
     all_cases = cases()
     names = args.cases or list(all_cases)
+    index_path = os.path.join(args.out, "index.json")
+    # A partial run keeps the other cases in the index.
     index = []
-    for i, name in enumerate(names):
-        config_cls, model_cls, kwargs = all_cases[name]
+    if args.cases and os.path.exists(index_path):
+        with open(index_path) as f:
+            index = [c for c in json.load(f) if c.rsplit("_", 1)[0] not in names]
+    for name in names:
+        # Seeds follow the case's place in cases(), so a partial run makes
+        # the same models as a full one.
+        i = list(all_cases).index(name)
+        config_cls, model_cls, kwargs, *rewrite = all_cases[name]
         base_model = build(config_cls, model_cls, kwargs, seed=1000 + i)
         g = torch.Generator().manual_seed(2000 + i)
         prompt = torch.randint(3, kwargs["vocab_size"], (PROMPT_LEN,), generator=g).tolist()
@@ -151,6 +273,12 @@ def main():
             case = f"{name}_{dtype_name}"
             path = os.path.join(args.out, case)
             model.save_pretrained(path)
+            if rewrite:
+                cfg_path = os.path.join(path, "config.json")
+                with open(cfg_path) as f:
+                    cfg = json.load(f)
+                with open(cfg_path, "w") as f:
+                    json.dump(rewrite[0](cfg), f, indent=2, sort_keys=True)
             # Reload with float32 compute: for bf16 this widens the stored
             # weights exactly, so the reference is the checkpoint's function.
             ref = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -170,7 +298,7 @@ def main():
             index.append(case)
             print(f"{case}: min gap {record['min_gap']:.4f}", file=sys.stderr)
             base_model = base_model.to(torch.float32)
-    with open(os.path.join(args.out, "index.json"), "w") as f:
+    with open(index_path, "w") as f:
         json.dump(index, f, indent=1)
 
 

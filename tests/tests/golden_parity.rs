@@ -179,6 +179,16 @@ fn every_fixture_architecture_is_covered() {
         "mistral_window",
         "qwen2_bias",
         "llama_tied",
+        "qwen3_gqa",
+        "qwen3_mqa_tied",
+        "qwen3_legacy",
+        "gemma3_gqa",
+        "gemma3_hd256",
+        "gemma3_legacy",
+        "gemma3_multimodal",
+        "gemma2_softcap",
+        "phi3_fused",
+        "phi3_mha_tied",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -212,7 +222,17 @@ parity!(
     llama3_rope,
     mistral_window,
     qwen2_bias,
-    llama_tied
+    llama_tied,
+    qwen3_gqa,
+    qwen3_mqa_tied,
+    qwen3_legacy,
+    gemma3_gqa,
+    gemma3_hd256,
+    gemma3_legacy,
+    gemma3_multimodal,
+    gemma2_softcap,
+    phi3_fused,
+    phi3_mha_tied,
 );
 
 #[test]

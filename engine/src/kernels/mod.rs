@@ -169,12 +169,28 @@ pub(crate) fn linear_gemm(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss = simd::dot_f32(xr, xr);
-        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
+        let inv = rms_inv(xr, eps);
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = w * (v * inv);
         }
     }
+}
+
+/// [`rms_norm`] in place, over rows of `weight.len()` (a whole hidden
+/// vector, or one head for per-head q/k norms).
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    for xr in x.chunks_exact_mut(d) {
+        let inv = rms_inv(xr, eps);
+        for (v, &w) in xr.iter_mut().zip(weight) {
+            *v = w * (*v * inv);
+        }
+    }
+}
+
+fn rms_inv(row: &[f32], eps: f32) -> f32 {
+    let ss = simd::dot_f32(row, row);
+    1.0 / (ss / row.len() as f32 + eps).sqrt()
 }
 
 /// `gate = silu(gate) * up`, in place.
@@ -182,6 +198,31 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         let s = *g / (1.0 + (-*g).exp());
         *g = s * u;
+    }
+}
+
+/// `gate = gelu_tanh(gate) * up`, in place: PyTorch's
+/// `gelu(approximate="tanh")`, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// `x = cap · tanh(x / cap)`, in place (Gemma 2's logit soft-capping).
+pub fn softcap_in_place(x: &mut [f32], cap: f32) {
+    for v in x.iter_mut() {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
+/// `x *= s`, in place.
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    for v in x.iter_mut() {
+        *v *= s;
     }
 }
 

@@ -7,6 +7,7 @@
 
 use std::f64::consts::PI;
 
+use crate::arch::RopeParams;
 use crate::config::{ModelConfig, RopeScaling};
 
 /// Inverse frequencies of one model, after any long-context scaling.
@@ -16,13 +17,24 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
-    /// Builds the table for a model's head size, theta and scaling.
+    /// Builds the table for a model's head size and its global layers'
+    /// theta and scaling.
     pub fn new(config: &ModelConfig) -> Self {
-        let dim = config.head_dim;
+        Self::from_params(
+            config.head_dim,
+            &RopeParams {
+                theta: config.rope_theta,
+                scaling: config.rope_scaling.clone(),
+            },
+        )
+    }
+
+    /// Builds the table for one head size, theta and scaling.
+    pub fn from_params(dim: usize, params: &RopeParams) -> Self {
         let base: Vec<f64> = (0..dim / 2)
-            .map(|i| 1.0 / config.rope_theta.powf((2 * i) as f64 / dim as f64))
+            .map(|i| 1.0 / params.theta.powf((2 * i) as f64 / dim as f64))
             .collect();
-        let inv_freq = match config.rope_scaling {
+        let inv_freq = match params.scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
             RopeScaling::Llama3 {

@@ -1,4 +1,4 @@
-//! The Llama-family decoder and its forward pass over a flattened batch.
+//! The decoder and its forward pass over a flattened batch.
 //!
 //! One [`Model::forward`] call takes any mix of sequences, each with its new
 //! tokens, the position of the first one and its block table: a 500-token
@@ -7,9 +7,12 @@
 //! attention looks at sequence boundaries. This is what lets chunked prefill
 //! and continuous batching be one mechanism in the scheduler.
 //!
-//! Llama, Mistral and Qwen2 differ only in data: biases are used when the
-//! checkpoint has them (Qwen2's q/k/v, Llama's `attention_bias`), sliding
-//! windows come from the config, and a tied head reuses the embedding matrix.
+//! Families differ only in data, read from the config's [`ArchSpec`]
+//! ([`crate::arch`]) once, at load: which tensors exist under which names,
+//! the norms' placement and offset, the activation, q/k norms, attention
+//! scale, soft caps and each layer's window and RoPE. Biases are used when
+//! the checkpoint has them (Qwen2's q/k/v, Llama's `attention_bias`), and a
+//! tied head reuses the embedding matrix. Nothing here names a tensor.
 //!
 //! A linear layer's weight is dense (the checkpoint's dtype, read in place)
 //! or INT4 ([`crate::quant`]): loaded so from an AWQ/GPTQ checkpoint, or
@@ -18,138 +21,54 @@
 
 use std::path::Path;
 
-use crate::attention::{paged_attention, AttnSeq, Heads};
+use crate::arch::{Activation, LayerAttention, LayerTensor, Projections, TensorNames};
+use crate::attention::{paged_attention, AttnSeq, Scoring};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{
-    self, add_in_place, linear, linear_int4, rms_norm, silu_mul, MatmulPolicy, RopeTable,
+    self, add_in_place, gelu_tanh_mul, linear_int4, rms_norm, rms_norm_in_place, scale_in_place,
+    silu_mul, softcap_in_place, MatmulPolicy, RopeTable,
 };
 use crate::kv_cache::{BlockId, KvCache, KvLayout};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
+
+mod linear;
+mod step;
+
 use crate::shard::{NoPeers, ShardPeers, ShardSpec};
 use crate::weights::{DType, Matrix, WeightStore};
+use linear::{FusedPart, Linear, LinearWeight, Split};
+use step::Step;
 
-/// A linear layer's weight: dense in the checkpoint's dtype, or INT4.
-#[derive(Debug)]
-enum LinearWeight {
-    Dense(Matrix),
-    Int4(Int4Matrix),
-}
-
-impl LinearWeight {
-    fn bytes(&self) -> usize {
-        match self {
-            Self::Dense(m) => m.bytes(),
-            Self::Int4(q) => q.bytes(),
-        }
-    }
-
-    fn is_mapped(&self) -> bool {
-        match self {
-            Self::Dense(m) => m.is_mapped(),
-            Self::Int4(_) => false,
-        }
-    }
-}
-
-/// A weight matrix with an optional bias.
-#[derive(Debug)]
-struct Linear {
-    w: LinearWeight,
-    b: Option<Vec<f32>>,
-}
-
-/// Which part of a `[out, in]` linear layer a tensor-parallel rank holds.
-#[derive(Debug, Clone)]
-enum Split {
-    Whole,
-    /// Column-parallel: these output features (weight rows, bias elements).
-    Outputs(std::ops::Range<usize>),
-    /// Row-parallel: these input features (weight columns); the bias is
-    /// added by the rank that `keeps_bias` only, so the all-reduce adds it
-    /// once.
-    Inputs {
-        range: std::ops::Range<usize>,
-        keeps_bias: bool,
-    },
-}
-
-impl Linear {
-    /// Loads a rank's part of the layer (reading only that part):
-    /// `prefix.weight`, or the `prefix.qweight` family of a pre-quantized
-    /// checkpoint (whole layers only).
-    fn load_part(
-        ws: &WeightStore,
-        quant: Option<&HfQuantization>,
-        prefix: &str,
-        out: usize,
-        inp: usize,
-        split: Split,
-    ) -> Result<Self> {
-        let name = format!("{prefix}.weight");
-        let bias = format!("{prefix}.bias");
-        let packed = quant.filter(|_| ws.contains(&format!("{prefix}.qweight")));
-        match (packed, split) {
-            (Some(q), Split::Whole) => Ok(Self {
-                w: LinearWeight::Int4(q.load_linear(ws, prefix, out, inp)?),
-                b: ws.optional_vector(&bias, out)?,
-            }),
-            (Some(_), _) => Err(EngineError::Unsupported(format!(
-                "{prefix}: pre-quantized (AWQ/GPTQ) checkpoints run without tensor parallelism"
-            ))),
-            (None, Split::Whole) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix(&name, out, inp)?),
-                b: ws.optional_vector(&bias, out)?,
-            }),
-            (None, Split::Outputs(rows)) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix_rows(&name, out, inp, rows.clone())?),
-                b: match ws.contains(&bias) {
-                    true => Some(ws.vector_part(&bias, out, rows)?),
-                    false => None,
-                },
-            }),
-            (None, Split::Inputs { range, keeps_bias }) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix_cols(&name, out, inp, range)?),
-                b: match keeps_bias {
-                    true => ws.optional_vector(&bias, out)?,
-                    false => None,
-                },
-            }),
-        }
-    }
-
-    fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
-        match &self.w {
-            LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
-            LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
-        }
-    }
-
-    /// Replaces a dense weight by its INT4 quantization.
-    fn quantize(&mut self, config: Int4Config, name: &str) -> Result<()> {
-        if let LinearWeight::Dense(m) = &self.w {
-            let q = Int4Matrix::quantize(m, config).map_err(|e| match e {
-                EngineError::Unsupported(msg) => EngineError::Unsupported(format!("{name}: {msg}")),
-                other => other,
-            })?;
-            self.w = LinearWeight::Int4(q);
-        }
-        Ok(())
-    }
-}
-
+/// One decoder layer. Optional norms are those the family's placement or
+/// q/k norm adds; every choice a step needs is a field, resolved at load.
 #[derive(Debug)]
 struct Layer {
-    input_norm: Vec<f32>,
+    attn_norm: Vec<f32>,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    post_norm: Vec<f32>,
+    /// Per-head norms of queries and keys (`head_dim` wide).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    attn_out_norm: Option<Vec<f32>>,
+    mlp_norm: Vec<f32>,
+    mlp_out_norm: Option<Vec<f32>>,
     gate: Linear,
     up: Linear,
     down: Linear,
+    attention: LayerAttention,
+}
+
+/// Which shard of each projection this rank loads.
+struct LayerSplits {
+    q_cols: Split,
+    kv_cols: Split,
+    o_rows: Split,
+    inter_cols: Split,
+    down_rows: Split,
 }
 
 /// A loaded model.
@@ -165,10 +84,112 @@ pub struct Model {
     /// the dense one.
     lm_head_int4: Option<Int4Matrix>,
     rope: RopeTable,
+    /// The sliding-window layers' RoPE, where it differs (Gemma 3).
+    local_rope: Option<RopeTable>,
     matmul: MatmulPolicy,
     /// The part of the model this rank holds (all of it unless sharded).
     shard: ShardSpec,
     _weights: WeightStore,
+}
+
+/// A norm's weight, with the family's offset folded in (Gemma's `1 + w`).
+fn norm_vector(c: &ModelConfig, ws: &WeightStore, name: &str, len: usize) -> Result<Vec<f32>> {
+    let mut w = ws.vector(name, len)?;
+    if c.arch.norm_offset != 0.0 {
+        for v in &mut w {
+            *v += c.arch.norm_offset;
+        }
+    }
+    Ok(w)
+}
+
+/// The `N` projections loaded from one fused tensor.
+fn parts<const N: usize>(loaded: Vec<Linear>) -> Result<[Linear; N]> {
+    let n = loaded.len();
+    loaded.try_into().map_err(|_| {
+        EngineError::InvalidCheckpoint(format!("a fused tensor gave {n} parts, not {N}"))
+    })
+}
+
+/// Loads layer `i` (this rank's part of it) as the family describes it.
+fn load_layer(
+    c: &ModelConfig,
+    ws: &WeightStore,
+    quant: Option<&HfQuantization>,
+    names: &TensorNames,
+    i: usize,
+    splits: &LayerSplits,
+) -> Result<Layer> {
+    use LayerTensor as T;
+    let (h, d) = (c.hidden_size, c.head_dim);
+    let (q_out, kv_out, i_size) = (c.num_heads * d, c.num_kv_heads * d, c.intermediate_size);
+    let spec = &c.arch;
+    let linear = |t: T, out: usize, inp: usize, split: &Split| {
+        Linear::load_part(ws, quant, &names.layer(i, t)?, out, inp, split.clone())
+    };
+    let norm = |t: T, len: usize| norm_vector(c, ws, &names.layer_weight(i, t)?, len);
+    let optional_norm = |on: bool, t: T, len: usize| on.then(|| norm(t, len)).transpose();
+    let sandwich = spec.norm == crate::arch::NormPlacement::Sandwich;
+    // The projections stored in one fused tensor, in order: (rows, split).
+    let fused = |t: T, parts: &[(usize, &Split)]| -> Result<Vec<Linear>> {
+        let prefix = names.layer(i, t)?;
+        let total_rows = parts.iter().map(|p| p.0).sum();
+        let mut offset = 0;
+        parts
+            .iter()
+            .map(|&(rows, split)| {
+                let part = FusedPart {
+                    prefix: &prefix,
+                    total_rows,
+                    offset,
+                };
+                offset += rows;
+                Linear::load_fused_part(ws, quant, part, rows, h, split.clone())
+            })
+            .collect()
+    };
+    let (q, k, v) = match spec.qkv {
+        Projections::Split => (
+            linear(T::Q, q_out, h, &splits.q_cols)?,
+            linear(T::K, kv_out, h, &splits.kv_cols)?,
+            linear(T::V, kv_out, h, &splits.kv_cols)?,
+        ),
+        Projections::Fused => {
+            let kv = &splits.kv_cols;
+            let [q, k, v] = parts(fused(
+                T::Qkv,
+                &[(q_out, &splits.q_cols), (kv_out, kv), (kv_out, kv)],
+            )?)?;
+            (q, k, v)
+        }
+    };
+    let (gate, up) = match spec.gate_up {
+        Projections::Split => (
+            linear(T::Gate, i_size, h, &splits.inter_cols)?,
+            linear(T::Up, i_size, h, &splits.inter_cols)?,
+        ),
+        Projections::Fused => {
+            let cols = &splits.inter_cols;
+            let [gate, up] = parts(fused(T::GateUp, &[(i_size, cols), (i_size, cols)])?)?;
+            (gate, up)
+        }
+    };
+    Ok(Layer {
+        attn_norm: norm(T::AttnNorm, h)?,
+        q,
+        k,
+        v,
+        o: linear(T::O, h, q_out, &splits.o_rows)?,
+        q_norm: optional_norm(spec.qk_norm, T::QNorm, d)?,
+        k_norm: optional_norm(spec.qk_norm, T::KNorm, d)?,
+        attn_out_norm: optional_norm(sandwich, T::AttnOutNorm, h)?,
+        mlp_norm: norm(T::MlpNorm, h)?,
+        mlp_out_norm: optional_norm(sandwich, T::MlpOutNorm, h)?,
+        gate,
+        up,
+        down: linear(T::Down, h, i_size, &splits.down_rows)?,
+        attention: spec.layer_attention(c.sliding_window[i]),
+    })
 }
 
 /// One sequence's part of a batch.
@@ -275,8 +296,14 @@ impl Model {
     ) -> Result<Self> {
         let c = &config;
         shard.check(c)?;
-        let (h, d) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let names = c.arch.names(|n| ws.contains(n))?;
+        if let Some(class) = c.arch.text_tower_of {
+            tracing::warn!(
+                "{class} checkpoint: serving its text tower only; images are not served \
+                 (the vision tower's tensors are not loaded)"
+            );
+        }
+        let h = c.hidden_size;
         let whole = shard.tp_size == 1;
         let (qh, kvh, inter) = (shard.q_heads(c), shard.kv_heads(c), shard.intermediate(c));
         let outputs = |r: &std::ops::Range<usize>, scale: usize| match whole {
@@ -290,41 +317,38 @@ impl Model {
                 keeps_bias: shard.tp_rank == 0,
             },
         };
-        let embed = ws.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
+        let d = c.head_dim;
+        let splits = LayerSplits {
+            q_cols: outputs(&qh, d),
+            kv_cols: outputs(&kvh, d),
+            o_rows: inputs(&qh, d),
+            inter_cols: outputs(&inter, 1),
+            down_rows: inputs(&inter, 1),
+        };
+        let embed = ws.matrix(&names.embed(), c.vocab_size, h)?;
         let layers = shard
             .layers
             .clone()
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let load = |name: &str, out: usize, inp: usize, split: Split| {
-                    Linear::load_part(&ws, quant, &format!("{p}.{name}"), out, inp, split)
-                };
-                let i_size = c.intermediate_size;
-                Ok(Layer {
-                    input_norm: ws.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                    q: load("self_attn.q_proj", q_out, h, outputs(&qh, d))?,
-                    k: load("self_attn.k_proj", kv_out, h, outputs(&kvh, d))?,
-                    v: load("self_attn.v_proj", kv_out, h, outputs(&kvh, d))?,
-                    o: load("self_attn.o_proj", h, q_out, inputs(&qh, d))?,
-                    post_norm: ws.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                    gate: load("mlp.gate_proj", i_size, h, outputs(&inter, 1))?,
-                    up: load("mlp.up_proj", i_size, h, outputs(&inter, 1))?,
-                    down: load("mlp.down_proj", h, i_size, inputs(&inter, 1))?,
-                })
-            })
+            .map(|i| load_layer(c, &ws, quant, &names, i, &splits))
             .collect::<Result<Vec<_>>>()?;
-        let final_norm = ws.vector("model.norm.weight", h)?;
+        let final_norm = norm_vector(c, &ws, &names.final_norm(), h)?;
         // Some tied checkpoints still carry a copy of the head; use it if so.
-        let lm_head = if ws.contains("lm_head.weight") {
-            Some(ws.matrix("lm_head.weight", c.vocab_size, h)?)
+        let head_name = names.lm_head();
+        let lm_head = if ws.contains(&head_name) {
+            Some(ws.matrix(&head_name, c.vocab_size, h)?)
         } else if c.tie_word_embeddings {
             None
         } else {
-            return Err(EngineError::InvalidCheckpoint(
-                "tensor `lm_head.weight` is missing and tie_word_embeddings is false".into(),
-            ));
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "tensor `{head_name}` is missing and tie_word_embeddings is false"
+            )));
         };
         let rope = RopeTable::new(c);
+        let local_rope = c
+            .arch
+            .local_rope
+            .as_ref()
+            .map(|p| RopeTable::from_params(d, p));
         Ok(Self {
             config,
             embed,
@@ -333,6 +357,7 @@ impl Model {
             lm_head,
             lm_head_int4: None,
             rope,
+            local_rope,
             matmul: MatmulPolicy::default(),
             shard,
             _weights: ws,
@@ -548,13 +573,7 @@ impl Model {
     ) -> Result<Option<Logits>> {
         self.validate(batch, kv)?;
         let c = &self.config;
-        let (hsz, d) = (c.hidden_size, c.head_dim);
-        let num_heads = self.shard.q_heads(c).len();
-        let num_kv_heads = self.shard.kv_heads(c).len();
-        let inter = self.shard.intermediate(c).len();
-        let (q_out, kv_out) = (num_heads * d, num_kv_heads * d);
-        let tensor_parallel = self.shard.tp_size > 1;
-        let bs = kv.layout().block_size;
+        let hsz = c.hidden_size;
 
         // Flatten: token ids, positions, and each sequence's row range.
         let mut tokens = Vec::new();
@@ -577,80 +596,17 @@ impl Model {
             for (row, &tok) in x.chunks_exact_mut(hsz).zip(&tokens) {
                 self.embed.row_to_f32(tok as usize, row);
             }
+            if let Some(s) = c.arch.embed_scale {
+                scale_in_place(&mut x, s);
+            }
         } else {
             peers.recv_activations(&mut x)?;
         }
-        let half = d / 2;
-        let mut cos = vec![0.0f32; t * half];
-        let mut sin = vec![0.0f32; t * half];
-        for (i, &p) in positions.iter().enumerate() {
-            self.rope.angles(
-                p,
-                &mut cos[i * half..(i + 1) * half],
-                &mut sin[i * half..(i + 1) * half],
-            );
-        }
-
-        let mut h = vec![0.0f32; t * hsz];
-        let mut q = vec![0.0f32; t * q_out];
-        let mut k = vec![0.0f32; t * kv_out];
-        let mut v = vec![0.0f32; t * kv_out];
-        let mut attn = vec![0.0f32; t * q_out];
-        let mut proj = vec![0.0f32; t * hsz];
-        let mut gate = vec![0.0f32; t * inter];
-        let mut up = vec![0.0f32; t * inter];
-        let heads = Heads {
-            num_heads,
-            num_kv_heads,
-            head_dim: d,
-        };
-
+        let mut step = Step::new(self, &positions, seqs);
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut h);
-            layer.q.forward(&h, t, self.matmul, &mut q);
-            layer.k.forward(&h, t, self.matmul, &mut k);
-            layer.v.forward(&h, t, self.matmul, &mut v);
-            for i in 0..t {
-                let (cs, sn) = (
-                    &cos[i * half..(i + 1) * half],
-                    &sin[i * half..(i + 1) * half],
-                );
-                self.rope
-                    .apply(&mut q[i * q_out..(i + 1) * q_out], d, cs, sn);
-                self.rope
-                    .apply(&mut k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
-            }
-            for seq in &seqs {
-                for j in 0..seq.len {
-                    let pos = seq.start_pos + j;
-                    let row = seq.row + j;
-                    kv.write(
-                        li,
-                        seq.blocks[pos / bs],
-                        pos % bs,
-                        &k[row * kv_out..(row + 1) * kv_out],
-                        &v[row * kv_out..(row + 1) * kv_out],
-                    );
-                }
-            }
+            self.attention_block(li, layer, &mut x, &mut step, kv, peers)?;
             after_layer(li, kv);
-            let window = c.sliding_window[self.shard.layers.start + li];
-            paged_attention(&q, kv, li, &seqs, heads, window, &mut attn);
-            layer.o.forward(&attn, t, self.matmul, &mut proj);
-            if tensor_parallel {
-                peers.all_reduce(&mut proj)?;
-            }
-            add_in_place(&mut x, &proj);
-
-            rms_norm(&x, &layer.post_norm, c.rms_norm_eps, &mut h);
-            layer.gate.forward(&h, t, self.matmul, &mut gate);
-            layer.up.forward(&h, t, self.matmul, &mut up);
-            silu_mul(&mut gate, &up);
-            layer.down.forward(&gate, t, self.matmul, &mut proj);
-            if tensor_parallel {
-                peers.all_reduce(&mut proj)?;
-            }
-            add_in_place(&mut x, &proj);
+            self.mlp_block(layer, &mut x, &mut step, peers)?;
         }
         if !self.shard.last_stage() {
             peers.send_activations(&x)?;
@@ -659,11 +615,109 @@ impl Model {
         if !self.shard.computes_logits() {
             return Ok(None);
         }
+        Ok(Some(self.logits(batch, &step.seqs, &x)))
+    }
 
-        // Only the rows whose logits were asked for go through the head.
+    /// Norm, q/k/v, q/k norms, RoPE, the K/V write, attention, output
+    /// projection (all-reduced), output norm, residual add.
+    fn attention_block(
+        &self,
+        li: usize,
+        layer: &Layer,
+        x: &mut [f32],
+        s: &mut Step<'_>,
+        kv: &mut KvCache,
+        peers: &mut dyn ShardPeers,
+    ) -> Result<()> {
+        let (t, d, eps) = (s.rows, self.config.head_dim, self.config.rms_norm_eps);
+        let (q_out, kv_out) = (s.heads.num_heads * d, s.heads.num_kv_heads * d);
+        rms_norm(x, &layer.attn_norm, eps, &mut s.h);
+        layer.q.forward(&s.h, t, self.matmul, &mut s.q);
+        layer.k.forward(&s.h, t, self.matmul, &mut s.k);
+        layer.v.forward(&s.h, t, self.matmul, &mut s.v);
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            rms_norm_in_place(&mut s.q, qn, eps);
+            rms_norm_in_place(&mut s.k, kn, eps);
+        }
+        let (rope, cos, sin) = match (&self.local_rope, layer.attention.local_rope) {
+            (Some(local), true) => (local, &s.local_cos, &s.local_sin),
+            _ => (&self.rope, &s.cos, &s.sin),
+        };
+        let half = d / 2;
+        for i in 0..t {
+            let (cs, sn) = (
+                &cos[i * half..(i + 1) * half],
+                &sin[i * half..(i + 1) * half],
+            );
+            rope.apply(&mut s.q[i * q_out..(i + 1) * q_out], d, cs, sn);
+            rope.apply(&mut s.k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
+        }
+        let bs = kv.layout().block_size;
+        for seq in &s.seqs {
+            for j in 0..seq.len {
+                let pos = seq.start_pos + j;
+                let row = seq.row + j;
+                kv.write(
+                    li,
+                    seq.blocks[pos / bs],
+                    pos % bs,
+                    &s.k[row * kv_out..(row + 1) * kv_out],
+                    &s.v[row * kv_out..(row + 1) * kv_out],
+                );
+            }
+        }
+        let scoring = Scoring {
+            scale: self.config.arch.attn_scale,
+            softcap: self.config.arch.attn_softcap,
+            window: layer.attention.window,
+        };
+        paged_attention(&s.q, kv, li, &s.seqs, s.heads, scoring, &mut s.attn);
+        layer.o.forward(&s.attn, t, self.matmul, &mut s.proj);
+        if self.shard.tp_size > 1 {
+            peers.all_reduce(&mut s.proj)?;
+        }
+        if let Some(n) = &layer.attn_out_norm {
+            rms_norm_in_place(&mut s.proj, n, eps);
+        }
+        add_in_place(x, &s.proj);
+        Ok(())
+    }
+
+    /// Norm, gate/up, activation, down (all-reduced), output norm, residual.
+    fn mlp_block(
+        &self,
+        layer: &Layer,
+        x: &mut [f32],
+        s: &mut Step<'_>,
+        peers: &mut dyn ShardPeers,
+    ) -> Result<()> {
+        let (t, eps) = (s.rows, self.config.rms_norm_eps);
+        rms_norm(x, &layer.mlp_norm, eps, &mut s.h);
+        layer.gate.forward(&s.h, t, self.matmul, &mut s.gate);
+        layer.up.forward(&s.h, t, self.matmul, &mut s.up);
+        match self.config.arch.activation {
+            Activation::Silu => silu_mul(&mut s.gate, &s.up),
+            Activation::GeluTanh => gelu_tanh_mul(&mut s.gate, &s.up),
+        }
+        layer.down.forward(&s.gate, t, self.matmul, &mut s.proj);
+        if self.shard.tp_size > 1 {
+            peers.all_reduce(&mut s.proj)?;
+        }
+        if let Some(n) = &layer.mlp_out_norm {
+            rms_norm_in_place(&mut s.proj, n, eps);
+        }
+        add_in_place(x, &s.proj);
+        Ok(())
+    }
+
+    /// Final norm and head over the rows whose logits were asked for, then
+    /// the family's final soft cap.
+    fn logits(&self, batch: &[SeqInput<'_>], seqs: &[AttnSeq<'_>], x: &[f32]) -> Logits {
+        let c = &self.config;
+        let hsz = c.hidden_size;
         let mut rows = Vec::new();
         let mut starts = Vec::with_capacity(batch.len() + 1);
-        for (s, seq) in batch.iter().zip(&seqs) {
+        for (s, seq) in batch.iter().zip(seqs) {
             starts.push(rows.len());
             if s.all_logits {
                 rows.extend(seq.row..seq.row + seq.len);
@@ -687,10 +741,13 @@ impl Model {
             Some(head) => linear_int4(&sel, rows.len(), head, None, self.matmul, &mut data),
             None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
         }
-        Ok(Some(Logits {
+        if let Some(cap) = c.arch.final_softcap {
+            softcap_in_place(&mut data, cap);
+        }
+        Logits {
             data,
             vocab,
             starts,
-        }))
+        }
     }
 }

@@ -1,0 +1,397 @@
+//! Architecture descriptions: what differs between model families, as data.
+//!
+//! Every family the engine runs is a decoder of the same skeleton (embed,
+//! N × [norm, attention, norm, MLP] with residuals, final norm, head). What
+//! differs is described once, here, by an [`ArchSpec`] that a family's file
+//! builds from its `config.json`:
+//!
+//! - which tensors exist and under which names ([`LayerTensor`],
+//!   [`TensorNames`]);
+//! - where the RMSNorms sit ([`NormPlacement`]) and their form (Gemma's
+//!   `(1 + w)` weight: [`ArchSpec::norm_offset`]);
+//! - the MLP's [`Activation`], the embedding scale, per-head q/k RMSNorm;
+//! - attention: the score scale (`query_pre_attn_scalar`), logit
+//!   soft-capping, and per layer (resolved at load, [`LayerAttention`]) its
+//!   sliding window and whether it uses the local RoPE base;
+//! - final-logit soft-capping.
+//!
+//! The CPU model (`crate::model`) and the CUDA loader read the description;
+//! neither names a tensor. Adding a family is one file here (a
+//! [`Family`] entry in [`FAMILIES`]) plus any kernel its variants need.
+//!
+//! **Architecture Invariant:** model code names no tensor and matches no
+//! family name; only the files of this module do.
+
+pub mod gemma;
+pub mod llama;
+pub mod phi3;
+pub mod qwen3;
+
+use serde_json::Value;
+
+use crate::config::{Architecture, RopeScaling};
+use crate::error::{EngineError, Result};
+
+/// Where a decoder layer's RMSNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// On the input of attention and of the MLP (Llama, Qwen).
+    Pre,
+    /// On the input and on the output of each, before the residual add
+    /// (Gemma 2 and 3).
+    Sandwich,
+}
+
+/// The MLP's gate activation (`act(gate) * up`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (`silu`).
+    Silu,
+    /// GELU, tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// Parses a Hugging Face `hidden_act` / `hidden_activation` value.
+    pub fn from_hf(name: &str) -> Result<Self> {
+        match name {
+            "silu" | "swish" => Ok(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Ok(Self::GeluTanh),
+            other => Err(EngineError::Unsupported(format!(
+                "activation `{other}` (supported: silu, gelu_pytorch_tanh)"
+            ))),
+        }
+    }
+}
+
+/// Whether related projections are separate tensors or one fused tensor
+/// (rows concatenated in order: q, k, v; gate, up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Projections {
+    Split,
+    Fused,
+}
+
+/// The tensors of one decoder layer, by role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerTensor {
+    /// Norm on attention's input.
+    AttnNorm,
+    Q,
+    K,
+    V,
+    /// q, k and v in one tensor (`Projections::Fused`).
+    Qkv,
+    O,
+    /// Per-head RMSNorm of the queries (before RoPE).
+    QNorm,
+    /// Per-head RMSNorm of the keys (before RoPE).
+    KNorm,
+    /// Norm on attention's output (sandwich placement).
+    AttnOutNorm,
+    /// Norm on the MLP's input.
+    MlpNorm,
+    /// Norm on the MLP's output (sandwich placement).
+    MlpOutNorm,
+    Gate,
+    Up,
+    /// gate and up in one tensor (`Projections::Fused`).
+    GateUp,
+    Down,
+}
+
+/// A layer's attention, resolved at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerAttention {
+    /// The sliding window, if this layer has one.
+    pub window: Option<usize>,
+    /// Whether this layer rotates with the local RoPE ([`ArchSpec::local_rope`]).
+    pub local_rope: bool,
+}
+
+/// RoPE parameters of one kind of layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeParams {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// What a family does differently, resolved from its `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArchSpec {
+    /// Module path of each layer tensor, relative to `layers.{i}.`.
+    pub layer_names: &'static [(LayerTensor, &'static str)],
+    /// Candidate (root, head) name pairs, tried in order at load: the root
+    /// precedes `embed_tokens`, `layers.{i}.` and `norm`; the head is the
+    /// output projection's module path.
+    pub roots: &'static [(&'static str, &'static str)],
+    /// q/k/v as three tensors or one.
+    pub qkv: Projections,
+    /// gate/up as two tensors or one.
+    pub gate_up: Projections,
+    pub norm: NormPlacement,
+    /// Added to every RMSNorm weight at load: Gemma's norms scale by
+    /// `1 + w`.
+    pub norm_offset: f32,
+    pub activation: Activation,
+    /// Embedding rows are multiplied by this (Gemma: `sqrt(hidden_size)`).
+    pub embed_scale: Option<f32>,
+    /// Per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// Attention scores are `q·k · attn_scale` (`head_dim^-0.5`, or
+    /// Gemma's `query_pre_attn_scalar^-0.5`).
+    pub attn_scale: f32,
+    /// Scores become `cap · tanh(score / cap)` (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits become `cap · tanh(logit / cap)` (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// RoPE of the sliding-window layers when it differs from the global
+    /// one (Gemma 3's `rope_local_base_freq`).
+    pub local_rope: Option<RopeParams>,
+    /// Set when the checkpoint is a multimodal model whose text tower is
+    /// served alone (its class name).
+    pub text_tower_of: Option<&'static str>,
+}
+
+impl ArchSpec {
+    /// A layer's module path for `t`, if this family has one.
+    pub fn layer_module(&self, t: LayerTensor) -> Option<&'static str> {
+        self.layer_names
+            .iter()
+            .find(|(role, _)| *role == t)
+            .map(|&(_, name)| name)
+    }
+
+    /// The tensors every layer of this model must have.
+    pub fn required_layer_tensors(&self) -> Vec<LayerTensor> {
+        use LayerTensor::*;
+        let mut t = vec![AttnNorm, O, MlpNorm, Down];
+        match self.qkv {
+            Projections::Split => t.extend([Q, K, V]),
+            Projections::Fused => t.push(Qkv),
+        }
+        match self.gate_up {
+            Projections::Split => t.extend([Gate, Up]),
+            Projections::Fused => t.push(GateUp),
+        }
+        if self.qk_norm {
+            t.extend([QNorm, KNorm]);
+        }
+        if self.norm == NormPlacement::Sandwich {
+            t.extend([AttnOutNorm, MlpOutNorm]);
+        }
+        t
+    }
+
+    /// Picks the naming a checkpoint uses: the first root whose
+    /// `embed_tokens.weight` it holds.
+    pub fn names(&self, contains: impl Fn(&str) -> bool) -> Result<TensorNames> {
+        for &(root, head) in self.roots {
+            if contains(&format!("{root}embed_tokens.weight")) {
+                return Ok(TensorNames {
+                    root,
+                    head,
+                    spec: self.clone(),
+                });
+            }
+        }
+        let tried: Vec<String> = self
+            .roots
+            .iter()
+            .map(|(root, _)| format!("`{root}embed_tokens.weight`"))
+            .collect();
+        Err(EngineError::InvalidCheckpoint(format!(
+            "no embedding tensor: expected one of {}",
+            tried.join(", ")
+        )))
+    }
+
+    /// How layer `layer` attends, given the config's per-layer windows.
+    pub fn layer_attention(&self, window: Option<usize>) -> LayerAttention {
+        LayerAttention {
+            window,
+            local_rope: window.is_some() && self.local_rope.is_some(),
+        }
+    }
+}
+
+/// The tensor names of one checkpoint (its family's names under the root
+/// the checkpoint uses).
+#[derive(Debug, Clone)]
+pub struct TensorNames {
+    root: &'static str,
+    head: &'static str,
+    spec: ArchSpec,
+}
+
+impl TensorNames {
+    /// `{root}embed_tokens.weight`.
+    pub fn embed(&self) -> String {
+        format!("{}embed_tokens.weight", self.root)
+    }
+
+    /// `{root}norm.weight`.
+    pub fn final_norm(&self) -> String {
+        format!("{}norm.weight", self.root)
+    }
+
+    /// The output head's weight.
+    pub fn lm_head(&self) -> String {
+        format!("{}.weight", self.head)
+    }
+
+    /// Module path of layer `i`'s tensor `t` (a linear layer's prefix for
+    /// `.weight` / `.bias` / `.qweight`).
+    pub fn layer(&self, i: usize, t: LayerTensor) -> Result<String> {
+        let module = self
+            .spec
+            .layer_module(t)
+            .ok_or_else(|| EngineError::Unsupported(format!("this family has no {t:?} tensor")))?;
+        Ok(format!("{}layers.{i}.{module}", self.root))
+    }
+
+    /// Layer `i`'s weight tensor for `t` (norms).
+    pub fn layer_weight(&self, i: usize, t: LayerTensor) -> Result<String> {
+        Ok(format!("{}.weight", self.layer(i, t)?))
+    }
+}
+
+/// What a family file hands the registry.
+#[derive(Debug)]
+pub struct Family {
+    /// The `architectures` class names it reads, with the engine's name.
+    pub classes: &'static [(&'static str, Architecture)],
+    /// Whether the family's text config is nested under `text_config`
+    /// (multimodal checkpoints).
+    pub nested_text_config: fn(&str) -> bool,
+    /// `head_dim` when the config leaves it out (transformers' default for
+    /// the family); `None`: `hidden_size / num_attention_heads`.
+    pub default_head_dim: Option<usize>,
+    /// `tie_word_embeddings` when the config leaves it out.
+    pub tied_by_default: bool,
+    /// Builds the description from the (text) config.
+    pub describe: fn(&FamilyInput<'_>) -> Result<ArchSpec>,
+    /// Per-layer sliding windows when the config has no `layer_types`.
+    pub default_windows: fn(&FamilyInput<'_>) -> Result<Vec<Option<usize>>>,
+}
+
+/// The parts of a config every family's description may depend on.
+#[derive(Debug)]
+pub struct FamilyInput<'a> {
+    pub json: &'a Value,
+    pub architecture: Architecture,
+    /// The class named in `architectures`.
+    pub class: &'a str,
+    pub hidden_size: usize,
+    pub head_dim: usize,
+    pub num_layers: usize,
+}
+
+impl FamilyInput<'_> {
+    /// A float field, if present and not null.
+    pub fn f64(&self, key: &str) -> Option<f64> {
+        self.json.get(key).and_then(Value::as_f64)
+    }
+
+    /// An integer field, if present and not null.
+    pub fn usize(&self, key: &str) -> Option<usize> {
+        self.json
+            .get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+    }
+
+    /// A string field, if present and not null.
+    pub fn str(&self, key: &str) -> Option<&str> {
+        self.json.get(key).and_then(Value::as_str)
+    }
+
+    /// The activation: `hidden_activation` (Gemma) or `hidden_act`, else
+    /// `default`.
+    pub fn activation(&self, default: Activation) -> Result<Activation> {
+        match self
+            .str("hidden_activation")
+            .or_else(|| self.str("hidden_act"))
+        {
+            Some(name) => Activation::from_hf(name),
+            None => Ok(default),
+        }
+    }
+
+    /// `head_dim^-0.5`, the usual attention scale.
+    pub fn default_attn_scale(&self) -> f32 {
+        (self.head_dim as f64).powf(-0.5) as f32
+    }
+}
+
+/// Every family the engine runs.
+pub const FAMILIES: &[&Family] = &[
+    &llama::FAMILY,
+    &qwen3::FAMILY,
+    &gemma::FAMILY,
+    &phi3::FAMILY,
+];
+
+/// The family and engine architecture of a Hugging Face class name.
+pub fn lookup(class: &str) -> Option<(&'static Family, Architecture)> {
+    FAMILIES.iter().find_map(|f| {
+        f.classes
+            .iter()
+            .find(|(name, _)| *name == class)
+            .map(|&(_, arch)| (*f, arch))
+    })
+}
+
+/// Every class name the engine runs, for error messages.
+pub fn supported_classes() -> Vec<&'static str> {
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.classes.iter().map(|&(name, _)| name))
+        .collect()
+}
+
+/// A family with no multimodal classes.
+pub(crate) fn never_nested(_: &str) -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_required_tensor_has_a_name_in_every_family() {
+        let json = serde_json::json!({});
+        for family in FAMILIES {
+            for &(class, architecture) in family.classes {
+                let input = FamilyInput {
+                    json: &json,
+                    architecture,
+                    class,
+                    hidden_size: 64,
+                    head_dim: 16,
+                    num_layers: 2,
+                };
+                let spec = (family.describe)(&input).expect("describe with defaults");
+                for t in spec.required_layer_tensors() {
+                    assert!(spec.layer_module(t).is_some(), "{class}: no name for {t:?}");
+                }
+                assert!(!spec.roots.is_empty(), "{class}: no root");
+            }
+        }
+    }
+
+    #[test]
+    fn class_names_are_unique() {
+        let names = supported_classes();
+        for (i, a) in names.iter().enumerate() {
+            assert!(!names[i + 1..].contains(a), "{a} listed twice");
+        }
+    }
+
+    #[test]
+    fn unknown_activation_is_refused_by_name() {
+        let err = Activation::from_hf("relu2").expect_err("refused");
+        assert!(err.to_string().contains("relu2"), "{err}");
+    }
+}

@@ -1,0 +1,171 @@
+//! Linear layers: a dense or INT4 weight with an optional bias, loaded
+//! whole or as one tensor-parallel rank's part.
+
+use crate::error::{EngineError, Result};
+use crate::kernels::{linear, linear_int4, MatmulPolicy};
+use crate::quant::hf::HfQuantization;
+use crate::quant::{Int4Config, Int4Matrix};
+use crate::weights::{Matrix, WeightStore};
+
+/// A linear layer's weight: dense in the checkpoint's dtype, or INT4.
+#[derive(Debug)]
+pub(super) enum LinearWeight {
+    Dense(Matrix),
+    Int4(Int4Matrix),
+}
+
+impl LinearWeight {
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Self::Dense(m) => m.bytes(),
+            Self::Int4(q) => q.bytes(),
+        }
+    }
+
+    pub(super) fn is_mapped(&self) -> bool {
+        match self {
+            Self::Dense(m) => m.is_mapped(),
+            Self::Int4(_) => false,
+        }
+    }
+}
+
+/// A weight matrix with an optional bias.
+#[derive(Debug)]
+pub(super) struct Linear {
+    pub(super) w: LinearWeight,
+    b: Option<Vec<f32>>,
+}
+
+/// Where one projection sits in a fused tensor.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FusedPart<'a> {
+    /// The fused tensor's module path.
+    pub(super) prefix: &'a str,
+    /// Rows of the whole fused tensor.
+    pub(super) total_rows: usize,
+    /// First row of this projection.
+    pub(super) offset: usize,
+}
+
+/// Which part of a `[out, in]` linear layer a tensor-parallel rank holds.
+#[derive(Debug, Clone)]
+pub(super) enum Split {
+    Whole,
+    /// Column-parallel: these output features (weight rows, bias elements).
+    Outputs(std::ops::Range<usize>),
+    /// Row-parallel: these input features (weight columns); the bias is
+    /// added by the rank that `keeps_bias` only, so the all-reduce adds it
+    /// once.
+    Inputs {
+        range: std::ops::Range<usize>,
+        keeps_bias: bool,
+    },
+}
+
+impl Linear {
+    /// Loads a rank's part of the layer (reading only that part):
+    /// `prefix.weight`, or the `prefix.qweight` family of a pre-quantized
+    /// checkpoint (whole layers only).
+    pub(super) fn load_part(
+        ws: &WeightStore,
+        quant: Option<&HfQuantization>,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        split: Split,
+    ) -> Result<Self> {
+        let name = format!("{prefix}.weight");
+        let bias = format!("{prefix}.bias");
+        let packed = quant.filter(|_| ws.contains(&format!("{prefix}.qweight")));
+        match (packed, split) {
+            (Some(q), Split::Whole) => Ok(Self {
+                w: LinearWeight::Int4(q.load_linear(ws, prefix, out, inp)?),
+                b: ws.optional_vector(&bias, out)?,
+            }),
+            (Some(_), _) => Err(EngineError::Unsupported(format!(
+                "{prefix}: pre-quantized (AWQ/GPTQ) checkpoints run without tensor parallelism"
+            ))),
+            (None, Split::Whole) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix(&name, out, inp)?),
+                b: ws.optional_vector(&bias, out)?,
+            }),
+            (None, Split::Outputs(rows)) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix_rows(&name, out, inp, rows.clone())?),
+                b: match ws.contains(&bias) {
+                    true => Some(ws.vector_part(&bias, out, rows)?),
+                    false => None,
+                },
+            }),
+            (None, Split::Inputs { range, keeps_bias }) => Ok(Self {
+                w: LinearWeight::Dense(ws.matrix_cols(&name, out, inp, range)?),
+                b: match keeps_bias {
+                    true => ws.optional_vector(&bias, out)?,
+                    false => None,
+                },
+            }),
+        }
+    }
+
+    /// Loads a rank's part of one projection stored inside a fused tensor
+    /// (Phi-3's `qkv_proj`, `gate_up_proj`): its rows
+    /// `part.offset..part.offset + out` of a `[part.total_rows, inp]`
+    /// weight, mapped in place like any row range. Only column-parallel
+    /// splits apply (the fused parts are outputs).
+    pub(super) fn load_fused_part(
+        ws: &WeightStore,
+        quant: Option<&HfQuantization>,
+        part: FusedPart<'_>,
+        out: usize,
+        inp: usize,
+        split: Split,
+    ) -> Result<Self> {
+        let FusedPart {
+            prefix,
+            total_rows,
+            offset,
+        } = part;
+        if quant.is_some() && ws.contains(&format!("{prefix}.qweight")) {
+            return Err(EngineError::Unsupported(format!(
+                "{prefix}: a fused projection in a pre-quantized (AWQ/GPTQ) checkpoint"
+            )));
+        }
+        let rows = match split {
+            Split::Whole => offset..offset + out,
+            Split::Outputs(r) => offset + r.start..offset + r.end,
+            Split::Inputs { .. } => {
+                return Err(EngineError::Unsupported(format!(
+                    "{prefix}: a fused tensor split by input features"
+                )))
+            }
+        };
+        let name = format!("{prefix}.weight");
+        let bias = format!("{prefix}.bias");
+        Ok(Self {
+            w: LinearWeight::Dense(ws.matrix_rows(&name, total_rows, inp, rows.clone())?),
+            b: match ws.contains(&bias) {
+                true => Some(ws.vector_part(&bias, total_rows, rows)?),
+                false => None,
+            },
+        })
+    }
+
+    pub(super) fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
+        match &self.w {
+            LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
+            LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
+        }
+    }
+
+    /// Replaces a dense weight by its INT4 quantization.
+    pub(super) fn quantize(&mut self, config: Int4Config, name: &str) -> Result<()> {
+        if let LinearWeight::Dense(m) = &self.w {
+            let q = Int4Matrix::quantize(m, config).map_err(|e| match e {
+                EngineError::Unsupported(msg) => EngineError::Unsupported(format!("{name}: {msg}")),
+                other => other,
+            })?;
+            self.w = LinearWeight::Int4(q);
+        }
+        Ok(())
+    }
+}
