@@ -381,9 +381,9 @@ impl RemotePrefiller for GrpcPrefiller {
         };
         let limit = self.deadline.for_tokens(req.tokens.len());
         let mut call = tonic::Request::new(req);
-        // The prefill worker sees the deadline too (grpc-timeout) and can
-        // give up on its side; the timeout below holds even if it never
-        // answers at all.
+        // Sent as grpc-timeout, so the prefill worker can give up on its
+        // side, and enforced here by tonic's channel even if it never
+        // answers at all (a `DEADLINE_EXCEEDED`-like "Timeout expired").
         call.set_timeout(limit);
         tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
         let metrics = self.metrics.clone();
@@ -393,13 +393,7 @@ impl RemotePrefiller for GrpcPrefiller {
             // Success is reported by the transport (the sink's finish);
             // failure before or without a transfer is reported here. A
             // second finish for one transfer is ignored by the engine.
-            let answer = match tokio::time::timeout(limit, client.prefill(call)).await {
-                Ok(answer) => answer,
-                Err(_) => Err(tonic::Status::deadline_exceeded(format!(
-                    "no answer within {limit:?}; prefilling locally"
-                ))),
-            };
-            match answer {
+            match client.prefill(call).await {
                 Ok(_) => {
                     metrics.remote_prefills.with(&["ok"]).inc();
                     metrics

@@ -266,17 +266,9 @@ impl Cluster {
 /// the bound its last "healthy" stood for good.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// `call` with [`PROBE_TIMEOUT`] (also sent as the call's `grpc-timeout`);
-/// a timeout is a failed probe.
-async fn bounded<T>(
-    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-) -> Result<tonic::Response<T>, tonic::Status> {
-    tokio::time::timeout(PROBE_TIMEOUT, call)
-        .await
-        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("probe timed out")))
-}
-
-/// A probe's request, carrying [`PROBE_TIMEOUT`] as its deadline.
+/// A probe's request, carrying [`PROBE_TIMEOUT`] as its deadline: sent as
+/// `grpc-timeout` and enforced by tonic's channel on this side, so an
+/// unanswered probe fails instead of waiting.
 fn probe_request<T>(message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(PROBE_TIMEOUT);
@@ -288,7 +280,7 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
     while !w.gone.load(Ordering::Relaxed) {
         let known = lock(&w.info).is_some();
         let ok = if known {
-            match bounded(client.load(probe_request(wv1::LoadRequest {}))).await {
+            match client.load(probe_request(wv1::LoadRequest {})).await {
                 Ok(r) => {
                     let r = r.into_inner();
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
@@ -298,7 +290,7 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
                 Err(_) => false,
             }
         } else {
-            match bounded(client.info(probe_request(wv1::InfoRequest {}))).await {
+            match client.info(probe_request(wv1::InfoRequest {})).await {
                 Ok(r) => {
                     let info = r.into_inner();
                     match cluster.admit(&info) {

@@ -1,7 +1,7 @@
 //! The worker plane's credential: proof of the cluster secret on every call
 //! a router or a decode worker makes to a worker.
 //!
-//! Workers serve `Generate`, `Prefill` and `KvEvents` to the cluster only:
+//! Workers serve `Generate` and `Prefill` to the cluster only:
 //! a client that learns a decode worker's address must not get tokens
 //! around the router's API keys, nor a prefill worker's KV. Every member
 //! holds the cluster token (the KV handshake proves it too), so the
@@ -12,8 +12,9 @@
 //! Like any bearer value it can be replayed by whoever can read the
 //! traffic, which is what `--tls` is for.
 //!
-//! Health, reflection and the read-only `Info` and `Load` calls stay open,
-//! as `/metrics` does: probes and dashboards need no secret.
+//! Health, reflection and the `Worker` service (`Info`, `Load`,
+//! `KvEvents`) stay open, as `/metrics` does: probes and dashboards need
+//! no secret. (`KvEvents` shows prefix hashes; guarding it is still owed.)
 
 use std::task::{Context, Poll};
 

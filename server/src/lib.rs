@@ -102,17 +102,9 @@ pub struct Services {
 }
 
 impl Services {
-    /// The public `Generation` service over `generation`.
+    /// The public `Generation` service over `generation`, unguarded.
     pub fn generation(generation: GenerationService) -> Self {
-        let mut s = Self::default();
-        s.add(
-            v1::generation_server::GenerationServer::new(generation)
-                .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
-            v1::GENERATION_SERVICE,
-            v1::FILE_DESCRIPTOR_SET,
-        );
-        s
+        Self::guarded_generation(std::sync::Arc::new(generation), Ok)
     }
 
     /// The `Generation` service over `service`, every call checked by
