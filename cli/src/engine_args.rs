@@ -25,7 +25,7 @@ pub struct EngineArgs {
     /// Longest prefill chunk of one request per step (default: the budget).
     #[arg(long)]
     max_prefill_chunk: Option<usize>,
-    /// Context limit (default: the model's max_position_embeddings).
+    /// Context limit (default: the model's context, `ModelConfig::max_context`).
     #[arg(long)]
     max_model_len: Option<usize>,
     /// Do not reuse the K/V of shared prompt prefixes.
@@ -230,9 +230,7 @@ fn cuda_backend(
     opts.max_tokens = config.max_num_batched_tokens;
     opts.max_seqs = config.max_num_seqs;
     opts.max_logit_rows = config.max_num_seqs;
-    opts.max_model_len = config
-        .max_model_len
-        .unwrap_or(model.max_position_embeddings);
+    opts.max_model_len = config.max_model_len.unwrap_or(model.max_context());
     opts.graph_max_batch = config.max_num_seqs.min(256);
     let gpu = CudaModel::load(dir, opts)
         .map_err(|e| anyhow::anyhow!("loading {} onto the GPU: {e}", dir.display()))?;

@@ -26,8 +26,8 @@ pub struct PlanArgs {
     /// such as 16GiB, 512MiB, 1.5GB.
     #[arg(long, value_parser = parse_memory_size)]
     memory: u64,
-    /// The longest sequence to plan for (default: the model's
-    /// max_position_embeddings).
+    /// The longest sequence to plan for (default: the model's context:
+    /// max_position_embeddings, extended by its rope scaling).
     #[arg(long)]
     max_model_len: Option<usize>,
     /// What the KV cache stores: f32, bf16, f16, fp8 or int8 (the 8-bit

@@ -7,7 +7,9 @@
 //! per-layer sliding windows); a description that needs more is refused
 //! here, by the name of each missing feature, before anything is uploaded.
 
-use tandem_engine::arch::{Activation, LayerTensor, NormPlacement, Projections, TensorNames};
+use tandem_engine::arch::{
+    Activation, LayerTensor, NormPlacement, Projections, QkNorm, TensorNames,
+};
 use tandem_engine::ModelConfig;
 
 use crate::error::CudaError;
@@ -16,11 +18,28 @@ use crate::error::CudaError;
 pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     let s = &config.arch;
     let mut missing = Vec::new();
-    if s.norm != NormPlacement::Pre {
-        missing.push("sandwich norms (RMSNorm on attention and MLP outputs)");
+    match s.norm {
+        NormPlacement::Pre => {}
+        NormPlacement::Sandwich => {
+            missing.push("sandwich norms (RMSNorm on attention and MLP outputs)")
+        }
+        NormPlacement::Post => {
+            missing.push("post-norm blocks (RMSNorm on attention and MLP outputs only)")
+        }
     }
-    if s.qk_norm {
-        missing.push("per-head q/k RMSNorm");
+    match s.qk_norm {
+        QkNorm::None => {}
+        QkNorm::PerHead => missing.push("per-head q/k RMSNorm"),
+        QkNorm::Full => missing.push("whole-projection q/k RMSNorm"),
+    }
+    if s.residual_scale.is_some() {
+        missing.push("residual scaling");
+    }
+    if s.logits_divisor.is_some() {
+        missing.push("logit scaling");
+    }
+    if config.rope_scaling.position_dependent() {
+        missing.push("position-dependent RoPE frequencies (longrope, dynamic)");
     }
     if s.activation != Activation::Silu {
         missing.push("GELU-tanh MLP activation");
@@ -224,6 +243,39 @@ mod tests {
         assert!(g3.iter().any(|m| m.contains("q/k RMSNorm")), "{g3:?}");
         assert!(g3.iter().any(|m| m.contains("RoPE base")), "{g3:?}");
         assert!(!g3.iter().any(|m| m.contains("soft-capping")), "{g3:?}");
+    }
+
+    #[test]
+    fn olmo2_and_granite_name_what_they_lack_and_yarn_runs() {
+        let o = missing_features(&config("Olmo2ForCausalLM", json!({})));
+        assert!(o.iter().any(|m| m.contains("post-norm")), "{o:?}");
+        assert!(
+            o.iter().any(|m| m.contains("whole-projection q/k")),
+            "{o:?}"
+        );
+        let g = missing_features(&config(
+            "GraniteForCausalLM",
+            json!({"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                   "logits_scaling": 8.0, "attention_multiplier": 0.01}),
+        ));
+        for want in ["embedding scaling", "residual scaling", "logit scaling"] {
+            assert!(g.iter().any(|m| m.contains(want)), "{want} in {g:?}");
+        }
+        // YaRN is one table of frequencies and an attention scale: it runs.
+        let yarn = config(
+            "LlamaForCausalLM",
+            json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+        );
+        check_supported(&yarn).expect("yarn runs on CUDA");
+        let long = config(
+            "Phi3ForCausalLM",
+            json!({"original_max_position_embeddings": 64, "max_position_embeddings": 256,
+                   "rope_scaling": {"rope_type": "longrope",
+                   "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+                   "long_factor": [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]}}),
+        );
+        let m = missing_features(&long);
+        assert!(m.iter().any(|m| m.contains("position-dependent")), "{m:?}");
     }
 
     #[test]

@@ -706,7 +706,7 @@ impl CudaModel {
                 None => Ok(()),
             }
         };
-        let scale = c.arch.attn_scale;
+        let scale = c.arch.attn_scale * (c.rope_scaling.attention_factor().powi(2) as f32);
 
         for (li, layer) in self.weights.layers.iter().enumerate() {
             self.norm_matmul(&layer.input_norm, &layer.qkv, s.qkv.ptr, rows)?;

@@ -132,8 +132,8 @@ pub enum CapacityError {
     },
     /// `max_model_len` is longer than the model's positions.
     #[error(
-        "max_model_len {requested} exceeds the model's max_position_embeddings {limit}; \
-         use at most {limit}"
+        "max_model_len {requested} exceeds the model's context of {limit} tokens \
+         (max_position_embeddings, extended by its rope scaling); use at most {limit}"
     )]
     MaxModelLenTooLong { requested: usize, limit: usize },
     /// A size that must be positive is zero.
@@ -199,8 +199,8 @@ pub struct CapacityPlan {
     pub weight_bytes: u64,
     /// Tokens per KV block (default [`DEFAULT_BLOCK_SIZE`]).
     pub block_size: usize,
-    /// The longest sequence to plan for (default: the model's
-    /// `max_position_embeddings`).
+    /// The longest sequence to plan for (default: the model's context,
+    /// [`crate::ModelConfig::max_context`]).
     pub max_model_len: Option<usize>,
     /// Most tokens per forward step (default
     /// [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]).
@@ -265,7 +265,7 @@ impl CapacityPlan {
                 return Err(CapacityError::Zero(name));
             }
         }
-        let limit = cfg.max_position_embeddings;
+        let limit = cfg.max_context();
         let max_model_len = self.max_model_len.unwrap_or(limit);
         if max_model_len == 0 {
             return Err(CapacityError::Zero("max_model_len"));

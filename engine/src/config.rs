@@ -24,6 +24,8 @@ pub enum Architecture {
     Gemma2,
     Gemma3,
     Phi3,
+    Olmo2,
+    Granite,
 }
 
 impl Architecture {
@@ -38,6 +40,8 @@ impl Architecture {
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
+            Self::Olmo2 => "Olmo2ForCausalLM",
+            Self::Granite => "GraniteForCausalLM",
         }
     }
 }
@@ -56,6 +60,82 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// YaRN (Qwen, DeepSeek): each frequency blended between kept and
+    /// divided by `factor`, by a ramp over the dimensions that turn between
+    /// `beta_slow` and `beta_fast` times in the original context; queries
+    /// and keys scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded to whole dimensions.
+        truncate: bool,
+        attention_factor: f64,
+    },
+    /// Dynamic NTK: from the original context on, theta grows with the
+    /// sequence length (`theta · (factor·len/orig − (factor−1))^(d/(d−2))`).
+    Dynamic {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// LongRoPE (Phi-3 128k, Phi-3.5): a divisor per frequency,
+    /// `short_factor` within the original context and `long_factor` from
+    /// it on; queries and keys scaled by `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// What rotated queries and keys are multiplied by (YaRN, LongRoPE:
+    /// transformers scales cos and sin); attention scores by its square.
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            Self::Yarn {
+                attention_factor, ..
+            }
+            | Self::LongRope {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    /// Whether a position's frequencies depend on the position (LongRoPE,
+    /// dynamic NTK): one table of frequencies does not describe them.
+    pub fn position_dependent(&self) -> bool {
+        matches!(self, Self::Dynamic { .. } | Self::LongRope { .. })
+    }
+
+    /// Checks the scaling against the rotated head size.
+    fn check(&self, head_dim: usize) -> Result<()> {
+        if let Self::LongRope {
+            short_factor,
+            long_factor,
+            ..
+        } = self
+        {
+            for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != head_dim / 2 {
+                    return Err(EngineError::InvalidCheckpoint(format!(
+                        "longrope `{name}` has {} entries; head_dim {head_dim} needs {}",
+                        f.len(),
+                        head_dim / 2
+                    )));
+                }
+                if f.iter().any(|x| !x.is_finite() || *x <= 0.0) {
+                    return Err(EngineError::InvalidCheckpoint(format!(
+                        "longrope `{name}` has a non-positive entry"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A normalised model configuration.
@@ -142,8 +222,14 @@ fn field_f64(obj: &Value, key: &str) -> Option<f64> {
 }
 
 /// RoPE theta and scaling from one parameter object (`rope_scaling`, or a
-/// `rope_parameters` entry), `theta` when the object has none.
-pub(crate) fn rope_params(params: Option<&Value>, theta: f64) -> Result<RopeParams> {
+/// `rope_parameters` entry), `theta` when the object has none; `config`
+/// (the whole text config) gives the context lengths scalings refer to.
+pub(crate) fn rope_params(
+    params: Option<&Value>,
+    theta: f64,
+    config: &Value,
+    aliases: &[(&str, &str)],
+) -> Result<RopeParams> {
     let theta = params
         .and_then(|p| field_f64(p, "rope_theta"))
         .unwrap_or(theta);
@@ -158,11 +244,21 @@ pub(crate) fn rope_params(params: Option<&Value>, theta: f64) -> Result<RopePara
         .or_else(|| scaling.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
+    let kind = aliases
+        .iter()
+        .find(|(alias, _)| *alias == kind)
+        .map_or(kind, |&(_, name)| name);
     let need = |key: &str| {
-        field_f64(scaling, key).ok_or_else(|| {
-            EngineError::InvalidCheckpoint(format!("rope scaling `{kind}` lacks `{key}`"))
-        })
+        field_f64(scaling, key)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| {
+                EngineError::InvalidCheckpoint(format!(
+                    "rope scaling `{kind}` needs a positive `{key}`"
+                ))
+            })
     };
+    let max_position =
+        field_f64(config, "max_position_embeddings").unwrap_or(default_max_pos() as f64);
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear {
@@ -174,19 +270,110 @@ pub(crate) fn rope_params(params: Option<&Value>, theta: f64) -> Result<RopePara
             high_freq_factor: need("high_freq_factor")?,
             original_max_position_embeddings: need("original_max_position_embeddings")?,
         },
+        "yarn" => yarn(scaling, config, max_position)?,
+        "dynamic" => RopeScaling::Dynamic {
+            factor: need("factor")?,
+            // transformers measures the original context by
+            // max_position_embeddings for dynamic NTK.
+            original_max_position_embeddings: max_position as usize,
+        },
+        "longrope" => longrope(scaling, config, max_position)?,
         other => {
             return Err(EngineError::Unsupported(format!(
-                "rope scaling type `{other}` (supported: default, linear, llama3)"
+                "rope scaling type `{other}` (supported: default, linear, llama3, yarn, dynamic, longrope)"
             )))
         }
     };
     Ok(RopeParams { theta, scaling })
 }
 
+/// `0.1 · m · ln(s) + 1`, YaRN's attention temperature (1 for `s ≤ 1`).
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+/// The pretraining context a YaRN or LongRoPE scaling refers to, as
+/// transformers 5 resolves it: the config's own
+/// `original_max_position_embeddings` (Phi-3 writes it at the top level),
+/// else the parameters', else `max_position_embeddings`.
+fn original_context(p: &Value, config: &Value, max_position: f64) -> f64 {
+    field_f64(config, "original_max_position_embeddings")
+        .or_else(|| field_f64(p, "original_max_position_embeddings"))
+        .filter(|o| *o > 0.0)
+        .unwrap_or(max_position)
+}
+
+/// The scaling factor: the parameters' `factor`, else (DeepSeek-V3,
+/// Phi-3) `max_position_embeddings / original`.
+fn context_factor(p: &Value, original: f64, max_position: f64) -> f64 {
+    field_f64(p, "factor").unwrap_or(max_position / original)
+}
+
+/// YaRN: the attention factor, unless given, comes from `mscale` /
+/// `mscale_all_dim` or the factor alone.
+fn yarn(p: &Value, config: &Value, max_position: f64) -> Result<RopeScaling> {
+    let original = original_context(p, config, max_position);
+    let factor = context_factor(p, original, max_position);
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(EngineError::InvalidCheckpoint(format!(
+            "rope scaling `yarn` has factor {factor}; it must be positive"
+        )));
+    }
+    let attention_factor = match field_f64(p, "attention_factor") {
+        Some(a) => a,
+        None => match (field_f64(p, "mscale"), field_f64(p, "mscale_all_dim")) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                yarn_mscale(factor, m) / yarn_mscale(factor, all)
+            }
+            _ => yarn_mscale(factor, 1.0),
+        },
+    };
+    let beta = |key: &str, default: f64| field_f64(p, key).filter(|b| *b != 0.0).unwrap_or(default);
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: beta("beta_fast", 32.0),
+        beta_slow: beta("beta_slow", 1.0),
+        truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+        attention_factor,
+    })
+}
+
+/// LongRoPE: the attention factor, unless given, is
+/// `sqrt(1 + ln(factor) / ln(original))` (1 for a factor ≤ 1).
+fn longrope(p: &Value, config: &Value, max_position: f64) -> Result<RopeScaling> {
+    let factors = |key: &str| -> Result<Vec<f64>> {
+        p.get(key)
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_f64).collect::<Vec<_>>())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                EngineError::InvalidCheckpoint(format!("rope scaling `longrope` lacks `{key}`"))
+            })
+    };
+    let original = original_context(p, config, max_position);
+    let factor = context_factor(p, original, max_position);
+    let attention_factor = field_f64(p, "attention_factor").unwrap_or(if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / original.ln()).sqrt()
+    });
+    Ok(RopeScaling::LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_position_embeddings: original as usize,
+        attention_factor,
+    })
+}
+
 /// The global layers' RoPE: transformers 5 folds theta and scaling into
 /// `rope_parameters` (per layer type for Gemma 3: its `full_attention`
 /// entry); published checkpoints carry `rope_theta` + `rope_scaling`.
-fn parse_rope(raw: &RawConfig) -> Result<RopeParams> {
+fn parse_rope(raw: &RawConfig, config: &Value, aliases: &[(&str, &str)]) -> Result<RopeParams> {
     let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
     let params = params.map(|p| {
         p.get("full_attention")
@@ -208,7 +395,7 @@ fn parse_rope(raw: &RawConfig) -> Result<RopeParams> {
         .rope_theta
         .or_else(|| params.and_then(|p| field_f64(p, "rope_theta")))
         .unwrap_or(10000.0);
-    rope_params(legacy.or(params), theta)
+    rope_params(legacy.or(params), theta, config, aliases)
 }
 
 /// A multimodal checkpoint's text config (`text_config`), with the
@@ -296,7 +483,8 @@ impl ModelConfig {
                 "head_dim {head_dim} must be even and positive for rotary embeddings"
             )));
         }
-        let rope = parse_rope(&raw)?;
+        let rope = parse_rope(&raw, value, family.rope_aliases)?;
+        rope.scaling.check(head_dim)?;
         let input = FamilyInput {
             json: value,
             architecture,
@@ -306,6 +494,9 @@ impl ModelConfig {
             num_layers: raw.num_hidden_layers,
         };
         let spec = (family.describe)(&input)?;
+        if let Some(local) = &spec.local_rope {
+            local.scaling.check(head_dim)?;
+        }
         let sliding_window = match &raw.layer_types {
             Some(types) => layer_windows(&raw, types)?,
             None => (family.default_windows)(&input)?,
@@ -330,6 +521,23 @@ impl ModelConfig {
             eos_token_ids: token_ids(raw.eos_token_id.as_ref()),
             arch: spec,
         })
+    }
+
+    /// The longest sequence the model serves: `max_position_embeddings`,
+    /// or for scalings that extend past it (as vLLM reads them), the
+    /// extended length: dynamic NTK `max_position_embeddings · factor`,
+    /// YaRN `original · factor` where that is longer.
+    pub fn max_context(&self) -> usize {
+        let extended = match &self.rope_scaling {
+            RopeScaling::Dynamic { factor, .. } => self.max_position_embeddings as f64 * factor,
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            } => original_max_position_embeddings * factor,
+            _ => 0.0,
+        };
+        self.max_position_embeddings.max(extended as usize)
     }
 
     /// Query heads that share one KV head.
@@ -405,6 +613,46 @@ mod tests {
         assert_eq!(a.rope_theta, b.rope_theta);
         assert_eq!(a.rope_scaling, b.rope_scaling);
         assert!(matches!(a.rope_scaling, RopeScaling::Llama3 { .. }));
+    }
+
+    #[test]
+    fn extending_scalings_extend_the_context() {
+        let mut c = base();
+        c["max_position_embeddings"] = json!(4096);
+        assert_eq!(
+            ModelConfig::from_json(&c).expect("plain").max_context(),
+            4096
+        );
+        c["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 2.0});
+        assert_eq!(
+            ModelConfig::from_json(&c).expect("dynamic").max_context(),
+            8192
+        );
+        // YaRN: an explicit factor wins over max / original (transformers 5).
+        c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 2048});
+        let y = ModelConfig::from_json(&c).expect("yarn");
+        assert_eq!(y.max_context(), 8192);
+        let RopeScaling::Yarn {
+            factor,
+            attention_factor,
+            ..
+        } = y.rope_scaling
+        else {
+            panic!("{:?}", y.rope_scaling);
+        };
+        assert_eq!(factor, 4.0);
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        // Without a factor, the ratio (DeepSeek-V3's configs).
+        c["rope_scaling"] = json!({"rope_type": "yarn", "original_max_position_embeddings": 1024});
+        let y = ModelConfig::from_json(&c).expect("yarn by ratio");
+        assert!(matches!(y.rope_scaling, RopeScaling::Yarn { factor, .. } if factor == 4.0));
+        c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512});
+        assert_eq!(
+            ModelConfig::from_json(&c).expect("llama3").max_context(),
+            4096
+        );
     }
 
     #[test]

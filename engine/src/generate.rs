@@ -88,11 +88,11 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(EngineError::InvalidRequest("the prompt is empty".into()));
     }
-    if prompt.len() >= cfg.max_position_embeddings {
+    if prompt.len() >= cfg.max_context() {
         return Err(EngineError::InvalidRequest(format!(
-            "prompt of {} tokens leaves no room to generate within max_position_embeddings {}",
+            "prompt of {} tokens leaves no room to generate within the model's context of {} tokens",
             prompt.len(),
-            cfg.max_position_embeddings
+            cfg.max_context()
         )));
     }
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
@@ -108,9 +108,7 @@ pub fn generate(
     }
     let mut sampler = Sampler::new(req.sampling.clone(), prompt)?;
     // The context limit caps the output; hitting it is a `length` finish.
-    let max_new = req
-        .max_tokens
-        .min(cfg.max_position_embeddings - prompt.len());
+    let max_new = req.max_tokens.min(cfg.max_context() - prompt.len());
     let total = prompt.len() + max_new;
     let blocks = total.div_ceil(opts.block_size).max(1);
     let allocator = BlockAllocator::new(blocks, opts.block_size)?;

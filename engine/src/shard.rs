@@ -81,6 +81,9 @@ impl ShardSpec {
                 "tensor parallelism {tp} cannot split this model: {what}"
             )))
         };
+        if tp > 1 && c.arch.qk_norm == crate::arch::QkNorm::Full {
+            return fail("its q/k RMSNorm spans every head (OLMo 2)".into());
+        }
         if !c.num_heads.is_multiple_of(tp) {
             return fail(format!("{} attention heads", c.num_heads));
         }

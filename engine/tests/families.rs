@@ -41,7 +41,14 @@ fn tensors(arch: &str) -> Vec<(String, Vec<usize>)> {
     ];
     for i in 0..2 {
         let p = |s: &str| format!("model.layers.{i}.{s}");
-        t.push((p("input_layernorm.weight"), vec![H]));
+        if arch == "Olmo2ForCausalLM" {
+            // Norms on the outputs only; q/k norms over whole projections.
+            t.push((p("post_feedforward_layernorm.weight"), vec![H]));
+            t.push((p("self_attn.q_norm.weight"), vec![q]));
+            t.push((p("self_attn.k_norm.weight"), vec![kv]));
+        } else {
+            t.push((p("input_layernorm.weight"), vec![H]));
+        }
         t.push((p("post_attention_layernorm.weight"), vec![H]));
         t.push((p("self_attn.o_proj.weight"), vec![H, q]));
         t.push((p("mlp.down_proj.weight"), vec![H, INTER]));
@@ -105,7 +112,13 @@ fn set_shape(t: &mut [(String, Vec<usize>)], name: &str, shape: Vec<usize>) {
 
 #[test]
 fn well_formed_checkpoints_of_each_family_load() {
-    for arch in ["LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"] {
+    for arch in [
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Olmo2ForCausalLM",
+        "GraniteForCausalLM",
+    ] {
         let m = load_with(arch, |_| {}).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(m.config().architecture.hf_name(), arch);
     }
@@ -128,6 +141,37 @@ fn a_q_norm_of_the_wrong_width_is_refused_with_the_expected_shape() {
     assert!(msg.contains(name), "{msg}");
     assert!(msg.contains(&format!("[{H}]")), "found shape: {msg}");
     assert!(msg.contains(&format!("[{D}]")), "expected shape: {msg}");
+}
+
+#[test]
+fn olmo2_norms_are_checked_at_their_own_widths_and_names() {
+    let name = "model.layers.1.post_feedforward_layernorm.weight";
+    let err = load_with("Olmo2ForCausalLM", |t| t.retain(|(n, _)| n != name)).expect_err("refused");
+    assert!(err.to_string().contains(name), "{err}");
+    // A per-head k_norm (Qwen3's shape) where OLMo 2 norms the whole
+    // projection.
+    let name = "model.layers.0.self_attn.k_norm.weight";
+    let err = load_with("Olmo2ForCausalLM", |t| set_shape(t, name, vec![D])).expect_err("refused");
+    let msg = err.to_string();
+    assert!(msg.contains(name), "{msg}");
+    assert!(
+        msg.contains(&format!("[{}]", KV * D)),
+        "expected shape: {msg}"
+    );
+}
+
+#[test]
+fn olmo2_is_refused_a_tensor_parallel_split_by_its_norm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write(
+        dir.path(),
+        &config("Olmo2ForCausalLM"),
+        &tensors("Olmo2ForCausalLM"),
+    );
+    let err = Model::load_shard(dir.path(), 2, 0, 1, 0).expect_err("refused");
+    assert!(matches!(err, EngineError::Unsupported(_)), "{err:?}");
+    assert!(err.to_string().contains("q/k RMSNorm"), "{err}");
+    Model::load_shard(dir.path(), 1, 0, 2, 1).expect("a pipeline split is fine");
 }
 
 #[test]
@@ -177,25 +221,78 @@ fn split_projections_in_a_fused_family_are_refused_by_the_fused_name() {
 
 #[test]
 fn unknown_rope_types_and_partial_rotary_are_refused_by_name() {
-    for (rope, want) in [
-        (json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
-        (
-            json!({"rope_type": "longrope", "short_factor": [1.0]}),
-            "longrope",
-        ),
-        (json!({"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
-    ] {
-        let mut c = config("Qwen3ForCausalLM");
-        c["rope_scaling"] = rope;
-        let err = ModelConfig::from_json(&c).expect_err("refused");
-        assert!(matches!(err, EngineError::Unsupported(_)), "{err:?}");
-        assert!(err.to_string().contains(want), "{err}");
-    }
+    let mut c = config("Qwen3ForCausalLM");
+    c["rope_scaling"] = json!({"rope_type": "mrope", "mrope_section": [2, 1, 1]});
+    let err = ModelConfig::from_json(&c).expect_err("refused");
+    assert!(matches!(err, EngineError::Unsupported(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("mrope") && msg.contains("longrope"), "{msg}");
     let mut c = config("Phi3ForCausalLM");
     c["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e4,
         "partial_rotary_factor": 0.75});
     let err = ModelConfig::from_json(&c).expect_err("refused");
     assert!(err.to_string().contains("partial_rotary_factor"), "{err}");
+}
+
+#[test]
+fn malformed_rope_scalings_are_refused_by_field() {
+    for (rope, want) in [
+        // One factor per rotated pair: head_dim 8 has 4.
+        (
+            json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 1.0, 1.0, 1.0]}),
+            "short_factor",
+        ),
+        (
+            json!({"rope_type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0]}),
+            "long_factor",
+        ),
+        (json!({"rope_type": "dynamic"}), "factor"),
+        (json!({"rope_type": "yarn", "factor": -2.0}), "factor"),
+    ] {
+        let mut c = config("Qwen3ForCausalLM");
+        c["rope_scaling"] = rope.clone();
+        let err = ModelConfig::from_json(&c).expect_err("refused");
+        assert!(
+            matches!(err, EngineError::InvalidCheckpoint(_)),
+            "{rope}: {err:?}"
+        );
+        assert!(err.to_string().contains(want), "{rope}: {err}");
+    }
+}
+
+#[test]
+fn phi3s_early_rope_spellings_are_longrope() {
+    let factors = json!([1.0, 1.5, 2.0, 4.0]);
+    let mut c = config("Phi3ForCausalLM");
+    c["max_position_embeddings"] = json!(4096);
+    c["original_max_position_embeddings"] = json!(1024);
+    for kind in ["su", "yarn", "longrope"] {
+        c["rope_scaling"] = json!({"type": kind, "short_factor": factors, "long_factor": factors});
+        let got = ModelConfig::from_json(&c).expect("loads").rope_scaling;
+        let tandem_engine::RopeScaling::LongRope {
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } = got
+        else {
+            panic!("{kind}: {got:?}");
+        };
+        assert_eq!(original_max_position_embeddings, 1024);
+        // sqrt(1 + ln(4096 / 1024) / ln(1024)), transformers' default.
+        let want = (1.0 + 4f64.ln() / 1024f64.ln()).sqrt();
+        assert!(
+            (attention_factor - want).abs() < 1e-12,
+            "{attention_factor}"
+        );
+    }
+    // Elsewhere `yarn` is YaRN.
+    let mut c = config("Qwen3ForCausalLM");
+    c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+    let got = ModelConfig::from_json(&c).expect("loads").rope_scaling;
+    assert!(
+        matches!(got, tandem_engine::RopeScaling::Yarn { .. }),
+        "{got:?}"
+    );
 }
 
 #[test]
@@ -207,10 +304,16 @@ fn a_multimodal_config_without_text_config_is_refused() {
 
 #[test]
 fn an_unsupported_architecture_lists_what_is_supported() {
-    let err = ModelConfig::from_json(&config("Olmo2ForCausalLM")).expect_err("refused");
+    let err = ModelConfig::from_json(&config("FalconForCausalLM")).expect_err("refused");
     let msg = err.to_string();
-    assert!(msg.contains("Olmo2ForCausalLM"), "{msg}");
-    for known in ["Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"] {
+    assert!(msg.contains("FalconForCausalLM"), "{msg}");
+    for known in [
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Olmo2ForCausalLM",
+        "GraniteForCausalLM",
+    ] {
         assert!(msg.contains(known), "{msg}");
     }
 }

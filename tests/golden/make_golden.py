@@ -35,10 +35,14 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -127,6 +131,30 @@ def gemma3_multimodal(**text):
     )
 
 
+def legacy_rope(cfg):
+    """A published config.json's RoPE: rope_theta at the top and the
+    scaling under rope_scaling with the old `type` key."""
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    rope.pop("partial_rotary_factor", None)
+    cfg["rope_scaling"] = rope
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+# Position-dependent RoPE (dynamic NTK, LongRoPE) recomputes its frequencies
+# from the longest position in each forward pass, so transformers' answer
+# depends on how a sequence is split into passes. The reference for these
+# cases decodes as a server does: the prompt in one pass, then one token per
+# pass with the KV cache, crossing the original context while generating.
+INCREMENTAL = {"llama_dynamic", "phi3_longrope"}
+
+# LongRoPE's per-pair divisors for head_dim 16 (8 pairs), short and long.
+SHORT_FACTOR = [1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0]
+LONG_FACTOR = [1.0, 1.5, 2.5, 4.0, 8.0, 12.0, 16.0, 24.0]
+
+
 def cases():
     return {
         # Llama with grouped-query attention (4 query heads share 2 KV heads).
@@ -205,6 +233,81 @@ def cases():
             Phi3ForCausalLM,
             dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, pad_token_id=0),
         ),
+        # OLMo 2: norms on block outputs only, q/k norms over whole projections.
+        "olmo2_gqa": (Olmo2Config, Olmo2ForCausalLM, dict(BASE)),
+        # OLMo 2 with multi-query attention, a tied head and q/k/v/o biases.
+        "olmo2_mqa_tied": (
+            Olmo2Config,
+            Olmo2ForCausalLM,
+            dict(BASE, num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True),
+        ),
+        # Granite: embedding, attention, residual and logit multipliers.
+        "granite_gqa": (
+            GraniteConfig,
+            GraniteForCausalLM,
+            dict(
+                BASE, embedding_multiplier=3.0, attention_multiplier=0.2,
+                residual_multiplier=0.6, logits_scaling=2.5,
+            ),
+        ),
+        # Granite with multi-head attention, a tied head, head_dim 32.
+        "granite_mha_tied": (
+            GraniteConfig,
+            GraniteForCausalLM,
+            dict(
+                BASE, num_key_value_heads=4, tie_word_embeddings=True, embedding_multiplier=12.0,
+                attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=8.0,
+            ),
+        ),
+        # Qwen3 with YaRN over a small original context, so the ramp spans
+        # the pairs at head_dim 32 and the attention factor is not 1.
+        "qwen3_yarn": (
+            Qwen3Config,
+            Qwen3ForCausalLM,
+            dict(
+                BASE, head_dim=32,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                ),
+            ),
+        ),
+        # Llama with YaRN in the published spelling (rope_scaling, `type`),
+        # DeepSeek-style mscale / mscale_all_dim.
+        "llama_yarn_legacy": (
+            LlamaConfig,
+            LlamaForCausalLM,
+            dict(
+                BASE,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=50000.0, factor=8.0, original_max_position_embeddings=16,
+                    mscale=1.0, mscale_all_dim=0.5, beta_fast=16, beta_slow=2,
+                ),
+            ),
+            legacy_rope,
+        ),
+        # Llama with dynamic NTK past a 24-token context: theta grows with
+        # every generated token from position 24 on.
+        "llama_dynamic": (
+            LlamaConfig,
+            LlamaForCausalLM,
+            dict(
+                BASE, max_position_embeddings=24,
+                rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
+            ),
+        ),
+        # Phi-3 with LongRoPE: short factors within 24 tokens, long ones
+        # after, and the attention factor of a 256 / 24 extension.
+        "phi3_longrope": (
+            Phi3Config,
+            Phi3ForCausalLM,
+            dict(
+                BASE, pad_token_id=0, original_max_position_embeddings=24,
+                rope_parameters=dict(
+                    rope_type="longrope", rope_theta=10000.0,
+                    short_factor=SHORT_FACTOR, long_factor=LONG_FACTOR,
+                ),
+            ),
+        ),
     }
 
 
@@ -225,11 +328,18 @@ def build(config_cls, model_cls, kwargs, seed):
 
 
 @torch.no_grad()
-def greedy(model, prompt):
+def greedy(model, prompt, incremental=False):
     ids = list(prompt)
     steps = []
+    past = None
     for _ in range(GEN_TOKENS):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        if incremental:
+            new = ids if past is None else ids[-1:]
+            out = model(torch.tensor([new]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+        else:
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
         lp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(lp, TOP_N)
         tok = int(top.indices[0])
@@ -262,7 +372,7 @@ def main():
             index = [c for c in json.load(f) if c.rsplit("_", 1)[0] not in names]
     for name in names:
         # Seeds follow the case's place in cases(), so a partial run makes
-        # the same models as a full one.
+        # the same models as a full one (new cases go at the end).
         i = list(all_cases).index(name)
         config_cls, model_cls, kwargs, *rewrite = all_cases[name]
         base_model = build(config_cls, model_cls, kwargs, seed=1000 + i)
@@ -282,7 +392,7 @@ def main():
             # Reload with float32 compute: for bf16 this widens the stored
             # weights exactly, so the reference is the checkpoint's function.
             ref = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-            steps = greedy(ref, prompt)
+            steps = greedy(ref, prompt, incremental=name in INCREMENTAL)
             record = {
                 "case": case,
                 "architecture": model_cls.__name__,
@@ -290,6 +400,7 @@ def main():
                 "prompt_ids": prompt,
                 "steps": steps,
                 "min_gap": min(s["gap"] for s in steps),
+                "reference": "incremental" if name in INCREMENTAL else "full",
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
             }

@@ -189,6 +189,14 @@ fn every_fixture_architecture_is_covered() {
         "gemma2_softcap",
         "phi3_fused",
         "phi3_mha_tied",
+        "olmo2_gqa",
+        "olmo2_mqa_tied",
+        "granite_gqa",
+        "granite_mha_tied",
+        "qwen3_yarn",
+        "llama_yarn_legacy",
+        "llama_dynamic",
+        "phi3_longrope",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -233,6 +241,14 @@ parity!(
     gemma2_softcap,
     phi3_fused,
     phi3_mha_tied,
+    olmo2_gqa,
+    olmo2_mqa_tied,
+    granite_gqa,
+    granite_mha_tied,
+    qwen3_yarn,
+    llama_yarn_legacy,
+    llama_dynamic,
+    phi3_longrope,
 );
 
 #[test]

@@ -19,7 +19,8 @@
 use serde_json::Value;
 
 use super::{
-    Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections, RopeParams,
+    Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections, QkNorm,
+    RopeParams,
 };
 use crate::config::{rope_params, Architecture};
 use crate::error::{EngineError, Result};
@@ -60,6 +61,7 @@ pub static FAMILY: Family = Family {
     // Gemma2Config's and Gemma3TextConfig's default.
     default_head_dim: Some(256),
     tied_by_default: true,
+    rope_aliases: &[],
     describe,
     default_windows,
 };
@@ -91,7 +93,7 @@ fn local_rope(c: &FamilyInput<'_>) -> Result<RopeParams> {
         .and_then(|p| p.get("sliding_attention"))
         .filter(|p| p.is_object());
     let theta = c.f64("rope_local_base_freq").unwrap_or(10_000.0);
-    rope_params(nested, theta)
+    rope_params(nested, theta, c.json, &[])
 }
 
 fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
@@ -126,8 +128,13 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
         norm_offset: 1.0,
         activation: c.activation(Activation::GeluTanh)?,
         embed_scale: Some((c.hidden_size as f64).sqrt() as f32),
-        qk_norm: gemma3,
+        qk_norm: match gemma3 {
+            true => QkNorm::PerHead,
+            false => QkNorm::None,
+        },
         attn_scale: scalar.powf(-0.5) as f32,
+        residual_scale: None,
+        logits_divisor: None,
         attn_softcap: cap(c, "attn_logit_softcapping", attn_cap)?,
         final_softcap: cap(c, "final_logit_softcapping", final_cap)?,
         local_rope: match gemma3 {
@@ -177,7 +184,7 @@ mod tests {
         let j = json!({});
         let s = describe(&input(&j, Architecture::Gemma2, "Gemma2ForCausalLM")).expect("spec");
         assert_eq!((s.attn_softcap, s.final_softcap), (Some(50.0), Some(30.0)));
-        assert!(!s.qk_norm && s.local_rope.is_none());
+        assert!(s.qk_norm == QkNorm::None && s.local_rope.is_none());
         let j = json!({"attn_logit_softcapping": null, "final_logit_softcapping": 15.0});
         let s = describe(&input(&j, Architecture::Gemma2, "Gemma2ForCausalLM")).expect("spec");
         assert_eq!((s.attn_softcap, s.final_softcap), (None, Some(15.0)));
@@ -193,7 +200,7 @@ mod tests {
         let b = describe(&input(&v5, Architecture::Gemma3, "Gemma3ForCausalLM")).expect("b");
         assert_eq!(a.local_rope, b.local_rope);
         assert_eq!(a.local_rope.map(|r| r.theta), Some(10000.0));
-        assert!(a.qk_norm && a.attn_softcap.is_none());
+        assert!(a.qk_norm == QkNorm::PerHead && a.attn_softcap.is_none());
         assert_eq!(a.attn_scale, 1.0 / 16.0);
     }
 

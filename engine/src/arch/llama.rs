@@ -5,7 +5,7 @@
 //! config (Mistral: every layer; Qwen2: layers from `max_window_layers` on
 //! when `use_sliding_window`), and a tied head reuses the embedding.
 
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections};
+use super::{ArchSpec, Family, FamilyInput, LayerTensor};
 use crate::config::Architecture;
 use crate::error::Result;
 
@@ -34,27 +34,13 @@ pub static FAMILY: Family = Family {
     nested_text_config: super::never_nested,
     default_head_dim: None,
     tied_by_default: false,
+    rope_aliases: &[],
     describe,
     default_windows,
 };
 
 fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
-    Ok(ArchSpec {
-        layer_names: LAYER_NAMES,
-        roots: ROOTS,
-        qkv: Projections::Split,
-        gate_up: Projections::Split,
-        norm: NormPlacement::Pre,
-        norm_offset: 0.0,
-        activation: c.activation(Activation::Silu)?,
-        embed_scale: None,
-        qk_norm: false,
-        attn_scale: c.default_attn_scale(),
-        attn_softcap: None,
-        final_softcap: None,
-        local_rope: None,
-        text_tower_of: None,
-    })
+    ArchSpec::llama(LAYER_NAMES, c)
 }
 
 /// Qwen2's rule, shared with Qwen3: with `use_sliding_window`, layers from

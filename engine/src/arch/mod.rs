@@ -23,7 +23,9 @@
 //! family name; only the files of this module do.
 
 pub mod gemma;
+pub mod granite;
 pub mod llama;
+pub mod olmo2;
 pub mod phi3;
 pub mod qwen3;
 
@@ -40,6 +42,34 @@ pub enum NormPlacement {
     /// On the input and on the output of each, before the residual add
     /// (Gemma 2 and 3).
     Sandwich,
+    /// On the output of each only, before the residual add (OLMo 2).
+    Post,
+}
+
+impl NormPlacement {
+    /// Whether attention's and the MLP's inputs are normed.
+    pub fn on_inputs(self) -> bool {
+        matches!(self, Self::Pre | Self::Sandwich)
+    }
+
+    /// Whether attention's and the MLP's outputs are normed.
+    pub fn on_outputs(self) -> bool {
+        matches!(self, Self::Sandwich | Self::Post)
+    }
+}
+
+/// An RMSNorm of the queries and keys, before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head, one `head_dim` weight shared by all heads (Qwen3,
+    /// Gemma 3).
+    PerHead,
+    /// Over the whole projection (`num_heads * head_dim` for q,
+    /// `num_kv_heads * head_dim` for k), before the split into heads
+    /// (OLMo 2). A tensor-parallel split would cut it: such a model runs
+    /// unsplit.
+    Full,
 }
 
 /// The MLP's gate activation (`act(gate) * up`).
@@ -83,9 +113,9 @@ pub enum LayerTensor {
     /// q, k and v in one tensor (`Projections::Fused`).
     Qkv,
     O,
-    /// Per-head RMSNorm of the queries (before RoPE).
+    /// RMSNorm of the queries (before RoPE; [`QkNorm`]).
     QNorm,
-    /// Per-head RMSNorm of the keys (before RoPE).
+    /// RMSNorm of the keys (before RoPE; [`QkNorm`]).
     KNorm,
     /// Norm on attention's output (sandwich placement).
     AttnOutNorm,
@@ -136,11 +166,16 @@ pub struct ArchSpec {
     pub activation: Activation,
     /// Embedding rows are multiplied by this (Gemma: `sqrt(hidden_size)`).
     pub embed_scale: Option<f32>,
-    /// Per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3).
-    pub qk_norm: bool,
-    /// Attention scores are `q·k · attn_scale` (`head_dim^-0.5`, or
-    /// Gemma's `query_pre_attn_scalar^-0.5`).
+    /// q/k RMSNorm before RoPE (Qwen3, Gemma 3: per head; OLMo 2: whole).
+    pub qk_norm: QkNorm,
+    /// Attention scores are `q·k · attn_scale` (`head_dim^-0.5`, Gemma's
+    /// `query_pre_attn_scalar^-0.5`, Granite's `attention_multiplier`).
     pub attn_scale: f32,
+    /// Attention's and the MLP's outputs are multiplied by this before the
+    /// residual add (Granite's `residual_multiplier`).
+    pub residual_scale: Option<f32>,
+    /// Logits are divided by this (Granite's `logits_scaling`).
+    pub logits_divisor: Option<f32>,
     /// Scores become `cap · tanh(score / cap)` (Gemma 2).
     pub attn_softcap: Option<f32>,
     /// Logits become `cap · tanh(logit / cap)` (Gemma 2).
@@ -154,6 +189,33 @@ pub struct ArchSpec {
 }
 
 impl ArchSpec {
+    /// The Llama description with `layer_names`: pre-norm, split
+    /// projections, the config's activation (SiLU by default), the usual
+    /// attention scale, nothing else. Families override what differs.
+    pub fn llama(
+        layer_names: &'static [(LayerTensor, &'static str)],
+        c: &FamilyInput<'_>,
+    ) -> Result<Self> {
+        Ok(Self {
+            layer_names,
+            roots: llama::ROOTS,
+            qkv: Projections::Split,
+            gate_up: Projections::Split,
+            norm: NormPlacement::Pre,
+            norm_offset: 0.0,
+            activation: c.activation(Activation::Silu)?,
+            embed_scale: None,
+            qk_norm: QkNorm::None,
+            attn_scale: c.default_attn_scale(),
+            residual_scale: None,
+            logits_divisor: None,
+            attn_softcap: None,
+            final_softcap: None,
+            local_rope: None,
+            text_tower_of: None,
+        })
+    }
+
     /// A layer's module path for `t`, if this family has one.
     pub fn layer_module(&self, t: LayerTensor) -> Option<&'static str> {
         self.layer_names
@@ -165,7 +227,13 @@ impl ArchSpec {
     /// The tensors every layer of this model must have.
     pub fn required_layer_tensors(&self) -> Vec<LayerTensor> {
         use LayerTensor::*;
-        let mut t = vec![AttnNorm, O, MlpNorm, Down];
+        let mut t = vec![O, Down];
+        if self.norm.on_inputs() {
+            t.extend([AttnNorm, MlpNorm]);
+        }
+        if self.norm.on_outputs() {
+            t.extend([AttnOutNorm, MlpOutNorm]);
+        }
         match self.qkv {
             Projections::Split => t.extend([Q, K, V]),
             Projections::Fused => t.push(Qkv),
@@ -174,11 +242,8 @@ impl ArchSpec {
             Projections::Split => t.extend([Gate, Up]),
             Projections::Fused => t.push(GateUp),
         }
-        if self.qk_norm {
+        if self.qk_norm != QkNorm::None {
             t.extend([QNorm, KNorm]);
-        }
-        if self.norm == NormPlacement::Sandwich {
-            t.extend([AttnOutNorm, MlpOutNorm]);
         }
         t
     }
@@ -269,6 +334,9 @@ pub struct Family {
     pub default_head_dim: Option<usize>,
     /// `tie_word_embeddings` when the config leaves it out.
     pub tied_by_default: bool,
+    /// Rope types this family's published configs spell otherwise:
+    /// (their spelling, transformers' name).
+    pub rope_aliases: &'static [(&'static str, &'static str)],
     /// Builds the description from the (text) config.
     pub describe: fn(&FamilyInput<'_>) -> Result<ArchSpec>,
     /// Per-layer sliding windows when the config has no `layer_types`.
@@ -330,6 +398,8 @@ pub const FAMILIES: &[&Family] = &[
     &qwen3::FAMILY,
     &gemma::FAMILY,
     &phi3::FAMILY,
+    &olmo2::FAMILY,
+    &granite::FAMILY,
 ];
 
 /// The family and engine architecture of a Hugging Face class name.

@@ -1,11 +1,10 @@
 //! Phi-3: a pre-norm SiLU decoder whose q/k/v are one tensor
 //! (`self_attn.qkv_proj`, rows q then k then v) and whose gate and up are
 //! one tensor (`mlp.gate_up_proj`, rows gate then up). A configured
-//! `sliding_window` applies to every layer. `longrope` scaling (Phi-3.5,
-//! the 128k variants) is refused by name with the other unknown rope types.
+//! `sliding_window` applies to every layer. The 128k variants' `longrope`
+//! scaling is `crate::kernels::rope`'s.
 
-use super::llama::ROOTS;
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections};
+use super::{ArchSpec, Family, FamilyInput, LayerTensor, Projections};
 use crate::config::Architecture;
 use crate::error::Result;
 
@@ -23,25 +22,16 @@ pub static FAMILY: Family = Family {
     nested_text_config: super::never_nested,
     default_head_dim: None,
     tied_by_default: false,
+    // Phi3Config reads both as LongRoPE (the names of early releases).
+    rope_aliases: &[("su", "longrope"), ("yarn", "longrope")],
     describe,
     default_windows: |c| Ok(vec![c.usize("sliding_window"); c.num_layers]),
 };
 
 fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
     Ok(ArchSpec {
-        layer_names: LAYER_NAMES,
-        roots: ROOTS,
         qkv: Projections::Fused,
         gate_up: Projections::Fused,
-        norm: NormPlacement::Pre,
-        norm_offset: 0.0,
-        activation: c.activation(Activation::Silu)?,
-        embed_scale: None,
-        qk_norm: false,
-        attn_scale: c.default_attn_scale(),
-        attn_softcap: None,
-        final_softcap: None,
-        local_rope: None,
-        text_tower_of: None,
+        ..ArchSpec::llama(LAYER_NAMES, c)?
     })
 }

@@ -2,8 +2,8 @@
 //! before RoPE (`self_attn.q_norm`, `self_attn.k_norm`, `head_dim` wide)
 //! and no q/k/v biases unless `attention_bias`.
 
-use super::llama::{qwen_windows, ROOTS};
-use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor, NormPlacement, Projections};
+use super::llama::qwen_windows;
+use super::{ArchSpec, Family, FamilyInput, LayerTensor, QkNorm};
 use crate::config::Architecture;
 use crate::error::Result;
 
@@ -27,25 +27,14 @@ pub static FAMILY: Family = Family {
     // Qwen3Config's default.
     default_head_dim: Some(128),
     tied_by_default: false,
+    rope_aliases: &[],
     describe,
     default_windows: |c| Ok(qwen_windows(c)),
 };
 
 fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
     Ok(ArchSpec {
-        layer_names: LAYER_NAMES,
-        roots: ROOTS,
-        qkv: Projections::Split,
-        gate_up: Projections::Split,
-        norm: NormPlacement::Pre,
-        norm_offset: 0.0,
-        activation: c.activation(Activation::Silu)?,
-        embed_scale: None,
-        qk_norm: true,
-        attn_scale: c.default_attn_scale(),
-        attn_softcap: None,
-        final_softcap: None,
-        local_rope: None,
-        text_tower_of: None,
+        qk_norm: QkNorm::PerHead,
+        ..ArchSpec::llama(LAYER_NAMES, c)?
     })
 }

@@ -21,7 +21,7 @@
 
 use std::path::Path;
 
-use crate::arch::{Activation, LayerAttention, LayerTensor, Projections, TensorNames};
+use crate::arch::{Activation, LayerAttention, LayerTensor, Projections, QkNorm, TensorNames};
 use crate::attention::{paged_attention, AttnSeq, Scoring};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -45,16 +45,17 @@ use step::Step;
 /// q/k norm adds; every choice a step needs is a field, resolved at load.
 #[derive(Debug)]
 struct Layer {
-    attn_norm: Vec<f32>,
+    attn_norm: Option<Vec<f32>>,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    /// Per-head norms of queries and keys (`head_dim` wide).
+    /// Norms of queries and keys: `head_dim` wide (per head) or the whole
+    /// projection wide ([`QkNorm`]).
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     attn_out_norm: Option<Vec<f32>>,
-    mlp_norm: Vec<f32>,
+    mlp_norm: Option<Vec<f32>>,
     mlp_out_norm: Option<Vec<f32>>,
     gate: Linear,
     up: Linear,
@@ -129,7 +130,12 @@ fn load_layer(
     };
     let norm = |t: T, len: usize| norm_vector(c, ws, &names.layer_weight(i, t)?, len);
     let optional_norm = |on: bool, t: T, len: usize| on.then(|| norm(t, len)).transpose();
-    let sandwich = spec.norm == crate::arch::NormPlacement::Sandwich;
+    let (inputs, outputs) = (spec.norm.on_inputs(), spec.norm.on_outputs());
+    let (q_norm_len, k_norm_len) = match spec.qk_norm {
+        QkNorm::Full => (q_out, kv_out),
+        _ => (d, d),
+    };
+    let qk_norm = spec.qk_norm != QkNorm::None;
     // The projections stored in one fused tensor, in order: (rows, split).
     let fused = |t: T, parts: &[(usize, &Split)]| -> Result<Vec<Linear>> {
         let prefix = names.layer(i, t)?;
@@ -175,16 +181,16 @@ fn load_layer(
         }
     };
     Ok(Layer {
-        attn_norm: norm(T::AttnNorm, h)?,
+        attn_norm: optional_norm(inputs, T::AttnNorm, h)?,
         q,
         k,
         v,
         o: linear(T::O, h, q_out, &splits.o_rows)?,
-        q_norm: optional_norm(spec.qk_norm, T::QNorm, d)?,
-        k_norm: optional_norm(spec.qk_norm, T::KNorm, d)?,
-        attn_out_norm: optional_norm(sandwich, T::AttnOutNorm, h)?,
-        mlp_norm: norm(T::MlpNorm, h)?,
-        mlp_out_norm: optional_norm(sandwich, T::MlpOutNorm, h)?,
+        q_norm: optional_norm(qk_norm, T::QNorm, q_norm_len)?,
+        k_norm: optional_norm(qk_norm, T::KNorm, k_norm_len)?,
+        attn_out_norm: optional_norm(outputs, T::AttnOutNorm, h)?,
+        mlp_norm: optional_norm(inputs, T::MlpNorm, h)?,
+        mlp_out_norm: optional_norm(outputs, T::MlpOutNorm, h)?,
         gate,
         up,
         down: linear(T::Down, h, i_size, &splits.down_rows)?,
@@ -512,10 +518,11 @@ impl Model {
                 )));
             }
             let end = s.start_pos + s.tokens.len();
-            if end > c.max_position_embeddings {
+            if end > c.max_context() {
                 return Err(EngineError::InvalidRequest(format!(
-                    "sequence of {end} tokens exceeds max_position_embeddings {}",
-                    c.max_position_embeddings
+                    "sequence of {end} tokens exceeds the model's context of {} tokens \
+                     (max_position_embeddings, extended by its rope scaling)",
+                    c.max_context()
                 )));
             }
             let cap = s.blocks.len() * want.block_size;
@@ -631,7 +638,7 @@ impl Model {
     ) -> Result<()> {
         let (t, d, eps) = (s.rows, self.config.head_dim, self.config.rms_norm_eps);
         let (q_out, kv_out) = (s.heads.num_heads * d, s.heads.num_kv_heads * d);
-        rms_norm(x, &layer.attn_norm, eps, &mut s.h);
+        input_norm(x, layer.attn_norm.as_deref(), eps, &mut s.h);
         layer.q.forward(&s.h, t, self.matmul, &mut s.q);
         layer.k.forward(&s.h, t, self.matmul, &mut s.k);
         layer.v.forward(&s.h, t, self.matmul, &mut s.v);
@@ -667,7 +674,7 @@ impl Model {
             }
         }
         let scoring = Scoring {
-            scale: self.config.arch.attn_scale,
+            scale: self.config.arch.attn_scale * rope.score_factor(),
             softcap: self.config.arch.attn_softcap,
             window: layer.attention.window,
         };
@@ -679,7 +686,7 @@ impl Model {
         if let Some(n) = &layer.attn_out_norm {
             rms_norm_in_place(&mut s.proj, n, eps);
         }
-        add_in_place(x, &s.proj);
+        self.residual_add(x, &mut s.proj);
         Ok(())
     }
 
@@ -692,7 +699,7 @@ impl Model {
         peers: &mut dyn ShardPeers,
     ) -> Result<()> {
         let (t, eps) = (s.rows, self.config.rms_norm_eps);
-        rms_norm(x, &layer.mlp_norm, eps, &mut s.h);
+        input_norm(x, layer.mlp_norm.as_deref(), eps, &mut s.h);
         layer.gate.forward(&s.h, t, self.matmul, &mut s.gate);
         layer.up.forward(&s.h, t, self.matmul, &mut s.up);
         match self.config.arch.activation {
@@ -706,8 +713,17 @@ impl Model {
         if let Some(n) = &layer.mlp_out_norm {
             rms_norm_in_place(&mut s.proj, n, eps);
         }
-        add_in_place(x, &s.proj);
+        self.residual_add(x, &mut s.proj);
         Ok(())
+    }
+
+    /// `x += out`, `out` scaled first where the family scales its blocks'
+    /// outputs (Granite).
+    fn residual_add(&self, x: &mut [f32], out: &mut [f32]) {
+        if let Some(r) = self.config.arch.residual_scale {
+            scale_in_place(out, r);
+        }
+        add_in_place(x, out);
     }
 
     /// Final norm and head over the rows whose logits were asked for, then
@@ -741,6 +757,11 @@ impl Model {
             Some(head) => linear_int4(&sel, rows.len(), head, None, self.matmul, &mut data),
             None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
         }
+        if let Some(divisor) = c.arch.logits_divisor {
+            for v in &mut data {
+                *v /= divisor;
+            }
+        }
         if let Some(cap) = c.arch.final_softcap {
             softcap_in_place(&mut data, cap);
         }
@@ -749,5 +770,14 @@ impl Model {
             vocab,
             starts,
         }
+    }
+}
+
+/// A block's input: RMSNorm-ed where the family norms inputs, else `x`
+/// itself (OLMo 2's post-norm blocks).
+fn input_norm(x: &[f32], weight: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    match weight {
+        Some(w) => rms_norm(x, w, eps, out),
+        None => out[..x.len()].copy_from_slice(x),
     }
 }

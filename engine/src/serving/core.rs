@@ -52,7 +52,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Longest prefill chunk of one sequence per step; defaults to the budget.
     pub max_prefill_chunk: Option<usize>,
-    /// Context limit; defaults to the model's `max_position_embeddings`.
+    /// Context limit; defaults to the model's context
+    /// ([`crate::ModelConfig::max_context`]).
     pub max_model_len: Option<usize>,
     pub enable_prefix_caching: bool,
     /// Bit-identical tokens whatever the batch (slower prefill).
@@ -269,11 +270,11 @@ impl EngineCore {
         config: &EngineConfig,
     ) -> Result<Self> {
         let mc = backend.config().clone();
-        let max_model_len = config.max_model_len.unwrap_or(mc.max_position_embeddings);
-        if max_model_len == 0 || max_model_len > mc.max_position_embeddings {
+        let max_model_len = config.max_model_len.unwrap_or(mc.max_context());
+        if max_model_len == 0 || max_model_len > mc.max_context() {
             return Err(EngineError::InvalidRequest(format!(
-                "max_model_len {max_model_len} must be in 1..={} (the model's max_position_embeddings)",
-                mc.max_position_embeddings
+                "max_model_len {max_model_len} must be in 1..={} (the model's context)",
+                mc.max_context()
             )));
         }
         if config.max_num_batched_tokens == 0
