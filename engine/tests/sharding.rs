@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
 use tandem_engine::shard::ShardPeers;
-use tandem_engine::{BlockAllocator, BlockTable, DType, EngineError, KvCache, Model, SeqInput};
+use tandem_engine::{
+    BlockAllocator, BlockTable, DType, EngineError, KvCache, Model, ModelConfig, SeqInput,
+};
 
 /// Channels between every pair of ranks; rank = stage * tp + tp_rank.
 struct ChannelPeers {
@@ -82,8 +84,8 @@ impl ShardPeers for ChannelPeers {
     }
 }
 
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (seed * 37 + i * 11) % 500).collect()
+fn prompt(seed: u32, n: usize, vocab: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (seed * 37 + i * 11) % vocab).collect()
 }
 
 /// Two steps (a batch of two prompts, then one decode token each) on
@@ -91,7 +93,8 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 fn run_sharded(dir: &std::path::Path, tp: usize, pp: usize) -> Vec<Vec<f32>> {
     let world = tp * pp;
     let bs = 4;
-    let prompts = [prompt(1, 13), prompt(2, 6)];
+    let vocab = ModelConfig::from_dir(dir).expect("config").vocab_size as u32;
+    let prompts = [prompt(1, 13, vocab), prompt(2, 6, vocab)];
     let results: Vec<Option<Vec<Vec<f32>>>> = std::thread::scope(|s| {
         let handles: Vec<_> = mesh(world, tp)
             .into_iter()
@@ -177,6 +180,33 @@ fn tensor_and_pipeline_shards_give_the_whole_models_logits() {
         for &(tp, pp) in layouts {
             let d = max_diff(&whole, &run_sharded(tmp.path(), tp, pp));
             assert!(d < 1e-4, "{preset} tp={tp} pp={pp}: logits differ by {d}");
+        }
+    }
+}
+
+/// Every family splits as its shapes allow: checkpoints made by
+/// transformers (`tests/fixtures/golden`), 4 query and 2 KV heads, 2 layers.
+#[test]
+fn every_family_shards_to_the_whole_models_logits() {
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden");
+    let both = &[(2, 1), (1, 2), (2, 2), (4, 1)][..];
+    for (case, layouts) in [
+        ("qwen3_gqa_f32", both),
+        // Sliding and global layers, local RoPE, (1 + w) sandwich norms.
+        ("gemma3_gqa_f32", both),
+        ("gemma2_softcap_f32", both),
+        // Fused q/k/v and gate/up, split by row ranges of the fused tensor.
+        ("phi3_fused_f32", both),
+        ("granite_gqa_f32", both),
+        ("qwen3_yarn_f32", both),
+        // Its q/k norm spans every head: pipeline only.
+        ("olmo2_gqa_f32", &[(1, 2)][..]),
+    ] {
+        let dir = golden.join(case);
+        let whole = run_sharded(&dir, 1, 1);
+        for &(tp, pp) in layouts {
+            let d = max_diff(&whole, &run_sharded(&dir, tp, pp));
+            assert!(d < 1e-4, "{case} tp={tp} pp={pp}: logits differ by {d}");
         }
     }
 }
