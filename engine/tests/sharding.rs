@@ -85,7 +85,9 @@ impl ShardPeers for ChannelPeers {
 }
 
 fn prompt(seed: u32, n: usize, vocab: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (seed * 37 + i * 11) % vocab).collect()
+    (0..n as u32)
+        .map(|i| (seed * 37 + i * 11) % vocab)
+        .collect()
 }
 
 /// Two steps (a batch of two prompts, then one decode token each) on
