@@ -1,7 +1,6 @@
 //! `tandem prefill-worker`, `tandem decode-worker` and `tandem router`: the
 //! cluster's processes (`tandem up` starts them for you).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -422,43 +421,11 @@ pub struct RouterArgs {
     cluster_token: ClusterTokenArgs,
 }
 
-fn router_role(r: tandem_discovery::Role) -> Role {
-    match r {
-        tandem_discovery::Role::Prefill => Role::Prefill,
-        tandem_discovery::Role::Decode => Role::Decode,
-    }
-}
-
 /// Follows etcd membership: workers that register get traffic, workers
-/// that leave (or whose lease expires) stop getting it.
+/// that leave (or whose lease expires) stop getting it (`crate::membership`).
 async fn follow_membership(cluster: Arc<Cluster>, m: MembershipArgs) -> Result<()> {
-    let (snapshot, mut events) = tandem_discovery::watch(&m.etcd_config()?, &m.cluster).await?;
-    let mut addrs = HashMap::new();
-    for r in snapshot {
-        cluster
-            .add(router_role(r.role), &r.addr)
-            .map_err(anyhow::Error::msg)?;
-        addrs.insert((r.role, r.id), r.addr);
-    }
-    tokio::spawn(async move {
-        while let Some(ev) = events.recv().await {
-            match ev {
-                tandem_discovery::MembershipEvent::Up(r) => {
-                    tracing::info!(role = %r.role, id = %r.id, addr = %r.addr, "worker joined");
-                    if let Err(e) = cluster.add(router_role(r.role), &r.addr) {
-                        tracing::warn!(error = %e, "ignoring worker");
-                    }
-                    addrs.insert((r.role, r.id), r.addr);
-                }
-                tandem_discovery::MembershipEvent::Down { role, id } => {
-                    if let Some(addr) = addrs.remove(&(role, id.clone())) {
-                        tracing::info!(%role, %id, %addr, "worker left");
-                        cluster.remove(&addr);
-                    }
-                }
-            }
-        }
-    });
+    let (snapshot, events) = tandem_discovery::watch(&m.etcd_config()?, &m.cluster).await?;
+    crate::membership::follow(cluster, snapshot, events);
     Ok(())
 }
 

@@ -427,6 +427,41 @@ fn serve_refuses_oversized_requests_and_missing_keys() {
     assert_eq!(status, 413, "{text}");
     let json: serde_json::Value = serde_json::from_str(&text).expect("json");
     assert_eq!(json["error"]["code"], "request_too_large", "{text}");
+
+    // Prompts × n fan out to that many sequences: 20 prompts × n=10 is
+    // refused naming the field, 16 × 8 (the limit, 128) is served.
+    let fan_out = |prompts: usize, n: u32| {
+        let list: Vec<String> = (0..prompts).map(|i| format!("\"story {i}\"")).collect();
+        format!(
+            r#"{{"prompt": [{}], "n": {n}, "max_tokens": 1}}"#,
+            list.join(",")
+        )
+    };
+    let (status, text) = http(
+        &http_addr,
+        "POST",
+        "/v1/completions",
+        Some(&bearer),
+        &fan_out(20, 10),
+    );
+    assert_eq!(status, 400, "{text}");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(json["error"]["param"], "prompt", "{text}");
+    assert!(text.contains("200 choices"), "{text}");
+    let (status, text) = http(
+        &http_addr,
+        "POST",
+        "/v1/completions",
+        Some(&bearer),
+        &fan_out(16, 8),
+    );
+    assert_eq!(status, 200, "{text}");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(
+        json["choices"].as_array().map(Vec::len),
+        Some(128),
+        "{text}"
+    );
 }
 
 /// The acceptance test of KV-transfer peer authentication, on a real decode

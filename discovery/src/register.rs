@@ -25,7 +25,11 @@
 //! gone — the worker was partitioned for longer than the TTL — and the task
 //! grants a fresh lease and puts the key again, retrying with the same
 //! backoff until etcd takes it, so a worker that was cut off reappears on
-//! its own. The current lease id is shared with the [`Registration`] so
+//! its own. After every renewal the task also reads the key back: one
+//! deleted or overwritten behind its back (by hand, by a stray process
+//! with the same id) is put again under the current lease, so a live
+//! worker never stays invisible to routers for longer than a renewal
+//! interval. The current lease id is shared with the [`Registration`] so
 //! that `deregister` always revokes the lease the key is under now;
 //! `deregister` retries once on a fresh client if etcd refuses the
 //! registration's own client's token.
@@ -302,6 +306,9 @@ impl KeepAlive {
                 Ok(Ok(Some(resp))) => {
                     self.granted = resp.ttl();
                     backoff.reset();
+                    if let Err(e) = self.restore_key().await {
+                        tracing::warn!(key = %self.key, error = %e, "checking the worker's etcd key failed");
+                    }
                 }
                 Ok(Ok(None)) => return StreamEnd::Broken("etcd closed the stream".to_string()),
                 Ok(Err(e)) => return StreamEnd::Broken(format!("renewing: {e}")),
@@ -309,6 +316,39 @@ impl KeepAlive {
             }
             tokio::time::sleep(self.interval()).await;
         }
+    }
+
+    /// Puts the key back under the current lease when it is gone or holds
+    /// something else (deleted by hand, overwritten by a stray process or
+    /// an operator's tool): the lease alone would keep a worker alive in
+    /// etcd but invisible to routers.
+    async fn restore_key(&mut self) -> Result<(), DiscoveryError> {
+        let id = self.lease.load(Ordering::Acquire);
+        let got = call(
+            &self.config,
+            "reading the worker's key",
+            self.client.get(self.key.as_str(), None),
+        )
+        .await?;
+        let ours = got
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.value() == self.value.as_slice() && kv.lease() == id);
+        if ours {
+            return Ok(());
+        }
+        tracing::warn!(key = %self.key, lease = id, "the worker's etcd key was deleted or overwritten; putting it back");
+        call(
+            &self.config,
+            "putting the worker's key back",
+            self.client.put(
+                self.key.as_str(),
+                self.value.clone(),
+                Some(PutOptions::new().with_lease(id)),
+            ),
+        )
+        .await?;
+        Ok(())
     }
 
     /// Grants a new lease and puts the key again, retrying until it works.

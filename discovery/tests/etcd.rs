@@ -313,3 +313,43 @@ async fn bad_names_are_refused_before_any_network() {
         .expect_err("no endpoints");
     assert!(matches!(err, DiscoveryError::NoEndpoints), "{err:?}");
 }
+
+/// A worker's key deleted or overwritten behind its back (its lease still
+/// alive) is put back by the worker within a renewal interval: routers see
+/// it go, then come back with its own record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overwritten_or_deleted_key_is_put_back() {
+    let server = etcd();
+    let eps = EtcdConfig::new(server.endpoints());
+    let w = record(Role::Decode, "d-restore", 7100);
+    let reg = Registration::register(&eps, CLUSTER, w.clone(), Duration::from_secs(3))
+        .await
+        .expect("register");
+    let (snapshot, mut events) = watch(&eps, CLUSTER).await.expect("watch");
+    assert_eq!(snapshot, vec![w.clone()]);
+    let key = worker_key(CLUSTER, Role::Decode, "d-restore");
+    let mut raw = raw_client(&server).await;
+    let impostor = record(Role::Decode, "d-restore", 7999);
+    raw.put(key.as_str(), impostor.encode(), None)
+        .await
+        .expect("overwrite");
+    let (event, _) = next_event(&mut events, Duration::from_secs(2)).await;
+    assert_eq!(event, MembershipEvent::Up(impostor));
+    // Within a renewal interval (TTL/3) plus slack, the worker's own record.
+    let (event, took) = next_event(&mut events, reg.ttl()).await;
+    assert_eq!(event, MembershipEvent::Up(w.clone()));
+    assert!(took < reg.ttl(), "put back after {took:?}");
+
+    raw.delete(key.as_str(), None).await.expect("delete");
+    let (event, _) = next_event(&mut events, Duration::from_secs(2)).await;
+    assert!(matches!(event, MembershipEvent::Down { .. }), "{event:?}");
+    let (event, _) = next_event(&mut events, reg.ttl()).await;
+    assert_eq!(event, MembershipEvent::Up(w));
+    let lease = reg.lease_id();
+    let got = raw.get(key.as_str(), None).await.expect("get");
+    assert_eq!(
+        got.kvs()[0].lease(),
+        lease,
+        "under the worker's lease again"
+    );
+}

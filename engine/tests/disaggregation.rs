@@ -265,6 +265,58 @@ fn short_prompts_stay_local_and_failed_transfers_fall_back() {
     assert_eq!(s.free_blocks, s.num_blocks);
 }
 
+/// A sender that ends a transfer as done without writing all it owed (a
+/// forged or broken peer) must not have the unwritten blocks taken as the
+/// prompt's K/V, nor cached: the prompt is computed here, and a later
+/// request reading the prefix cache gets the colocated tokens too.
+#[test]
+fn a_transfer_ended_without_all_its_blocks_is_prefilled_here() {
+    let (_tmp, ck) = checkpoint();
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 13 + 7) % 256).collect();
+    let want = colocated(&ck, &prompt);
+    let mut prefill = core(&ck, 2048);
+    // Nothing written; then everything but one block-layer.
+    for skip_all in [true, false] {
+        let mut decode = core(&ck, 2048);
+        let (tx, mut rx) = unbounded_channel();
+        decode
+            .add_request(
+                0,
+                request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+                tx,
+            )
+            .expect("valid");
+        let rp = parked(&run(&mut decode, &mut rx));
+        if !skip_all {
+            let blocks = export(&mut prefill, 1, &rp);
+            let last = rp.blocks.len() - 1;
+            for (layer, logical, k, v) in blocks.iter().filter(|b| !(b.0 == 1 && b.1 == last)) {
+                decode
+                    .write_kv(rp.transfer, *layer, rp.blocks[*logical], k, v)
+                    .expect("a destination block");
+            }
+        }
+        decode.finish_remote_prefill(rp.transfer, Ok(()));
+        let events = run(&mut decode, &mut rx);
+        assert_eq!(tokens_of(&events), want, "skip_all: {skip_all}");
+
+        let (tx, mut rx) = unbounded_channel();
+        decode
+            .add_request(1, request(&prompt, PrefillMode::Local), tx)
+            .expect("valid");
+        let events = run(&mut decode, &mut rx);
+        let cached = events.iter().find_map(|e| match e {
+            RequestEvent::Finished(s) => Some(s.usage.cached_tokens),
+            _ => None,
+        });
+        assert!(
+            cached.is_some_and(|c| c > 0),
+            "the second call reads the cache"
+        );
+        assert_eq!(tokens_of(&events), want, "what the cache held");
+    }
+}
+
 #[test]
 fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
     let (_tmp, ck) = checkpoint();

@@ -424,7 +424,7 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
         ..EngineConfig::default()
     };
     let mut d = Driver::new(core(&ck, &config));
-    let (tx, mut feed) = unbounded_channel();
+    let (tx, mut feed) = tokio::sync::mpsc::channel(64);
     d.core.subscribe_kv_events(tx);
     assert_eq!(
         feed.try_recv().expect("snapshot"),
@@ -477,7 +477,7 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     want.sort_unstable();
     assert_eq!(removed, want);
     // A late subscriber's snapshot lists b's blocks, parents first.
-    let (tx, mut late) = unbounded_channel();
+    let (tx, mut late) = tokio::sync::mpsc::channel(64);
     d.core.subscribe_kv_events(tx);
     let hb = tandem_block_hash::block_hashes(&b, 16);
     match late.try_recv().expect("snapshot") {

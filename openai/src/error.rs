@@ -41,6 +41,14 @@ impl ApiError {
         }
     }
 
+    /// 500: this server failed, not the request.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            ..Self::bad_request(message)
+        }
+    }
+
     /// 404 `model_not_found`.
     pub fn model_not_found(model: &str) -> Self {
         Self {

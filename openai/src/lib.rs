@@ -325,6 +325,23 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
+/// Prompts × `n` in one call: each is a sequence the engine runs, so one
+/// HTTP call must not fan out past what `n` alone may ask for.
+pub const MAX_CHOICES_PER_CALL: usize = params::MAX_N as usize;
+
+fn check_choices(prompts: usize, n: u32) -> Result<(), ApiError> {
+    let choices = prompts.saturating_mul(n as usize);
+    if choices > MAX_CHOICES_PER_CALL {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "{prompts} prompts × n={n} is {choices} choices; at most {MAX_CHOICES_PER_CALL} per request"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 async fn completions(
     State(api): State<Arc<Inner>>,
     body: Result<Bytes, BytesRejection>,
@@ -335,6 +352,7 @@ async fn completions(
         api.check_model(req.common.model.as_deref())?;
         let plan = req.plan()?;
         let prompts = req.prompts()?;
+        check_choices(prompts.len(), plan.n)?;
         Ok::<_, ApiError>((plan, prompts))
     };
     match run.await {
@@ -347,7 +365,11 @@ async fn chat_completions(
     State(api): State<Arc<Inner>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || {
+    // Parsing, rendering the template and tokenizing a long conversation
+    // take milliseconds of CPU: on the blocking pool, not the async threads.
+    let inner = api.clone();
+    let run = move || {
+        let api = inner;
         let body = body_bytes(&api, body)?;
         let req: ChatRequest = parse(&body)?;
         api.check_model(req.common.model.as_deref())?;
@@ -366,7 +388,12 @@ async fn chat_completions(
         let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
         Ok::<_, ApiError>((plan, vec![prompt]))
     };
-    match run() {
+    let prepared = tokio::task::spawn_blocking(run).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "preparing the chat prompt failed: {e}"
+        )))
+    });
+    match prepared {
         Ok((plan, prompts)) => respond(&api, Endpoint::Chat, plan, prompts).await,
         Err(e) => e.into_response(),
     }

@@ -49,6 +49,31 @@ pub mod worker {
     /// Response metadata from the router naming the prefill worker, if any.
     pub const ROUTED_PREFILL_HEADER: &str = "x-tandem-prefill-worker";
 
+    /// Status metadata from a worker whose error concerns one request (an
+    /// engine error while serving it), not the worker: the router passes
+    /// it on and keeps routing to the worker. Statuses without it (the
+    /// transport's, a backend failure's) may mean the worker is gone.
+    pub const ERROR_SCOPE_HEADER: &str = "x-tandem-error-scope";
+    /// [`ERROR_SCOPE_HEADER`]'s value.
+    pub const REQUEST_SCOPE: &str = "request";
+
+    /// Marks `status` as one request's failure ([`ERROR_SCOPE_HEADER`]).
+    pub fn request_error(mut status: tonic::Status) -> tonic::Status {
+        status.metadata_mut().insert(
+            ERROR_SCOPE_HEADER,
+            tonic::metadata::MetadataValue::from_static(REQUEST_SCOPE),
+        );
+        status
+    }
+
+    /// Whether a worker said `status` is one request's failure.
+    pub fn is_request_error(status: &tonic::Status) -> bool {
+        status
+            .metadata()
+            .get(ERROR_SCOPE_HEADER)
+            .is_some_and(|v| v == REQUEST_SCOPE)
+    }
+
     /// `tandem.worker.v1`: router ↔ worker and decode ↔ prefill messages.
     pub mod v1 {
         #![allow(missing_docs, clippy::all)]

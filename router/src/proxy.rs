@@ -262,12 +262,14 @@ fn track(resume: &mut Resume, msg: &mut v1::GenerateResponse) {
     }
 }
 
-/// Whether `status` means the worker (not the request) failed.
+/// Whether `status` means the worker (not the request) failed: the
+/// transport's errors and the worker's own, never one the worker scoped to
+/// the request (`tandem_proto::worker::is_request_error`).
 pub(crate) fn worker_failed(status: &Status) -> bool {
     matches!(
         status.code(),
         Code::Unavailable | Code::Unknown | Code::Internal
-    )
+    ) && !tandem_proto::worker::is_request_error(status)
 }
 
 /// What the client sees of a decode worker's error. The request's own
@@ -278,6 +280,7 @@ pub(crate) fn worker_failed(status: &Status) -> bool {
 pub(crate) fn upstream_status(decode: &Worker, status: Status) -> Status {
     match status.code() {
         Code::InvalidArgument | Code::ResourceExhausted | Code::DeadlineExceeded => status,
+        _ if tandem_proto::worker::is_request_error(&status) => status,
         _ => {
             if worker_failed(&status) {
                 decode.mark_down();
@@ -306,6 +309,16 @@ pub(crate) fn outcome_of(status: &Status) -> &'static str {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_request_scoped_error_does_not_fail_the_worker() {
+        let internal = Status::internal("KV cache exhausted for this request");
+        assert!(worker_failed(&internal));
+        let scoped = tandem_proto::worker::request_error(internal);
+        assert!(!worker_failed(&scoped));
+        assert!(worker_failed(&Status::unavailable("connection refused")));
+        assert!(!worker_failed(&Status::invalid_argument("bad")));
+    }
 
     fn request(ids: Vec<u32>, max_tokens: Option<u32>) -> v1::GenerateRequest {
         v1::GenerateRequest {

@@ -177,6 +177,53 @@ impl v1::generation_server::Generation for RouterService {
 }
 
 impl RouterService {
+    /// The prompt's token ids (`None` for text without a tokenizer here)
+    /// and their block hashes; text is replaced by its ids, so workers get
+    /// ids tokenized once and hashed as routed. Tokenizing and hashing a
+    /// long prompt take milliseconds of CPU: they run on the blocking pool,
+    /// not on the async threads every other request's I/O needs.
+    async fn tokenize(
+        &self,
+        req: &mut v1::GenerateRequest,
+        block_size: usize,
+    ) -> Result<(Option<Vec<u32>>, Vec<tandem_block_hash::BlockHash>), Status> {
+        let prompt = match req.prompt.take() {
+            Some(p) => p,
+            None => {
+                return Err(Status::invalid_argument(
+                    "prompt: one of prompt.text or prompt.token_ids is required",
+                ))
+            }
+        };
+        let tokenizer = self.tokenizer.clone();
+        let work = move || {
+            let tokens = match &prompt {
+                v1::generate_request::Prompt::TokenIds(ids) => Some(ids.ids.clone()),
+                v1::generate_request::Prompt::Text(text) => match &tokenizer {
+                    Some(tok) if !text.is_empty() => Some(
+                        tok.encode(text)
+                            .map_err(|e| Status::invalid_argument(format!("prompt: {e}")))?,
+                    ),
+                    _ => None,
+                },
+            };
+            let hashes = tokens
+                .as_deref()
+                .map(|t| tandem_block_hash::block_hashes(t, block_size))
+                .unwrap_or_default();
+            let prompt = match &tokens {
+                Some(t) => v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: t.clone() }),
+                None => prompt,
+            };
+            Ok::<_, Status>((prompt, tokens, hashes))
+        };
+        let (prompt, tokens, hashes) = tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| Status::internal(format!("tokenizing the prompt failed: {e}")))??;
+        req.prompt = Some(prompt);
+        Ok((tokens, hashes))
+    }
+
     /// Picks the workers, forwards the call and returns the proxied stream
     /// (which owns `span`'s clone, so the span ends with it).
     async fn route(
@@ -190,34 +237,10 @@ impl RouterService {
             req.request_id = new_request_id();
         }
         span.record("request_id", req.request_id.as_str());
-        let tokens = match &req.prompt {
-            Some(v1::generate_request::Prompt::TokenIds(ids)) => Some(ids.ids.clone()),
-            Some(v1::generate_request::Prompt::Text(text)) => match &self.tokenizer {
-                Some(tok) if !text.is_empty() => Some(
-                    tok.encode(text)
-                        .map_err(|e| Status::invalid_argument(format!("prompt: {e}")))?,
-                ),
-                _ => None,
-            },
-            None => {
-                return Err(Status::invalid_argument(
-                    "prompt: one of prompt.text or prompt.token_ids is required",
-                ))
-            }
-        };
-        // Workers get token ids: tokenized once, and hashed as routed.
-        if let Some(t) = &tokens {
-            req.prompt = Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
-                ids: t.clone(),
-            }));
-        }
         let bs = self.cluster.block_size().unwrap_or(16);
+        let (tokens, hashes) = self.tokenize(&mut req, bs).await?;
         let prompt_len = tokens.as_ref().map_or(0, Vec::len);
         span.record("prompt_tokens", prompt_len);
-        let hashes = tokens
-            .as_deref()
-            .map(|t| tandem_block_hash::block_hashes(t, bs))
-            .unwrap_or_default();
 
         let decodes = self.wait_for_decodes(started, timeout).await;
         if decodes.is_empty() {

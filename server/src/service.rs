@@ -130,7 +130,10 @@ pub fn status_from_engine(e: EngineError) -> Status {
             status
         }
         EngineError::Stopped(_) => Status::unavailable(e.to_string()),
-        other => Status::internal(other.to_string()),
+        // The compute backend failed: the worker may be broken.
+        EngineError::Backend { .. } => Status::internal(e.to_string()),
+        // Anything else went wrong with this request only.
+        other => tandem_proto::worker::request_error(Status::internal(other.to_string())),
     }
 }
 
@@ -240,7 +243,7 @@ impl CallState {
                     if !self.ended {
                         self.end(Outcome::Error);
                     }
-                    Err(Status::internal(e))
+                    Err(tandem_proto::worker::request_error(Status::internal(e)))
                 }
             });
         }

@@ -91,7 +91,10 @@ impl wv1::worker_server::Worker for WorkerService {
         request: Request<wv1::KvEventsRequest>,
     ) -> Result<Response<Self::KvEventsStream>, Status> {
         let dump = request.into_inner().dump;
-        let feed = self.engine.kv_events();
+        let feed = self
+            .engine
+            .kv_events()
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let stream = futures_util::stream::unfold(
             (feed, std::collections::VecDeque::new()),
             move |(mut feed, mut pending)| async move {

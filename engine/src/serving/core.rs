@@ -11,18 +11,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{Sender, UnboundedSender};
 
 use crate::backend::{ComputeBackend, CpuBackend, KvBlocks};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockAllocator, BlockId, CacheEvent, PrefixCacheStats};
+use crate::kv_cache::{BlockAllocator, BlockId, PrefixCacheStats};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler};
 use crate::speculative::SpecCounts;
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::{Grammars, MaskJob, MaskWorkers};
+use super::kv_feed::{KvFeed, KvFeedPublisher};
 use super::output::TextOutput;
 use super::request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, RemotePrefill, RequestEvent,
@@ -151,17 +152,6 @@ impl EngineStats {
     }
 }
 
-/// The prefix-cache feed a router follows: one snapshot, then numbered
-/// changes. Sequence numbers are per engine and increase by one per event,
-/// so a gap means a lost message (resubscribe for a new snapshot).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvFeed {
-    /// Every cached block as of event `seq` (parents first).
-    Snapshot { seq: u64, events: Vec<CacheEvent> },
-    /// Changes numbered `seq`, in order.
-    Events(Vec<(u64, CacheEvent)>),
-}
-
 /// A prefill-only sequence's sink and the (logical, physical) blocks it
 /// gets after each layer of this step.
 type ExportPlan = (Arc<dyn KvExport>, Vec<(usize, BlockId)>);
@@ -223,8 +213,7 @@ pub struct EngineCore {
     limits: Limits,
     groups: HashMap<u64, Group>,
     next_seq: SeqId,
-    kv_subscribers: Vec<UnboundedSender<KvFeed>>,
-    kv_event_seq: u64,
+    kv_feed: KvFeedPublisher,
     stats: EngineStats,
     /// Compiles response formats; `None` without a tokenizer.
     grammars: Option<Arc<Grammars>>,
@@ -358,8 +347,7 @@ impl EngineCore {
             limits,
             groups: HashMap::new(),
             next_seq: 0,
-            kv_subscribers: Vec::new(),
-            kv_event_seq: 0,
+            kv_feed: KvFeedPublisher::default(),
             stats,
             spec: None,
             max_queued: config.max_queued_requests,
@@ -525,32 +513,16 @@ impl EngineCore {
     }
 
     /// Follows the prefix cache: `sink` gets a snapshot now, then every
-    /// change after each step.
-    pub fn subscribe_kv_events(&mut self, sink: UnboundedSender<KvFeed>) {
+    /// change after each step, for as long as it keeps up (`kv_feed`).
+    pub fn subscribe_kv_events(&mut self, sink: Sender<KvFeed>) {
         self.publish_kv_events();
-        let snapshot = KvFeed::Snapshot {
-            seq: self.kv_event_seq,
-            events: self.scheduler.allocator().snapshot(),
-        };
-        if sink.send(snapshot).is_ok() {
-            self.kv_subscribers.push(sink);
-        }
+        let snapshot = self.scheduler.allocator().snapshot();
+        self.kv_feed.subscribe(sink, snapshot);
     }
 
     fn publish_kv_events(&mut self) {
         let events = self.scheduler.allocator().drain_events();
-        if events.is_empty() {
-            return;
-        }
-        let numbered: Vec<(u64, CacheEvent)> = events
-            .into_iter()
-            .map(|e| {
-                self.kv_event_seq += 1;
-                (self.kv_event_seq, e)
-            })
-            .collect();
-        self.kv_subscribers
-            .retain(|s| s.send(KvFeed::Events(numbered.clone())).is_ok());
+        self.kv_feed.publish(events);
     }
 
     /// Writes one block of one layer received for remote prefill
@@ -575,11 +547,14 @@ impl EngineCore {
         }
         self.backend
             .write_block(layer, block, k, v)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        self.scheduler.record_remote_write(transfer, layer, block);
+        Ok(())
     }
 
-    /// Ends remote prefill `transfer`: on success the request goes on here
-    /// from its last prompt token; on failure it is prefilled here.
+    /// Ends remote prefill `transfer`: on success (and every block-layer
+    /// it owed written) the request goes on here from its last prompt
+    /// token; otherwise it is prefilled here.
     pub fn finish_remote_prefill(
         &mut self,
         transfer: u64,
@@ -588,6 +563,18 @@ impl EngineCore {
         if !self.scheduler.is_parked(transfer) {
             return; // aborted, or already finished
         }
+        // A sender that says "done" without having written everything it
+        // owed (a bug, a forged peer, a refused write) leaves blocks holding
+        // someone else's K/V: compute the prompt here instead.
+        let missing = self
+            .scheduler
+            .missing_remote_writes(transfer, self.backend.kv_layout().num_layers);
+        let outcome = match outcome {
+            Ok(()) if missing > 0 => Err(format!(
+                "the transfer ended with {missing} block-layers never written"
+            )),
+            other => other,
+        };
         if let Err(e) = &outcome {
             // Logged in the request's span, so the line names its id.
             let span = self

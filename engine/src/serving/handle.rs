@@ -28,7 +28,8 @@ use crate::error::{EngineError, Result};
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::Grammars;
-use super::core::{EngineCore, EngineStats, KvFeed};
+use super::core::{EngineCore, EngineStats};
+use super::kv_feed::{KvFeed, KvFeedSlots, KvSubscription, TooManyKvSubscribers};
 use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
 
 enum Command {
@@ -50,7 +51,7 @@ enum Command {
         transfer: u64,
         outcome: std::result::Result<(), String>,
     },
-    SubscribeKv(UnboundedSender<KvFeed>),
+    SubscribeKv(tokio::sync::mpsc::Sender<KvFeed>),
 }
 
 #[derive(Debug)]
@@ -67,6 +68,8 @@ struct Shared {
     in_flight: AtomicUsize,
     /// ... and the engine's waiting requests, as last published.
     waiting: AtomicUsize,
+    /// Open prefix-cache feeds, against their limit.
+    kv_feed_slots: KvFeedSlots,
     /// Why the engine stopped, once its backend failed for good.
     failure: Mutex<Option<String>>,
 }
@@ -116,6 +119,7 @@ impl EngineHandle {
             max_queued: core.max_queued_requests(),
             in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
+            kv_feed_slots: KvFeedSlots::default(),
             failure: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
@@ -224,11 +228,13 @@ impl EngineHandle {
             .send(Command::FinishRemote { transfer, outcome });
     }
 
-    /// Follows the prefix cache: a snapshot first, then numbered changes.
-    pub fn kv_events(&self) -> UnboundedReceiver<KvFeed> {
-        let (tx, rx) = unbounded_channel();
+    /// Follows the prefix cache: a snapshot first, then numbered changes;
+    /// refused past [`MAX_KV_SUBSCRIBERS`](super::MAX_KV_SUBSCRIBERS) at
+    /// once (see `kv_feed`).
+    pub fn kv_events(&self) -> std::result::Result<KvSubscription, TooManyKvSubscribers> {
+        let (tx, subscription) = self.shared.kv_feed_slots.take()?;
         let _ = self.commands.send(Command::SubscribeKv(tx));
-        rx
+        Ok(subscription)
     }
 
     /// Waits for the engine thread to exit (after every handle but this one

@@ -18,6 +18,10 @@
 //! requests whose [`KvExport`] sink sees each layer's blocks as soon as the
 //! layer is computed.
 //!
+//! Routers follow each engine's prefix cache through a bounded feed
+//! ([`KvFeed`], at most [`MAX_KV_SUBSCRIBERS`] at once, each dropped when
+//! it falls [`KV_FEED_BACKLOG`] messages behind).
+//!
 //! Requests are validated before they reach the loop ([`request`]), so the
 //! loop only sees work it can do; a request that could never fit the KV pool
 //! is refused up front rather than left waiting.
@@ -28,13 +32,17 @@
 mod constrained;
 mod core;
 mod handle;
+mod kv_feed;
 mod output;
 pub mod request;
 mod scheduler;
 mod stop;
 
-pub use self::core::{EngineConfig, EngineCore, EngineStats, KvFeed, KvPoolSize};
+pub use self::core::{EngineConfig, EngineCore, EngineStats, KvPoolSize};
 pub use handle::{EngineHandle, RequestStream};
+pub use kv_feed::{
+    KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
+};
 pub use request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, Prompt, RemotePrefill, Request,
     RequestEvent, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,

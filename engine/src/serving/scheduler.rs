@@ -80,6 +80,9 @@ pub(crate) struct Sequence {
     pub remote_min_uncached: Option<usize>,
     /// A prefill-only sequence that exports its blocks.
     pub export: Option<Export>,
+    /// (layer, block) pairs a remote prefill has written while parked: the
+    /// transfer counts as done only when every one it owes arrived.
+    pub remote_written: HashSet<(usize, BlockId)>,
     /// The grammar state of a constrained choice. Taken out while its mask
     /// is computed on a mask thread, and put back before sampling.
     pub constraint: Option<Box<tandem_structured::Constraint>>,
@@ -119,6 +122,7 @@ impl Sequence {
             text,
             remote_min_uncached: None,
             export: None,
+            remote_written: HashSet::new(),
             constraint: None,
             draft: Draft::default(),
             adaptive: AdaptiveK::default(),
@@ -239,6 +243,7 @@ impl Scheduler {
         self.parked.retain(|&s| s != id);
         let caching = self.cfg.enable_prefix_caching;
         if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.remote_written = HashSet::new();
             if let Some(t) = seq.table.as_mut() {
                 if ok {
                     seq.num_computed = t.num_tokens();
@@ -251,6 +256,32 @@ impl Scheduler {
             }
         }
         self.running.push(id);
+    }
+
+    /// Notes that a remote prefill wrote `layer` of `block` (a destination
+    /// of parked sequence `id`, checked by the caller).
+    pub fn record_remote_write(&mut self, id: SeqId, layer: usize, block: BlockId) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.remote_written.insert((layer, block));
+        }
+    }
+
+    /// How many of the (layer, block) pairs parked sequence `id` is owed
+    /// are still missing: every layer of every block holding a position in
+    /// `num_computed .. prompt - 1` (the last token runs here). A transfer
+    /// that ends with any missing must not be taken as the prompt's K/V
+    /// (nor enter the prefix cache).
+    pub fn missing_remote_writes(&self, id: SeqId, num_layers: usize) -> usize {
+        let (Some(seq), Some(blocks)) = (self.seqs.get(&id), self.parked_blocks(id)) else {
+            return 0;
+        };
+        let bs = self.block_size();
+        let owed_tokens = seq.tokens.len().saturating_sub(1 + seq.num_computed);
+        let owed_blocks = blocks.len().min(owed_tokens.div_ceil(bs));
+        (0..num_layers)
+            .flat_map(|layer| blocks[..owed_blocks].iter().map(move |&b| (layer, b)))
+            .filter(|pair| !seq.remote_written.contains(pair))
+            .count()
     }
 
     /// Destination blocks of a parked sequence (those a transfer may write).
@@ -302,6 +333,7 @@ impl Scheduler {
                 .map(|_| TextOutput::new(&p.tokens[..p.prompt_len], &p.text_stops())),
             remote_min_uncached: None,
             export: None,
+            remote_written: HashSet::new(),
             // Same place in the grammar, its own parser.
             constraint: p.constraint.as_ref().map(|c| Box::new(c.fork())),
             draft: Draft::default(),
