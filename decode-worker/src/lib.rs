@@ -56,7 +56,7 @@ use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
 use tandem_security::{ClusterChannel, ClusterCredential};
 use tandem_server::{layout, PrefillGuard, RemotePrefiller};
-use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
+use tandem_telemetry::metrics::{Counter, Family, Gauge, Histogram, Registry, LATENCY_BUCKETS};
 use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
 use tracing::Instrument;
@@ -100,10 +100,14 @@ impl DecodeMetrics {
 
 /// The open transfers' tickets: wire transfer id (random, told only to the
 /// named prefill worker) → the engine's transfer (the parked request).
+/// Each is retired by the transfer's end, its failure, or the request's
+/// cancellation ([`TicketGuard`]), so the count goes back to zero.
 #[derive(Debug)]
 pub struct TransferTickets {
     open: Mutex<HashMap<u64, u64>>,
     random: ring::rand::SystemRandom,
+    /// `tandem_kv_transfer_open_tickets`, when registered.
+    gauge: Option<Gauge>,
 }
 
 impl Default for TransferTickets {
@@ -111,11 +115,43 @@ impl Default for TransferTickets {
         Self {
             open: Mutex::new(HashMap::new()),
             random: ring::rand::SystemRandom::new(),
+            gauge: None,
         }
     }
 }
 
+/// Retires its ticket when dropped: the remote-prefill task holds it, so a
+/// cancelled request (its task aborted mid-call) leaves no ticket open.
+#[derive(Debug)]
+struct TicketGuard {
+    tickets: Arc<TransferTickets>,
+    ticket: u64,
+}
+
+impl Drop for TicketGuard {
+    fn drop(&mut self) {
+        self.tickets.retire(self.ticket);
+    }
+}
+
 impl TransferTickets {
+    /// Tickets that export their count as `tandem_kv_transfer_open_tickets`.
+    pub fn registered(registry: &Registry) -> Self {
+        Self {
+            gauge: Some(registry.gauge(
+                "tandem_kv_transfer_open_tickets",
+                "Remote prefills this decode worker has open (a ticket per parked request).",
+            )),
+            ..Self::default()
+        }
+    }
+
+    fn publish(&self, open: usize) {
+        if let Some(g) = &self.gauge {
+            g.set(open as f64);
+        }
+    }
+
     /// Draws a fresh ticket for the engine's `transfer`.
     pub fn issue(&self, transfer: u64) -> Result<u64, String> {
         let mut open = self.open.lock().map_err(|_| "tickets poisoned")?;
@@ -126,6 +162,7 @@ impl TransferTickets {
             let ticket = u64::from_le_bytes(bytes);
             if let std::collections::hash_map::Entry::Vacant(e) = open.entry(ticket) {
                 e.insert(transfer);
+                self.publish(open.len());
                 return Ok(ticket);
             }
         }
@@ -138,7 +175,10 @@ impl TransferTickets {
 
     /// Closes a ticket; the engine transfer it named, if it was open.
     pub fn retire(&self, ticket: u64) -> Option<u64> {
-        self.open.lock().ok()?.remove(&ticket)
+        let mut open = self.open.lock().ok()?;
+        let transfer = open.remove(&ticket);
+        self.publish(open.len());
+        transfer
     }
 
     /// How many tickets are open.
@@ -388,8 +428,13 @@ impl RemotePrefiller for GrpcPrefiller {
         tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
         let metrics = self.metrics.clone();
         let tickets = self.tickets.clone();
+        let guard = TicketGuard {
+            tickets: tickets.clone(),
+            ticket,
+        };
         let started = Instant::now();
         let task = async move {
+            let _guard = guard;
             // Success is reported by the transport (the sink's finish);
             // failure before or without a transfer is reported here. A
             // second finish for one transfer is ignored by the engine.
@@ -400,6 +445,16 @@ impl RemotePrefiller for GrpcPrefiller {
                         .remote_prefill_duration
                         .observe_duration(started.elapsed());
                     tracing::Span::current().record("outcome", "ok");
+                    // The transport calls the sink's finish before it
+                    // acknowledges the transfer, and a prefill worker
+                    // replies only after that: this is a no-op then. A
+                    // peer that replies without finishing would otherwise
+                    // leave the request parked for ever.
+                    tickets.retire(ticket);
+                    engine.finish_remote_prefill(
+                        transfer,
+                        Err("the prefill worker replied without finishing the transfer".into()),
+                    );
                 }
                 Err(status) => {
                     metrics.remote_prefills.with(&["failed"]).inc();
@@ -463,7 +518,7 @@ pub async fn run(
     let layout = layout::descriptor(&kv_layout);
     let metrics = DecodeMetrics::register(registry);
     let transport = tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
-    let tickets = Arc::new(TransferTickets::default());
+    let tickets = Arc::new(TransferTickets::registered(registry));
     let listener = transport
         .listen(
             &config.transfer_bind,
