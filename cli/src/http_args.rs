@@ -19,6 +19,13 @@ pub struct HttpArgs {
     /// directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// HTTP connections open at once; one more gets a 503 and is closed.
+    #[arg(long, default_value_t = tandem_openai::DEFAULT_MAX_CONNECTIONS)]
+    pub http_max_connections: usize,
+    /// Milliseconds a client has to send a request's headers (and an idle
+    /// keep-alive connection to start its next request) before it is closed.
+    #[arg(long, default_value_t = tandem_openai::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
+    pub http_header_timeout_ms: u64,
 }
 
 impl HttpArgs {
@@ -60,6 +67,12 @@ impl HttpArgs {
             .model_name(name)
             .chat_template(chat)
             .api_keys(api_keys)
+            .connection_limits(tandem_openai::ConnectionLimits {
+                max_connections: self.http_max_connections,
+                header_timeout: std::time::Duration::from_millis(
+                    self.http_header_timeout_ms.max(1),
+                ),
+            })
             .build(backend);
         let listener = tokio::net::TcpListener::bind(addr)
             .await

@@ -90,7 +90,7 @@ pub fn generate(
     }
     if prompt.len() >= cfg.max_context() {
         return Err(EngineError::InvalidRequest(format!(
-            "prompt of {} tokens leaves no room to generate within the model's context of {} tokens",
+            "prompt of {} tokens leaves no room to generate within the model's context of {} tokens (max_position_embeddings, with any rope_scaling)",
             prompt.len(),
             cfg.max_context()
         )));

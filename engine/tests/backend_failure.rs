@@ -113,7 +113,8 @@ fn a_backend_lost_for_good_fails_every_request_and_refuses_new_ones() {
                 Some(_) => {}
             }
         };
-        assert!(failed.contains("rank 1 is gone"), "{failed}");
+        assert!(failed.message.contains("rank 1 is gone"), "{failed}");
+        assert_eq!(failed.scope, tandem_engine::serving::FailureScope::Engine);
     }
     while engine.failure().is_none() {
         assert!(

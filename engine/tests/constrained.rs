@@ -94,7 +94,7 @@ impl Driver {
                         }
                     }
                     RequestEvent::Finished(s) => o.summary = Some(s),
-                    RequestEvent::Error(e) => o.error = Some(e),
+                    RequestEvent::Error(e) => o.error = Some(e.message),
                     RequestEvent::RemotePrefill(_) => {}
                 }
             }

@@ -438,7 +438,10 @@ fn an_export_whose_blocks_cannot_be_read_fails_instead_of_sending_holes() {
     prefill.add_request(0, req, tx).expect("valid export");
     let events = run(&mut prefill, &mut rx);
     match events.last() {
-        Some(RequestEvent::Error(msg)) => assert!(msg.contains("unreadable"), "{msg}"),
+        Some(RequestEvent::Error(failure)) => {
+            assert!(failure.message.contains("unreadable"), "{failure}");
+            assert_eq!(failure.scope, tandem_engine::serving::FailureScope::Engine);
+        }
         other => panic!("the export should fail, got {other:?}"),
     }
     assert!(sink.0.lock().expect("lock").is_empty(), "no block sent");

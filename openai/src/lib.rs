@@ -36,6 +36,7 @@ pub mod chat;
 mod error;
 pub mod params;
 mod response;
+mod serve;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -61,6 +62,7 @@ use tandem_proto::v1;
 
 pub use chat::ChatTemplate;
 pub use error::ApiError;
+pub use serve::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 pub use tandem_security::ApiKeys;
 
 /// The default limit on a request body: 1 MiB is far beyond any prompt the
@@ -103,6 +105,7 @@ struct Inner {
     next_id: AtomicU64,
     api_keys: ApiKeys,
     max_body_bytes: usize,
+    connections: ConnectionLimits,
 }
 
 impl std::fmt::Debug for OpenAi {
@@ -122,9 +125,17 @@ pub struct OpenAiBuilder {
     model: String,
     api_keys: ApiKeys,
     max_body_bytes: usize,
+    connections: ConnectionLimits,
 }
 
 impl OpenAiBuilder {
+    /// Connection bounds of [`OpenAi::serve`] (default
+    /// [`ConnectionLimits::default`]).
+    pub fn connection_limits(mut self, limits: ConnectionLimits) -> Self {
+        self.connections = limits;
+        self
+    }
+
     /// The keys `/v1/*` callers must present (default: none, open API).
     pub fn api_keys(mut self, keys: ApiKeys) -> Self {
         self.api_keys = keys;
@@ -161,6 +172,7 @@ impl OpenAiBuilder {
                 next_id: AtomicU64::new(0),
                 api_keys: self.api_keys,
                 max_body_bytes: self.max_body_bytes,
+                connections: self.connections,
             }),
         }
     }
@@ -181,6 +193,7 @@ impl OpenAi {
             model: "tandem".to_string(),
             api_keys: ApiKeys::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            connections: ConnectionLimits::default(),
         }
     }
 
@@ -215,15 +228,14 @@ impl OpenAi {
             .with_state(self.inner.clone())
     }
 
-    /// Serves the API on `listener` until `shutdown` completes.
+    /// Serves the API on `listener` until `shutdown` completes, within
+    /// the builder's connection limits (see `serve.rs`).
     pub async fn serve(
         &self,
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown)
-            .await
+        serve::serve(self.router(), listener, self.inner.connections, shutdown).await
     }
 }
 

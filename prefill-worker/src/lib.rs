@@ -357,7 +357,7 @@ impl PrefillService {
         let cached = loop {
             match events.next().await {
                 Some(RequestEvent::Finished(s)) => break s.usage.cached_tokens,
-                Some(RequestEvent::Error(e)) => return Err(Status::internal(e)),
+                Some(RequestEvent::Error(e)) => return Err(tandem_server::status_from_failure(e)),
                 Some(_) => {}
                 None => return Err(Status::unavailable("the engine stopped")),
             }

@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use tandem_engine::serving::{
-    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestSummary, ResponseFormat,
-    TokenDelta,
+    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestFailure, RequestSummary,
+    ResponseFormat, TokenDelta,
 };
 use tandem_engine::{FinishReason, SamplingParams, TokenLogprob};
 use tandem_proto::v1;
@@ -149,7 +149,10 @@ fn summary_to_proto(s: RequestSummary) -> v1::Finished {
 }
 
 /// The wire message for an engine event; `Err` carries an engine failure.
-pub fn event_to_proto(request_id: &str, ev: RequestEvent) -> Result<v1::GenerateResponse, String> {
+pub fn event_to_proto(
+    request_id: &str,
+    ev: RequestEvent,
+) -> Result<v1::GenerateResponse, RequestFailure> {
     let event = match ev {
         RequestEvent::Delta(d) => v1::generate_response::Event::Delta(delta_to_proto(d)),
         RequestEvent::Finished(s) => v1::generate_response::Event::Finished(summary_to_proto(s)),
@@ -157,7 +160,9 @@ pub fn event_to_proto(request_id: &str, ev: RequestEvent) -> Result<v1::Generate
         // Only requests that ask for remote prefill see this, and this
         // service never asks.
         RequestEvent::RemotePrefill(_) => {
-            return Err("unexpected remote-prefill event on a colocated request".into())
+            return Err(RequestFailure::engine(
+                "unexpected remote-prefill event on a colocated request",
+            ))
         }
     };
     Ok(v1::GenerateResponse {

@@ -30,7 +30,9 @@ use tonic::service::RoutesBuilder;
 
 pub use convert::{event_to_proto, request_from_proto, BadRequest};
 pub use metrics::{register_engine, ServingMetrics};
-pub use service::{status_from_engine, GenerationService, PrefillGuard, RemotePrefiller};
+pub use service::{
+    status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,
+};
 pub use worker_service::WorkerService;
 
 /// Errors of the server.
@@ -159,8 +161,15 @@ impl Services {
     }
 }
 
+/// Streams one gRPC connection may have open at once. A router multiplexes
+/// all its calls to one worker over one connection, so this is the most
+/// requests one router can have in flight on a worker: far above any batch
+/// the engine runs, far below what would exhaust memory.
+pub const MAX_CONCURRENT_STREAMS: u32 = 4096;
+
 /// Serves `services` plus `grpc.health.v1` and reflection (v1 and v1alpha)
-/// until `shutdown` completes.
+/// until `shutdown` completes, with HTTP/2 keep-alive pings to every peer
+/// and at most [`MAX_CONCURRENT_STREAMS`] streams per connection.
 pub async fn serve_services(
     bound: Bound,
     services: Services,
@@ -191,7 +200,13 @@ pub async fn serve_services(
     routes.add_service(reflection);
     routes.add_service(reflection_alpha);
     tracing::info!(addr = %bound.addr, services = ?services.serving, tls = services.tls.is_some(), "serving");
-    let mut builder = tonic::transport::Server::builder();
+    // A peer that stops answering pings (frozen, partitioned) is dropped
+    // after interval + timeout, freeing its streams; one connection may
+    // not open streams without end.
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(tandem_security::tls::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(tandem_security::tls::KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
     if let Some(tls) = services.tls {
         builder = builder.tls_config(tls)?;
     }

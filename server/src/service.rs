@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use futures_util::Stream;
 use tandem_engine::serving::{
-    EngineHandle, PrefillMode, RemotePrefill, RequestEvent, RequestStream,
+    EngineHandle, FailureScope, PrefillMode, RemotePrefill, RequestEvent, RequestFailure,
+    RequestStream,
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
@@ -137,6 +138,17 @@ pub fn status_from_engine(e: EngineError) -> Status {
     }
 }
 
+/// A failed request's status: `INTERNAL`, marked as the request's own
+/// unless the engine failed (then the router may take the worker for
+/// broken, and should).
+pub fn status_from_failure(failure: RequestFailure) -> Status {
+    let status = Status::internal(failure.message);
+    match failure.scope {
+        FailureScope::Request => tandem_proto::worker::request_error(status),
+        FailureScope::Engine => status,
+    }
+}
+
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
 
 /// What the response stream owns: dropping it aborts the request and
@@ -243,7 +255,7 @@ impl CallState {
                     if !self.ended {
                         self.end(Outcome::Error);
                     }
-                    Err(tandem_proto::worker::request_error(Status::internal(e)))
+                    Err(status_from_failure(e))
                 }
             });
         }

@@ -27,7 +27,7 @@ use super::kv_feed::{KvFeed, KvFeedPublisher};
 use super::output::TextOutput;
 use super::request::{
     ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, RemotePrefill, RequestEvent,
-    RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
+    RequestFailure, RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
 };
 use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
 use speculation::Speculation;
@@ -421,15 +421,15 @@ impl EngineCore {
         sink: UnboundedSender<RequestEvent>,
     ) {
         if let Some(why) = &self.failure {
-            let _ = sink.send(RequestEvent::Error(format!(
+            let _ = sink.send(RequestEvent::Error(RequestFailure::engine(format!(
                 "the engine has stopped: {why}"
-            )));
+            ))));
             return;
         }
         let sampler = match Sampler::new(req.sampling.clone(), &req.prompt_ids) {
             Ok(s) => s,
             Err(e) => {
-                let _ = sink.send(RequestEvent::Error(e.to_string()));
+                let _ = sink.send(RequestEvent::Error(RequestFailure::request(e.to_string())));
                 return;
             }
         };
@@ -728,7 +728,10 @@ impl EngineCore {
             }
         }
         for (group, msg) in failed {
-            self.fail_group(group, &format!("response_format: {msg}"));
+            self.fail_group(
+                group,
+                RequestFailure::request(format!("response_format: {msg}")),
+            );
         }
     }
 
@@ -938,7 +941,10 @@ impl EngineCore {
                             Ok(v) => v,
                             Err(e) => {
                                 let group = seq.group;
-                                self.fail_group(group, &format!("response_format: {e}"));
+                                self.fail_group(
+                                    group,
+                                    RequestFailure::request(format!("response_format: {e}")),
+                                );
                                 continue;
                             }
                         }
@@ -984,8 +990,7 @@ impl EngineCore {
                     }
                 }
                 Err(e) => {
-                    let msg = e.to_string();
-                    self.fail_group(group_id, &msg);
+                    self.fail_group(group_id, RequestFailure::request(e.to_string()));
                     return;
                 }
             }
@@ -1126,7 +1131,7 @@ impl EngineCore {
             .filter_map(|s| self.scheduler.seq(s.seq).map(|q| q.group))
             .collect();
         for g in groups {
-            self.fail_group(g, msg);
+            self.fail_group(g, RequestFailure::engine(msg));
         }
     }
 
@@ -1140,7 +1145,7 @@ impl EngineCore {
         let msg = format!("the engine has stopped: {why}");
         let groups: Vec<u64> = self.groups.keys().copied().collect();
         for g in groups {
-            self.fail_group(g, &msg);
+            self.fail_group(g, RequestFailure::engine(msg.clone()));
         }
         self.failure = Some(why);
     }
@@ -1150,7 +1155,7 @@ impl EngineCore {
         self.failure.as_deref()
     }
 
-    fn fail_group(&mut self, group_id: u64, msg: &str) {
+    fn fail_group(&mut self, group_id: u64, failure: RequestFailure) {
         let Some(g) = self.groups.remove(&group_id) else {
             return;
         };
@@ -1158,7 +1163,7 @@ impl EngineCore {
             self.scheduler.remove(seq);
             self.release_draft_state(seq);
         }
-        let _ = g.sink.send(RequestEvent::Error(msg.to_string()));
+        let _ = g.sink.send(RequestEvent::Error(failure));
     }
 
     /// Updates the gauges (and, after a step, the per-step sums).

@@ -292,7 +292,44 @@ pub enum RequestEvent {
     /// The last event: every choice is done.
     Finished(RequestSummary),
     /// The engine failed the request; nothing follows.
-    Error(String),
+    Error(RequestFailure),
+}
+
+/// Why the engine failed a request, and whose fault it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestFailure {
+    pub scope: FailureScope,
+    pub message: String,
+}
+
+/// Whether a failure is the request's own or the engine's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureScope {
+    /// This request could not go on (its grammar, its sampler, its text):
+    /// the engine serves others as before.
+    Request,
+    /// A step or the backend failed (a device fault, a lost rank): every
+    /// request in it failed, and the engine may be broken.
+    Engine,
+}
+
+impl RequestFailure {
+    /// The request's own failure.
+    pub fn request(message: impl Into<String>) -> Self {
+        Self {
+            scope: FailureScope::Request,
+            message: message.into(),
+        }
+    }
+
+    /// The engine's failure.
+    pub fn engine(message: impl Into<String>) -> Self {
+        Self {
+            scope: FailureScope::Engine,
+            message: message.into(),
+        }
+    }
 }
 
 /// What a prefill worker must compute and where the blocks go.
