@@ -1,14 +1,19 @@
 //! Chaos under load: a cluster of separate processes (etcd, a router, two
-//! prefill and two decode workers) serves a steady stream of requests while
-//! a prefill worker and a decode worker are killed (SIGKILL), etcd is frozen
-//! (SIGSTOP) and thawed, and the router is killed and started again on the
-//! same port.
+//! prefill and three decode workers) serves a steady stream of requests
+//! while a prefill worker and a decode worker are killed (SIGKILL), etcd is
+//! frozen (SIGSTOP) and thawed, the router is killed and started again on
+//! the same port, and then the last prefill worker and a decode worker are
+//! frozen together for a while and thawed.
 //!
-//! Every request must end: it completes (those in flight at the killed
-//! decode worker migrate to the other one), or fails with a gRPC status (the
-//! ones in flight at the killed router, or sent while no router listens). None may hang past its deadline, and once the load
-//! stops, every surviving worker must hold no KV block and have nothing
-//! running, waiting or parked. The figures are printed (`chaos: ...`).
+//! The clients set no deadline. Every request must end: it completes
+//! (those in flight at a killed or frozen decode worker migrate to another
+//! one; those parked behind the frozen prefill worker are prefilled
+//! locally after the decode worker's prefill wait), or fails with a gRPC
+//! status (the ones in flight at the killed router, or sent while no router
+//! listens). None may be open 30 s after it was sent (`hung`), and once the
+//! load stops, every surviving worker must hold no KV block, have nothing
+//! running, waiting or parked, and the decode workers no open transfer
+//! ticket. The figures are printed (`chaos: ...`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -24,8 +29,9 @@ use tandem_tests::etcd::EtcdServer;
 /// Requests per second, and for how long.
 const RATE: u64 = 20;
 const LOAD_SECONDS: u64 = 40;
-/// The client's gRPC deadline; a call still open 10 s past it hangs.
-const DEADLINE: Duration = Duration::from_secs(20);
+/// A call still open this long after it was sent hangs (the clients set
+/// no gRPC deadline: the cluster's own bounds must end every call).
+const HUNG_AFTER: Duration = Duration::from_secs(30);
 /// The request that is streaming when its decode worker dies.
 const LONG_TOKENS: u32 = 400;
 
@@ -50,7 +56,7 @@ async fn one(router: String, i: u64) -> String {
         let ids: Vec<u32> = (0..24 + (i % 16) as u32)
             .map(|j| (i as u32 * 37 + j * 11) % 250 + 1)
             .collect();
-        let mut req = tonic::Request::new(v1::GenerateRequest {
+        let req = tonic::Request::new(v1::GenerateRequest {
             prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
             sampling: Some(v1::SamplingParams {
                 temperature: Some(0.0),
@@ -62,7 +68,6 @@ async fn one(router: String, i: u64) -> String {
             ignore_eos: true,
             ..Default::default()
         });
-        req.set_timeout(DEADLINE);
         let mut stream = c.generate(req).await?.into_inner();
         let mut finished = false;
         while let Some(msg) = stream.message().await? {
@@ -74,7 +79,7 @@ async fn one(router: String, i: u64) -> String {
             Err(tonic::Status::internal("the stream ended without Finished"))
         }
     };
-    match tokio::time::timeout(DEADLINE + Duration::from_secs(10), call).await {
+    match tokio::time::timeout(HUNG_AFTER, call).await {
         Ok(Ok(())) => "ok".to_string(),
         Ok(Err(status)) => format!("{:?}", status.code()),
         Err(_) => "hung".to_string(),
@@ -110,19 +115,26 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let start = |role: &str| {
-        let args = worker_args(&[]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        spawn_component(tandem(), role, &args)
-    };
-    let mut prefills = vec![start("prefill-worker"), start("prefill-worker")];
-    let mut decodes = vec![start("decode-worker"), start("decode-worker")];
     let free = || {
         std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port()
     };
+    // (process, gRPC address, metrics address)
+    let start = |role: &str| {
+        let metrics = format!("127.0.0.1:{}", free());
+        let args = worker_args(&["--metrics-addr", &metrics]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (process, addr) = spawn_component(tandem(), role, &args);
+        (process, addr, metrics)
+    };
+    let mut prefills = vec![start("prefill-worker"), start("prefill-worker")];
+    let mut decodes = vec![
+        start("decode-worker"),
+        start("decode-worker"),
+        start("decode-worker"),
+    ];
     let router_addr = format!("127.0.0.1:{}", free());
     let router_metrics = format!("127.0.0.1:{}", free());
     let start_router = || {
@@ -180,7 +192,7 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
         std::thread::sleep(when.saturating_duration_since(Instant::now()));
     };
     at(6);
-    let (victim, _) = prefills.remove(0);
+    let (victim, _, _) = prefills.remove(0);
     signal("-KILL", victim.0.id());
     drop(victim);
     at(12);
@@ -222,9 +234,9 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     });
     let at_victim = decodes
         .iter()
-        .position(|(_, addr)| *addr == victim_addr)
+        .position(|(_, addr, _)| *addr == victim_addr)
         .expect("the long call's decode worker is one of ours");
-    let (victim, _) = decodes.remove(at_victim);
+    let (victim, _, _) = decodes.remove(at_victim);
     signal("-KILL", victim.0.id());
     drop(victim);
     let long_call = rt.spawn(async move {
@@ -254,6 +266,16 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     std::thread::sleep(Duration::from_millis(500));
     let (r, _) = start_router();
     router = Some(r);
+    at(31);
+    // The last prefill worker and a decode worker freeze together.
+    let frozen = [prefills[0].0 .0.id(), decodes[0].0 .0.id()];
+    for pid in frozen {
+        signal("-STOP", pid);
+    }
+    at(37);
+    for pid in frozen {
+        signal("-CONT", pid);
+    }
 
     rt.block_on(load_task).expect("the load ran");
     let long_tokens = rt
@@ -270,7 +292,7 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     // Drained: every surviving worker holds nothing.
     let mut leaked = 0u64;
     rt.block_on(async {
-        for (_, addr) in prefills.iter().chain(&decodes) {
+        for (_, addr, _) in prefills.iter().chain(&decodes) {
             let deadline = Instant::now() + Duration::from_secs(15);
             loop {
                 let l = load(addr).await;
@@ -286,9 +308,18 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
             }
         }
     });
+    let open_tickets: f64 = decodes
+        .iter()
+        .map(|(_, _, metrics)| {
+            tandem_tests::prometheus::scrape(metrics)
+                .value("tandem_kv_transfer_open_tickets", &[])
+                .unwrap_or(f64::NAN)
+        })
+        .sum();
     eprintln!(
         "chaos: {total} requests in {LOAD_SECONDS}s: {outcomes:?}; {migrated} migrated \
-         to another decode worker; {leaked} KV blocks leaked on the surviving workers"
+         to another decode worker; {leaked} KV blocks leaked on the surviving workers; \
+         {open_tickets} transfer tickets open"
     );
     assert_eq!(total, RATE * LOAD_SECONDS, "every request ended");
     assert_eq!(
@@ -298,6 +329,10 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     assert!(migrated >= 1.0, "the long call migrated");
     assert_eq!(outcomes.get("hung"), None, "hung requests: {outcomes:?}");
     assert_eq!(leaked, 0, "leaked KV blocks");
+    assert_eq!(
+        open_tickets, 0.0,
+        "open transfer tickets on the decode workers"
+    );
     assert!(
         ok * 10 >= total * 7,
         "only {ok} of {total} requests completed: {outcomes:?}"

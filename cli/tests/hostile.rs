@@ -292,3 +292,115 @@ fn kv_event_feeds_are_capped_per_worker() {
         }
     });
 }
+
+/// A decode worker frozen (SIGSTOP) mid-stream: the router's channel stops
+/// getting answers to its HTTP/2 keep-alive pings, drops the connection
+/// and moves the stream to the other decode worker with the tokens so
+/// far. The client, which set no deadline, gets the whole greedy output
+/// within the keep-alive bound, not never.
+#[test]
+fn a_frozen_decode_worker_mid_stream_costs_a_bounded_wait_then_the_stream_moves() {
+    use tandem_proto::v1;
+    use tandem_proto::worker::ROUTED_DECODE_HEADER;
+    // Long enough (on `small`) that the worker is still decoding when it
+    // freezes, not done with every token already buffered on its way.
+    const TOKENS: u32 = 600;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "small");
+    let cluster = tandem_tests::cluster::start(
+        tandem(),
+        &[
+            "up",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-http",
+            "--kv-cache-memory",
+            "32MiB",
+            "--worker-arg=--batch-invariant",
+        ],
+    );
+    let reference = serve(&model);
+    let ids = prompt(6, 41);
+    let rt = runtime();
+    let want = rt
+        .block_on(greedy(&reference.addr, ids.clone(), TOKENS))
+        .expect("reference")
+        .tokens;
+    rt.block_on(async {
+        let mut client =
+            v1::generation_client::GenerationClient::connect(format!("http://{}", cluster.addr))
+                .await
+                .expect("router");
+        let response = client
+            .generate(v1::GenerateRequest {
+                prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+                    ids: ids.clone(),
+                })),
+                sampling: Some(v1::SamplingParams {
+                    temperature: Some(0.0),
+                    ..Default::default()
+                }),
+                max_tokens: Some(TOKENS),
+                ignore_eos: true,
+                ..Default::default()
+            })
+            .await
+            .expect("generate");
+        let decode = response
+            .metadata()
+            .get(ROUTED_DECODE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .expect("the decode worker's address")
+            .to_string();
+        let pid = cluster.pids[&decode];
+        let mut stream = response.into_inner();
+        let mut tokens = Vec::new();
+        // The first tokens arrive, then the worker freezes.
+        while tokens.is_empty() {
+            match stream.message().await.expect("stream").map(|m| m.event) {
+                Some(Some(v1::generate_response::Event::Delta(d))) => tokens.extend(d.token_ids),
+                Some(_) => {}
+                None => panic!("the stream ended before its first token"),
+            }
+        }
+        signal(pid, "-STOP");
+        let frozen_at = Instant::now();
+        let frozen_with = tokens.len();
+        let rest = async {
+            let mut finished = false;
+            while let Some(msg) = stream.message().await? {
+                match msg.event {
+                    Some(v1::generate_response::Event::Delta(d)) => tokens.extend(d.token_ids),
+                    Some(v1::generate_response::Event::Finished(_)) => finished = true,
+                    None => {}
+                }
+            }
+            Ok::<_, tonic::Status>(finished)
+        };
+        let outcome = tokio::time::timeout(Duration::from_secs(90), rest).await;
+        let took = frozen_at.elapsed();
+        signal(pid, "-CONT");
+        let finished = outcome
+            .expect("the stream hung behind a frozen decode worker")
+            .expect("the stream moved instead of failing");
+        assert!(finished, "no Finished after {took:?}");
+        // The bound: keep-alive interval + timeout, and room to re-route.
+        let bound = tandem_security::tls::KEEPALIVE_INTERVAL
+            + tandem_security::tls::KEEPALIVE_TIMEOUT
+            + Duration::from_secs(10);
+        assert!(took < bound, "took {took:?}, bound {bound:?}");
+        eprintln!("stream moved {took:?} after the freeze, {frozen_with} tokens in");
+        assert!(
+            frozen_with < TOKENS as usize,
+            "every token had arrived before the freeze"
+        );
+        assert_eq!(tokens, want, "the moved stream's tokens");
+    });
+}

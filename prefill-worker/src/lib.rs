@@ -217,18 +217,33 @@ impl KvExport for Exporter {
     }
 }
 
-/// Aborts a transfer unless disarmed (the call finished cleanly).
+type WriterTask = tokio::task::JoinHandle<Result<usize, tandem_kv_transfer::TransferError>>;
+
+/// Aborts a transfer unless disarmed (the call finished cleanly). The
+/// writer task goes first and the abort is sent only once it has stopped:
+/// a write sent after the abort would reopen the transfer at the receiver,
+/// and one connection's cancelled prefills would pile up there until it
+/// hits its limit of open transfers.
 struct AbortOnDrop {
     session: Arc<dyn Session>,
     transfer: TransferId,
+    /// The task forwarding exported blocks to the session, while it runs.
+    writer: Option<WriterTask>,
     armed: bool,
 }
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
+        let writer = self.writer.take();
+        if let Some(w) = &writer {
+            w.abort();
+        }
         if self.armed {
             let (session, transfer) = (self.session.clone(), self.transfer);
             tokio::spawn(async move {
+                if let Some(w) = writer {
+                    let _ = w.await;
+                }
                 let _ = session.abort(transfer).await;
             });
         }
@@ -307,6 +322,7 @@ impl PrefillService {
         let mut guard = AbortOnDrop {
             session: session.clone(),
             transfer,
+            writer: None,
             armed: true,
         };
         let (tx, mut rx) = unbounded_channel::<Vec<BlockWrite>>();
@@ -320,7 +336,7 @@ impl PrefillService {
         );
         let transfer_started = Instant::now();
         let metrics = self.metrics.clone();
-        let writer = tokio::spawn(
+        guard.writer = Some(tokio::spawn(
             async move {
                 let (mut sent, mut sent_bytes) = (0usize, 0usize);
                 while let Some(batch) = rx.recv().await {
@@ -338,7 +354,7 @@ impl PrefillService {
                 Ok::<usize, tandem_kv_transfer::TransferError>(sent)
             }
             .instrument(kv_span.clone()),
-        );
+        ));
         let exporter = Arc::new(Exporter {
             from_block,
             dst_blocks: r.dst_blocks,
@@ -364,7 +380,13 @@ impl PrefillService {
         };
         // The engine dropped its exporter with the finished request, which
         // closed the channel: the writer ends once it has sent everything.
-        let sent = match writer.await {
+        // (Awaited in place: cancelled meanwhile, the guard still stops it.)
+        let written = match guard.writer.as_mut() {
+            Some(writer) => writer.await,
+            None => return Err(Status::internal("the transfer task is gone")),
+        };
+        guard.writer = None;
+        let sent = match written {
             Ok(Ok(n)) => n,
             Ok(Err(e)) => {
                 self.forget_session(session.endpoint()).await;
