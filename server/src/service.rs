@@ -302,7 +302,19 @@ impl v1::generation_server::Generation for GenerationService {
         }
         let request_id = req.request_id.clone();
         req.span = span.clone();
-        let events = match span.in_scope(|| self.engine.submit(req)) {
+        // Validation tokenizes text prompts and compiles response formats:
+        // milliseconds to seconds of CPU, run on the blocking pool so the
+        // async threads keep serving every other call's I/O.
+        let (engine, submit_span) = (self.engine.clone(), span.clone());
+        let submitted =
+            tokio::task::spawn_blocking(move || submit_span.in_scope(|| engine.submit(req)))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(EngineError::Stopped(format!(
+                        "the request's validation task failed: {e}"
+                    )))
+                });
+        let events = match submitted {
             Ok(ev) => ev,
             Err(e) => {
                 let outcome = match e {

@@ -4,6 +4,13 @@ use llguidance::api::TopLevelGrammar;
 
 use crate::error::{Result, StructuredError};
 
+/// The most text (a schema, a regex, a grammar, the choices together) one
+/// response format may have. Compiling is bounded by llguidance's own fuel
+/// limits too; this refuses the obviously oversized up front, before any
+/// parsing: 128 KiB is several times the largest tool schemas seen in
+/// practice.
+pub const MAX_FORMAT_BYTES: usize = 128 << 10;
+
 /// A constraint on a request's output, as the client states it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum ResponseFormat {
@@ -41,9 +48,25 @@ impl ResponseFormat {
         }
     }
 
+    /// Bytes of the format's text (schema, regex, grammar or choices).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Self::JsonSchema(t) | Self::Regex(t) | Self::Grammar(t) => t.len(),
+            Self::JsonObject => 0,
+            Self::Choice(c) => c.iter().map(String::len).sum(),
+        }
+    }
+
     /// llguidance's description of the grammar; checks what can be checked
-    /// without a tokenizer.
+    /// without a tokenizer, the size first ([`MAX_FORMAT_BYTES`]).
     pub(crate) fn to_grammar(&self) -> Result<TopLevelGrammar> {
+        let bytes = self.text_bytes();
+        if bytes > MAX_FORMAT_BYTES {
+            return Err(self.invalid(format!(
+                "the {} is {bytes} bytes; at most {MAX_FORMAT_BYTES} are compiled",
+                self.kind()
+            )));
+        }
         match self {
             Self::JsonSchema(text) => {
                 let schema: serde_json::Value = serde_json::from_str(text)

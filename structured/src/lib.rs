@@ -64,5 +64,5 @@ mod vocab;
 pub use compiler::{CacheStats, CompiledGrammar, GrammarCompiler, DEFAULT_CACHE_CAPACITY};
 pub use constraint::{Commit, Constraint, TokenMask};
 pub use error::{Result, StructuredError};
-pub use format::ResponseFormat;
+pub use format::{ResponseFormat, MAX_FORMAT_BYTES};
 pub use vocab::Vocabulary;

@@ -190,6 +190,42 @@ fn invalid_formats_carry_the_engine_message() {
     }
 }
 
+/// A format past `MAX_FORMAT_BYTES` is refused before anything parses it,
+/// however valid; one at the limit's side compiles.
+#[test]
+fn oversized_formats_are_refused_before_compiling() {
+    use tandem_structured::MAX_FORMAT_BYTES;
+    let (_v, c) = compiler();
+    // A valid schema: an object with many optional properties.
+    let schema = |props: usize| {
+        let fields: Vec<String> = (0..props)
+            .map(|i| format!(r#""field_{i:06}": {{"type": "integer"}}"#))
+            .collect();
+        format!(
+            r#"{{"type": "object", "properties": {{{}}}}}"#,
+            fields.join(", ")
+        )
+    };
+    let big = schema(MAX_FORMAT_BYTES / 20);
+    assert!(big.len() > MAX_FORMAT_BYTES);
+    match c.compile(&ResponseFormat::JsonSchema(big)) {
+        Err(StructuredError::InvalidFormat { kind, message }) => {
+            assert_eq!(kind, "json_schema");
+            assert!(message.contains("at most"), "{message}");
+        }
+        other => panic!("expected InvalidFormat, got {other:?}"),
+    }
+    let choices: Vec<String> = (0..MAX_FORMAT_BYTES / 4 + 1)
+        .map(|i| format!("{i:04}"))
+        .collect();
+    assert!(matches!(
+        c.compile(&ResponseFormat::Choice(choices)),
+        Err(StructuredError::InvalidFormat { kind: "choice", .. })
+    ));
+    c.compile(&ResponseFormat::JsonSchema(schema(20)))
+        .expect("a small schema compiles");
+}
+
 #[test]
 fn the_cache_hits_and_is_bounded() {
     let v = vocab();
