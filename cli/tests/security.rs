@@ -15,6 +15,10 @@ use tandem_tests::cluster::Started;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
 const KEY: &str = "sk-test-7f3a";
+/// The key `serve_refuses_oversized_requests_and_missing_keys` passes on
+/// its command line: not `KEY`, which the mTLS test checks no command line
+/// holds while the two run side by side.
+const ARGV_KEY: &str = "sk-argv-2b9d";
 
 fn tandem() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tandem"))
@@ -374,13 +378,13 @@ fn serve_refuses_oversized_requests_and_missing_keys() {
             "--num-kv-blocks",
             "256",
             "--api-key",
-            KEY,
+            ARGV_KEY,
         ],
     );
     let addr = server.addr.clone();
     tandem_tests::cluster::runtime().block_on(async {
         let endpoint = || Endpoint::from_shared(format!("http://{addr}")).expect("uri");
-        let served = call(endpoint(), Some(KEY)).await.expect("served");
+        let served = call(endpoint(), Some(ARGV_KEY)).await.expect("served");
         assert_eq!(served.tokens.len(), 8);
         let refused = call(endpoint(), None).await.expect_err("no key");
         assert_eq!(refused.code(), tonic::Code::Unauthenticated);
@@ -394,7 +398,7 @@ fn serve_refuses_oversized_requests_and_missing_keys() {
         });
         req.metadata_mut().insert(
             "authorization",
-            format!("Bearer {KEY}").parse().expect("ascii"),
+            format!("Bearer {ARGV_KEY}").parse().expect("ascii"),
         );
         let refused = client.generate(req).await.expect_err("too large");
         assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
@@ -411,14 +415,14 @@ fn serve_refuses_oversized_requests_and_missing_keys() {
         });
         req.metadata_mut().insert(
             "authorization",
-            format!("Bearer {KEY}").parse().expect("ascii"),
+            format!("Bearer {ARGV_KEY}").parse().expect("ascii"),
         );
         let refused = client.generate(req).await.expect_err("too long");
         assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
         assert!(refused.message().contains("max_model_len"), "{refused:?}");
     });
     let http_addr = server.http.clone().expect("http API");
-    let bearer = format!("Bearer {KEY}");
+    let bearer = format!("Bearer {ARGV_KEY}");
     let huge = format!(
         r#"{{"prompt": "{}", "max_tokens": 1}}"#,
         "a".repeat(2 << 20)
