@@ -184,7 +184,14 @@ fn killing_one_rank_takes_its_worker_out_and_requests_go_on_elsewhere() {
                 tokio::spawn(async move { greedy(&addr, vec![5 + i, 17, 29, 41], 300).await })
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(800)).await;
+        // Kill while the victim is decoding its call: a leader with no work
+        // only finds a dead rank at its next step (the next request it is
+        // sent), and a fixed sleep raced the call's end on a fast machine.
+        let busy_by = Instant::now() + Duration::from_secs(10);
+        while tandem_tests::cluster::load(&victim).await.running == 0 {
+            assert!(Instant::now() < busy_by, "the victim never got a call");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let killed_at = Instant::now();
         Command::new("kill")
             .args(["-KILL", &ranks[0].to_string()])
