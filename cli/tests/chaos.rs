@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
-use tandem_tests::cluster::{load, runtime, spawn_component, KillOnDrop};
+use tandem_tests::cluster::{free_port, load, runtime, spawn_component, KillOnDrop};
 use tandem_tests::etcd::EtcdServer;
 
 /// Requests per second, and for how long.
@@ -115,15 +115,9 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port()
-    };
     // (process, gRPC address, metrics address)
     let start = |role: &str| {
-        let metrics = format!("127.0.0.1:{}", free());
+        let metrics = format!("127.0.0.1:{}", free_port());
         let args = worker_args(&["--metrics-addr", &metrics]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (process, addr) = spawn_component(tandem(), role, &args);
@@ -135,8 +129,8 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
         start("decode-worker"),
         start("decode-worker"),
     ];
-    let router_addr = format!("127.0.0.1:{}", free());
-    let router_metrics = format!("127.0.0.1:{}", free());
+    let router_addr = format!("127.0.0.1:{}", free_port());
+    let router_metrics = format!("127.0.0.1:{}", free_port());
     let start_router = || {
         spawn_component(
             tandem(),

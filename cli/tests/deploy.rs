@@ -31,7 +31,7 @@ use tandem_cli::Cli;
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
 use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
-use tandem_tests::cluster::{load, KillOnDrop};
+use tandem_tests::cluster::{free_port, load, KillOnDrop};
 
 /// Every overlay an operator can apply.
 const OVERLAYS: &[&str] = &["cpu", "gpu", "gpu-pipeline"];
@@ -786,13 +786,6 @@ fn every_overlay_is_checked() {
 }
 
 // ---- the cpu overlay as local processes ----
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
 
 /// One pod of a workload run as local processes: its ports moved to free
 /// loopback ports, its volumes to directories.

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tandem_discovery::{EtcdConfig, Registration, Role, WorkerRecord};
-use tandem_tests::cluster::KillOnDrop;
+use tandem_tests::cluster::{free_port, KillOnDrop};
 use tandem_tests::etcd::EtcdServer;
 
 fn tandem() -> &'static Path {
@@ -36,14 +36,6 @@ fn decode_worker(model: &str, etcd: &str, id: &str, addr: &str) -> KillOnDrop {
         "32MiB",
     ];
     tandem_tests::cluster::spawn_component(tandem(), "decode-worker", &args).0
-}
-
-/// A loopback port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 fn greedy(rt: &tokio::runtime::Runtime, router: &str) -> Result<Option<String>, tonic::Status> {

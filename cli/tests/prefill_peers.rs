@@ -18,7 +18,7 @@ use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::{TransferId, Transport};
 use tandem_proto::v1;
 use tandem_proto::worker::v1 as wv1;
-use tandem_tests::cluster::{greedy, runtime, Started};
+use tandem_tests::cluster::{free_port, greedy, runtime, Started};
 
 const SECRET: &str = "prefill-peers-secret-4c1e";
 
@@ -81,13 +81,6 @@ async fn serve_peer(peer: Peer) -> String {
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
     addr
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// A decode worker (remote prefill from 8 tokens) serving `/metrics` on

@@ -192,6 +192,15 @@ pub fn started(mut child: Child, args: &[&str]) -> Started {
     }
 }
 
+/// A loopback port nothing listens on now (another process may take it
+/// before the caller binds it; tests bind it at once).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
 /// Writes a generated model (`<tandem> gen-model --config <preset>`) into
 /// `dir`; panics with its stderr if that fails.
 pub fn gen_model(tandem: &Path, dir: &Path, preset: &str) {
