@@ -16,8 +16,9 @@
 //! answers `{"health":"true"}` once the member has a leader and can serve
 //! requests. The harness polls that with a std `TcpStream` (no async runtime,
 //! no etcd client here) every 50 ms for up to [`START_TIMEOUT`]. If the
-//! process exits meanwhile (for example the port was taken between choosing
-//! it and etcd binding it), its log is in the error.
+//! process exits meanwhile, its log is in the error; when the reason was a
+//! port taken between choosing it and etcd binding it, the start is retried
+//! on fresh ports (at most three tries).
 //!
 //! # TLS
 //!
@@ -45,6 +46,10 @@ use std::time::{Duration, Instant};
 
 /// How long [`EtcdServer::start`] waits for etcd to answer `/health`.
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many times [`EtcdServer::start`] picks fresh ports when etcd lost a
+/// port to another process between picking and binding.
+const START_ATTEMPTS: u32 = 3;
 
 /// The etcd program, overridable with `$TANDEM_ETCD`.
 fn etcd_program() -> String {
@@ -128,6 +133,23 @@ impl EtcdServer {
     }
 
     fn start_with(tls: bool) -> Result<EtcdServer, EtcdError> {
+        // The ports are free when picked but another test may bind one
+        // before etcd does: a start that lost that race is retried on
+        // fresh ports, a bounded number of times.
+        let mut attempt = 1;
+        loop {
+            match EtcdServer::start_once(tls) {
+                Err(EtcdError::Exited { log, .. })
+                    if attempt < START_ATTEMPTS && log.contains("address already in use") =>
+                {
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn start_once(tls: bool) -> Result<EtcdServer, EtcdError> {
         let dir = tempfile::Builder::new()
             .prefix("tandem-etcd-")
             .tempdir()
