@@ -115,33 +115,40 @@ fn http(addr: &str, method: &str, path: &str, auth: Option<&str>, body: &str) ->
     (status, body)
 }
 
-/// `tandem up --tls` with the API key in the environment (never argv).
+/// `tandem up --tls` with the API key in the environment (never argv), and
+/// without `--debug-routing-headers` (spawned here, not by the test
+/// helpers that add it): what a real deployment tells its clients.
 fn up_tls(model: &Path, certs: &Path) -> Started {
-    tandem_tests::cluster::start_with_env(
-        tandem(),
-        &[
-            "up",
-            "--model",
-            model.to_str().expect("utf8"),
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--kv-cache-memory",
-            "32MiB",
-            "--remote-prefill-threshold",
-            "8",
-            "--no-etcd",
-            "--tls",
-            "--tls-dir",
-            certs.to_str().expect("utf8"),
-        ],
-        &[("TANDEM_API_KEYS", KEY)],
-    )
+    let args = [
+        "up",
+        "--model",
+        model.to_str().expect("utf8"),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "32MiB",
+        "--remote-prefill-threshold",
+        "8",
+        "--no-etcd",
+        "--tls",
+        "--tls-dir",
+        certs.to_str().expect("utf8"),
+    ];
+    let child = std::process::Command::new(tandem())
+        .args(args)
+        .env("TANDEM_API_KEYS", KEY)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("tandem up starts");
+    tandem_tests::cluster::started(child, &args)
 }
 
 /// The value of `name` in process `pid`'s environment.
@@ -195,6 +202,68 @@ fn assert_no_secret_on_a_command_line(cluster: &Started) {
     }
 }
 
+/// Role-bearing certificates: the `client` certificate comes from the
+/// cluster CA, and even with the cluster credential (read here from the
+/// worker's environment, as a leaked token) it cannot call a decode
+/// worker's `Decode`/`Generate` or a prefill worker's `Prefill`:
+/// PERMISSION_DENIED naming the role those take. The router's certificate
+/// with the same credential is served by the decode worker.
+fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
+    use tandem_proto::worker::v1 as wv1;
+    let decode = cluster.decode[0].clone();
+    let prefill = cluster.prefill[0].clone();
+    let token = environ_var(cluster.pids[&decode], "TANDEM_CLUSTER_TOKEN").expect("token");
+    let credential = tandem_security::ClusterCredential::derive(&token);
+    let channel = |component: &str, addr: &str| {
+        let tls = TlsConfig::in_dir(certs, component).load().expect("cert");
+        let endpoint = tandem_security::tls::endpoint(Some(&tls), addr).expect("endpoint");
+        credential.channel(endpoint.connect_lazy())
+    };
+    let routed = || wv1::RoutedGenerateRequest {
+        request: Some(request()),
+        prefill_worker: String::new(),
+    };
+    tandem_tests::cluster::runtime().block_on(async {
+        let mut as_client = wv1::decode_client::DecodeClient::new(channel("client", &decode));
+        let denied = as_client.generate(routed()).await.expect_err("client role");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+        assert!(
+            denied.message().contains("router certificates"),
+            "{denied:?}"
+        );
+        assert!(denied.message().contains("holds client"), "{denied:?}");
+        let mut public = GenerationClient::new(channel("client", &decode));
+        let denied = public.generate(request()).await.expect_err("client role");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+
+        let mut prefill_client =
+            wv1::prefill_client::PrefillClient::new(channel("client", &prefill));
+        let denied = prefill_client
+            .prefill(wv1::PrefillRequest::default())
+            .await
+            .expect_err("client role");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+        assert!(
+            denied.message().contains("decode certificates"),
+            "{denied:?}"
+        );
+
+        let mut as_router = wv1::decode_client::DecodeClient::new(channel("router", &decode));
+        let mut stream = as_router
+            .generate(routed())
+            .await
+            .expect("the router's certificate is served")
+            .into_inner();
+        let mut tokens = 0;
+        while let Some(msg) = stream.message().await.expect("stream") {
+            if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+                tokens += d.token_ids.len();
+            }
+        }
+        assert_eq!(tokens, 8);
+    });
+}
+
 /// The acceptance test of mTLS and API keys: a client with a certificate
 /// from the cluster CA and a valid key is served (over router → decode →
 /// prefill, every hop mTLS); without a certificate, with one from another
@@ -232,12 +301,14 @@ fn mtls_cluster_refuses_clients_without_a_cluster_certificate_or_api_key() {
             .await
             .expect("a client with a cluster certificate and a key is served");
         assert_eq!(served.tokens.len(), 8, "{served:?}");
+        // (Remote prefill is checked on the decode worker's metrics below.)
         assert!(
-            served.prefill.is_some(),
-            "not prefilled remotely: {served:?}"
+            served.prefill.is_none(),
+            "the router told a client a worker address: {served:?}"
         );
     });
     assert_no_secret_on_a_command_line(&cluster);
+    assert_worker_calls_need_a_worker_role(&cluster, &certs);
     // The KV push under its ticket succeeded (not a fallback to local
     // prefill): the decode worker counts an ok remote prefill and blocks.
     let decode = &cluster.decode[0];

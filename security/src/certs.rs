@@ -8,7 +8,8 @@
 //! (workers are both: a decode worker serves the router and calls prefill
 //! workers), with subject alternative names `localhost`, `127.0.0.1` and
 //! `::1` plus the hosts given (IP literals become IP SANs, anything else a
-//! DNS name).
+//! DNS name), and its role as a URI SAN ([`crate::roles`]): the `client`
+//! certificate is from the same CA but cannot act as a worker or router.
 //!
 //! The CA's private key is never written: it signs this set and is dropped,
 //! so nothing on disk can mint another certificate the cluster trusts.
@@ -21,10 +22,13 @@ use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    KeyUsagePurpose, SanType,
 };
 
-/// The certificates `write_dev_certs` issues, by file name stem.
+use crate::roles::PeerRole;
+
+/// The certificates `write_dev_certs` issues, by file name stem (each
+/// carries the role of the same name).
 pub const COMPONENTS: [&str; 4] = ["router", "prefill", "decode", "client"];
 
 /// Errors writing the dev certificates.
@@ -100,6 +104,13 @@ pub fn write_dev_certs(dir: &Path, extra_hosts: &[String]) -> Result<DevCerts, C
     for component in COMPONENTS {
         let mut params = CertificateParams::new(hosts.clone())
             .map_err(generate(&format!("{component} SANs")))?;
+        if let Some(role) = PeerRole::from_name(component) {
+            let uri = role
+                .uri()
+                .try_into()
+                .map_err(generate(&format!("{component} role URI")))?;
+            params.subject_alt_names.push(SanType::URI(uri));
+        }
         params
             .distinguished_name
             .push(DnType::CommonName, format!("tandem {component}"));
@@ -163,6 +174,13 @@ mod tests {
         let certs = write_dev_certs(dir.path(), &["worker-0.tandem".to_string()]).expect("certs");
         assert!(certs.hosts.contains(&"worker-0.tandem".to_string()));
         for c in COMPONENTS {
+            let pem = std::fs::read(dir.path().join(format!("{c}.pem"))).expect("pem");
+            let der = pem_to_der(&pem);
+            assert_eq!(
+                crate::roles::roles_in_certificate(&der),
+                vec![PeerRole::from_name(c).expect("a role")],
+                "{c}"
+            );
             let loaded = certs.config(c).load().expect("loads");
             // Both roles' settings build from the material.
             let _ = loaded.server();
@@ -178,5 +196,11 @@ mod tests {
             assert_eq!(mode & 0o077, 0, "keys are owner-only: {mode:o}");
         }
         assert!(!dir.path().join("ca.key").exists());
+    }
+
+    /// The first certificate of a PEM file, as DER.
+    fn pem_to_der(pem: &[u8]) -> Vec<u8> {
+        let (_, parsed) = x509_parser::pem::parse_x509_pem(pem).expect("pem");
+        parsed.contents
     }
 }

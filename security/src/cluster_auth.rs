@@ -12,6 +12,12 @@
 //! Like any bearer value it can be replayed by whoever can read the
 //! traffic, which is what `--tls` is for.
 //!
+//! With TLS on, the interceptor also checks the role in the caller's
+//! certificate ([`ClusterAuthInterceptor::require_roles`], [`crate::roles`]):
+//! the credential proves cluster membership, the role what the caller is,
+//! so a person holding a `client` certificate (and, say, a leaked token)
+//! still cannot call a worker.
+//!
 //! Health, reflection and the `Worker` service (`Info`, `Load`,
 //! `KvEvents`) stay open, as `/metrics` does: probes and dashboards need
 //! no secret. (`KvEvents` shows prefix hashes; guarding it is still owed.)
@@ -20,6 +26,8 @@ use std::task::{Context, Poll};
 
 use tonic::codegen::{http, Service};
 use tonic::metadata::MetadataValue;
+
+use crate::roles::{describe, roles_in_certificate, PeerRole};
 
 /// The metadata key the credential travels in.
 pub const CLUSTER_AUTH_HEADER: &str = "x-tandem-cluster-auth";
@@ -70,6 +78,7 @@ impl ClusterCredential {
     pub fn interceptor(&self) -> ClusterAuthInterceptor {
         ClusterAuthInterceptor {
             credential: self.clone(),
+            roles: None,
         }
     }
 
@@ -83,10 +92,46 @@ impl ClusterCredential {
     }
 }
 
-/// Refuses calls that do not present the cluster credential.
+/// Refuses calls that do not present the cluster credential and, when
+/// configured, whose TLS certificate does not carry an allowed role.
 #[derive(Clone, Debug)]
 pub struct ClusterAuthInterceptor {
     credential: ClusterCredential,
+    /// With TLS: the roles whose certificates may call.
+    roles: Option<&'static [PeerRole]>,
+}
+
+impl ClusterAuthInterceptor {
+    /// When `tls` is on, also require the caller's certificate to carry one
+    /// of `roles` (`PERMISSION_DENIED` naming the roles otherwise). Without
+    /// TLS there is no certificate to read and the credential alone decides.
+    pub fn require_roles(mut self, tls: bool, roles: &'static [PeerRole]) -> Self {
+        self.roles = tls.then_some(roles);
+        self
+    }
+
+    fn check_role(&self, request: &tonic::Request<()>) -> Result<(), tonic::Status> {
+        let Some(allowed) = self.roles else {
+            return Ok(());
+        };
+        let held = request
+            .peer_certs()
+            .and_then(|certs| {
+                certs
+                    .first()
+                    .map(|leaf| roles_in_certificate(leaf.as_ref()))
+            })
+            .unwrap_or_default();
+        if held.iter().any(|r| allowed.contains(r)) {
+            return Ok(());
+        }
+        Err(tonic::Status::permission_denied(format!(
+            "worker plane: this call is for {} certificates; the caller's certificate \
+             holds {}",
+            describe(allowed),
+            describe(&held)
+        )))
+    }
 }
 
 impl tonic::service::Interceptor for ClusterAuthInterceptor {
@@ -95,14 +140,14 @@ impl tonic::service::Interceptor for ClusterAuthInterceptor {
             .metadata()
             .get(CLUSTER_AUTH_HEADER)
             .map(MetadataValue::as_bytes);
-        if self.credential.accepts(presented) {
-            Ok(request)
-        } else {
-            Err(tonic::Status::unauthenticated(
+        if !self.credential.accepts(presented) {
+            return Err(tonic::Status::unauthenticated(
                 "worker plane: only members of the cluster may call this worker; \
                  clients call the router",
-            ))
+            ));
         }
+        self.check_role(&request)?;
+        Ok(request)
     }
 }
 
@@ -163,5 +208,29 @@ mod tests {
         let refused = check.call(request).expect_err("wrong cluster");
         assert_eq!(refused.code(), tonic::Code::Unauthenticated);
         assert!(check.call(tonic::Request::new(())).is_err());
+    }
+
+    #[test]
+    fn with_tls_a_call_without_an_allowed_role_is_denied() {
+        let ours = ClusterCredential::derive("secret-a");
+        let request = || {
+            let mut r = tonic::Request::new(());
+            r.metadata_mut()
+                .insert(CLUSTER_AUTH_HEADER, ours.hex.parse().expect("ascii"));
+            r
+        };
+        // Without TLS the credential decides alone.
+        let mut plain = ours.interceptor().require_roles(false, &[PeerRole::Router]);
+        assert!(plain.call(request()).is_ok());
+        // With TLS a caller whose certificate holds no allowed role (here:
+        // none at all) is refused, and told which roles may call.
+        let mut tls = ours.interceptor().require_roles(true, &[PeerRole::Router]);
+        let denied = tls.call(request()).expect_err("no role");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+        assert!(
+            denied.message().contains("router certificates"),
+            "{denied:?}"
+        );
+        assert!(denied.message().contains("holds no role"), "{denied:?}");
     }
 }

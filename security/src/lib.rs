@@ -10,7 +10,10 @@
 //!   signed by the same CA; every gRPC client (router → workers, decode →
 //!   prefill, the test and CLI clients) verifies the server against that CA
 //!   and presents its own certificate. A peer without a certificate from the
-//!   CA does not get past the TLS handshake. [`TlsConfig`] names the three
+//!   CA does not get past the TLS handshake. Certificates name their
+//!   holder's role ([`roles`]); workers serve only the roles that call them
+//!   (a decode worker the router, a prefill worker's `Prefill` decode
+//!   workers), so a client certificate cannot act as a worker. [`TlsConfig`] names the three
 //!   PEM files (certificate, key, CA); [`TlsConfig::load`] reads them once
 //!   into a [`LoadedTls`], which makes tonic's server and client settings.
 //!   TLS is rustls with the `ring` provider (tonic's `tls-ring`), the only
@@ -26,9 +29,14 @@
 pub mod api_keys;
 pub mod certs;
 pub mod cluster_auth;
+pub mod roles;
 pub mod tls;
 
 pub use api_keys::{ApiKeyError, ApiKeyInterceptor, ApiKeys};
 pub use certs::{write_dev_certs, DevCerts, COMPONENTS};
-pub use cluster_auth::{ClusterChannel, ClusterCredential, CLUSTER_AUTH_HEADER, DEV_CLUSTER_TOKEN};
+pub use cluster_auth::{
+    ClusterAuthInterceptor, ClusterChannel, ClusterCredential, CLUSTER_AUTH_HEADER,
+    DEV_CLUSTER_TOKEN,
+};
+pub use roles::PeerRole;
 pub use tls::{LoadedTls, TlsConfig, TlsError};

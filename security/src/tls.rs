@@ -160,6 +160,7 @@ impl LoadedTls {
         ServerTlsConfig::new()
             .identity(self.identity())
             .client_ca_root(Certificate::from_pem(&self.ca))
+            .timeout(TLS_HANDSHAKE_TIMEOUT)
     }
 
     /// Client settings: trust only the CA, present this identity.
@@ -198,6 +199,10 @@ pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_se
 /// without pings a call to it would wait forever; with them its streams
 /// fail within 15 s, whatever their own deadlines.
 pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// A server drops a connection whose TLS handshake has not completed in
+/// this long (before any certificate is checked: pre-auth state is bounded
+/// in time as well as by the listener's connection cap).
+pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Connecting to a peer gives up after this long.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
