@@ -15,8 +15,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
 
-use crate::session::{ChannelSession, Command, Completions, ReceiverCore, COMMAND_QUEUE};
-use crate::{token_eq, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
+use crate::session::{
+    ChannelSession, Command, Completions, ReceiverCore, TransferCounters, COMMAND_QUEUE,
+};
+use crate::{
+    token_eq, KvLayoutDescriptor, KvSink, Listener, Session, TransferCounts, TransferError,
+    Transport,
+};
 
 const SCHEME: &str = "inproc://";
 
@@ -25,6 +30,8 @@ struct Entry {
     layout: KvLayoutDescriptor,
     sink: Arc<dyn KvSink>,
     token: Arc<str>,
+    /// The listening handle's counters (its receivers count there).
+    counters: Arc<TransferCounters>,
     /// Fires (by closing) when the listener is dropped.
     shutdown: watch::Receiver<()>,
 }
@@ -48,6 +55,7 @@ fn lock(registry: &SharedRegistry) -> MutexGuard<'_, Registry> {
 pub struct InProcTransport {
     registry: SharedRegistry,
     token: Arc<str>,
+    counters: Arc<TransferCounters>,
 }
 
 impl std::fmt::Debug for InProcTransport {
@@ -64,6 +72,7 @@ impl InProcTransport {
         Self {
             registry: Arc::default(),
             token: Arc::from(cluster_token),
+            counters: Arc::default(),
         }
     }
 
@@ -72,6 +81,7 @@ impl InProcTransport {
         Self {
             registry: self.registry.clone(),
             token: Arc::from(cluster_token),
+            counters: Arc::default(),
         }
     }
 }
@@ -91,6 +101,10 @@ impl Drop for Guard {
 
 #[async_trait]
 impl Transport for InProcTransport {
+    fn counts(&self) -> TransferCounts {
+        self.counters.counts()
+    }
+
     async fn listen(
         &self,
         bind: &str,
@@ -124,6 +138,7 @@ impl Transport for InProcTransport {
                 layout,
                 sink,
                 token: self.token.clone(),
+                counters: self.counters.clone(),
                 shutdown,
             },
         );
@@ -165,9 +180,9 @@ impl Transport for InProcTransport {
                 .err()
                 .unwrap_or(theirs));
         }
-        let completions = Arc::new(Completions::default());
+        let completions = Arc::new(Completions::new(self.counters.clone()));
         let (commands, queue) = mpsc::channel(COMMAND_QUEUE);
-        let core = ReceiverCore::new(entry.sink.clone(), &entry.layout);
+        let core = ReceiverCore::new(entry.sink.clone(), &entry.layout, entry.counters.clone());
         let peer_num_blocks = entry.sink.num_blocks();
         tokio::spawn(receive(queue, core, completions.clone(), entry.shutdown));
         Ok(Box::new(ChannelSession {

@@ -189,9 +189,28 @@ impl std::fmt::Debug for Listener {
     }
 }
 
+/// What a transport holds right now, over all its connections: what an
+/// operator watches to see that cancelled and failed transfers leave
+/// nothing behind (exported as `tandem_kv_transfer_open_transfers` and
+/// `tandem_kv_transfer_connections_lost_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferCounts {
+    /// Transfers open at this process's receivers (per-connection state:
+    /// begun and not yet finished, aborted or closed).
+    pub receiving: u64,
+    /// Transfers this process's sessions have written to and not yet
+    /// finished or aborted.
+    pub sending: u64,
+    /// Sessions whose connection failed (every call on them then fails).
+    pub connections_lost: u64,
+}
+
 /// A way to move KV blocks between workers.
 #[async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// The transport's live counts, summed over its sessions and listeners.
+    fn counts(&self) -> TransferCounts;
+
     /// Starts receiving blocks of `layout` into `sink` at `bind` (TCP:
     /// `"ip:port"`, port 0 for any; in-process: `"inproc://name"` or
     /// `"inproc://"` for a fresh name).

@@ -17,13 +17,16 @@
 //! then (late writes to it are skipped, not mistaken for a new transfer).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::{BlockWrite, KvLayoutDescriptor, KvSink, Session, TransferError, TransferId};
+use crate::{
+    BlockWrite, KvLayoutDescriptor, KvSink, Session, TransferCounts, TransferError, TransferId,
+};
 
 /// What a session asks its carrier to deliver, in order.
 #[derive(Debug)]
@@ -46,6 +49,35 @@ pub(crate) const COMMAND_QUEUE: usize = 64;
 /// receiver; more is a protocol error (it bounds the per-connection state a
 /// peer can make us hold).
 pub(crate) const MAX_OPEN_TRANSFERS: usize = 1 << 16;
+
+/// One transport's live counts, shared by its sessions and receivers (see
+/// [`TransferCounts`]). Each state machine adds the change in its own open
+/// set, so the sums return to zero when every transfer has ended.
+#[derive(Debug, Default)]
+pub(crate) struct TransferCounters {
+    receiving: AtomicI64,
+    sending: AtomicI64,
+    connections_lost: AtomicU64,
+}
+
+impl TransferCounters {
+    fn add(counter: &AtomicI64, before: usize, after: usize) {
+        let delta = after as i64 - before as i64;
+        if delta != 0 {
+            counter.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// What [`crate::Transport::counts`] reports.
+    pub(crate) fn counts(&self) -> TransferCounts {
+        let open = |c: &AtomicI64| u64::try_from(c.load(Ordering::Relaxed)).unwrap_or(0);
+        TransferCounts {
+            receiving: open(&self.receiving),
+            sending: open(&self.sending),
+            connections_lost: self.connections_lost.load(Ordering::Relaxed),
+        }
+    }
+}
 
 /// Aborts a task when dropped.
 #[derive(Debug)]
@@ -80,14 +112,66 @@ pub(crate) enum FinishStart {
 
 /// The sender's view of its transfers' completions, shared by the session
 /// and the carrier's task that receives `Done`s.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Completions {
     state: Mutex<CompletionState>,
+    counters: Arc<TransferCounters>,
+}
+
+/// The state under its lock; on release, the change in open transfers goes
+/// to the transport's counters.
+struct Locked<'a> {
+    state: MutexGuard<'a, CompletionState>,
+    open_before: usize,
+    counters: &'a TransferCounters,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = CompletionState;
+    fn deref(&self) -> &CompletionState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut CompletionState {
+        &mut self.state
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        TransferCounters::add(
+            &self.counters.sending,
+            self.open_before,
+            self.state.open.len(),
+        );
+    }
+}
+
+impl Drop for Completions {
+    fn drop(&mut self) {
+        // Whatever is still open is no longer anyone's.
+        let mut state = self.lock();
+        state.open.clear();
+    }
 }
 
 impl Completions {
-    fn lock(&self) -> MutexGuard<'_, CompletionState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    pub(crate) fn new(counters: Arc<TransferCounters>) -> Self {
+        Self {
+            state: Mutex::new(CompletionState::default()),
+            counters,
+        }
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        Locked {
+            open_before: state.open.len(),
+            state,
+            counters: &self.counters,
+        }
     }
 
     /// The error every call gets once the connection is gone.
@@ -174,6 +258,9 @@ impl Completions {
         let mut s = self.lock();
         if s.dead.is_none() {
             s.dead = Some(err.clone());
+            self.counters
+                .connections_lost
+                .fetch_add(1, Ordering::Relaxed);
         }
         let err = s.dead.clone().unwrap_or(err);
         for (_, waiter) in s.waiters.drain() {
@@ -318,17 +405,32 @@ pub(crate) struct ReceiverCore {
     num_layers: u32,
     num_blocks: u32,
     transfers: HashMap<TransferId, RxState>,
+    counters: Arc<TransferCounters>,
 }
 
 impl ReceiverCore {
-    pub(crate) fn new(sink: Arc<dyn KvSink>, layout: &KvLayoutDescriptor) -> Self {
+    pub(crate) fn new(
+        sink: Arc<dyn KvSink>,
+        layout: &KvLayoutDescriptor,
+        counters: Arc<TransferCounters>,
+    ) -> Self {
         let num_blocks = sink.num_blocks();
         Self {
             sink,
             num_layers: layout.num_layers,
             num_blocks,
             transfers: HashMap::new(),
+            counters,
         }
+    }
+
+    /// Forgets `transfer`'s record; its state, if it had one.
+    fn forget(&mut self, transfer: TransferId) -> Option<RxState> {
+        let state = self.transfers.remove(&transfer);
+        if state.is_some() {
+            self.counters.receiving.fetch_sub(1, Ordering::Relaxed);
+        }
+        state
     }
 
     /// Opens `transfer` if new. A peer keeping too many open is an error.
@@ -340,6 +442,7 @@ impl ReceiverCore {
                 )));
             }
             self.transfers.insert(transfer, RxState::Open);
+            self.counters.receiving.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -386,7 +489,7 @@ impl ReceiverCore {
 
     /// The sender finished `transfer`.
     pub(crate) fn finish(&mut self, transfer: TransferId) -> Option<Done> {
-        match self.transfers.remove(&transfer) {
+        match self.forget(transfer) {
             Some(RxState::Failed) => None,
             Some(RxState::Open) | None => {
                 self.sink.finish(transfer, Ok(()));
@@ -397,7 +500,7 @@ impl ReceiverCore {
 
     /// The sender aborted `transfer`.
     pub(crate) fn abort(&mut self, transfer: TransferId) {
-        if let Some(RxState::Open) = self.transfers.remove(&transfer) {
+        if let Some(RxState::Open) = self.forget(transfer) {
             self.sink
                 .finish(transfer, Err("aborted by the sender".to_string()));
         }
@@ -405,6 +508,8 @@ impl ReceiverCore {
 
     /// The connection ended: fails every open transfer with `reason`.
     pub(crate) fn close(&mut self, reason: &str) {
+        let open = self.transfers.len() as i64;
+        self.counters.receiving.fetch_sub(open, Ordering::Relaxed);
         for (transfer, state) in self.transfers.drain() {
             if let RxState::Open = state {
                 self.sink.finish(transfer, Err(reason.to_string()));

@@ -46,9 +46,12 @@ use tokio::task::JoinSet;
 
 use crate::protocol::{self, Segments};
 use crate::session::{
-    AbortOnDrop, ChannelSession, Command, Completions, Done, ReceiverCore, COMMAND_QUEUE,
+    AbortOnDrop, ChannelSession, Command, Completions, Done, ReceiverCore, TransferCounters,
+    COMMAND_QUEUE,
 };
-use crate::{KvLayoutDescriptor, KvSink, Listener, Session, TransferError, Transport};
+use crate::{
+    KvLayoutDescriptor, KvSink, Listener, Session, TransferCounts, TransferError, Transport,
+};
 
 /// Receive payloads in chunks of about this many bytes (whole blocks).
 const PAYLOAD_CHUNK_BYTES: usize = 256 << 10;
@@ -68,15 +71,28 @@ pub struct TcpConfig {
     /// Limit on the handshake, on both sides (a peer that connects and says
     /// nothing is dropped after it).
     pub handshake_timeout: Duration,
+    /// Connections a listener serves at once; one more is closed at
+    /// accept. With the handshake limit this bounds what unauthenticated
+    /// peers can hold: this many connections × about 512 KiB of buffers,
+    /// each for at most `handshake_timeout`.
+    pub max_connections: usize,
 }
 
+/// [`TcpConfig::max_connections`]'s default. A decode worker's listener
+/// has one connection per prefill worker that sends to it (sessions are
+/// reused), so 256 leaves room for a large pool; 256 × 512 KiB is 128 MiB
+/// at most.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
 impl TcpConfig {
-    /// Defaults (5 s connect, 5 s handshake) with `cluster_token`.
+    /// Defaults (5 s connect, 5 s handshake, [`DEFAULT_MAX_CONNECTIONS`])
+    /// with `cluster_token`.
     pub fn new(cluster_token: impl Into<String>) -> Self {
         Self {
             cluster_token: cluster_token.into(),
             connect_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(5),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -87,6 +103,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("cluster_token", &"<redacted>")
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_connections", &self.max_connections)
             .finish()
     }
 }
@@ -95,6 +112,7 @@ impl std::fmt::Debug for TcpConfig {
 #[derive(Debug, Clone)]
 pub struct TcpTransport {
     config: Arc<TcpConfig>,
+    counters: Arc<TransferCounters>,
 }
 
 impl TcpTransport {
@@ -107,6 +125,7 @@ impl TcpTransport {
     pub fn with_config(config: TcpConfig) -> Self {
         Self {
             config: Arc::new(config),
+            counters: Arc::default(),
         }
     }
 
@@ -127,6 +146,7 @@ struct ListenCtx {
     layout: KvLayoutDescriptor,
     sink: Arc<dyn KvSink>,
     config: Arc<TcpConfig>,
+    counters: Arc<TransferCounters>,
 }
 
 pub(crate) fn timeout_error(during: &'static str, limit: Duration) -> TransferError {
@@ -147,6 +167,10 @@ pub(crate) fn lost(peer: &str, err: &std::io::Error) -> TransferError {
 
 #[async_trait]
 impl Transport for TcpTransport {
+    fn counts(&self) -> TransferCounts {
+        self.counters.counts()
+    }
+
     async fn listen(
         &self,
         bind: &str,
@@ -169,8 +193,15 @@ impl Transport for TcpTransport {
             layout,
             sink,
             config: self.config.clone(),
+            counters: self.counters.clone(),
         });
-        let task = tokio::spawn(accept_loop(listener, ctx, "tcp", serve_connection));
+        let task = tokio::spawn(accept_loop(
+            listener,
+            ctx,
+            self.config.max_connections,
+            "tcp",
+            serve_connection,
+        ));
         Ok(Listener::new(endpoint, Box::new(AbortOnDrop(task))))
     }
 
@@ -209,7 +240,7 @@ impl Transport for TcpTransport {
             timeout_error("waiting for the handshake reply", config.handshake_timeout)
         })??;
 
-        let completions = Arc::new(Completions::default());
+        let completions = Arc::new(Completions::new(self.counters.clone()));
         let (commands, queue) = mpsc::channel(COMMAND_QUEUE);
         tokio::spawn(write_loop(
             queue,
@@ -460,6 +491,7 @@ pub(crate) async fn read_header<R: AsyncRead + Unpin>(
 pub(crate) async fn accept_loop<C, F, Fut>(
     listener: TcpListener,
     ctx: Arc<C>,
+    max_connections: usize,
     transport: &'static str,
     serve: F,
 ) where
@@ -471,6 +503,12 @@ pub(crate) async fn accept_loop<C, F, Fut>(
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) if connections.len() >= max_connections => {
+                    // Closed at once: the peer sees it and may retry.
+                    tracing::warn!(%peer, max_connections, transport,
+                        "KV transfer listener: at its connection limit, closing a new connection");
+                    drop(stream);
+                }
                 Ok((stream, peer)) => {
                     connections.spawn(serve(stream, peer.to_string(), ctx.clone()));
                 }
@@ -513,7 +551,7 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
         linger_close(&mut reader, &mut writer).await;
         return;
     }
-    let mut core = ReceiverCore::new(ctx.sink.clone(), &ctx.layout);
+    let mut core = ReceiverCore::new(ctx.sink.clone(), &ctx.layout, ctx.counters.clone());
     match receive_frames(&mut reader, &mut writer, &mut core, &ctx.layout, &peer).await {
         Ok(()) => core.close("the sender closed the connection with the transfer open"),
         Err(e) => {

@@ -257,6 +257,57 @@ async fn silent_peer_is_dropped_after_the_handshake_timeout() {
     assert!(sink.wait_peer_error().await[0].contains("timed out"));
 }
 
+/// Unauthenticated connections cannot pile up: past `max_connections` a
+/// new one is closed at accept, and a slot freed by a closed connection
+/// serves a real session again. The counts of open transfers return to
+/// zero on both sides once a transfer ends.
+#[tokio::test]
+async fn a_listener_closes_connections_past_its_cap() {
+    let transport = TcpTransport::with_config(TcpConfig {
+        max_connections: 2,
+        ..TcpConfig::new("tok")
+    });
+    let l = layout();
+    let sink = RecordingSink::new(64);
+    let listener = transport
+        .listen("127.0.0.1:0", l, sink.clone())
+        .await
+        .expect("listen");
+    // Two silent connections hold both slots (each until its handshake
+    // times out, 5 s); the third is closed at once.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(
+            TcpStream::connect(listener.endpoint())
+                .await
+                .expect("connect"),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = TcpStream::connect(listener.endpoint())
+        .await
+        .expect("the kernel accepts");
+    let closed = tokio::time::timeout(Duration::from_secs(2), read_to_close(&mut third)).await;
+    assert!(closed.is_ok(), "the connection past the cap was not closed");
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let session = transport
+        .connect(listener.endpoint(), l)
+        .await
+        .expect("a freed slot serves a real session");
+    let transfer = TransferId(7);
+    session
+        .write(transfer, vec![block(&l, 7, 0, 0)])
+        .await
+        .expect("write");
+    let counts = transport.counts();
+    assert_eq!(counts.sending, 1, "{counts:?}");
+    finish(session.as_ref(), transfer).await.expect("finish");
+    let counts = transport.counts();
+    assert_eq!((counts.sending, counts.receiving), (0, 0), "{counts:?}");
+    assert_eq!(counts.connections_lost, 0, "{counts:?}");
+}
+
 #[tokio::test]
 async fn connecting_to_nothing_is_a_clear_error() {
     let free = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -91,13 +91,16 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
 use crate::protocol;
-use crate::session::{AbortOnDrop, ChannelSession, Command, Completions, ReceiverCore};
+use crate::session::{
+    AbortOnDrop, ChannelSession, Command, Completions, ReceiverCore, TransferCounters,
+};
 use crate::tcp::{
     client_handshake, frame_len, linger_close, lost, read_header, send_done, server_handshake,
     timeout_error, TcpConfig,
 };
 use crate::{
-    BlockWrite, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, TransferId, Transport,
+    BlockWrite, KvLayoutDescriptor, KvSink, Listener, Session, TransferCounts, TransferError,
+    TransferId, Transport,
 };
 
 /// The most blocks one notice names (keeps notices eager-sized, ~3 KiB;
@@ -197,6 +200,7 @@ pub fn batch_slots(batch_bytes: usize, slot_bytes: usize, max_batch: usize, slot
 pub struct UcxTransport {
     config: Arc<UcxConfig>,
     rt: Arc<rt::Runtime>,
+    counters: Arc<TransferCounters>,
 }
 
 impl UcxTransport {
@@ -219,6 +223,7 @@ impl UcxTransport {
         Ok(Self {
             rt: Arc::new(rt::Runtime::start(&config.ucx_settings)?),
             config: Arc::new(config),
+            counters: Arc::default(),
         })
     }
 }
@@ -314,6 +319,10 @@ async fn read_frame<R: AsyncRead + Unpin>(
 
 #[async_trait]
 impl Transport for UcxTransport {
+    fn counts(&self) -> TransferCounts {
+        self.counters.counts()
+    }
+
     async fn listen(
         &self,
         bind: &str,
@@ -343,10 +352,12 @@ impl Transport for UcxTransport {
             slots,
             slot_bytes,
             next_conn: AtomicU64::new(1),
+            counters: self.counters.clone(),
         });
         let task = tokio::spawn(crate::tcp::accept_loop(
             listener,
             ctx,
+            self.config.tcp.max_connections,
             "ucx",
             serve_connection,
         ));
@@ -418,7 +429,7 @@ impl Transport for UcxTransport {
         .await
         .map_err(|_| timeout_error("setting up the UCX session", limit))??;
 
-        let completions = Arc::new(Completions::default());
+        let completions = Arc::new(Completions::new(self.counters.clone()));
         let (commands, queue) = mpsc::channel(crate::session::COMMAND_QUEUE);
         let credits = Arc::new(Semaphore::new(offer.slots as usize));
         let (dead_tx, dead_rx) = watch::channel(false);
@@ -740,6 +751,7 @@ struct ListenCtx {
     slots: u32,
     slot_bytes: usize,
     next_conn: AtomicU64,
+    counters: Arc<TransferCounters>,
 }
 
 fn report(ctx: &ListenCtx, peer: &str, err: &TransferError) {
@@ -836,7 +848,7 @@ async fn serve_connection(stream: TcpStream, peer: String, ctx: Arc<ListenCtx>) 
         return;
     }
     let mut rx = Receiver {
-        core: ReceiverCore::new(ctx.sink.clone(), &ctx.layout),
+        core: ReceiverCore::new(ctx.sink.clone(), &ctx.layout, ctx.counters.clone()),
         region: &region,
         ctx: &ctx,
         next_seq: 0,
