@@ -68,6 +68,7 @@ impl MetricsArgs {
             if let Err(e) = tandem_telemetry::http::serve(
                 listener,
                 registry,
+                tandem_telemetry::http::METRICS_LIMITS,
                 crate::engine_args::shutdown_signal(),
             )
             .await

@@ -62,8 +62,9 @@ use tandem_proto::v1;
 
 pub use chat::ChatTemplate;
 pub use error::ApiError;
-pub use serve::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+pub use serve::{DEFAULT_LIMITS, DEFAULT_MAX_CONNECTIONS};
 pub use tandem_security::ApiKeys;
+pub use tandem_telemetry::http::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT};
 
 /// The default limit on a request body: 1 MiB is far beyond any prompt the
 /// context windows we serve can hold.
@@ -130,7 +131,7 @@ pub struct OpenAiBuilder {
 
 impl OpenAiBuilder {
     /// Connection bounds of [`OpenAi::serve`] (default
-    /// [`ConnectionLimits::default`]).
+    /// [`DEFAULT_LIMITS`]).
     pub fn connection_limits(mut self, limits: ConnectionLimits) -> Self {
         self.connections = limits;
         self
@@ -193,7 +194,7 @@ impl OpenAi {
             model: "tandem".to_string(),
             api_keys: ApiKeys::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            connections: ConnectionLimits::default(),
+            connections: DEFAULT_LIMITS,
         }
     }
 

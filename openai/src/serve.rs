@@ -1,56 +1,22 @@
-//! The API's HTTP/1.1 listener, with the bounds `axum::serve` leaves out.
-//!
-//! `axum::serve` sets no hyper timer, so hyper's header-read timeout never
-//! runs: a client that sends half a request line (slowloris) or opens a
-//! connection and says nothing holds a task and a socket for ever, and
-//! nothing caps how many it may hold. Here each connection is served by
-//! hyper's HTTP/1 builder with a timer and [`ConnectionLimits::header_timeout`]
-//! (which also closes a keep-alive connection that sends no next request
-//! within it), and at most [`ConnectionLimits::max_connections`] are open at
-//! once: one past the cap gets a 503 in OpenAI's error shape and is closed,
-//! so a client is told rather than left in the accept backlog.
-//!
-//! Shutdown stops accepting, then lets open requests finish, for at most
-//! [`DRAIN_TIMEOUT`].
+//! The API's HTTP/1.1 listener: [`tandem_telemetry::http::bounded`] (header
+//! timeout, connection cap) with the cap's 503 in OpenAI's error shape.
 
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
 
 use axum::http::StatusCode;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tandem_telemetry::http::bounded::{self, ConnectionLimits, Refusal};
+use tokio::net::TcpListener;
 
 use crate::error::ApiError;
 
 /// Open connections one listener serves at once by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
-/// How long a client has to send a request's headers (and an idle
-/// keep-alive connection to start its next request) by default: far more
-/// than any client on a working network needs.
-pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long shutdown waits for open requests.
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Per-listener connection bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnectionLimits {
-    pub max_connections: usize,
-    pub header_timeout: Duration,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        Self {
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            header_timeout: DEFAULT_HEADER_TIMEOUT,
-        }
-    }
-}
+/// The API's default bounds.
+pub const DEFAULT_LIMITS: ConnectionLimits = ConnectionLimits {
+    max_connections: DEFAULT_MAX_CONNECTIONS,
+    header_timeout: bounded::DEFAULT_HEADER_TIMEOUT,
+};
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes.
 pub(crate) async fn serve(
@@ -59,71 +25,19 @@ pub(crate) async fn serve(
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off.
-                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tokio::spawn(refuse(stream, limits.max_connections));
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout);
-        let conn =
-            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "HTTP connection ended");
-            }
-            drop(permit);
-        });
-    }
-    drop(listener);
-    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            "HTTP requests still open after {DRAIN_TIMEOUT:?} of shutdown; dropping them"
-        );
-    }
-    Ok(())
-}
-
-/// Answers a connection past the cap with a 503 and closes it.
-async fn refuse(mut stream: TcpStream, limit: usize) {
-    tracing::warn!(limit, "HTTP connection refused: the listener is at its cap");
     let error = ApiError {
         status: StatusCode::SERVICE_UNAVAILABLE,
-        message: format!("This server has {limit} connections open, its limit; retry shortly."),
+        message: format!(
+            "This server has {} connections open, its limit; retry shortly.",
+            limits.max_connections
+        ),
         param: None,
         code: Some("too_many_connections"),
         retry_after: Some(1),
     };
-    let body = error.body().to_string();
-    let response = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let written = async {
-        stream.write_all(response.as_bytes()).await?;
-        stream.shutdown().await
+    let refusal = Refusal {
+        content_type: "application/json",
+        body: error.body().to_string(),
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), written).await;
+    bounded::serve(app, listener, limits, refusal, shutdown).await
 }
