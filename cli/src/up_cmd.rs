@@ -84,6 +84,10 @@ pub struct UpArgs {
     /// directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// The router names the workers that served each call in its response
+    /// metadata (`tandem router --debug-routing-headers`).
+    #[arg(long)]
+    debug_routing_headers: bool,
     /// Static membership even when etcd is installed.
     #[arg(long)]
     no_etcd: bool,
@@ -538,6 +542,9 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         args.remote_prefill_threshold.to_string(),
     ];
     router.extend(common.iter().cloned());
+    if args.debug_routing_headers {
+        router.push("--debug-routing-headers".into());
+    }
     if let Some(t) = &tls {
         router.extend(t.args("router"));
     }

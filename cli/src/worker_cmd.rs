@@ -403,6 +403,11 @@ pub struct RouterArgs {
     /// membership blips such as workers re-registering after an etcd outage.
     #[arg(long, default_value_t = tandem_router::DEFAULT_WORKER_WAIT.as_millis() as u64)]
     worker_wait_ms: u64,
+    /// Name the decode and prefill worker that served each call in its
+    /// response metadata (`x-tandem-decode-worker`, `x-tandem-prefill-worker`).
+    /// Off by default: clients are not told worker addresses.
+    #[arg(long)]
+    debug_routing_headers: bool,
     /// Exit when standard input closes (set by `tandem up`).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -480,7 +485,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
                 args.max_prefill_queue,
             )
             .with_metrics(tandem_router::RouterMetrics::register(&registry))
-            .with_worker_wait(Duration::from_millis(args.worker_wait_ms)),
+            .with_worker_wait(Duration::from_millis(args.worker_wait_ms))
+            .with_routing_headers(args.debug_routing_headers),
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;

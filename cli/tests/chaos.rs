@@ -302,18 +302,44 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
             }
         }
     });
+    let gauge = |metrics: &String, name: &str, labels: &[(&str, &str)]| {
+        tandem_tests::prometheus::scrape(metrics)
+            .value(name, labels)
+            .unwrap_or(f64::NAN)
+    };
     let open_tickets: f64 = decodes
         .iter()
-        .map(|(_, _, metrics)| {
-            tandem_tests::prometheus::scrape(metrics)
-                .value("tandem_kv_transfer_open_tickets", &[])
-                .unwrap_or(f64::NAN)
-        })
+        .map(|(_, _, m)| gauge(m, "tandem_kv_transfer_open_tickets", &[]))
         .sum();
+    // Transfers open on either side of the surviving KV connections (a
+    // sender learns of a killed receiver when its connection ends: polled).
+    let open_transfers = || -> f64 {
+        decodes
+            .iter()
+            .map(|(_, _, m)| {
+                gauge(
+                    m,
+                    "tandem_kv_transfer_open_transfers",
+                    &[("side", "receive")],
+                )
+            })
+            .chain(prefills.iter().map(|(_, _, m)| {
+                gauge(m, "tandem_kv_transfer_open_transfers", &[("side", "send")])
+            }))
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let open_transfers = loop {
+        let open = open_transfers();
+        if open == 0.0 || Instant::now() > deadline {
+            break open;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     eprintln!(
         "chaos: {total} requests in {LOAD_SECONDS}s: {outcomes:?}; {migrated} migrated \
          to another decode worker; {leaked} KV blocks leaked on the surviving workers; \
-         {open_tickets} transfer tickets open"
+         {open_tickets} transfer tickets and {open_transfers} transfers open"
     );
     assert_eq!(total, RATE * LOAD_SECONDS, "every request ended");
     assert_eq!(
@@ -326,6 +352,10 @@ fn the_cluster_keeps_answering_through_kills_an_etcd_freeze_and_a_router_restart
     assert_eq!(
         open_tickets, 0.0,
         "open transfer tickets on the decode workers"
+    );
+    assert_eq!(
+        open_transfers, 0.0,
+        "open transfers on the surviving workers"
     );
     assert!(
         ok * 10 >= total * 7,

@@ -888,8 +888,12 @@ fn start_pod(tandem: &Path, w: &Workload, pod: &LocalPod) -> KillOnDrop {
         );
     }
     let main = &seq(w.pod, "containers")[0];
-    let mut child = pod
-        .command(tandem, main)
+    let mut command = pod.command(tandem, main);
+    if w.name == "router" {
+        // The test checks which workers served its call.
+        command.arg("--debug-routing-headers");
+    }
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

@@ -204,6 +204,16 @@ fn workers_refuse_calls_without_the_cluster_credential() {
         );
         let refused = wrong.generate(generate()).await.expect_err("wrong cluster");
         assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+        // The router's own entry (the typed prefill target) is guarded alike.
+        let mut routed = wv1::decode_client::DecodeClient::new(channel(decode.clone()).await);
+        let refused = routed
+            .generate(wv1::RoutedGenerateRequest {
+                request: Some(generate()),
+                prefill_worker: prefill.clone(),
+            })
+            .await
+            .expect_err("no credential");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
         let mut prefill_client =
             wv1::prefill_client::PrefillClient::new(channel(prefill.clone()).await);
         let refused = prefill_client

@@ -1,8 +1,9 @@
 //! The decode pool worker.
 //!
-//! It serves the public `Generate` API to the router. A request whose call
-//! metadata names a prefill worker ([`PREFILL_HEADER`]) is admitted in
-//! remote-prefill mode: the engine reuses this worker's own prefix cache,
+//! It serves the worker-internal `Decode.Generate` to the router (and the
+//! public `Generate`, which always prefills here, to cluster members). A
+//! request whose `RoutedGenerateRequest.prefill_worker` names a prefill
+//! worker is admitted in remote-prefill mode: the engine reuses this worker's own prefix cache,
 //! allocates blocks for the rest of the prompt and parks the request; this
 //! crate then calls the prefill worker's `Prefill` with those block ids and
 //! this worker's transfer endpoint. Blocks arrive through the transport into
@@ -54,14 +55,11 @@ use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill};
 use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferId};
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
-use tandem_security::{ClusterChannel, ClusterCredential};
+use tandem_security::{ClusterChannel, ClusterCredential, PeerRole};
 use tandem_server::{layout, PrefillGuard, RemotePrefiller};
 use tandem_telemetry::metrics::{Counter, Family, Gauge, Histogram, Registry, LATENCY_BUCKETS};
-use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
 use tracing::Instrument;
-
-pub use tandem_proto::worker::PREFILL_HEADER;
 
 /// The decode worker's own instruments (beside the `Generation`
 /// service's and the engine's).
@@ -356,48 +354,35 @@ impl GrpcPrefiller {
     }
 }
 
-fn prefill_target(metadata: &MetadataMap) -> Option<String> {
-    metadata
-        .get(PREFILL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-}
-
 impl RemotePrefiller for GrpcPrefiller {
-    fn mode(&self, metadata: &MetadataMap) -> PrefillMode {
-        match prefill_target(metadata) {
-            Some(_) => PrefillMode::Remote {
-                min_uncached: self.threshold,
-            },
-            None => PrefillMode::Local,
+    fn mode(&self, _prefill_worker: &str) -> PrefillMode {
+        PrefillMode::Remote {
+            min_uncached: self.threshold,
         }
     }
 
     fn start(
         &self,
         request_id: &str,
-        metadata: &MetadataMap,
+        prefill_worker: &str,
         prefill: RemotePrefill,
         engine: EngineHandle,
         span: &tracing::Span,
     ) -> PrefillGuard {
         let transfer = prefill.transfer;
-        let target = prefill_target(metadata);
         let pspan = tracing::info_span!(
             parent: span,
             "remote_prefill",
             otel.kind = "client",
-            prefill_worker = target.as_deref().unwrap_or_default(),
+            prefill_worker,
             tokens = prefill.tokens.len(),
             cached_tokens = prefill.cached_tokens,
             blocks = prefill.blocks.len(),
             transfer,
             outcome = tracing::field::Empty,
         );
-        let client = target
-            .ok_or_else(|| "no prefill worker named".to_string())
-            .and_then(|addr| self.client(&addr))
+        let client = self
+            .client(prefill_worker)
             .and_then(|c| self.tickets.issue(transfer).map(|ticket| (c, ticket)));
         let (mut client, ticket) = match client {
             Ok(c) => c,
@@ -519,6 +504,7 @@ pub async fn run(
     let metrics = DecodeMetrics::register(registry);
     let transport = tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
     let tickets = Arc::new(TransferTickets::registered(registry));
+    tandem_server::register_transport(registry, transport.clone());
     let listener = transport
         .listen(
             &config.transfer_bind,
@@ -565,12 +551,25 @@ pub async fn run(
     tandem_server::register_engine(registry, engine.clone());
     // Generate is for the router alone: a client that learns this
     // worker's address must not get around the router's API keys.
-    let mut services = tandem_server::Services::guarded_generation(
-        Arc::new(
-            tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
-                .with_metrics(tandem_server::ServingMetrics::register(registry)),
+    let generation = Arc::new(
+        tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
+            .with_metrics(tandem_server::ServingMetrics::register(registry)),
+    );
+    // With TLS, only a certificate with the router's role may call.
+    let guard = credential
+        .interceptor()
+        .require_roles(config.tls.is_some(), &[PeerRole::Router]);
+    let mut services =
+        tandem_server::Services::guarded_generation(generation.clone(), guard.clone());
+    services.add(
+        tonic::service::interceptor::InterceptedService::new(
+            wv1::decode_server::DecodeServer::from_arc(generation)
+                .max_decoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES)
+                .max_encoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES),
+            guard,
         ),
-        credential.interceptor(),
+        "tandem.worker.v1.Decode",
+        wv1::FILE_DESCRIPTOR_SET,
     );
     services.add(
         wv1::worker_server::WorkerServer::new(tandem_server::WorkerService::new(engine, info)),

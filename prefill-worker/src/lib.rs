@@ -452,6 +452,7 @@ pub async fn run(
     let layout = layout::descriptor(&kv_layout);
     let transport: Arc<dyn Transport> =
         tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
+    tandem_server::register_transport(registry, transport.clone());
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,
@@ -468,15 +469,19 @@ pub async fn run(
     };
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::default();
-    // Prefill is for decode workers alone (the cluster credential).
+    // Prefill is for decode workers alone: the cluster credential and, with
+    // TLS, a certificate with the decode role.
     let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
+    let guard = credential
+        .interceptor()
+        .require_roles(config.tls.is_some(), &[tandem_security::PeerRole::Decode]);
     services.add(
         tonic::service::interceptor::InterceptedService::new(
             wv1::prefill_server::PrefillServer::new(
                 PrefillService::new(engine.clone(), transport, layout)
                     .with_metrics(PrefillMetrics::register(registry)),
             ),
-            credential.interceptor(),
+            guard,
         ),
         "tandem.worker.v1.Prefill",
         wv1::FILE_DESCRIPTOR_SET,

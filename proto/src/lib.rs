@@ -18,8 +18,10 @@
 //! [`worker::v1`] (`proto/proto/tandem/worker/v1/worker.proto`) is the
 //! worker-internal API: the KV layout descriptor, worker info and load
 //! reports, the KV-event stream a worker sends the router (`Stored`,
-//! `Removed`, `Cleared` by chained block hash, with sequence numbers), and
-//! the decode-to-prefill `Prefill` call. Users never see it.
+//! `Removed`, `Cleared` by chained block hash, with sequence numbers), the
+//! router-to-decode `Decode.Generate` (a public `GenerateRequest` plus the
+//! prefill worker the router chose, as a typed field) and the
+//! decode-to-prefill `Prefill` call. Users never see it.
 
 pub mod deadline;
 
@@ -41,12 +43,11 @@ pub mod v1 {
 
 /// The worker-internal API.
 pub mod worker {
-    /// Call metadata on a `Generate` the router forwards to a decode worker,
-    /// naming the prefill worker (`host:port`) it chose.
-    pub const PREFILL_HEADER: &str = "x-tandem-prefill";
-    /// Response metadata from the router naming the decode worker it chose.
+    /// Response metadata from the router naming the decode worker it chose
+    /// (only when the router runs with `--debug-routing-headers`).
     pub const ROUTED_DECODE_HEADER: &str = "x-tandem-decode-worker";
-    /// Response metadata from the router naming the prefill worker, if any.
+    /// Response metadata from the router naming the prefill worker, if any
+    /// (only with `--debug-routing-headers`).
     pub const ROUTED_PREFILL_HEADER: &str = "x-tandem-prefill-worker";
 
     /// Status metadata from a worker whose error concerns one request (an

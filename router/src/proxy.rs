@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_proto::v1;
-use tandem_proto::v1::generation_client::GenerationClient;
+use tandem_proto::worker::v1::decode_client::DecodeClient;
+use tandem_proto::worker::v1::RoutedGenerateRequest;
 use tonic::{Code, Request, Status, Streaming};
 
 use crate::metrics::RouterMetrics;
@@ -186,7 +187,12 @@ impl Proxy {
                 Some(v1::generate_request::Prompt::TokenIds(ids)) => ids.ids.len(),
                 _ => 0,
             };
-            let mut forward = Request::new(req);
+            // The continuation prefills where it lands: its prompt is the
+            // original one plus what was generated, mostly cached nowhere.
+            let mut forward = Request::new(RoutedGenerateRequest {
+                request: Some(req),
+                prefill_worker: String::new(),
+            });
             tandem_telemetry::propagation::inject(&self.span, forward.metadata_mut());
             if let Some(deadline) = resume.deadline {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -196,7 +202,7 @@ impl Proxy {
                 forward.set_timeout(left);
             }
             let load = InFlight::new(next.clone(), prompt_len.div_ceil(resume.block_size));
-            let mut client = GenerationClient::new(next.channel.clone());
+            let mut client = DecodeClient::new(next.channel.clone());
             match client.generate(forward).await {
                 Ok(response) => {
                     tracing::info!(

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 use futures_util::Stream;
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
-use tandem_proto::v1::generation_client::GenerationClient;
-use tandem_proto::worker::{PREFILL_HEADER, ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
+use tandem_proto::worker::v1::decode_client::DecodeClient;
+use tandem_proto::worker::v1::RoutedGenerateRequest;
+use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
@@ -44,6 +45,10 @@ pub struct RouterService {
     /// How long a request waits for a decode worker when none is healthy
     /// (within its deadline) before UNAVAILABLE.
     worker_wait: Duration,
+    /// Tell clients which workers served them ([`ROUTED_DECODE_HEADER`],
+    /// [`ROUTED_PREFILL_HEADER`]); off by default, since worker addresses
+    /// are the cluster's business, not a client's.
+    routing_headers: bool,
     metrics: Arc<RouterMetrics>,
 }
 
@@ -69,6 +74,7 @@ impl RouterService {
             remote_prefill_threshold,
             max_prefill_queue: max_prefill_queue.max(1),
             worker_wait: DEFAULT_WORKER_WAIT,
+            routing_headers: false,
             metrics: RouterMetrics::register(&tandem_telemetry::Registry::new()),
         }
     }
@@ -77,6 +83,13 @@ impl RouterService {
     /// is none (default [`DEFAULT_WORKER_WAIT`]; zero refuses at once).
     pub fn with_worker_wait(mut self, wait: Duration) -> Self {
         self.worker_wait = wait;
+        self
+    }
+
+    /// Names the chosen workers in every response's metadata (for
+    /// debugging and tests: `--debug-routing-headers`).
+    pub fn with_routing_headers(mut self, on: bool) -> Self {
+        self.routing_headers = on;
         self
     }
 
@@ -328,18 +341,12 @@ impl RouterService {
 
         let resume =
             Resume::for_request(self.cluster.clone(), &req, timeout.map(|t| started + t), bs);
-        let prefill_header =
-            match &prefill {
-                Some(p) => Some(MetadataValue::try_from(p.addr.as_str()).map_err(|_| {
-                    Status::internal("prefill worker address is not a header value")
-                })?),
-                None => None,
-            };
-        let forward = |req: v1::GenerateRequest| -> Result<Request<v1::GenerateRequest>, Status> {
-            let mut forward = Request::new(req);
-            if let Some(v) = &prefill_header {
-                forward.metadata_mut().insert(PREFILL_HEADER, v.clone());
-            }
+        let prefill_worker = prefill.as_ref().map(|p| p.addr.clone()).unwrap_or_default();
+        let forward = |req: v1::GenerateRequest| -> Result<Request<RoutedGenerateRequest>, Status> {
+            let mut forward = Request::new(RoutedGenerateRequest {
+                request: Some(req),
+                prefill_worker: prefill_worker.clone(),
+            });
             tandem_telemetry::propagation::inject(span, forward.metadata_mut());
             // The worker gets what is left of the client's deadline and ends
             // the stream itself when it passes.
@@ -365,7 +372,7 @@ impl RouterService {
         let mut retried = false;
         let (upstream, decode_load) = loop {
             let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
-            let mut client = GenerationClient::new(decode.channel.clone());
+            let mut client = DecodeClient::new(decode.channel.clone());
             match client.generate(forward(req.clone())?).await {
                 Ok(r) => break (r.into_inner(), decode_load),
                 Err(status) if !retried && worker_failed(&status) => {
@@ -405,6 +412,9 @@ impl RouterService {
             Some((item, p))
         });
         let mut response = Response::new(Box::pin(stream) as ResponseStream);
+        if !self.routing_headers {
+            return Ok(response);
+        }
         if let Ok(v) = MetadataValue::try_from(decode.addr.as_str()) {
             response.metadata_mut().insert(ROUTED_DECODE_HEADER, v);
         }

@@ -15,6 +15,7 @@
 
 mod convert;
 pub mod layout;
+pub mod listener;
 pub mod metrics;
 mod service;
 mod worker_service;
@@ -25,11 +26,10 @@ use std::net::SocketAddr;
 use tandem_engine::serving::EngineHandle;
 use tandem_proto::v1;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::RoutesBuilder;
 
 pub use convert::{event_to_proto, request_from_proto, BadRequest};
-pub use metrics::{register_engine, ServingMetrics};
+pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use service::{
     status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,
 };
@@ -101,6 +101,8 @@ pub struct Services {
     serving: Vec<&'static str>,
     descriptors: Vec<&'static [u8]>,
     tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Connections served at once; `None`: [`listener::MAX_GRPC_CONNECTIONS`].
+    max_connections: Option<usize>,
 }
 
 impl Services {
@@ -134,6 +136,13 @@ impl Services {
     /// client CA, as [`tandem_security::LoadedTls::server`]'s do).
     pub fn with_tls(&mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> &mut Self {
         self.tls = tls;
+        self
+    }
+
+    /// Serves at most `max` connections at once (one more is closed at
+    /// accept); the default is [`listener::MAX_GRPC_CONNECTIONS`].
+    pub fn with_max_connections(&mut self, max: usize) -> &mut Self {
+        self.max_connections = Some(max);
         self
     }
 
@@ -199,7 +208,10 @@ pub async fn serve_services(
     routes.add_service(health_service);
     routes.add_service(reflection);
     routes.add_service(reflection_alpha);
-    tracing::info!(addr = %bound.addr, services = ?services.serving, tls = services.tls.is_some(), "serving");
+    let max_connections = services
+        .max_connections
+        .unwrap_or(listener::MAX_GRPC_CONNECTIONS);
+    tracing::info!(addr = %bound.addr, services = ?services.serving, tls = services.tls.is_some(), max_connections, "serving");
     // A peer that stops answering pings (frozen, partitioned) is dropped
     // after interval + timeout, freeing its streams; one connection may
     // not open streams without end.
@@ -212,7 +224,14 @@ pub async fn serve_services(
     }
     builder
         .add_routes(routes.routes())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(bound.listener), shutdown)
+        .serve_with_incoming_shutdown(
+            listener::capped(
+                bound.listener,
+                max_connections,
+                listener::FIRST_BYTE_TIMEOUT,
+            ),
+            shutdown,
+        )
         .await?;
     for name in &services.serving {
         health

@@ -125,6 +125,34 @@ impl ServingMetrics {
     }
 }
 
+/// Exposes a KV transport's live counts ([`tandem_kv_transfer::TransferCounts`])
+/// on `registry`, read at every scrape: open transfers by side (`receive`:
+/// per-connection state at this worker's listener; `send`: this worker's
+/// sessions) and connections lost. After cancelled or failed transfers
+/// both gauges return to zero.
+pub fn register_transport(
+    registry: &Registry,
+    transport: std::sync::Arc<dyn tandem_kv_transfer::Transport>,
+) {
+    registry.collector(move |s| {
+        let counts = transport.counts();
+        for (side, open) in [("receive", counts.receiving), ("send", counts.sending)] {
+            s.gauge(
+                "tandem_kv_transfer_open_transfers",
+                "KV transfers begun and not yet finished, aborted or closed.",
+                &[("side", side)],
+                open as f64,
+            );
+        }
+        s.counter(
+            "tandem_kv_transfer_connections_lost_total",
+            "KV transfer sessions whose connection failed.",
+            &[],
+            counts.connections_lost as f64,
+        );
+    });
+}
+
 /// Exposes `engine`'s `EngineStats` on `registry`, read at every scrape:
 /// queue depth, running sequences, KV blocks (`used + free == capacity`;
 /// `cached` counts blocks holding a prefix-cache entry, in use or free),

@@ -1,10 +1,13 @@
 //! The `tandem.v1.Generation` service over an [`EngineHandle`].
 //!
 //! The same service fronts the colocated server and decode workers. A
-//! decode worker adds a [`RemotePrefiller`]: it picks each request's
-//! [`PrefillMode`] from the call's metadata (the router names the prefill
-//! worker) and, when the engine parks a request for remote prefill, starts
-//! the transfer. The transfer's guard lives in the response stream, so a
+//! decode worker also serves the worker-internal `tandem.worker.v1.Decode`
+//! (the router's `RoutedGenerateRequest`, whose typed `prefill_worker` names
+//! the prefill worker the router chose) and adds a [`RemotePrefiller`]: it
+//! picks each request's [`PrefillMode`] from that target and, when the
+//! engine parks a request for remote prefill, starts the transfer. The
+//! public `Generate` always prefills locally: nothing a client sends can
+//! point a worker at a prefill peer. The transfer's guard lives in the response stream, so a
 //! client that goes away cancels the prefill as well as the request.
 //!
 //! Observability: each call gets a `generate` span (a child of the
@@ -24,6 +27,7 @@ use tandem_engine::serving::{
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
+use tandem_proto::worker::v1 as wv1;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Request, Response, Status};
 
@@ -32,8 +36,9 @@ use crate::metrics::{Outcome, ServingMetrics};
 
 /// Gets prompts prefilled by another worker (decode workers only).
 pub trait RemotePrefiller: Send + Sync + std::fmt::Debug + 'static {
-    /// Where this call's prompt is computed.
-    fn mode(&self, metadata: &MetadataMap) -> PrefillMode;
+    /// Where the prompt of a call the router sent to `prefill_worker` is
+    /// computed.
+    fn mode(&self, prefill_worker: &str) -> PrefillMode;
 
     /// Starts a remote prefill the engine asked for. It must end with
     /// `engine.finish_remote_prefill(prefill.transfer, ..)` (directly or
@@ -43,7 +48,7 @@ pub trait RemotePrefiller: Send + Sync + std::fmt::Debug + 'static {
     fn start(
         &self,
         request_id: &str,
-        metadata: &MetadataMap,
+        prefill_worker: &str,
         prefill: RemotePrefill,
         engine: EngineHandle,
         span: &tracing::Span,
@@ -157,7 +162,8 @@ struct CallState {
     events: RequestStream,
     request_id: String,
     ended: bool,
-    metadata: MetadataMap,
+    /// The prefill worker the router named (`Decode.Generate`), if any.
+    prefill_worker: Option<String>,
     engine: EngineHandle,
     prefiller: Option<Arc<dyn RemotePrefiller>>,
     prefills: Vec<PrefillGuard>,
@@ -222,16 +228,16 @@ impl CallState {
                 )));
             };
             if let RequestEvent::RemotePrefill(rp) = ev {
-                match &self.prefiller {
-                    Some(p) => self.prefills.push(p.start(
+                match (&self.prefiller, &self.prefill_worker) {
+                    (Some(p), Some(target)) => self.prefills.push(p.start(
                         &self.request_id,
-                        &self.metadata,
+                        target,
                         rp,
                         self.engine.clone(),
                         &self.span,
                     )),
                     // Nobody to ask: compute it here.
-                    None => self
+                    _ => self
                         .engine
                         .finish_remote_prefill(rp.transfer, Err("no prefill worker".into())),
                 }
@@ -271,6 +277,39 @@ impl v1::generation_server::Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let metadata = request.metadata().clone();
+        self.serve(metadata, request.into_inner(), None).await
+    }
+}
+
+#[tonic::async_trait]
+impl wv1::decode_server::Decode for GenerationService {
+    type GenerateStream = ResponseStream;
+
+    async fn generate(
+        &self,
+        request: Request<wv1::RoutedGenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let metadata = request.metadata().clone();
+        let routed = request.into_inner();
+        let Some(inner) = routed.request else {
+            return Err(Status::invalid_argument(
+                "RoutedGenerateRequest.request is required",
+            ));
+        };
+        let target = Some(routed.prefill_worker).filter(|w| !w.is_empty());
+        self.serve(metadata, inner, target).await
+    }
+}
+
+impl GenerationService {
+    /// One call: `prefill_worker` is the router's placement (`None` from the
+    /// public API, or when the router chose local prefill).
+    async fn serve(
+        &self,
+        metadata: MetadataMap,
+        request: v1::GenerateRequest,
+        prefill_worker: Option<String>,
+    ) -> Result<Response<ResponseStream>, Status> {
         let deadline = tandem_proto::deadline::grpc_timeout(&metadata)
             .map(|t| tokio::time::Instant::now() + t);
         let span = tracing::info_span!(
@@ -281,7 +320,7 @@ impl v1::generation_server::Generation for GenerationService {
             outcome = tracing::field::Empty,
         );
         tandem_telemetry::propagation::set_parent(&span, &metadata);
-        let mut req = match request_from_proto(request.into_inner()) {
+        let mut req = match request_from_proto(request) {
             Ok(r) => r,
             Err(e) => {
                 self.metrics.ended(Outcome::Invalid);
@@ -293,8 +332,8 @@ impl v1::generation_server::Generation for GenerationService {
             req.request_id = new_request_id();
         }
         span.record("request_id", req.request_id.as_str());
-        if let Some(p) = &self.prefiller {
-            req.prefill = p.mode(&metadata);
+        if let (Some(p), Some(target)) = (&self.prefiller, &prefill_worker) {
+            req.prefill = p.mode(target);
             span.record(
                 "remote_prefill",
                 matches!(req.prefill, PrefillMode::Remote { .. }),
@@ -333,7 +372,7 @@ impl v1::generation_server::Generation for GenerationService {
             events,
             request_id,
             ended: false,
-            metadata,
+            prefill_worker,
             engine: self.engine.clone(),
             prefiller: self.prefiller.clone(),
             prefills: Vec::new(),

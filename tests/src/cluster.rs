@@ -119,11 +119,26 @@ pub fn start(tandem: &Path, args: &[&str]) -> Started {
     start_with_env(tandem, args, &[])
 }
 
+/// The router flag that names the serving workers in each response's
+/// metadata. [`start`] adds it to `up` and [`spawn_component`] to `router`:
+/// tests check where calls went ([`Outcome::decode`]); a test of what
+/// clients see by default spawns without these helpers.
+pub const DEBUG_ROUTING_HEADERS: &str = "--debug-routing-headers";
+
+/// `args` with [`DEBUG_ROUTING_HEADERS`] after a leading `up`.
+fn with_routing_headers<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    let mut args = args.to_vec();
+    if args.first() == Some(&"up") {
+        args.insert(1, DEBUG_ROUTING_HEADERS);
+    }
+    args
+}
+
 /// [`start`] with extra environment variables (which `tandem up` passes on
 /// to its workers, e.g. `UCX_TLS`).
 pub fn start_with_env(tandem: &Path, args: &[&str], env: &[(&str, &str)]) -> Started {
     let child = Command::new(tandem)
-        .args(args)
+        .args(with_routing_headers(args))
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -316,12 +331,16 @@ pub async fn greedy(
     Ok(out)
 }
 
-/// Starts `<tandem> <subcommand> <args> --exit-on-stdin-eof` (a router or a
-/// worker) and reads its `listening on ADDR` line; the process and the
-/// address. Panics if it exits first.
+/// Starts `<tandem> <subcommand> <args> --exit-on-stdin-eof` (a router, with
+/// [`DEBUG_ROUTING_HEADERS`], or a worker) and reads its `listening on ADDR`
+/// line; the process and the address. Panics if it exits first.
 pub fn spawn_component(tandem: &Path, subcommand: &str, args: &[&str]) -> (KillOnDrop, String) {
-    let child = Command::new(tandem)
-        .arg(subcommand)
+    let mut command = Command::new(tandem);
+    command.arg(subcommand);
+    if subcommand == "router" {
+        command.arg(DEBUG_ROUTING_HEADERS);
+    }
+    let child = command
         .args(args)
         .arg("--exit-on-stdin-eof")
         .stdin(Stdio::piped())
