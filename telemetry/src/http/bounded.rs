@@ -21,7 +21,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -31,8 +31,10 @@ use tokio::sync::Semaphore;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for open requests.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a refused connection gets to take its 503.
+/// How long a refused connection gets to take its 503 (and to close).
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The most of a refused client's request read before closing anyway.
+const MAX_REFUSAL_DRAIN_BYTES: usize = 64 << 10;
 
 /// Per-listener connection bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,10 +124,23 @@ pub async fn serve(
 }
 
 /// Writes the refusal to a connection past the cap and closes it.
+///
+/// The client's request is read (and dropped) until it closes its side or
+/// the timeout: a socket closed with unread bytes sends a reset, which can
+/// reach the client before it has read the 503 (or fail its write).
 async fn refuse(mut stream: TcpStream, response: Arc<[u8]>) {
-    let written = async {
+    let answered = async {
         stream.write_all(&response).await?;
-        stream.shutdown().await
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut drained = 0usize;
+        while drained < MAX_REFUSAL_DRAIN_BYTES {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => drained += n,
+            }
+        }
+        std::io::Result::Ok(())
     };
-    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, written).await;
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, answered).await;
 }
