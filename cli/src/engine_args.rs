@@ -51,6 +51,11 @@ pub struct EngineArgs {
     /// bytes; `--kv-cache-memory` then holds four times the blocks).
     #[arg(long, default_value = "f32", value_parser = parse_kv_cache_dtype)]
     kv_dtype: tandem_engine::KvCacheDtype,
+    /// Keep every KV block of sliding-window layers (Gemma 2/3, Mistral)
+    /// instead of freeing those that left the window: more memory, the same
+    /// tokens.
+    #[arg(long)]
+    keep_windowed_blocks: bool,
     /// Quantize the linear layers' and the output head's weights at load:
     /// `int4` = 4-bit codes with a scale and zero point per group of input
     /// columns, run by integer kernels (CPU only). Pre-quantized AWQ/GPTQ
@@ -133,6 +138,7 @@ impl EngineArgs {
             max_queued_requests: Some(self.max_queued_requests),
             weight_quantization,
             kv_cache_dtype: self.kv_dtype,
+            keep_windowed_blocks: self.keep_windowed_blocks,
         })
     }
 }
@@ -162,7 +168,6 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     let config = args.config()?;
     let ckpt = tandem_engine::Checkpoint::open(&dir)
         .with_context(|| format!("loading model from {}", dir.display()))?;
-    let kv_layout = ckpt.model.kv_layout(config.block_size);
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
     let parallel = args.parallel.parallelism()?;
     let mut ranks = None;
@@ -185,6 +190,8 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
             EngineCore::with_backend(backend, tokenizer, ckpt.eos_token_ids, &config)?
         }
     };
+    // The backend's layout (a GPU or pipeline-split cache groups no layers).
+    let kv_layout = core.kv_layout();
     let builtin = crate::default_model::is_default_model(&dir);
     args.speculative.apply(&mut core, &dir, builtin)?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");

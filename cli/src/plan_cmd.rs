@@ -114,10 +114,29 @@ fn to_json(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) -> serde_json
         "kv_pool_bytes": c.kv_pool_bytes,
         "max_model_len": c.max_model_len,
         "blocks_per_seq": c.blocks_per_seq,
+        "global_blocks_per_seq": c.global_blocks_per_seq,
+        "layers_per_block": c.layers_per_block,
+        "sliding_window": c.sliding_window,
+        "windowed_layers": c.windowed_layers,
         "max_concurrent_seqs": c.max_concurrent_seqs,
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "max_num_seqs": c.max_num_seqs,
     })
+}
+
+/// A sequence's blocks, with what sliding-window layers save.
+fn blocks_per_seq(c: &Capacity) -> String {
+    if c.windowed_layers == 0 {
+        return c.blocks_per_seq.to_string();
+    }
+    format!(
+        "{} ({} without freeing: {} of the layers slide, window {}, {} layers per block)",
+        c.blocks_per_seq,
+        c.global_blocks_per_seq,
+        c.windowed_layers,
+        c.sliding_window,
+        c.layers_per_block
+    )
 }
 
 fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) {
@@ -153,7 +172,7 @@ fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) {
         ("pool blocks", c.pool_blocks.to_string()),
         ("pool tokens", c.pool_tokens.to_string()),
         ("max model len", format!("{} tokens", c.max_model_len)),
-        ("blocks per sequence", c.blocks_per_seq.to_string()),
+        ("blocks per sequence", blocks_per_seq(c)),
         (
             "max concurrent seqs",
             format!("{} at max_model_len", c.max_concurrent_seqs),

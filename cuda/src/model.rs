@@ -21,7 +21,7 @@ use tandem_engine::weights::{Matrix, WeightData, WeightStore};
 
 use tandem_engine::{
     BlockCopy, BlockId, ComputeBackend, EngineError, KvBlocks, KvLayout, Logits, ModelConfig,
-    SeqInput,
+    SeqInput, SlidingLayers,
 };
 
 use crate::arch::{check_supported, layer_plan, Fused};
@@ -1113,6 +1113,8 @@ impl ComputeBackend for CudaModel {
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
             block_size: self.opts.block_size,
+            // The device cache keeps every layer's blocks (no groups).
+            sliding: SlidingLayers::NONE,
         }
     }
 

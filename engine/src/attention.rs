@@ -24,7 +24,8 @@ pub struct AttnSeq<'a> {
     pub len: usize,
     /// Row of its first new token in the flattened batch.
     pub row: usize,
-    /// Its block table (must cover `start_pos + len` tokens).
+    /// Its block table (must cover `start_pos + len` tokens), one entry per
+    /// layer group per logical block ([`BlockTable`](crate::BlockTable)).
     pub blocks: &'a [BlockId],
 }
 
@@ -86,6 +87,7 @@ pub fn paged_attention(
     } = scoring;
     let bs = kv.layout().block_size;
     let view = kv.layer(layer);
+    let (groups, layer_group) = (kv.groups().num_groups(), kv.groups().group(layer));
 
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
@@ -119,7 +121,7 @@ pub fn paged_attention(
                 let b = kpos / bs;
                 let slot0 = kpos % bs;
                 let slot1 = (bs).min(slot0 + pos + 1 - kpos);
-                let block = seq.blocks[b];
+                let block = seq.blocks[b * groups + layer_group];
                 let base_row = kv.offset(block, kvh, 0) / d;
                 let mut bmax = f32::NEG_INFINITY;
                 for (slot, score) in scores.iter_mut().enumerate().take(slot1).skip(slot0) {

@@ -115,7 +115,19 @@ impl CpuBackend {
         num_blocks: usize,
         dtype: KvCacheDtype,
     ) -> Self {
-        let kv = KvCache::with_dtype(model.kv_layout(block_size), num_blocks, dtype);
+        let layout = model.kv_layout(block_size);
+        Self::with_kv_layout(model, layout, num_blocks, dtype)
+    }
+
+    /// As [`with_kv_dtype`](Self::with_kv_dtype) with `layout`, the model's
+    /// own or the same with no layer marked sliding (every block kept).
+    pub fn with_kv_layout(
+        model: Model,
+        layout: KvLayout,
+        num_blocks: usize,
+        dtype: KvCacheDtype,
+    ) -> Self {
+        let kv = KvCache::with_dtype(layout, num_blocks, dtype);
         Self { model, kv }
     }
 }

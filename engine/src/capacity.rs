@@ -19,7 +19,12 @@
 //!
 //! A sequence of `max_model_len` tokens needs `ceil(max_model_len /
 //! block_size)` blocks, so at most `pool_blocks / that` such sequences fit at
-//! once. Shorter sequences and shared prefixes fit more; this is the
+//! once. A model whose layers mix sliding-window and global attention
+//! (Gemma 2/3) keeps its blocks in layer groups ([`crate::KvGroups`]): a
+//! block holds fewer layers, a sequence holds one block per group per
+//! `block_size` tokens, and a windowed group keeps only its window's blocks,
+//! so `blocks_per_seq` counts a long sequence's global groups in full and
+//! its windowed ones at about `window / block_size + 1`. Shorter sequences and shared prefixes fit more; this is the
 //! guaranteed floor. [`CapacityPlan::plan`] does the arithmetic and
 //! [`Capacity`]'s `Display` is the one-line summary the engine logs at
 //! start-up; `tandem plan` prints the same numbers as a table or JSON.
@@ -225,13 +230,25 @@ pub struct Capacity {
     pub bytes_per_block: u64,
     /// `(memory − weights − activations) / bytes_per_block`, rounded down.
     pub pool_blocks: u64,
-    /// `pool_blocks × block_size`.
+    /// Tokens of every layer the pool holds: `pool_blocks × block_size`
+    /// divided by the layer groups (1 without sliding-window layers).
     pub pool_tokens: u64,
     /// `pool_blocks × bytes_per_block`.
     pub kv_pool_bytes: u64,
     pub max_model_len: usize,
-    /// `ceil(max_model_len / block_size)`.
+    /// Physical blocks a sequence of `max_model_len` tokens holds:
+    /// `ceil(max_model_len / block_size)` without sliding-window layers;
+    /// with them, every layer group's blocks after its windowed groups have
+    /// freed what left the window ([`crate::KvGroups::blocks_held`]).
     pub blocks_per_seq: u64,
+    /// What it would hold if no layer freed its blocks (equal to
+    /// `blocks_per_seq` without sliding-window layers).
+    pub global_blocks_per_seq: u64,
+    /// Layers per block (all of them without sliding-window layers).
+    pub layers_per_block: usize,
+    /// The sliding window and how many layers have it (0 and 0: none).
+    pub sliding_window: usize,
+    pub windowed_layers: usize,
     /// `pool_blocks / blocks_per_seq`: sequences of `max_model_len` tokens
     /// that fit at once (0 when not even one does).
     pub max_concurrent_seqs: u64,
@@ -289,12 +306,24 @@ impl CapacityPlan {
                 max_num_batched_tokens: self.max_num_batched_tokens,
             })?;
         let kv_bytes_per_token = kv_bytes_per_token(cfg, self.kv_dtype);
-        let bytes_per_block = self.block_size as u64 * kv_bytes_per_token
-            + 2 * (cfg.num_layers * cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
+        let layout = crate::KvLayout {
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: self.block_size,
+            sliding: crate::SlidingLayers::from_windows(cfg.sliding_window.iter().copied()),
+        };
+        let groups = crate::KvGroups::of(&layout);
+        let slots = layout.layers_per_block() as u64;
+        let per_layer_token = kv_bytes_per_token / (cfg.num_layers.max(1) as u64);
+        let bytes_per_block = self.block_size as u64 * per_layer_token * slots
+            + 2 * slots * (cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
         // A model without KV (no layers) would divide by zero; it has no
         // pool to plan either.
         let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);
-        let blocks_per_seq = max_model_len.div_ceil(self.block_size) as u64;
+        let global_blocks_per_seq =
+            (max_model_len.div_ceil(self.block_size) * groups.num_groups()) as u64;
+        let blocks_per_seq = groups.blocks_held(max_model_len, self.block_size) as u64;
         Ok(Capacity {
             memory_bytes: self.memory_bytes,
             weight_bytes: self.weight_bytes,
@@ -304,11 +333,15 @@ impl CapacityPlan {
             block_size: self.block_size,
             bytes_per_block,
             pool_blocks,
-            pool_tokens: pool_blocks * self.block_size as u64,
+            pool_tokens: pool_blocks * self.block_size as u64 / groups.num_groups() as u64,
             kv_pool_bytes: pool_blocks * bytes_per_block,
             max_model_len,
             blocks_per_seq,
-            max_concurrent_seqs: pool_blocks / blocks_per_seq,
+            global_blocks_per_seq,
+            layers_per_block: slots as usize,
+            sliding_window: layout.sliding.window,
+            windowed_layers: layout.sliding.count(cfg.num_layers),
+            max_concurrent_seqs: pool_blocks.checked_div(blocks_per_seq).unwrap_or(0),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
         })
@@ -334,7 +367,20 @@ impl fmt::Display for Capacity {
             format_bytes(self.weight_bytes),
             format_bytes(self.activation_bytes),
             format_bytes(self.memory_bytes),
-        )
+        )?;
+        if self.windowed_layers > 0 {
+            write!(
+                f,
+                "; sliding window {} on {} layers ({} layers per block): a max_model_len \
+                 sequence holds {} blocks, {} without freeing",
+                self.sliding_window,
+                self.windowed_layers,
+                self.layers_per_block,
+                self.blocks_per_seq,
+                self.global_blocks_per_seq,
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -530,6 +576,40 @@ mod tests {
     }
 
     #[test]
+    fn sliding_window_layers_hold_their_window_only() {
+        // Gemma 3's pattern over 6 layers: 5 windowed (window 128), 1 global.
+        let types: Vec<&str> = (0..6)
+            .map(|l| {
+                if l == 5 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
+        let cfg = ModelConfig::from_json(&serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+            "max_position_embeddings": 4096, "sliding_window": 128, "layer_types": types,
+        }))
+        .expect("valid config");
+        let c = CapacityPlan::new(1 << 30, 0).plan(&cfg).expect("fits");
+        // One layer per block: 16 tokens × 2 × 2 heads × 16 dims × 4 bytes.
+        assert_eq!((c.layers_per_block, c.bytes_per_block), (1, 4096));
+        assert_eq!((c.sliding_window, c.windowed_layers), (128, 5));
+        // 256 blocks for the global layer; the next token's window reads
+        // positions 3969.. (blocks 248..256) in each windowed layer.
+        assert_eq!(c.blocks_per_seq, 256 + 5 * 8);
+        assert_eq!(c.global_blocks_per_seq, 6 * 256);
+        assert_eq!(c.pool_tokens, c.pool_blocks * 16 / 6);
+        assert_eq!(c.max_concurrent_seqs, c.pool_blocks / 296);
+        assert!(c
+            .to_string()
+            .contains("holds 296 blocks, 1536 without freeing"));
+    }
+
+    #[test]
     fn kv_bytes_per_token_by_dtype() {
         let cfg = tiny();
         // 2 × 2 layers × 2 heads × 16 dims = 128 elements.
@@ -605,6 +685,7 @@ mod tests {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             block_size: plan.block_size,
+            sliding: crate::SlidingLayers::NONE,
         };
         for (dtype, engine) in [
             (KvDtype::Int8, crate::KvCacheDtype::Int8),

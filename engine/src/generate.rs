@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BlockAllocator, BlockTable, KvCache};
+use crate::kv_cache::{BlockTable, KvCache, KvGroups};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
 
@@ -110,9 +110,10 @@ pub fn generate(
     // The context limit caps the output; hitting it is a `length` finish.
     let max_new = req.max_tokens.min(cfg.max_context() - prompt.len());
     let total = prompt.len() + max_new;
-    let blocks = total.div_ceil(opts.block_size).max(1);
-    let allocator = BlockAllocator::new(blocks, opts.block_size)?;
-    let mut kv = KvCache::new(model.kv_layout(opts.block_size), blocks);
+    let layout = model.kv_layout(opts.block_size);
+    let blocks = total.div_ceil(opts.block_size).max(1) * KvGroups::of(&layout).num_groups();
+    let mut kv = KvCache::new(layout, blocks);
+    let allocator = kv.allocator()?;
     let mut table = BlockTable::new(&allocator);
 
     let mut output = Vec::new();
@@ -125,7 +126,8 @@ pub fn generate(
     let mut logits = None;
     for chunk in prompt.chunks(opts.prefill_chunk) {
         // A fresh table shares no block, so no copy-on-write can arise.
-        if let Some(copy) = table.append(chunk.len())? {
+        table.release_outside_window(pos);
+        for copy in table.append(chunk.len())? {
             kv.copy_block(copy);
         }
         let out = model.forward(
@@ -166,7 +168,8 @@ pub fn generate(
         }
         pending.clear();
         pending.push(s.token);
-        if let Some(copy) = table.append(1)? {
+        table.release_outside_window(pos);
+        for copy in table.append(1)? {
             kv.copy_block(copy);
         }
         logits = Some(model.forward(

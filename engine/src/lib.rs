@@ -40,7 +40,7 @@ pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
 pub use kv_cache::{
     BlockAllocator, BlockCopy, BlockId, BlockTable, CacheEvent, KvCache, KvCacheDtype, KvError,
-    KvLayout, PrefixCacheStats,
+    KvFootprint, KvGroups, KvLayout, PrefixCacheStats, SlidingLayers, FREED,
 };
 pub use model::{Logits, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};

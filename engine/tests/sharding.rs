@@ -9,9 +9,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
 use tandem_engine::shard::ShardPeers;
-use tandem_engine::{
-    BlockAllocator, BlockTable, DType, EngineError, KvCache, Model, ModelConfig, SeqInput,
-};
+use tandem_engine::{BlockTable, DType, EngineError, KvCache, Model, ModelConfig, SeqInput};
 
 /// Channels between every pair of ranks; rank = stage * tp + tp_rank.
 struct ChannelPeers {
@@ -108,7 +106,7 @@ fn run_sharded(dir: &std::path::Path, tp: usize, pp: usize) -> Vec<Vec<f32>> {
                     let mut kv = KvCache::new(model.kv_layout(bs), 32);
                     // Every rank allocates the same block ids, as the leader's
                     // allocator would hand them out.
-                    let pool = BlockAllocator::new(32, bs).expect("pool");
+                    let pool = kv.allocator().expect("pool");
                     let mut tables: Vec<BlockTable> =
                         prompts.iter().map(|_| BlockTable::new(&pool)).collect();
                     let mut out = Vec::new();

@@ -35,6 +35,8 @@ fn layout() -> KvLayoutDescriptor {
         head_dim: 4,
         block_size: 2,
         dtype: KvDtype::F32,
+        sliding_window: 0,
+        windowed_layers: 0,
     }
 }
 

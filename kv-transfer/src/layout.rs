@@ -88,6 +88,12 @@ pub struct KvLayoutDescriptor {
     pub block_size: u32,
     /// Element type.
     pub dtype: KvDtype,
+    /// Positions a sliding-window layer attends to (0: no layer slides).
+    /// Such layers keep only their window's blocks, grouped as the engine's
+    /// `KvGroups` say, so both ends must agree on which layers slide.
+    pub sliding_window: u32,
+    /// Bit `l` set: layer `l` slides.
+    pub windowed_layers: u128,
 }
 
 /// The largest K (or V) payload of one block of one layer that any transport
@@ -97,7 +103,7 @@ pub const MAX_BLOCK_LAYER_BYTES: u64 = 16 << 20;
 
 impl KvLayoutDescriptor {
     /// Bytes of encoded descriptor on the wire.
-    pub const ENCODED_LEN: usize = 20;
+    pub const ENCODED_LEN: usize = 40;
 
     /// Bytes of K (or of V) of one block in one layer:
     /// `num_kv_heads × block_size × head_dim × dtype bytes`.
@@ -157,6 +163,21 @@ impl KvLayoutDescriptor {
                 });
             }
         }
+        if (self.sliding_window, self.windowed_layers)
+            != (peer.sliding_window, peer.windowed_layers)
+        {
+            let windows = |d: &Self| {
+                format!(
+                    "window {} on layers {:#x}",
+                    d.sliding_window, d.windowed_layers
+                )
+            };
+            return Err(TransferError::LayoutMismatch {
+                field: "sliding window layers",
+                here: windows(self),
+                peer: windows(peer),
+            });
+        }
         if self.dtype != peer.dtype {
             return Err(TransferError::LayoutMismatch {
                 field: "dtype",
@@ -168,7 +189,8 @@ impl KvLayoutDescriptor {
     }
 
     /// The compact wire form: four little-endian `u32`s (layers, kv heads,
-    /// head dim, block size), the dtype code and three zero bytes.
+    /// head dim, block size), the dtype code, three zero bytes, the sliding
+    /// window (`u32`) and the windowed-layer mask (`u128`), little-endian.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
         let mut out = [0u8; Self::ENCODED_LEN];
         out[0..4].copy_from_slice(&self.num_layers.to_le_bytes());
@@ -176,6 +198,8 @@ impl KvLayoutDescriptor {
         out[8..12].copy_from_slice(&self.head_dim.to_le_bytes());
         out[12..16].copy_from_slice(&self.block_size.to_le_bytes());
         out[16] = self.dtype.code();
+        out[20..24].copy_from_slice(&self.sliding_window.to_le_bytes());
+        out[24..40].copy_from_slice(&self.windowed_layers.to_le_bytes());
         out
     }
 
@@ -189,12 +213,16 @@ impl KvLayoutDescriptor {
                 "reserved bytes of the layout descriptor are not zero".into(),
             ));
         }
+        let mut mask = [0u8; 16];
+        mask.copy_from_slice(&bytes[24..40]);
         Ok(Self {
             num_layers: word(0),
             num_kv_heads: word(4),
             head_dim: word(8),
             block_size: word(12),
             dtype: KvDtype::from_code(bytes[16])?,
+            sliding_window: word(20),
+            windowed_layers: u128::from_le_bytes(mask),
         })
     }
 }
@@ -205,7 +233,16 @@ impl std::fmt::Display for KvLayoutDescriptor {
             f,
             "{} layers × {} kv heads × head_dim {} × block_size {} ({})",
             self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
-        )
+        )?;
+        if self.sliding_window > 0 {
+            write!(
+                f,
+                ", window {} on {} layers",
+                self.sliding_window,
+                self.windowed_layers.count_ones()
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -220,6 +257,8 @@ mod tests {
             head_dim: 64,
             block_size: 16,
             dtype: KvDtype::F32,
+            sliding_window: 0,
+            windowed_layers: 0,
         }
     }
 

@@ -70,7 +70,8 @@ pub(crate) const MAGIC: [u8; 8] = *b"TDMKVXF1";
 /// The UCX transport's magic: its control connection uses the same
 /// handshake, and a TCP peer meeting a UCX one is refused at the magic.
 pub(crate) const MAGIC_UCX: [u8; 8] = *b"TDMKVXU1";
-pub(crate) const VERSION: u16 = 2;
+/// 3: the layout descriptor carries the sliding-window layers (40 bytes).
+pub(crate) const VERSION: u16 = 3;
 pub(crate) const MAX_TOKEN_BYTES: usize = 1024;
 /// Bytes of each side's handshake nonce.
 pub(crate) const NONCE_LEN: usize = 32;
@@ -323,13 +324,20 @@ pub(crate) fn decode_reply(
     let mut greeting = [0u8; GREETING_LEN];
     greeting.copy_from_slice(&bytes[..GREETING_LEN]);
     let version = decode_greeting(magic, &greeting)?;
+    const AT: usize = 12;
+    const END: usize = AT + KvLayoutDescriptor::ENCODED_LEN;
     let mut layout = [0u8; KvLayoutDescriptor::ENCODED_LEN];
-    layout.copy_from_slice(&bytes[12..32]);
+    layout.copy_from_slice(&bytes[AT..END]);
     Ok(Reply {
         version,
         status: bytes[10],
         layout: KvLayoutDescriptor::decode(&layout),
-        num_blocks: u32::from_le_bytes([bytes[32], bytes[33], bytes[34], bytes[35]]),
+        num_blocks: u32::from_le_bytes([
+            bytes[END],
+            bytes[END + 1],
+            bytes[END + 2],
+            bytes[END + 3],
+        ]),
     })
 }
 
@@ -513,6 +521,8 @@ mod tests {
             head_dim: 2,
             block_size: 2,
             dtype: KvDtype::F32,
+            sliding_window: 0,
+            windowed_layers: 0,
         }
     }
 
@@ -651,7 +661,7 @@ mod tests {
         assert!(verify_receiver(MAGIC, &fixed, p));
         // A reply tampered with (more blocks) or signed with another key fails.
         let mut tampered = fixed;
-        tampered[32] ^= 1;
+        tampered[12 + KvLayoutDescriptor::ENCODED_LEN] ^= 1;
         assert!(!verify_receiver(MAGIC, &tampered, p));
         let forged = ReceiverProof { key: &other, ..p };
         assert!(!verify_receiver(MAGIC, &fixed, forged));

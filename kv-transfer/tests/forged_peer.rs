@@ -114,7 +114,7 @@ async fn a_faked_proof_with_frames_behind_it_delivers_nothing() {
     );
     assert_eq!(reply[10], 2, "status: bad proof");
     assert!(
-        reply[36..REPLY_LEN].iter().all(|b| *b == 0),
+        reply[56..REPLY_LEN].iter().all(|b| *b == 0),
         "no receiver proof"
     );
     assert_eq!(reply.len(), REPLY_LEN, "nothing after the refusal");
@@ -241,17 +241,18 @@ async fn a_listener_without_the_secret_is_sent_nothing() {
     let after = received_after_handshake.clone();
     let server = tokio::spawn(async move {
         let (mut s, _) = impostor.accept().await.expect("accept");
-        let mut hello = [0u8; 64];
+        // Magic, version, 0, the 40-byte layout, the nonce.
+        let mut hello = [0u8; 84];
         s.read_exact(&mut hello).await.expect("hello");
         let mut challenge = b"TDMKVXF1".to_vec();
-        challenge.extend_from_slice(&2u16.to_le_bytes());
+        challenge.extend_from_slice(&3u16.to_le_bytes());
         challenge.extend_from_slice(&[7u8; 32]);
         s.write_all(&challenge).await.expect("challenge");
         let mut proof = [0u8; 32];
         s.read_exact(&mut proof).await.expect("proof");
         // "Accepted", with our layout, 64 blocks, and a made-up proof.
         let mut reply = b"TDMKVXF1".to_vec();
-        reply.extend_from_slice(&2u16.to_le_bytes());
+        reply.extend_from_slice(&3u16.to_le_bytes());
         reply.extend_from_slice(&[0, 0]);
         reply.extend_from_slice(&layout().encode());
         reply.extend_from_slice(&64u32.to_le_bytes());

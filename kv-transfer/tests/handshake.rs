@@ -160,11 +160,11 @@ async fn tcp_raw_handshake_gets_the_documented_challenge_and_reply() {
     let h = raw_handshake(&mut s, &layout(), "tok", test_nonce(9)).await;
     let reply = h.reply;
     assert_eq!(&reply[..8], b"TDMKVXF1");
-    assert_eq!(u16::from_le_bytes([reply[8], reply[9]]), 2, "version");
+    assert_eq!(u16::from_le_bytes([reply[8], reply[9]]), 3, "version");
     assert_eq!(reply[10], 0, "status accepted");
-    assert_eq!(&reply[12..32], &layout().encode());
+    assert_eq!(&reply[12..52], &layout().encode());
     assert_eq!(
-        u32::from_le_bytes([reply[32], reply[33], reply[34], reply[35]]),
+        u32::from_le_bytes([reply[52], reply[53], reply[54], reply[55]]),
         77
     );
     // The receiver's proof covers both nonces and the reply before it.
@@ -175,10 +175,10 @@ async fn tcp_raw_handshake_gets_the_documented_challenge_and_reply() {
             b"TDMKVXF1",
             &h.sender_nonce,
             &h.receiver_nonce,
-            &reply[..36],
+            &reply[..56],
         ],
     );
-    assert_eq!(&reply[36..], &expected[..]);
+    assert_eq!(&reply[56..], &expected[..]);
 }
 
 /// A UCX worker and a TCP worker (different `--kv-transport`) refuse each

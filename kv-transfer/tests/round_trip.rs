@@ -270,6 +270,8 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
         head_dim: 128,
         block_size: 16,
         dtype: KvDtype::F16,
+        sliding_window: 0,
+        windowed_layers: 0,
     };
     let wires: [(&[(&str, &str)], UcxDataPath); 3] = [
         (&[("TLS", "tcp"), ("NET_DEVICES", "lo")], UcxDataPath::Auto),

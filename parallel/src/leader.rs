@@ -101,6 +101,9 @@ impl ParallelBackend {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             block_size: opts.block_size,
+            // Windowed layers free blocks only when one rank holds them all
+            // (no pipeline split): every rank's cache then groups alike.
+            sliding: local.sliding,
         };
         let setup = Command::Setup {
             block_size: opts.block_size,

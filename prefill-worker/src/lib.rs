@@ -30,6 +30,7 @@ use bytes::BytesMut;
 use tandem_engine::serving::{
     EngineHandle, ExportedBlock, KvExport, PrefillMode, Prompt, Request, RequestEvent,
 };
+use tandem_engine::{KvGroups, FREED};
 use tandem_kv_transfer::{BlockWrite, KvLayoutDescriptor, Session, TransferId, Transport};
 use tandem_proto::worker::v1 as wv1;
 use tandem_server::{layout, status_from_engine};
@@ -116,6 +117,9 @@ pub struct PrefillService {
     engine: EngineHandle,
     transport: Arc<dyn Transport>,
     layout: KvLayoutDescriptor,
+    /// How `layout`'s layers share blocks: `dst_blocks` has one entry per
+    /// group per logical block.
+    groups: Arc<KvGroups>,
     /// One session per decode worker, opened on first use.
     sessions: Arc<Mutex<HashMap<String, Arc<dyn Session>>>>,
     metrics: PrefillMetrics,
@@ -130,6 +134,7 @@ impl PrefillService {
         Self {
             engine,
             transport,
+            groups: Arc::new(KvGroups::of(&layout::engine_layout(&layout))),
             layout,
             sessions: Arc::new(Mutex::new(HashMap::new())),
             metrics: PrefillMetrics::register(&Registry::new()),
@@ -167,19 +172,21 @@ impl PrefillService {
 #[derive(Debug)]
 struct Exporter {
     from_block: usize,
+    /// Logical-major, one entry per layer group ([`KvGroups`]).
     dst_blocks: Vec<u32>,
+    groups: Arc<KvGroups>,
     out: UnboundedSender<Vec<BlockWrite>>,
 }
 
 impl KvExport for Exporter {
     fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
+        let (g, group) = (self.groups.num_groups(), self.groups.group(layer));
         let picked: Vec<(u32, &ExportedBlock<'_>)> = blocks
             .iter()
             .filter_map(|b| {
-                let dst = *self
-                    .dst_blocks
-                    .get(b.logical.checked_sub(self.from_block)?)?;
-                Some((dst, b))
+                let j = b.logical.checked_sub(self.from_block)?;
+                let dst = *self.dst_blocks.get(j * g + group)?;
+                (dst != FREED).then_some((dst, b))
             })
             .collect();
         if picked.is_empty() {
@@ -310,10 +317,11 @@ impl PrefillService {
             .map_err(|e| Status::failed_precondition(format!("KV layout mismatch: {e}")))?;
         let from_block = r.from_block as usize;
         let bs = self.layout.block_size as usize;
-        let needed = r.tokens.len().div_ceil(bs).saturating_sub(from_block);
+        let groups = self.groups.num_groups();
+        let needed = r.tokens.len().div_ceil(bs).saturating_sub(from_block) * groups;
         if r.dst_blocks.len() < needed {
             return Err(Status::invalid_argument(format!(
-                "dst_blocks: {} blocks for {needed} blocks of prompt",
+                "dst_blocks: {} entries for {needed} (blocks of prompt × {groups} layer groups)",
                 r.dst_blocks.len()
             )));
         }
@@ -358,6 +366,7 @@ impl PrefillService {
         let exporter = Arc::new(Exporter {
             from_block,
             dst_blocks: r.dst_blocks,
+            groups: self.groups.clone(),
             out: tx,
         });
         let prompt_tokens = r.tokens.len();

@@ -1,7 +1,7 @@
 //! The KV layout in its three spellings: the engine's, the transport's
 //! handshake descriptor, and the worker protocol's message.
 
-use tandem_engine::KvLayout;
+use tandem_engine::{KvLayout, SlidingLayers};
 use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor};
 use tandem_proto::worker::v1 as wv1;
 
@@ -13,6 +13,22 @@ pub fn descriptor(l: &KvLayout) -> KvLayoutDescriptor {
         head_dim: l.head_dim as u32,
         block_size: l.block_size as u32,
         dtype: KvDtype::F32,
+        sliding_window: l.sliding.window as u32,
+        windowed_layers: l.sliding.layers,
+    }
+}
+
+/// The engine layout a descriptor describes (its dtype aside).
+pub fn engine_layout(d: &KvLayoutDescriptor) -> KvLayout {
+    KvLayout {
+        num_layers: d.num_layers as usize,
+        num_kv_heads: d.num_kv_heads as usize,
+        head_dim: d.head_dim as usize,
+        block_size: d.block_size as usize,
+        sliding: SlidingLayers {
+            window: d.sliding_window as usize,
+            layers: d.windowed_layers,
+        },
     }
 }
 
@@ -24,6 +40,9 @@ pub fn to_proto(d: &KvLayoutDescriptor) -> wv1::KvLayout {
         head_dim: d.head_dim,
         block_size: d.block_size,
         dtype: d.dtype.name().to_string(),
+        sliding_window: d.sliding_window,
+        windowed_layers_lo: d.windowed_layers as u64,
+        windowed_layers_hi: (d.windowed_layers >> 64) as u64,
     }
 }
 
@@ -41,5 +60,7 @@ pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, String> {
         head_dim: p.head_dim,
         block_size: p.block_size,
         dtype,
+        sliding_window: p.sliding_window,
+        windowed_layers: u128::from(p.windowed_layers_hi) << 64 | u128::from(p.windowed_layers_lo),
     })
 }

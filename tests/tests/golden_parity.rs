@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tandem_engine::kernels::log_softmax;
 use tandem_engine::{
-    generate, BlockAllocator, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache,
-    SamplingParams, SeqInput,
+    generate, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache, SamplingParams,
+    SeqInput,
 };
 
 #[derive(Deserialize)]
@@ -132,8 +132,10 @@ fn teacher_forced_error(case: &str, ckpt: &Checkpoint, g: &Golden) -> f32 {
     let mut ids = g.prompt_ids.clone();
     ids.extend(g.steps.iter().map(|s| s.token));
     let bs = 16;
-    let pool = BlockAllocator::new(ids.len().div_ceil(bs), bs).expect("pool");
-    let mut kv = KvCache::new(ckpt.model.kv_layout(bs), pool.num_blocks());
+    let layout = ckpt.model.kv_layout(bs);
+    let groups = tandem_engine::KvGroups::of(&layout).num_groups();
+    let mut kv = KvCache::new(layout, ids.len().div_ceil(bs) * groups);
+    let pool = kv.allocator().expect("pool");
     let mut table = BlockTable::new(&pool);
     table.append(ids.len()).expect("blocks");
     let logits = ckpt

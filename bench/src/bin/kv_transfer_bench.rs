@@ -122,6 +122,8 @@ fn layout() -> KvLayoutDescriptor {
         head_dim: 128,
         block_size: 16,
         dtype: KvDtype::F16,
+        sliding_window: 0,
+        windowed_layers: 0,
     }
 }
 

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tandem_block_hash::BlockHash;
 
+use super::groups::{KvGroups, FREED};
 use super::{BlockId, KvError};
 
 const NIL: u32 = u32::MAX;
@@ -38,6 +39,8 @@ struct BlockMeta {
     refcount: u32,
     hash: Option<BlockHash>,
     parent: BlockHash,
+    /// Whether routers were told of its hash (group 0's blocks only).
+    announced: bool,
     prev: u32,
     next: u32,
 }
@@ -101,7 +104,9 @@ impl State {
         if let Some(h) = self.meta[b as usize].hash.take() {
             if self.cached.get(&h) == Some(&b) {
                 self.cached.remove(&h);
-                self.events.push(CacheEvent::Removed { hash: h });
+                if std::mem::take(&mut self.meta[b as usize].announced) {
+                    self.events.push(CacheEvent::Removed { hash: h });
+                }
             }
         }
     }
@@ -114,11 +119,23 @@ pub struct BlockAllocator {
     state: Arc<Mutex<State>>,
     num_blocks: usize,
     block_size: usize,
+    groups: Arc<KvGroups>,
 }
 
 impl BlockAllocator {
-    /// A pool of `num_blocks` blocks of `block_size` tokens.
+    /// A pool of `num_blocks` blocks of `block_size` tokens, one table entry
+    /// per logical block (no layer slides).
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, KvError> {
+        Self::with_groups(num_blocks, block_size, KvGroups::single(1))
+    }
+
+    /// A pool whose tables keep one entry per layer group per logical block
+    /// ([`KvCache::allocator`](super::KvCache::allocator)).
+    pub fn with_groups(
+        num_blocks: usize,
+        block_size: usize,
+        groups: KvGroups,
+    ) -> Result<Self, KvError> {
         if num_blocks == 0 || block_size == 0 || num_blocks >= NIL as usize {
             return Err(KvError::EmptyPool);
         }
@@ -128,6 +145,7 @@ impl BlockAllocator {
                     refcount: 0,
                     hash: None,
                     parent: 0,
+                    announced: false,
                     prev: NIL,
                     next: NIL,
                 };
@@ -148,7 +166,13 @@ impl BlockAllocator {
             state: Arc::new(Mutex::new(st)),
             num_blocks,
             block_size,
+            groups: Arc::new(groups),
         })
+    }
+
+    /// The layer groups its tables serve.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -242,52 +266,113 @@ impl BlockAllocator {
             .map_or(0, |m| m.refcount)
     }
 
-    /// How many leading `hashes` are cached, and how many of those cached
-    /// blocks are free (taking them shrinks the free pool). Changes nothing.
+    /// How many leading logical blocks of `hashes` a new table would take
+    /// from the cache ([`acquire_cached`](Self::acquire_cached)), and how
+    /// many of the blocks it would take are free (taking them shrinks the
+    /// free pool). Changes nothing.
     pub fn probe(&self, hashes: &[BlockHash]) -> (usize, usize) {
         let st = self.lock();
-        let mut hits = 0;
-        let mut free = 0;
-        for h in hashes {
-            let Some(&b) = st.cached.get(h) else { break };
-            hits += 1;
-            if st.meta[b as usize].refcount == 0 {
-                free += 1;
-            }
-        }
+        let hits = self.cached_prefix(&st, hashes);
+        let free = self
+            .prefix_names(hashes, hits)
+            .flatten()
+            .filter(|h| {
+                st.cached
+                    .get(h)
+                    .is_some_and(|&b| st.meta[b as usize].refcount == 0)
+            })
+            .count();
         (hits, free)
     }
 
     /// Takes a reference to the cached blocks of the longest cached prefix
-    /// of `hashes` and returns them. Never fails: a miss ends the prefix.
-    pub(super) fn acquire_cached(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+    /// of `hashes` and returns them as table entries (logical-major, one per
+    /// group; [`FREED`] where a windowed group needs no block). Never fails:
+    /// a miss ends the prefix.
+    pub(super) fn acquire_cached(&self, hashes: &[BlockHash]) -> (usize, Vec<BlockId>) {
         let mut st = self.lock();
+        let hits = self.cached_prefix(&st, hashes);
         st.stats.queried_blocks += hashes.len() as u64;
-        let mut out = Vec::new();
-        for h in hashes {
-            let Some(&b) = st.cached.get(h) else { break };
+        st.stats.hit_blocks += hits as u64;
+        let mut out = Vec::with_capacity(hits * self.groups.num_groups());
+        for name in self.prefix_names(hashes, hits) {
+            let Some(b) = name.and_then(|h| st.cached.get(&h).copied()) else {
+                out.push(FREED);
+                continue;
+            };
             if st.meta[b as usize].refcount == 0 {
                 st.unlink(b);
             }
             st.meta[b as usize].refcount += 1;
             out.push(b);
         }
-        st.stats.hit_blocks += out.len() as u64;
-        out
+        (hits, out)
+    }
+
+    /// Logical blocks of the longest prefix of `hashes` a table can start
+    /// with: every global group holds each of them, and every windowed group
+    /// the ones the next position's window reads.
+    fn cached_prefix(&self, st: &State, hashes: &[BlockHash]) -> usize {
+        let g = &self.groups;
+        let cached = |i: usize, group: usize| st.cached.contains_key(&g.hash(group, hashes[i]));
+        let mut n = hashes.len();
+        for group in (0..g.num_groups()).filter(|&x| !g.is_windowed(x)) {
+            n = (0..n).find(|&i| !cached(i, group)).unwrap_or(n);
+        }
+        while n > 0 {
+            let from = g.window_start(n * self.block_size, self.block_size);
+            let windowed_hit = (0..g.num_groups())
+                .filter(|&x| g.is_windowed(x))
+                .all(|group| (from..n).all(|i| cached(i, group)));
+            if windowed_hit {
+                break;
+            }
+            n -= 1;
+        }
+        n
+    }
+
+    /// The cache names of the first `hits` logical blocks' entries,
+    /// logical-major; `None` for a windowed entry before the window.
+    fn prefix_names<'h>(
+        &'h self,
+        hashes: &'h [BlockHash],
+        hits: usize,
+    ) -> impl Iterator<Item = Option<BlockHash>> + 'h {
+        let g = &self.groups;
+        let from = g.window_start(hits * self.block_size, self.block_size);
+        (0..hits).flat_map(move |i| {
+            (0..g.num_groups()).map(move |group| {
+                (!g.is_windowed(group) || i >= from).then(|| g.hash(group, hashes[i]))
+            })
+        })
     }
 
     /// Names a full, computed, referenced block by its hash so later
     /// requests can reuse it. A hash already cached under another block
     /// (two requests computed the same prefix at once) is left as it is.
-    pub(super) fn register(&self, block: BlockId, hash: BlockHash, parent: BlockHash) {
+    /// Only group 0's names are announced to routers
+    /// ([`drain_events`](Self::drain_events), [`snapshot`](Self::snapshot)):
+    /// the others are salted copies no prompt's hashes match.
+    pub(super) fn register(
+        &self,
+        block: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        announce: bool,
+    ) {
         let mut st = self.lock();
         if st.meta[block as usize].hash.is_some() || st.cached.contains_key(&hash) {
             return;
         }
-        st.meta[block as usize].hash = Some(hash);
-        st.meta[block as usize].parent = parent;
+        let meta = &mut st.meta[block as usize];
+        meta.hash = Some(hash);
+        meta.parent = parent;
+        meta.announced = announce;
         st.cached.insert(hash, block);
-        st.events.push(CacheEvent::Stored { parent, hash });
+        if announce {
+            st.events.push(CacheEvent::Stored { parent, hash });
+        }
     }
 
     /// Takes the cache changes recorded since the last call.
@@ -302,7 +387,12 @@ impl BlockAllocator {
         let mut out: Vec<CacheEvent> = Vec::with_capacity(st.cached.len());
         let mut emitted = std::collections::HashSet::new();
         // A chain's parent may itself be cached; emit parents first.
-        let mut pending: Vec<BlockHash> = st.cached.keys().copied().collect();
+        let mut pending: Vec<BlockHash> = st
+            .cached
+            .iter()
+            .filter(|(_, &b)| st.meta[b as usize].announced)
+            .map(|(&h, _)| h)
+            .collect();
         pending.sort_unstable();
         while let Some(h) = pending.pop() {
             if emitted.contains(&h) {

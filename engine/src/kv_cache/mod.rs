@@ -22,6 +22,7 @@
 //! (`q8.rs`); attention reads either through [`LayerView`], a row at a time.
 
 mod allocator;
+mod groups;
 mod q8;
 mod table;
 
@@ -30,6 +31,7 @@ use std::borrow::Cow;
 use q8::{Code, Q8Pool};
 
 pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats};
+pub use groups::{KvFootprint, KvGroups, SlidingLayers, FREED};
 pub use table::{BlockCopy, BlockTable};
 
 /// A physical block index into the pool.
@@ -68,6 +70,9 @@ pub struct KvLayout {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    /// Which layers slide: their blocks are freed once out of the window
+    /// (see [`KvGroups`]).
+    pub sliding: SlidingLayers,
 }
 
 impl KvLayout {
@@ -76,9 +81,20 @@ impl KvLayout {
         self.num_kv_heads * self.block_size * self.head_dim
     }
 
-    /// Bytes of K and V, all layers, for one block.
+    /// Layers one physical block holds: all of them unless some slide and
+    /// some do not (then the gcd of the two counts, [`KvGroups`]).
+    pub fn layers_per_block(&self) -> usize {
+        let windowed = self.sliding.count(self.num_layers);
+        match windowed {
+            0 => self.num_layers.max(1),
+            w if w == self.num_layers => self.num_layers,
+            w => groups::gcd(w, self.num_layers - w),
+        }
+    }
+
+    /// Bytes of K and V, every layer it holds, for one physical block.
     pub fn block_bytes(&self) -> usize {
-        2 * self.num_layers * self.block_elems() * std::mem::size_of::<f32>()
+        2 * self.layers_per_block() * self.block_elems() * std::mem::size_of::<f32>()
     }
 }
 
@@ -110,7 +126,7 @@ impl KvCacheDtype {
             Self::F32 => layout.block_bytes(),
             Self::Int8 | Self::Fp8E4m3 => {
                 let scales = layout.num_kv_heads * std::mem::size_of::<f32>();
-                2 * layout.num_layers * (layout.block_elems() + scales)
+                2 * layout.layers_per_block() * (layout.block_elems() + scales)
             }
         }
     }
@@ -217,10 +233,12 @@ impl LayerView<'_> {
     }
 }
 
-/// The K/V storage for every block of every layer.
+/// The K/V storage for every block of every layer: one pool per slot of a
+/// block ([`KvGroups`]; one per layer when no layer slides).
 #[derive(Debug)]
 pub struct KvCache {
     layout: KvLayout,
+    groups: KvGroups,
     num_blocks: usize,
     dtype: KvCacheDtype,
     storage: Storage,
@@ -234,19 +252,21 @@ impl KvCache {
 
     /// Zeroed storage of `dtype` for `num_blocks` blocks of `layout`.
     pub fn with_dtype(layout: KvLayout, num_blocks: usize, dtype: KvCacheDtype) -> Self {
-        let per_layer = num_blocks * layout.block_elems();
+        let groups = KvGroups::of(&layout);
+        let pools = if layout.num_layers == 0 {
+            0
+        } else {
+            groups.slots()
+        };
+        let per_pool = num_blocks * layout.block_elems();
         let storage = match dtype.code() {
             None => Storage::F32 {
-                k: (0..layout.num_layers)
-                    .map(|_| vec![0.0; per_layer])
-                    .collect(),
-                v: (0..layout.num_layers)
-                    .map(|_| vec![0.0; per_layer])
-                    .collect(),
+                k: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
+                v: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
             },
             Some(code) => {
                 let pool = || {
-                    (0..layout.num_layers)
+                    (0..pools)
                         .map(|_| {
                             Q8Pool::new(
                                 num_blocks,
@@ -266,10 +286,22 @@ impl KvCache {
         };
         Self {
             layout,
+            groups,
             num_blocks,
             dtype,
             storage,
         }
+    }
+
+    /// A block allocator over this cache's blocks and layer groups: the
+    /// tables it hands out have the entries this cache's layers read.
+    pub fn allocator(&self) -> Result<BlockAllocator, KvError> {
+        BlockAllocator::with_groups(self.num_blocks, self.layout.block_size, self.groups.clone())
+    }
+
+    /// How layers share blocks.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
     }
 
     /// What the cache stores.
@@ -301,6 +333,7 @@ impl KvCache {
 
     /// One layer's K and V, for attention.
     pub fn layer(&self, layer: usize) -> LayerView<'_> {
+        let layer = self.groups.slot(layer);
         LayerView(match &self.storage {
             Storage::F32 { k, v } => View::F32 {
                 k: &k[layer],
@@ -315,7 +348,7 @@ impl KvCache {
         })
     }
 
-    /// Copies one block's K and V, every layer (copy-on-write).
+    /// Copies one block's K and V, every slot (copy-on-write).
     pub fn copy_block(&mut self, copy: BlockCopy) {
         let n = self.layout.block_elems();
         let heads = self.layout.num_kv_heads;
@@ -338,6 +371,7 @@ impl KvCache {
     /// in f32, e.g. to send it to another worker: borrowed from an f32
     /// cache, dequantized from an 8-bit one.
     pub fn block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        let layer = self.groups.slot(layer);
         let n = self.layout.block_elems();
         let s = block as usize * n;
         match &self.storage {
@@ -379,6 +413,7 @@ impl KvCache {
         }
         let s = block as usize * n;
         let heads = self.layout.num_kv_heads;
+        let layer = self.groups.slot(layer);
         match &mut self.storage {
             Storage::F32 { k: kp, v: vp } => {
                 kp[layer][s..s + n].copy_from_slice(k);
@@ -395,6 +430,7 @@ impl KvCache {
     /// Writes one token's K and V rows (`[kv_head][head_dim]`) at `slot` of
     /// `block` in `layer`.
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let layer = self.groups.slot(layer);
         let d = self.layout.head_dim;
         let heads = self.layout.num_kv_heads;
         let bs = self.layout.block_size;
@@ -480,7 +516,7 @@ mod tests {
         let pool = BlockAllocator::new(4, 4).expect("pool");
         let h = hashes(2);
         let mut a = BlockTable::new(&pool);
-        assert_eq!(a.append(8).expect("two blocks"), None);
+        assert!(a.append(8).expect("two blocks").is_empty());
         a.register_computed(&h, 8);
         let a_blocks = a.blocks().to_vec();
         drop(a);
@@ -515,12 +551,16 @@ mod tests {
         let mut b = b;
         assert_eq!(pool.refcount(a.blocks()[1]), 2);
         pool.check_accounting(4).expect("books");
-        let copy = b.append(1).expect("append").expect("a copy-on-write");
+        let copy = *b
+            .append(1)
+            .expect("append")
+            .first()
+            .expect("a copy-on-write");
         assert_eq!(copy.src, a.blocks()[1]);
         assert_ne!(b.blocks()[1], a.blocks()[1]);
         assert_eq!(b.blocks()[0], a.blocks()[0], "the full block stays shared");
         // `a` now owns its tail alone and appends in place.
-        assert_eq!(a.append(1).expect("append"), None);
+        assert!(a.append(1).expect("append").is_empty());
         pool.check_accounting(4).expect("books");
         drop(a);
         drop(b);
@@ -564,6 +604,7 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 3,
             block_size: 4,
+            sliding: SlidingLayers::NONE,
         };
         let mut kv = KvCache::new(layout, 5);
         kv.write(

@@ -29,7 +29,7 @@ use crate::kernels::{
     self, add_in_place, gelu_tanh_mul, linear_int4, rms_norm, rms_norm_in_place, scale_in_place,
     silu_mul, softcap_in_place, MatmulPolicy, RopeTable,
 };
-use crate::kv_cache::{BlockId, KvCache, KvLayout};
+use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 
@@ -408,13 +408,21 @@ impl Model {
     }
 
     /// The KV layout this model (this rank's shard of it: its layers, its
-    /// KV heads) needs for a given block size.
+    /// KV heads) needs for a given block size. Its sliding-window layers are
+    /// marked (their blocks are freed out of the window) unless the model is
+    /// split into pipeline stages, whose ranks share one block table but
+    /// not one layer grouping.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        let whole = self.shard.layers.len() == self.shard.total_layers;
         KvLayout {
             num_layers: self.layers.len(),
             num_kv_heads: self.shard.kv_heads(&self.config).len(),
             head_dim: self.config.head_dim,
             block_size,
+            sliding: match whole {
+                true => SlidingLayers::from_windows(self.layers.iter().map(|l| l.attention.window)),
+                false => SlidingLayers::NONE,
+            },
         }
     }
 
@@ -498,7 +506,11 @@ impl Model {
     /// Checks a batch against the vocabulary, the context limit and the cache.
     pub fn validate(&self, batch: &[SeqInput<'_>], kv: &KvCache) -> Result<()> {
         let c = &self.config;
-        let want = self.kv_layout(kv.layout().block_size);
+        let mut want = self.kv_layout(kv.layout().block_size);
+        // A cache may keep every block of the windowed layers.
+        if kv.layout().sliding == SlidingLayers::NONE {
+            want.sliding = SlidingLayers::NONE;
+        }
         if *kv.layout() != want {
             return Err(EngineError::InvalidRequest(format!(
                 "KV cache layout {:?} does not fit the model ({want:?})",
@@ -525,16 +537,33 @@ impl Model {
                     c.max_context()
                 )));
             }
-            let cap = s.blocks.len() * want.block_size;
+            let groups = kv.groups().num_groups();
+            if !s.blocks.len().is_multiple_of(groups) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block table of {} entries for {groups} layer groups",
+                    s.blocks.len()
+                )));
+            }
+            let cap = s.blocks.len() / groups * want.block_size;
             if cap < end {
                 return Err(EngineError::InvalidRequest(format!(
                     "block table holds {cap} tokens, sequence needs {end}"
                 )));
             }
-            if let Some(&b) = s.blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+            let held = s.blocks.iter().filter(|&&b| b != FREED);
+            if let Some(&b) = held.clone().find(|&&b| b as usize >= kv.num_blocks()) {
                 return Err(EngineError::InvalidRequest(format!(
                     "block id {b} is outside the cache ({} blocks)",
                     kv.num_blocks()
+                )));
+            }
+            // The new tokens' blocks are written in every layer.
+            let written =
+                s.start_pos / want.block_size * groups..end.div_ceil(want.block_size) * groups;
+            if s.blocks[written].contains(&FREED) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block table has a freed block where positions {}..{end} are written",
+                    s.start_pos
                 )));
             }
         }
@@ -660,13 +689,14 @@ impl Model {
             rope.apply(&mut s.k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
         }
         let bs = kv.layout().block_size;
+        let (groups, group) = (kv.groups().num_groups(), kv.groups().group(li));
         for seq in &s.seqs {
             for j in 0..seq.len {
                 let pos = seq.start_pos + j;
                 let row = seq.row + j;
                 kv.write(
                     li,
-                    seq.blocks[pos / bs],
+                    seq.blocks[pos / bs * groups + group],
                     pos % bs,
                     &s.k[row * kv_out..(row + 1) * kv_out],
                     &s.v[row * kv_out..(row + 1) * kv_out],

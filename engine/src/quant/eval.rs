@@ -8,7 +8,7 @@
 
 use crate::error::Result;
 use crate::kernels::log_softmax;
-use crate::kv_cache::{BlockId, KvCache};
+use crate::kv_cache::KvCache;
 use crate::model::{Model, SeqInput};
 
 /// Agreement of two models over a set of positions.
@@ -72,13 +72,16 @@ impl Tally {
 /// Logits at every position of `tokens`, from a fresh cache.
 pub fn score(model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
     let block_size = 16;
-    let blocks: Vec<BlockId> = (0..tokens.len().div_ceil(block_size) as BlockId).collect();
-    let mut kv = KvCache::new(model.kv_layout(block_size), blocks.len());
+    let layout = model.kv_layout(block_size);
+    let groups = crate::KvGroups::of(&layout).num_groups();
+    let mut kv = KvCache::new(layout, tokens.len().div_ceil(block_size) * groups);
+    let mut table = crate::BlockTable::new(&kv.allocator()?);
+    table.append(tokens.len())?;
     let logits = model.forward(
         &[SeqInput {
             tokens,
             start_pos: 0,
-            blocks: &blocks,
+            blocks: table.blocks(),
             all_logits: true,
         }],
         &mut kv,

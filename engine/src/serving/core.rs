@@ -5,6 +5,7 @@
 //! ([`super::EngineHandle`]) drives it, and tests drive it directly so they
 //! can check the block books after every step.
 
+mod forward;
 mod speculation;
 
 use std::collections::HashMap;
@@ -13,11 +14,11 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{Sender, UnboundedSender};
 
-use crate::backend::{ComputeBackend, CpuBackend, KvBlocks};
+use crate::backend::{ComputeBackend, CpuBackend};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockAllocator, BlockId, PrefixCacheStats};
-use crate::model::{Model, SeqInput};
+use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, PrefixCacheStats, SlidingLayers};
+use crate::model::Model;
 use crate::sampling::{Sampled, Sampler};
 use crate::speculative::SpecCounts;
 use crate::tokenizer::Tokenizer;
@@ -26,8 +27,8 @@ use super::constrained::{Grammars, MaskJob, MaskWorkers};
 use super::kv_feed::{KvFeed, KvFeedPublisher};
 use super::output::TextOutput;
 use super::request::{
-    ChoiceSummary, ExportedBlock, KvExport, Limits, PrefillMode, RemotePrefill, RequestEvent,
-    RequestFailure, RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
+    ChoiceSummary, Limits, PrefillMode, RemotePrefill, RequestEvent, RequestFailure,
+    RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
 };
 use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
 use speculation::Speculation;
@@ -70,6 +71,11 @@ pub struct EngineConfig {
     /// per-block scales, which fit about twice the blocks of a 16-bit
     /// pool (four times an f32 one) in the same bytes.
     pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
+    /// Keep every block of sliding-window layers (CPU backend): one layer
+    /// group, nothing freed out of the window (vLLM's
+    /// `--disable-hybrid-kv-cache-manager`). Costs memory on Gemma-style
+    /// models; tokens are the same either way.
+    pub keep_windowed_blocks: bool,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +92,7 @@ impl Default for EngineConfig {
             max_queued_requests: Some(1024),
             weight_quantization: None,
             kv_cache_dtype: crate::kv_cache::KvCacheDtype::F32,
+            keep_windowed_blocks: false,
         }
     }
 }
@@ -151,10 +158,6 @@ impl EngineStats {
         1.0 - self.kv_token_steps as f64 / slots
     }
 }
-
-/// A prefill-only sequence's sink and the (logical, physical) blocks it
-/// gets after each layer of this step.
-type ExportPlan = (Arc<dyn KvExport>, Vec<(usize, BlockId)>);
 
 /// One request: its choices' shared bookkeeping.
 #[derive(Debug)]
@@ -239,13 +242,15 @@ impl EngineCore {
         if let Some(q) = config.weight_quantization {
             model.quantize_int4(q)?;
         }
-        let layout = model.kv_layout(config.block_size);
+        let mut layout = model.kv_layout(config.block_size);
+        if config.keep_windowed_blocks {
+            layout.sliding = SlidingLayers::NONE;
+        }
         let num_blocks = match config.kv_pool {
             KvPoolSize::Blocks(n) => n,
             KvPoolSize::Bytes(b) => b / config.kv_cache_dtype.block_bytes(&layout).max(1),
         };
-        let backend =
-            CpuBackend::with_kv_dtype(model, config.block_size, num_blocks, config.kv_cache_dtype);
+        let backend = CpuBackend::with_kv_layout(model, layout, num_blocks, config.kv_cache_dtype);
         Self::with_backend(Box::new(backend), tokenizer, eos, config)
     }
 
@@ -285,7 +290,9 @@ impl EngineCore {
             )));
         }
         let num_blocks = backend.num_blocks();
-        let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
+        let groups = KvGroups::of(&layout);
+        let footprint = groups.footprint();
+        let allocator = BlockAllocator::with_groups(num_blocks, config.block_size, groups)?;
         backend.set_batch_invariant(config.batch_invariant)?;
         let block_bytes = backend.block_bytes();
         let chunk = config
@@ -307,12 +314,25 @@ impl EngineCore {
             block_size: config.block_size,
             num_blocks,
             max_num_seqs: config.max_num_seqs,
+            footprint,
+            max_prefill_chunk: chunk,
         };
-        let per_seq = max_model_len.div_ceil(config.block_size);
-        let max_concurrency = num_blocks / per_seq;
+        let per_seq = footprint.held(max_model_len, config.block_size);
+        let max_concurrency = num_blocks / per_seq.max(1);
+        if footprint.windowed_groups > 0 {
+            tracing::info!(
+                layer_groups = footprint.groups,
+                windowed_groups = footprint.windowed_groups,
+                window = footprint.window,
+                blocks_per_seq = per_seq,
+                blocks_per_seq_without_freeing =
+                    max_model_len.div_ceil(config.block_size) * footprint.groups,
+                "sliding-window layers keep only their window's blocks"
+            );
+        }
         tracing::info!(
             kv_blocks = num_blocks,
-            kv_tokens = num_blocks * config.block_size,
+            kv_tokens = num_blocks * config.block_size / footprint.groups,
             kv_bytes = %crate::capacity::format_bytes((num_blocks * block_bytes) as u64),
             device = backend.device(),
             block_size = config.block_size,
@@ -367,6 +387,11 @@ impl EngineCore {
     /// What requests must fit.
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The backend's KV layout: what workers advertise and transfers check.
+    pub fn kv_layout(&self) -> crate::KvLayout {
+        self.backend.kv_layout()
     }
 
     /// The served model's configuration.
@@ -540,9 +565,16 @@ impl EngineCore {
                 "no remote prefill {transfer} is waiting for blocks"
             ));
         };
-        if !blocks.contains(&block) {
+        // A block holds one layer group's layers: layer `layer` may land
+        // only in its own group's entries.
+        let groups = self.scheduler.allocator().groups();
+        let mut own = blocks
+            .iter()
+            .skip(groups.group(layer))
+            .step_by(groups.num_groups());
+        if !own.any(|&b| b == block) {
             return Err(format!(
-                "block {block} is not a destination of remote prefill {transfer}"
+                "block {block} is not a destination of layer {layer} in remote prefill {transfer}"
             ));
         }
         self.backend
@@ -741,142 +773,6 @@ impl EngineCore {
     /// this thread from a sleep when it ends). Measured on the ~100M model,
     /// 2 threads: batch-1 decode 1.1x (bf16) to 1.4x (INT4) faster. Large
     /// steps (the GEMM path) stay here: they ran 7–15% slower on the pool.
-    fn forward_placed(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
-        let rows: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
-        if self.backend.uses_cpu_pool()
-            && rows <= crate::kernels::GEMV_MAX_ROWS
-            && rayon::current_thread_index().is_none()
-        {
-            return rayon::scope(|_| self.forward(plan));
-        }
-        self.forward(plan)
-    }
-
-    fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
-        let bs = self.scheduler.block_size();
-        let mut inputs = Vec::with_capacity(plan.scheduled.len());
-        // Prefill-only sequences: which blocks each exports after every layer.
-        let mut exports: Vec<ExportPlan> = Vec::new();
-        // One span per prompt chunk in this forward pass, ended after it.
-        let mut chunks: Vec<tracing::Span> = Vec::new();
-        // Speculating sequences run their pending token and their drafts,
-        // with logits for every row.
-        let speculating: HashMap<SeqId, Vec<u32>> = plan
-            .scheduled
-            .iter()
-            .filter_map(|s| {
-                let seq = self.scheduler.seq(s.seq)?;
-                if seq.draft.is_empty() {
-                    return None;
-                }
-                let mut tokens = seq.tokens[seq.num_computed..].to_vec();
-                tokens.extend(&seq.draft.tokens);
-                Some((s.seq, tokens))
-            })
-            .collect();
-        for s in &plan.scheduled {
-            let seq = self
-                .scheduler
-                .seq(s.seq)
-                .ok_or_else(|| EngineError::InvalidRequest("scheduled sequence vanished".into()))?;
-            if seq.num_computed < seq.prompt_len {
-                if let Some(g) = self.groups.get(&seq.group) {
-                    let (phase, start) = (&g.phase, seq.num_computed);
-                    chunks.push(child_span(phase, || {
-                        tracing::info_span!(
-                            parent: phase,
-                            "prefill_chunk",
-                            tokens = s.num_tokens,
-                            start,
-                            batch_tokens = plan.scheduled.iter().map(|x| x.num_tokens).sum::<usize>()
-                        )
-                    }));
-                }
-            }
-            let table = seq.table.as_ref().ok_or_else(|| {
-                EngineError::InvalidRequest("scheduled sequence has no blocks".into())
-            })?;
-            let (tokens, all_logits) = match speculating.get(&s.seq) {
-                Some(t) => (t.as_slice(), true),
-                None => (
-                    seq.tokens
-                        .get(seq.num_computed..seq.num_computed + s.num_tokens)
-                        .unwrap_or_default(),
-                    false,
-                ),
-            };
-            // The scheduler cuts drafts to the tokens it planned; anything
-            // else is a bug, refused rather than run on the wrong tokens.
-            if tokens.len() != s.num_tokens {
-                return Err(EngineError::InvalidRequest(format!(
-                    "planned {} tokens for a sequence with {} to run",
-                    s.num_tokens,
-                    tokens.len()
-                )));
-            }
-            inputs.push(SeqInput {
-                tokens,
-                start_pos: seq.num_computed,
-                blocks: table.blocks(),
-                all_logits,
-            });
-            if let Some(ex) = &seq.export {
-                // The first step also sends blocks that were cached here.
-                let lo = (ex.from_block * bs).max(if ex.started { seq.num_computed } else { 0 });
-                let hi = seq.num_computed + s.num_tokens;
-                let blocks = (lo / bs..hi.div_ceil(bs))
-                    .filter_map(|l| table.blocks().get(l).map(|&b| (l, b)))
-                    .collect();
-                exports.push((ex.sink.clone(), blocks));
-            }
-        }
-        // A block the backend cannot read fails the step (below), so an
-        // export never completes with a hole in it: the prefill call fails
-        // and the decode side prefills locally.
-        let mut read_error: Option<EngineError> = None;
-        let mut after_layer = |layer: usize, kv: &dyn KvBlocks| {
-            for (sink, blocks) in &exports {
-                let mut read = Vec::with_capacity(blocks.len());
-                for &(logical, b) in blocks {
-                    match kv.read_block(layer, b) {
-                        Ok((k, v)) => read.push((logical, k, v)),
-                        Err(e) => {
-                            tracing::error!(error = %e, layer, block = b, "KV export read failed");
-                            read_error.get_or_insert(e);
-                        }
-                    }
-                }
-                let data: Vec<ExportedBlock<'_>> = read
-                    .iter()
-                    .map(|(logical, k, v)| ExportedBlock {
-                        logical: *logical,
-                        k,
-                        v,
-                    })
-                    .collect();
-                if !data.is_empty() {
-                    sink.layer_ready(layer, &data);
-                }
-            }
-        };
-        let mut out = self.backend.forward(&inputs, &mut after_layer);
-        if let Some(e) = read_error {
-            out = Err(e);
-        }
-        drop(inputs);
-        drop(chunks);
-        for s in &plan.scheduled {
-            if let Some(ex) = self
-                .scheduler
-                .seq_mut(s.seq)
-                .and_then(|q| q.export.as_mut())
-            {
-                ex.started = true;
-            }
-        }
-        out
-    }
-
     fn sample_and_emit(&mut self, plan: &StepPlan, logits: &crate::model::Logits) {
         let bs = self.scheduler.block_size();
         for (i, s) in plan.scheduled.iter().enumerate() {

@@ -124,6 +124,10 @@ pub struct Limits {
     pub block_size: usize,
     pub num_blocks: usize,
     pub max_num_seqs: usize,
+    /// How many of those blocks a sequence takes (layer groups, windows).
+    pub footprint: crate::kv_cache::KvFootprint,
+    /// Longest prompt chunk one step runs.
+    pub max_prefill_chunk: usize,
 }
 
 /// A request that passed validation, tokenized.
@@ -245,7 +249,12 @@ pub(crate) fn validate(
         None => room,
     };
     // One sequence must fit the whole pool, or it could never finish.
-    let need = (len + max_tokens).div_ceil(limits.block_size);
+    let need = limits.footprint.peak(
+        len,
+        len + max_tokens,
+        limits.max_prefill_chunk,
+        limits.block_size,
+    );
     if need > limits.num_blocks {
         return Err(invalid(format!(
             "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
@@ -341,7 +350,8 @@ pub struct RemotePrefill {
     pub tokens: Vec<u32>,
     /// Leading tokens already cached here (a whole number of blocks).
     pub cached_tokens: usize,
-    /// Destination block ids for logical blocks `cached_tokens / block_size ..`.
+    /// Destination block ids for logical blocks `cached_tokens / block_size ..`,
+    /// one per layer group per logical block (see [`crate::BlockTable`]).
     pub blocks: Vec<u32>,
 }
 

@@ -271,15 +271,29 @@ impl Scheduler {
     /// `num_computed .. prompt - 1` (the last token runs here). A transfer
     /// that ends with any missing must not be taken as the prompt's K/V
     /// (nor enter the prefix cache).
+    ///
+    /// A windowed layer is owed only the blocks the last token's window
+    /// reads: the sender may have freed the others.
     pub fn missing_remote_writes(&self, id: SeqId, num_layers: usize) -> usize {
         let (Some(seq), Some(blocks)) = (self.seqs.get(&id), self.parked_blocks(id)) else {
             return 0;
         };
         let bs = self.block_size();
-        let owed_tokens = seq.tokens.len().saturating_sub(1 + seq.num_computed);
-        let owed_blocks = blocks.len().min(owed_tokens.div_ceil(bs));
+        let groups = self.allocator.groups();
+        let g = groups.num_groups();
+        let from_block = seq.num_computed / bs;
+        let remote_end = seq.tokens.len().saturating_sub(1);
+        let owed_blocks =
+            (blocks.len() / g).min(remote_end.div_ceil(bs).saturating_sub(from_block));
+        let window_start = groups.window_start(remote_end, bs);
         (0..num_layers)
-            .flat_map(|layer| blocks[..owed_blocks].iter().map(move |&b| (layer, b)))
+            .flat_map(|layer| {
+                let (group, windowed) =
+                    (groups.group(layer), groups.is_windowed(groups.group(layer)));
+                (0..owed_blocks)
+                    .filter(move |&j| !windowed || from_block + j >= window_start)
+                    .map(move |j| (layer, blocks[j * g + group]))
+            })
             .filter(|pair| !seq.remote_written.contains(pair))
             .count()
     }
@@ -291,7 +305,8 @@ impl Scheduler {
         }
         let seq = self.seqs.get(&id)?;
         let table = seq.table.as_ref()?;
-        Some(&table.blocks()[seq.num_computed / self.block_size()..])
+        let groups = self.allocator.groups().num_groups();
+        Some(&table.blocks()[seq.num_computed / self.block_size() * groups..])
     }
 
     pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
@@ -426,15 +441,19 @@ impl Scheduler {
         plan
     }
 
-    fn grow(&mut self, id: SeqId, n: usize) -> Result<Option<BlockCopy>, KvError> {
+    /// Frees what left the window of windowed layers, then makes room for
+    /// `n` more tokens.
+    fn grow(&mut self, id: SeqId, n: usize) -> Result<Vec<BlockCopy>, KvError> {
         let allocator = self.allocator.clone();
         let seq = self.seqs.get_mut(&id).ok_or(KvError::EmptyPool)?;
         let table = seq.table.get_or_insert_with(|| BlockTable::new(&allocator));
+        table.release_outside_window(seq.num_computed);
         table.append(n)
     }
 
     fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
         let bs = self.block_size();
+        let groups = self.allocator.groups().num_groups();
         while budget > 0 && self.running.len() + self.parked.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
                 break;
@@ -460,7 +479,7 @@ impl Scheduler {
                     .remote_min_uncached
                     .is_some_and(|m| remote_end > cached && remote_end - cached >= m)
             {
-                let need = remote_end.div_ceil(bs) - hits;
+                let need = (remote_end.div_ceil(bs) - hits) * groups;
                 if need + hits_free > self.allocator.num_free() {
                     break;
                 }
@@ -469,7 +488,7 @@ impl Scheduler {
                 if table.append(remote_end - cached).is_err() {
                     break; // unreachable after the check above; wait
                 }
-                let blocks = table.blocks()[hits..].to_vec();
+                let blocks = table.blocks()[hits * groups..].to_vec();
                 let Some(seq) = self.seqs.get_mut(&id) else {
                     break;
                 };
@@ -484,7 +503,7 @@ impl Scheduler {
             let n = (seq.tokens.len() - cached)
                 .min(budget)
                 .min(self.cfg.max_prefill_chunk);
-            let need = (cached + n).div_ceil(bs) - hits;
+            let need = ((cached + n).div_ceil(bs) - hits) * groups;
             if need + hits_free > self.allocator.num_free() {
                 break; // first come, first served: wait for blocks
             }
@@ -558,16 +577,18 @@ impl Scheduler {
         }
     }
 
-    /// Tokens held and slots allocated over all live tables, and how many
-    /// sequences hold a table.
+    /// Tokens held and slots allocated over all live tables (in tokens of
+    /// every layer: a windowed layer's freed blocks do not count), and how
+    /// many sequences hold a table.
     pub fn kv_usage(&self) -> (usize, usize, usize) {
         let bs = self.block_size();
+        let groups = self.allocator.groups().num_groups();
         let mut tokens = 0;
         let mut slots = 0;
         let mut seqs = 0;
         for t in self.seqs.values().filter_map(|s| s.table.as_ref()) {
             tokens += t.num_tokens();
-            slots += t.blocks().len() * bs;
+            slots += t.num_held() * bs / groups;
             seqs += 1;
         }
         (tokens, slots, seqs)
@@ -580,7 +601,7 @@ impl Scheduler {
         for (id, s) in &self.seqs {
             match &s.table {
                 Some(t) => {
-                    refs += t.blocks().len();
+                    refs += t.num_held();
                     let parked = self.parked.contains(id);
                     if !parked && t.num_tokens() != s.num_computed {
                         return Err(format!(

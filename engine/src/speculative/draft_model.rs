@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use crate::backend::ComputeBackend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BlockAllocator, BlockTable};
+use crate::kv_cache::{BlockAllocator, BlockTable, KvGroups};
 use crate::model::SeqInput;
 use crate::sampling::argmax;
 
@@ -66,7 +66,11 @@ impl DraftModelDrafter {
         }
         let cost = decode_params(draft) / decode_params(target).max(1.0);
         let layout = backend.kv_layout();
-        let allocator = BlockAllocator::new(backend.num_blocks(), layout.block_size)?;
+        let allocator = BlockAllocator::with_groups(
+            backend.num_blocks(),
+            layout.block_size,
+            KvGroups::of(&layout),
+        )?;
         Ok(Self {
             backend,
             allocator,

@@ -38,6 +38,8 @@ pub fn layout() -> KvLayoutDescriptor {
         head_dim: 8,
         block_size: 16,
         dtype: KvDtype::F32,
+        sliding_window: 0,
+        windowed_layers: 0,
     }
 }
 
@@ -246,13 +248,13 @@ pub const MAGIC: &[u8; 8] = b"TDMKVXF1";
 /// Length of the listener's challenge (magic, version, nonce).
 pub const CHALLENGE_LEN: usize = 42;
 /// Length of the listener's handshake reply (with its proof).
-pub const REPLY_LEN: usize = 68;
+pub const REPLY_LEN: usize = 88;
 
-/// The TCP hello (version 2) as the protocol defines it, for raw-socket
+/// The TCP hello (version 3) as the protocol defines it, for raw-socket
 /// tests: magic, version, 0, layout, the sender's nonce.
 pub fn raw_hello(layout: &KvLayoutDescriptor, nonce: &[u8; 32]) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
-    out.extend_from_slice(&2u16.to_le_bytes());
+    out.extend_from_slice(&3u16.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
     out.extend_from_slice(&layout.encode());
     out.extend_from_slice(nonce);
@@ -325,7 +327,7 @@ pub async fn raw_handshake(
         .expect("timely")
         .expect("challenge");
     assert_eq!(&challenge[..8], MAGIC);
-    assert_eq!(u16::from_le_bytes([challenge[8], challenge[9]]), 2);
+    assert_eq!(u16::from_le_bytes([challenge[8], challenge[9]]), 3);
     let mut receiver_nonce = [0u8; 32];
     receiver_nonce.copy_from_slice(&challenge[10..]);
     let proof = raw_proof(token, &sender_nonce, &receiver_nonce, layout);
