@@ -442,3 +442,29 @@ fn plan_rejects_budgets_and_lengths_that_cannot_work() {
     );
     assert_clean_error(&out, "unknown KV dtype");
 }
+
+/// `tandem plan` on a Gemma 3 checkpoint (a windowed and a global layer,
+/// window 8): blocks of one layer, and a sequence holding the global
+/// layer's blocks plus the windowed layer's window.
+#[test]
+fn plan_counts_what_sliding_window_layers_free() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden/gemma3_gqa_f32");
+    let m = model.to_str().expect("utf-8 path");
+    let p = json_of(&tandem(
+        &["plan", "--model", m, "--memory", "64MiB", "--json"],
+        tmp.path(),
+    ));
+    // 256 positions: 16 blocks; position 256 reads from 249 on (block 15).
+    assert_eq!(p["layers_per_block"], 1);
+    assert_eq!(p["sliding_window"], 8);
+    assert_eq!(p["windowed_layers"], 1);
+    assert_eq!(p["global_blocks_per_seq"], 2 * 16);
+    assert_eq!(p["blocks_per_seq"], 16 + 1);
+    let pool = p["pool_blocks"].as_u64().expect("pool_blocks");
+    assert_eq!(p["max_concurrent_seqs"], pool / 17);
+    let table = tandem(&["plan", "--model", m, "--memory", "64MiB"], tmp.path());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("17 (32 without freeing"), "{text}");
+}

@@ -4,8 +4,9 @@
 //!
 //! Host code, tested without a GPU. The kernels run the Llama skeleton
 //! (pre-norm RMSNorm, SiLU, q/k/v and gate/up fused, any attention scale,
-//! per-layer sliding windows); a description that needs more is refused
-//! here, by the name of each missing feature, before anything is uploaded.
+//! per-layer sliding windows) and per-head q/k RMSNorm (Qwen3); a
+//! description that needs more is refused here, by the name of each missing
+//! feature, before anything is uploaded.
 
 use tandem_engine::arch::{
     Activation, LayerTensor, NormPlacement, Projections, QkNorm, TensorNames,
@@ -29,7 +30,7 @@ pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     }
     match s.qk_norm {
         QkNorm::None => {}
-        QkNorm::PerHead => missing.push("per-head q/k RMSNorm"),
+        QkNorm::PerHead => {}
         QkNorm::Full => missing.push("whole-projection q/k RMSNorm"),
     }
     if s.residual_scale.is_some() {
@@ -115,6 +116,9 @@ pub struct LayerPlan {
     /// RMSNorm weights (`hidden_size` long) before attention and the MLP.
     pub attn_norm: String,
     pub mlp_norm: String,
+    /// Per-head q and k RMSNorm weights (`head_dim` long), if the family
+    /// has them.
+    pub qk_norm: Option<(String, String)>,
     pub qkv: Fused,
     pub o: Fused,
     pub gate_up: Fused,
@@ -132,6 +136,13 @@ pub fn layer_plan(c: &ModelConfig, names: &TensorNames, i: usize) -> Result<Laye
     Ok(LayerPlan {
         attn_norm: names.layer_weight(i, T::AttnNorm)?,
         mlp_norm: names.layer_weight(i, T::MlpNorm)?,
+        qk_norm: match c.arch.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead | QkNorm::Full => Some((
+                names.layer_weight(i, T::QNorm)?,
+                names.layer_weight(i, T::KNorm)?,
+            )),
+        },
         // Already fused in the checkpoint (Phi-3): the same rows in the
         // same order (q, k, v; gate, up) as the fused device matrix.
         qkv: match c.arch.qkv {
@@ -218,12 +229,24 @@ mod tests {
     }
 
     #[test]
-    fn qwen3_is_refused_for_its_qk_norm() {
-        let err = check_supported(&config("Qwen3ForCausalLM", json!({}))).expect_err("refused");
-        let msg = err.to_string();
-        assert!(msg.contains("Qwen3ForCausalLM"), "{msg}");
-        assert!(msg.contains("q/k RMSNorm"), "{msg}");
-        assert!(!msg.contains("soft-capping"), "{msg}");
+    fn qwen3_runs_with_its_per_head_qk_norms() {
+        let c = config("Qwen3ForCausalLM", json!({}));
+        check_supported(&c).expect("Qwen3 runs on CUDA");
+        let names = c
+            .arch
+            .names(|n| n == "model.embed_tokens.weight")
+            .expect("names");
+        let p = layer_plan(&c, &names, 1).expect("plan");
+        assert_eq!(
+            p.qk_norm,
+            Some((
+                "model.layers.1.self_attn.q_norm.weight".to_string(),
+                "model.layers.1.self_attn.k_norm.weight".to_string()
+            ))
+        );
+        let llama = config("LlamaForCausalLM", json!({}));
+        let names = llama.arch.names(|_| true).expect("names");
+        assert_eq!(layer_plan(&llama, &names, 0).expect("plan").qk_norm, None);
     }
 
     #[test]
@@ -240,7 +263,11 @@ mod tests {
         }
         assert!(!g2.iter().any(|m| m.contains("q/k")), "{g2:?}");
         let g3 = missing_features(&config("Gemma3ForCausalLM", json!({})));
-        assert!(g3.iter().any(|m| m.contains("q/k RMSNorm")), "{g3:?}");
+        assert!(g3.iter().any(|m| m.contains("sandwich norms")), "{g3:?}");
+        assert!(
+            !g3.iter().any(|m| m.contains("q/k")),
+            "its q/k norms run: {g3:?}"
+        );
         assert!(g3.iter().any(|m| m.contains("RoPE base")), "{g3:?}");
         assert!(!g3.iter().any(|m| m.contains("soft-capping")), "{g3:?}");
     }

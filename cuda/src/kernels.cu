@@ -163,6 +163,27 @@ __device__ void rope_kv_write(float* qkv, const float* inv_freq, const int* posi
         store_f32(vpool, ((block * kv_heads + h) * block_size + s) * head_dim + d, v[i]);
     }
 }
+// Per-head q/k RMSNorm (Qwen3, Gemma 3) on the fused qkv buffer, before
+// RoPE: each of the row's q heads is normalised over its head_dim and scaled
+// by qw, each k head by kw. One block per row, one warp per head; padding
+// rows (position -1) are skipped.
+extern "C" __global__ void qk_head_norm(float* qkv, const float* qw, const float* kw, const int* positions,
+                                        int stride, int num_heads, int kv_heads, int head_dim, float eps) {
+    int r = blockIdx.x;
+    if (positions[r] < 0) return;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    float* row = qkv + (long)r * stride;
+    for (int h = warp; h < num_heads + kv_heads; h += warps) {
+        float* hp = row + h * head_dim;
+        const float* w = h < num_heads ? qw : kw;
+        float ss = 0.0f;
+        for (int i = lane; i < head_dim; i += 32) ss += hp[i] * hp[i];
+        ss = warp_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        for (int i = lane; i < head_dim; i += 32) hp[i] = w[i] * (hp[i] * inv);
+    }
+}
+
 #define ROPE_ARGS(T) float *qkv, const float *f, const int *p, const int *sl, T *k, T *v, int st, int nh, int kh, int d, int bs
 extern "C" __global__ void rope_kv_write_f32(ROPE_ARGS(float)) { rope_kv_write(qkv, f, p, sl, k, v, st, nh, kh, d, bs); }
 extern "C" __global__ void rope_kv_write_bf16(ROPE_ARGS(bf16_t)) { rope_kv_write(qkv, f, p, sl, k, v, st, nh, kh, d, bs); }

@@ -70,6 +70,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "silu_mul_bf16",
     "rope_kv_write_f32",
     "rope_kv_write_bf16",
+    "qk_head_norm",
     "gemv_bf16",
     "attention_f32_16",
     "attention_f32_16_decode",

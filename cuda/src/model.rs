@@ -114,6 +114,8 @@ struct DevMatrix {
 #[derive(Debug)]
 struct DevLayer {
     input_norm: DevBuf,
+    /// Per-head q and k RMSNorm weights (`head_dim` each), if any.
+    qk_norm: Option<(DevBuf, DevBuf)>,
     qkv: DevMatrix,
     qkv_bias: Option<DevBuf>,
     o: DevMatrix,
@@ -289,11 +291,12 @@ impl CudaModel {
             }
         };
         let names = c.arch.names(|n| ws.contains(n))?;
-        let norm = |name: &str| -> Result<DevBuf> {
-            let mut w = ws.vector(name, h)?;
+        let norm_of = |name: &str, len: usize| -> Result<DevBuf> {
+            let mut w = ws.vector(name, len)?;
             w.iter_mut().for_each(|v| *v += c.arch.norm_offset);
             upload_f32(&w)
         };
+        let norm = |name: &str| norm_of(name, h);
         let fused = |f: &Fused| -> Result<(DevMatrix, Option<DevBuf>)> {
             let weights = f.weights();
             let parts: Vec<(&str, usize)> = weights.iter().map(|(n, r)| (n.as_str(), *r)).collect();
@@ -310,8 +313,13 @@ impl CudaModel {
             let (o, o_bias) = fused(&plan.o)?;
             let (gate_up, gate_up_bias) = fused(&plan.gate_up)?;
             let (down, down_bias) = fused(&plan.down)?;
+            let qk_norm = match &plan.qk_norm {
+                Some((q, k)) => Some((norm_of(q, c.head_dim)?, norm_of(k, c.head_dim)?)),
+                None => None,
+            };
             layers.push(DevLayer {
                 input_norm: norm(&plan.attn_norm)?,
+                qk_norm,
                 qkv,
                 qkv_bias,
                 o,
@@ -379,6 +387,10 @@ impl CudaModel {
         for _ in 0..c.num_layers {
             layers.push(DevLayer {
                 input_norm: ones(h)?,
+                qk_norm: match c.arch.qk_norm {
+                    tandem_engine::arch::QkNorm::None => None,
+                    _ => Some((ones(d)?, ones(d)?)),
+                },
                 qkv: rand(q_out + 2 * kv_out, h)?,
                 qkv_bias: None,
                 o: rand(h, q_out)?,
@@ -711,6 +723,25 @@ impl CudaModel {
         for (li, layer) in self.weights.layers.iter().enumerate() {
             self.norm_matmul(&layer.input_norm, &layer.qkv, s.qkv.ptr, rows)?;
             bias(s.qkv.ptr, &layer.qkv_bias, qkv_w, qkv_w)?;
+            if let Some((qn, kn)) = &layer.qk_norm {
+                g.launch(
+                    "qk_head_norm",
+                    (n_u32(rows), 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(s.qkv.ptr),
+                        Arg::Ptr(qn.ptr),
+                        Arg::Ptr(kn.ptr),
+                        Arg::Ptr(s.positions.ptr),
+                        Arg::I32(qkv_w as i32),
+                        Arg::I32(nh as i32),
+                        Arg::I32(nkv as i32),
+                        Arg::I32(d as i32),
+                        Arg::F32(c.rms_norm_eps),
+                    ],
+                )?;
+            }
             let (kpool, vpool) = &self.kv[li];
             g.launch(
                 rope_kv,

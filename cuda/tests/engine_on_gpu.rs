@@ -145,6 +145,32 @@ fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     assert!(bf16.iter().all(|t| t.len() == 16));
 }
 
+/// Qwen3 (per-head q/k RMSNorm) from transformers' random checkpoints: the
+/// GPU's f32 tokens are the CPU engine's (which match transformers').
+#[test]
+fn qwen3_on_the_gpu_gives_the_cpu_tokens() {
+    if !have_gpu() {
+        return;
+    }
+    for case in ["qwen3_gqa_f32", "qwen3_mqa_tied_f32"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/golden")
+            .join(case);
+        let ck = Checkpoint::open(&dir).expect("fixture");
+        let vocab = ck.model.config().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = prompts()
+            .into_iter()
+            .map(|p| p.into_iter().map(|t| 3 + t % (vocab - 3)).collect())
+            .collect();
+        let want = serve(&mut cpu_core(&ck), &prompts);
+        assert_eq!(
+            serve(&mut gpu_core(&ck, DeviceDType::F32), &prompts),
+            want,
+            "{case}"
+        );
+    }
+}
+
 /// One exported block: (layer, logical block, k, v).
 type Block = (usize, usize, Vec<f32>, Vec<f32>);
 
