@@ -96,14 +96,14 @@ fn server() -> &'static Server {
 
 const MAGIC: &[u8; 8] = b"TDMKVXF1";
 
-/// The honest sender's side of the version-2 handshake
+/// The honest sender's side of the version-3 handshake
 /// (`kv-transfer/src/protocol.rs`); false if the listener refused it.
 fn handshake(conn: &mut TcpStream) -> std::io::Result<bool> {
     let nonce = [7u8; 32];
     let layout = layout().encode();
     let mut hello = Vec::new();
     hello.extend_from_slice(MAGIC);
-    hello.extend_from_slice(&2u16.to_le_bytes());
+    hello.extend_from_slice(&3u16.to_le_bytes());
     hello.extend_from_slice(&0u16.to_le_bytes());
     hello.extend_from_slice(&layout);
     hello.extend_from_slice(&nonce);
@@ -118,7 +118,7 @@ fn handshake(conn: &mut TcpStream) -> std::io::Result<bool> {
     signed.extend_from_slice(&layout);
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, TOKEN);
     conn.write_all(ring::hmac::sign(&key, &signed).as_ref())?;
-    let mut reply = [0u8; 8 + 2 + 1 + 1 + 20 + 4 + 32];
+    let mut reply = [0u8; 8 + 2 + 1 + 1 + KvLayoutDescriptor::ENCODED_LEN + 4 + 32];
     conn.read_exact(&mut reply)?;
     Ok(reply[10] == 0)
 }
