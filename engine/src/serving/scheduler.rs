@@ -170,7 +170,8 @@ pub(crate) struct StepPlan {
     /// Sequences preempted this step.
     pub preempted: Vec<SeqId>,
     /// Sequences parked for remote prefill this step: their destination
-    /// blocks (logical blocks from `cached / block_size` on).
+    /// blocks (logical blocks from `cached / block_size` on, one entry per
+    /// layer group each).
     pub parked: Vec<(SeqId, Vec<BlockId>)>,
 }
 
