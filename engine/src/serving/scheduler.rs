@@ -289,8 +289,8 @@ impl Scheduler {
         let window_start = groups.window_start(remote_end, bs);
         (0..num_layers)
             .flat_map(|layer| {
-                let (group, windowed) =
-                    (groups.group(layer), groups.is_windowed(groups.group(layer)));
+                let group = groups.group(layer);
+                let windowed = groups.is_windowed(group);
                 (0..owed_blocks)
                     .filter(move |&j| !windowed || from_block + j >= window_start)
                     .map(move |j| (layer, blocks[j * g + group]))

@@ -103,7 +103,7 @@ impl EngineCore {
 
     fn forward(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
         let bs = self.scheduler.block_size();
-        let layer_groups = self.scheduler.allocator().groups().clone();
+        let layer_groups = self.scheduler.allocator().groups();
         let mut inputs = Vec::with_capacity(plan.scheduled.len());
         // Prefill-only sequences: which blocks each exports after every layer.
         let mut exports: Vec<LayerExport<'_>> = Vec::new();
@@ -176,7 +176,7 @@ impl EngineCore {
                     seq,
                     s.num_tokens,
                     table,
-                    &layer_groups,
+                    layer_groups,
                     bs,
                 ));
             }
@@ -187,7 +187,7 @@ impl EngineCore {
         let mut read_error: Option<EngineError> = None;
         let mut after_layer = |layer: usize, kv: &dyn KvBlocks| {
             for export in &exports {
-                if let Err(e) = export.send_layer(layer, &layer_groups, kv) {
+                if let Err(e) = export.send_layer(layer, layer_groups, kv) {
                     read_error.get_or_insert(e);
                 }
             }
