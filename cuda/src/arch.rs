@@ -57,6 +57,9 @@ pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     if s.local_rope.is_some() {
         missing.push("a separate RoPE base for sliding-window layers");
     }
+    if s.moe.is_some() {
+        missing.push("mixture-of-experts layers");
+    }
     missing
 }
 

@@ -26,6 +26,9 @@ pub enum Architecture {
     Phi3,
     Olmo2,
     Granite,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -42,6 +45,9 @@ impl Architecture {
             Self::Phi3 => "Phi3ForCausalLM",
             Self::Olmo2 => "Olmo2ForCausalLM",
             Self::Granite => "GraniteForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 }

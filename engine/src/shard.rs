@@ -90,6 +90,16 @@ impl ShardSpec {
         if !c.intermediate_size.is_multiple_of(tp) {
             return fail(format!("intermediate size {}", c.intermediate_size));
         }
+        if let Some(moe) = &c.arch.moe {
+            for (what, n) in [
+                ("moe_intermediate_size", Some(moe.expert_intermediate)),
+                ("shared_expert_intermediate_size", moe.shared_intermediate),
+            ] {
+                if let Some(n) = n.filter(|n| !n.is_multiple_of(tp)) {
+                    return fail(format!("{what} {n}"));
+                }
+            }
+        }
         let kv = c.num_kv_heads;
         if kv >= tp && !kv.is_multiple_of(tp) || kv < tp && !tp.is_multiple_of(kv) {
             return fail(format!(
@@ -142,7 +152,13 @@ impl ShardSpec {
 
     /// This rank's slice of the MLP's intermediate features.
     pub fn intermediate(&self, c: &ModelConfig) -> Range<usize> {
-        let n = c.intermediate_size / self.tp_size;
+        self.features(c.intermediate_size)
+    }
+
+    /// This rank's slice of `n` features split evenly over the ranks (an
+    /// expert's intermediate features).
+    pub fn features(&self, n: usize) -> Range<usize> {
+        let n = n / self.tp_size;
         self.tp_rank * n..(self.tp_rank + 1) * n
     }
 }

@@ -41,14 +41,20 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SiglipVisionConfig,
 )
 
@@ -116,6 +122,15 @@ def legacy_gemma3(cfg):
     cfg.pop("_sliding_window_pattern", None)
     cfg["sliding_window_pattern"] = 2
     cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def legacy_qwen3_moe(cfg):
+    """A published Qwen3-MoE config.json: Qwen3's legacy spelling, and the
+    experts counted under `num_experts` (transformers 5 writes
+    `num_local_experts`)."""
+    cfg = legacy_qwen3(cfg)
+    cfg["num_experts"] = cfg.pop("num_local_experts")
     return cfg
 
 
@@ -308,7 +323,66 @@ def cases():
                 ),
             ),
         ),
+        # Mixtral: 4 experts, top-2 renormalised, a window shorter than
+        # prompt + generation.
+        "mixtral_top2": (
+            MixtralConfig,
+            MixtralForCausalLM,
+            dict(BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+        ),
+        # Qwen2-MoE: 8 experts, top-2 unnormalised, a gated shared expert,
+        # q/k/v biases.
+        "qwen2moe_shared": (
+            Qwen2MoeConfig,
+            Qwen2MoeForCausalLM,
+            dict(
+                BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, norm_topk_prob=False,
+            ),
+        ),
+        # Qwen3-MoE: top-2 of 8 renormalised, head_dim 32, and a dense
+        # layer between sparse ones (mlp_only_layers).
+        "qwen3moe_norm": (
+            Qwen3MoeConfig,
+            Qwen3MoeForCausalLM,
+            dict(
+                BASE, num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+            ),
+        ),
+        # Qwen3-MoE with every second layer sparse (decoder_sparse_step),
+        # top-3 of 6 unnormalised, MQA, a tied head, the published spelling.
+        "qwen3moe_step2": (
+            Qwen3MoeConfig,
+            Qwen3MoeForCausalLM,
+            dict(
+                BASE, num_hidden_layers=4, head_dim=16, num_key_value_heads=1, tie_word_embeddings=True,
+                num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False,
+                decoder_sparse_step=2,
+            ),
+            legacy_qwen3_moe,
+        ),
     }
+
+
+def router_gaps(model):
+    """Hooks every MoE router: the smallest gap, over the tokens routed,
+    between the k-th and (k+1)-th expert's probability (how close a routing
+    decision came to flipping; the golden check is only meaningful when it
+    is well above float error)."""
+    gaps = []
+
+    def hook(module, args, output):
+        probs = torch.softmax(output[0].float(), dim=-1)
+        top = torch.sort(probs, dim=-1, descending=True).values
+        k = module.top_k
+        if k < probs.shape[-1]:
+            gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_hook(hook)
+    return gaps
 
 
 def build(config_cls, model_cls, kwargs, seed):
@@ -392,6 +466,7 @@ def main():
             # Reload with float32 compute: for bf16 this widens the stored
             # weights exactly, so the reference is the checkpoint's function.
             ref = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+            gaps = router_gaps(ref)
             steps = greedy(ref, prompt, incremental=name in INCREMENTAL)
             record = {
                 "case": case,
@@ -400,6 +475,7 @@ def main():
                 "prompt_ids": prompt,
                 "steps": steps,
                 "min_gap": min(s["gap"] for s in steps),
+                **({"min_router_gap": min(gaps)} if gaps else {}),
                 "reference": "incremental" if name in INCREMENTAL else "full",
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
@@ -407,7 +483,8 @@ def main():
             with open(os.path.join(path, "golden.json"), "w") as f:
                 json.dump(record, f, indent=1)
             index.append(case)
-            print(f"{case}: min gap {record['min_gap']:.4f}", file=sys.stderr)
+            router = f", min router gap {min(gaps):.2e}" if gaps else ""
+            print(f"{case}: min gap {record['min_gap']:.4f}{router}", file=sys.stderr)
             base_model = base_model.to(torch.float32)
     with open(index_path, "w") as f:
         json.dump(index, f, indent=1)

@@ -199,6 +199,10 @@ fn every_fixture_architecture_is_covered() {
         "llama_yarn_legacy",
         "llama_dynamic",
         "phi3_longrope",
+        "mixtral_top2",
+        "qwen2moe_shared",
+        "qwen3moe_norm",
+        "qwen3moe_step2",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -251,6 +255,10 @@ parity!(
     llama_yarn_legacy,
     llama_dynamic,
     phi3_longrope,
+    mixtral_top2,
+    qwen2moe_shared,
+    qwen3moe_norm,
+    qwen3moe_step2,
 );
 
 #[test]

@@ -142,6 +142,7 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             false => None,
         },
         text_tower_of: (c.class == MULTIMODAL).then_some(MULTIMODAL),
+        moe: None,
     })
 }
 

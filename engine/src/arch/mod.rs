@@ -25,14 +25,18 @@
 pub mod gemma;
 pub mod granite;
 pub mod llama;
+pub mod mixtral;
+pub mod moe;
 pub mod olmo2;
 pub mod phi3;
 pub mod qwen3;
+pub mod qwen_moe;
 
 use serde_json::Value;
 
 use crate::config::{Architecture, RopeScaling};
 use crate::error::{EngineError, Result};
+pub use moe::{MoeSpec, Routing};
 
 /// Where a decoder layer's RMSNorms sit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +132,19 @@ pub enum LayerTensor {
     /// gate and up in one tensor (`Projections::Fused`).
     GateUp,
     Down,
+    /// A sparse layer's router, `[num_experts, hidden]` ([`MoeSpec`]).
+    Router,
+    /// A routed expert's projections; the module path has a `*` where
+    /// the expert's index goes ([`TensorNames::expert`]).
+    ExpertGate,
+    ExpertUp,
+    ExpertDown,
+    /// The shared expert's projections (Qwen2-MoE).
+    SharedGate,
+    SharedUp,
+    SharedDown,
+    /// The shared expert's `[1, hidden]` output gate.
+    SharedExpertGate,
 }
 
 /// A layer's attention, resolved at load.
@@ -186,6 +203,8 @@ pub struct ArchSpec {
     /// Set when the checkpoint is a multimodal model whose text tower is
     /// served alone (its class name).
     pub text_tower_of: Option<&'static str>,
+    /// The mixture-of-experts layers, if the family has them.
+    pub moe: Option<MoeSpec>,
 }
 
 impl ArchSpec {
@@ -213,6 +232,7 @@ impl ArchSpec {
             final_softcap: None,
             local_rope: None,
             text_tower_of: None,
+            moe: None,
         })
     }
 
@@ -224,10 +244,12 @@ impl ArchSpec {
             .map(|&(_, name)| name)
     }
 
-    /// The tensors every layer of this model must have.
+    /// The tensors the layers of this model must have: every layer's
+    /// attention tensors and norms, the dense MLP's where a layer is dense,
+    /// the router's and experts' where one is sparse.
     pub fn required_layer_tensors(&self) -> Vec<LayerTensor> {
         use LayerTensor::*;
-        let mut t = vec![O, Down];
+        let mut t = vec![O];
         if self.norm.on_inputs() {
             t.extend([AttnNorm, MlpNorm]);
         }
@@ -238,14 +260,28 @@ impl ArchSpec {
             Projections::Split => t.extend([Q, K, V]),
             Projections::Fused => t.push(Qkv),
         }
+        let num_layers = self.moe.as_ref().map_or(1, |m| m.sparse_layers.len());
+        let any_dense = (0..num_layers).any(|i| !self.is_sparse(i));
         match self.gate_up {
-            Projections::Split => t.extend([Gate, Up]),
-            Projections::Fused => t.push(GateUp),
+            Projections::Split if any_dense => t.extend([Gate, Up, Down]),
+            Projections::Fused if any_dense => t.extend([GateUp, Down]),
+            _ => {}
+        }
+        if let Some(moe) = self.moe.as_ref().filter(|m| m.sparse_count() > 0) {
+            t.extend([Router, ExpertGate, ExpertUp, ExpertDown]);
+            if moe.shared_intermediate.is_some() {
+                t.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
+            }
         }
         if self.qk_norm != QkNorm::None {
             t.extend([QNorm, KNorm]);
         }
         t
+    }
+
+    /// Whether layer `i`'s MLP is a mixture of experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
     }
 
     /// Picks the naming a checkpoint uses: the first root whose
@@ -313,6 +349,12 @@ impl TensorNames {
             .layer_module(t)
             .ok_or_else(|| EngineError::Unsupported(format!("this family has no {t:?} tensor")))?;
         Ok(format!("{}layers.{i}.{module}", self.root))
+    }
+
+    /// Module path of expert `e`'s tensor `t` in layer `i` (the `*` of the
+    /// family's name replaced by `e`).
+    pub fn expert(&self, i: usize, e: usize, t: LayerTensor) -> Result<String> {
+        Ok(self.layer(i, t)?.replacen('*', &e.to_string(), 1))
     }
 
     /// Layer `i`'s weight tensor for `t` (norms).
@@ -400,6 +442,8 @@ pub const FAMILIES: &[&Family] = &[
     &phi3::FAMILY,
     &olmo2::FAMILY,
     &granite::FAMILY,
+    &mixtral::FAMILY,
+    &qwen_moe::FAMILY,
 ];
 
 /// The family and engine architecture of a Hugging Face class name.

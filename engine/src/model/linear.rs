@@ -150,6 +150,14 @@ impl Linear {
         })
     }
 
+    /// Output features (weight rows).
+    pub(super) fn out_features(&self) -> usize {
+        match &self.w {
+            LinearWeight::Dense(m) => m.rows,
+            LinearWeight::Int4(q) => q.rows(),
+        }
+    }
+
     pub(super) fn forward(&self, x: &[f32], m: usize, policy: MatmulPolicy, out: &mut [f32]) {
         match &self.w {
             LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),

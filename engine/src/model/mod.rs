@@ -21,24 +21,28 @@
 
 use std::path::Path;
 
-use crate::arch::{Activation, LayerAttention, LayerTensor, Projections, QkNorm, TensorNames};
+use crate::arch::LayerAttention;
 use crate::attention::{paged_attention, AttnSeq, Scoring};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{
-    self, add_in_place, gelu_tanh_mul, linear_int4, rms_norm, rms_norm_in_place, scale_in_place,
-    silu_mul, softcap_in_place, MatmulPolicy, RopeTable,
+    self, add_in_place, linear_int4, rms_norm, rms_norm_in_place, scale_in_place, softcap_in_place,
+    MatmulPolicy, RopeTable,
 };
 use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 
 mod linear;
+mod load;
+mod mlp;
 mod step;
 
 use crate::shard::{NoPeers, ShardPeers, ShardSpec};
 use crate::weights::{DType, Matrix, WeightStore};
-use linear::{FusedPart, Linear, LinearWeight, Split};
+use linear::{Linear, LinearWeight, Split};
+use load::{norm_vector, LayerSplits, MlpSplit, Source};
+use mlp::Mlp;
 use step::Step;
 
 /// One decoder layer. Optional norms are those the family's placement or
@@ -57,19 +61,23 @@ struct Layer {
     attn_out_norm: Option<Vec<f32>>,
     mlp_norm: Option<Vec<f32>>,
     mlp_out_norm: Option<Vec<f32>>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
     attention: LayerAttention,
 }
 
-/// Which shard of each projection this rank loads.
-struct LayerSplits {
-    q_cols: Split,
-    kv_cols: Split,
-    o_rows: Split,
-    inter_cols: Split,
-    down_rows: Split,
+impl Layer {
+    /// Every linear layer, named for messages (the MoE router, kept dense,
+    /// is not one).
+    fn linears(&self) -> impl Iterator<Item = (String, &Linear)> {
+        let attention = [
+            ("q_proj", &self.q),
+            ("k_proj", &self.k),
+            ("v_proj", &self.v),
+            ("o_proj", &self.o),
+        ];
+        let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
+        attention.chain(self.mlp.linears())
+    }
 }
 
 /// A loaded model.
@@ -91,111 +99,6 @@ pub struct Model {
     /// The part of the model this rank holds (all of it unless sharded).
     shard: ShardSpec,
     _weights: WeightStore,
-}
-
-/// A norm's weight, with the family's offset folded in (Gemma's `1 + w`).
-fn norm_vector(c: &ModelConfig, ws: &WeightStore, name: &str, len: usize) -> Result<Vec<f32>> {
-    let mut w = ws.vector(name, len)?;
-    if c.arch.norm_offset != 0.0 {
-        for v in &mut w {
-            *v += c.arch.norm_offset;
-        }
-    }
-    Ok(w)
-}
-
-/// The `N` projections loaded from one fused tensor.
-fn parts<const N: usize>(loaded: Vec<Linear>) -> Result<[Linear; N]> {
-    let n = loaded.len();
-    loaded.try_into().map_err(|_| {
-        EngineError::InvalidCheckpoint(format!("a fused tensor gave {n} parts, not {N}"))
-    })
-}
-
-/// Loads layer `i` (this rank's part of it) as the family describes it.
-fn load_layer(
-    c: &ModelConfig,
-    ws: &WeightStore,
-    quant: Option<&HfQuantization>,
-    names: &TensorNames,
-    i: usize,
-    splits: &LayerSplits,
-) -> Result<Layer> {
-    use LayerTensor as T;
-    let (h, d) = (c.hidden_size, c.head_dim);
-    let (q_out, kv_out, i_size) = (c.num_heads * d, c.num_kv_heads * d, c.intermediate_size);
-    let spec = &c.arch;
-    let linear = |t: T, out: usize, inp: usize, split: &Split| {
-        Linear::load_part(ws, quant, &names.layer(i, t)?, out, inp, split.clone())
-    };
-    let norm = |t: T, len: usize| norm_vector(c, ws, &names.layer_weight(i, t)?, len);
-    let optional_norm = |on: bool, t: T, len: usize| on.then(|| norm(t, len)).transpose();
-    let (inputs, outputs) = (spec.norm.on_inputs(), spec.norm.on_outputs());
-    let (q_norm_len, k_norm_len) = match spec.qk_norm {
-        QkNorm::Full => (q_out, kv_out),
-        _ => (d, d),
-    };
-    let qk_norm = spec.qk_norm != QkNorm::None;
-    // The projections stored in one fused tensor, in order: (rows, split).
-    let fused = |t: T, parts: &[(usize, &Split)]| -> Result<Vec<Linear>> {
-        let prefix = names.layer(i, t)?;
-        let total_rows = parts.iter().map(|p| p.0).sum();
-        let mut offset = 0;
-        parts
-            .iter()
-            .map(|&(rows, split)| {
-                let part = FusedPart {
-                    prefix: &prefix,
-                    total_rows,
-                    offset,
-                };
-                offset += rows;
-                Linear::load_fused_part(ws, quant, part, rows, h, split.clone())
-            })
-            .collect()
-    };
-    let (q, k, v) = match spec.qkv {
-        Projections::Split => (
-            linear(T::Q, q_out, h, &splits.q_cols)?,
-            linear(T::K, kv_out, h, &splits.kv_cols)?,
-            linear(T::V, kv_out, h, &splits.kv_cols)?,
-        ),
-        Projections::Fused => {
-            let kv = &splits.kv_cols;
-            let [q, k, v] = parts(fused(
-                T::Qkv,
-                &[(q_out, &splits.q_cols), (kv_out, kv), (kv_out, kv)],
-            )?)?;
-            (q, k, v)
-        }
-    };
-    let (gate, up) = match spec.gate_up {
-        Projections::Split => (
-            linear(T::Gate, i_size, h, &splits.inter_cols)?,
-            linear(T::Up, i_size, h, &splits.inter_cols)?,
-        ),
-        Projections::Fused => {
-            let cols = &splits.inter_cols;
-            let [gate, up] = parts(fused(T::GateUp, &[(i_size, cols), (i_size, cols)])?)?;
-            (gate, up)
-        }
-    };
-    Ok(Layer {
-        attn_norm: optional_norm(inputs, T::AttnNorm, h)?,
-        q,
-        k,
-        v,
-        o: linear(T::O, h, q_out, &splits.o_rows)?,
-        q_norm: optional_norm(qk_norm, T::QNorm, q_norm_len)?,
-        k_norm: optional_norm(qk_norm, T::KNorm, k_norm_len)?,
-        attn_out_norm: optional_norm(outputs, T::AttnOutNorm, h)?,
-        mlp_norm: optional_norm(inputs, T::MlpNorm, h)?,
-        mlp_out_norm: optional_norm(outputs, T::MlpOutNorm, h)?,
-        gate,
-        up,
-        down: linear(T::Down, h, i_size, &splits.down_rows)?,
-        attention: spec.layer_attention(c.sliding_window[i]),
-    })
 }
 
 /// One sequence's part of a batch.
@@ -311,7 +214,7 @@ impl Model {
         }
         let h = c.hidden_size;
         let whole = shard.tp_size == 1;
-        let (qh, kvh, inter) = (shard.q_heads(c), shard.kv_heads(c), shard.intermediate(c));
+        let (qh, kvh) = (shard.q_heads(c), shard.kv_heads(c));
         let outputs = |r: &std::ops::Range<usize>, scale: usize| match whole {
             true => Split::Whole,
             false => Split::Outputs(r.start * scale..r.end * scale),
@@ -324,18 +227,33 @@ impl Model {
             },
         };
         let d = c.head_dim;
+        let mlp = |features: usize| {
+            let r = shard.features(features);
+            MlpSplit {
+                cols: outputs(&r, 1),
+                rows: inputs(&r, 1),
+            }
+        };
+        let moe = c.arch.moe.as_ref();
         let splits = LayerSplits {
             q_cols: outputs(&qh, d),
             kv_cols: outputs(&kvh, d),
             o_rows: inputs(&qh, d),
-            inter_cols: outputs(&inter, 1),
-            down_rows: inputs(&inter, 1),
+            inter: mlp(c.intermediate_size),
+            expert: mlp(moe.map_or(0, |m| m.expert_intermediate)),
+            shared: mlp(moe.and_then(|m| m.shared_intermediate).unwrap_or(0)),
         };
         let embed = ws.matrix(&names.embed(), c.vocab_size, h)?;
+        let source = Source {
+            config: c,
+            ws: &ws,
+            quant,
+            names: &names,
+        };
         let layers = shard
             .layers
             .clone()
-            .map(|i| load_layer(c, &ws, quant, &names, i, &splits))
+            .map(|i| source.layer(i, &splits))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = norm_vector(c, &ws, &names.final_norm(), h)?;
         // Some tied checkpoints still carry a copy of the head; use it if so.
@@ -431,12 +349,7 @@ impl Model {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|lin| lin.w.bytes())
-                    .sum::<usize>()
-            })
+            .map(|l| l.linears().map(|(_, lin)| lin.w.bytes()).sum::<usize>() + l.mlp.routing_bytes())
             .sum();
         let head = match self.shard.computes_logits() {
             true => self
@@ -455,15 +368,14 @@ impl Model {
     /// it dense (and load so). Layers already INT4 are kept.
     pub fn quantize_int4(&mut self, config: Int4Config) -> Result<()> {
         for (i, l) in self.layers.iter_mut().enumerate() {
-            for (name, lin) in [
+            let attention = [
                 ("q_proj", &mut l.q),
                 ("k_proj", &mut l.k),
                 ("v_proj", &mut l.v),
                 ("o_proj", &mut l.o),
-                ("gate_proj", &mut l.gate),
-                ("up_proj", &mut l.up),
-                ("down_proj", &mut l.down),
-            ] {
+            ];
+            let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
+            for (name, lin) in attention.chain(l.mlp.linears_mut()) {
                 lin.quantize(config, &format!("layer {i} {name}"))?;
             }
         }
@@ -474,13 +386,34 @@ impl Model {
     }
 
     /// How many of the linear layers' matrices are INT4 (out of
-    /// `7 × num_layers`).
+    /// [`linear_matrices`](Self::linear_matrices)).
     pub fn int4_matrices(&self) -> usize {
         self.layers
             .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-            .filter(|lin| matches!(lin.w, LinearWeight::Int4(_)))
+            .flat_map(Layer::linears)
+            .filter(|(_, lin)| matches!(lin.w, LinearWeight::Int4(_)))
             .count()
+    }
+
+    /// How many linear layers' matrices the model has: seven per dense
+    /// layer, four plus three per expert per sparse one (the router stays
+    /// dense and is not counted).
+    pub fn linear_matrices(&self) -> usize {
+        self.layers.iter().map(|l| l.linears().count()).sum()
+    }
+
+    /// Tokens routed to each expert since load, per sparse layer this rank
+    /// holds: `(layer, counts)`, the layer's global index.
+    pub fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {
+        let first = self.shard.layers.start;
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match &l.mlp {
+                Mlp::Sparse(s) => Some((first + i, s.routed_tokens())),
+                Mlp::Dense(_) => None,
+            })
+            .collect()
     }
 
     /// The stored dtype of the weight matrices.
@@ -492,11 +425,10 @@ impl Model {
     pub fn weights_mapped(&self) -> bool {
         self.embed.is_mapped()
             && self.lm_head.as_ref().is_none_or(Matrix::is_mapped)
-            && self.layers.iter().all(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .all(|lin| lin.w.is_mapped())
-            })
+            && self
+                .layers
+                .iter()
+                .all(|l| l.linears().all(|(_, lin)| lin.w.is_mapped()))
     }
 
     fn head(&self) -> &Matrix {
@@ -720,7 +652,8 @@ impl Model {
         Ok(())
     }
 
-    /// Norm, gate/up, activation, down (all-reduced), output norm, residual.
+    /// Norm, the MLP (dense, or routed to experts), all-reduced, output
+    /// norm, residual.
     fn mlp_block(
         &self,
         layer: &Layer,
@@ -729,14 +662,15 @@ impl Model {
         peers: &mut dyn ShardPeers,
     ) -> Result<()> {
         let (t, eps) = (s.rows, self.config.rms_norm_eps);
+        let act = self.config.arch.activation;
         input_norm(x, layer.mlp_norm.as_deref(), eps, &mut s.h);
-        layer.gate.forward(&s.h, t, self.matmul, &mut s.gate);
-        layer.up.forward(&s.h, t, self.matmul, &mut s.up);
-        match self.config.arch.activation {
-            Activation::Silu => silu_mul(&mut s.gate, &s.up),
-            Activation::GeluTanh => gelu_tanh_mul(&mut s.gate, &s.up),
+        match &layer.mlp {
+            Mlp::Dense(mlp) => {
+                let scratch = (&mut s.gate[..], &mut s.up[..]);
+                mlp.forward(&s.h, t, act, self.matmul, scratch, &mut s.proj);
+            }
+            Mlp::Sparse(moe) => moe.forward(&s.h, t, act, self.matmul, &mut s.proj),
         }
-        layer.down.forward(&s.gate, t, self.matmul, &mut s.proj);
         if self.shard.tp_size > 1 {
             peers.all_reduce(&mut s.proj)?;
         }

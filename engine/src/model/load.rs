@@ -1,0 +1,209 @@
+//! Loading one decoder layer (this rank's part of it) as the family's
+//! [`ArchSpec`](crate::arch::ArchSpec) describes it: split or fused
+//! projections, the norms its placement needs, and a dense or sparse MLP.
+
+use crate::arch::{LayerTensor, MoeSpec, Projections, QkNorm, TensorNames};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::quant::hf::HfQuantization;
+use crate::weights::WeightStore;
+
+use super::linear::{FusedPart, Linear, Split};
+use super::mlp::{DenseMlp, Mlp, SharedExpert, SparseMlp};
+use super::Layer;
+
+/// Which shard of each projection this rank loads.
+pub(super) struct LayerSplits {
+    pub(super) q_cols: Split,
+    pub(super) kv_cols: Split,
+    pub(super) o_rows: Split,
+    /// A gated MLP's (dense, expert, shared expert) intermediate features.
+    pub(super) inter: MlpSplit,
+    pub(super) expert: MlpSplit,
+    pub(super) shared: MlpSplit,
+}
+
+/// One gated MLP's shard: gate/up columns, down rows.
+#[derive(Clone)]
+pub(super) struct MlpSplit {
+    pub(super) cols: Split,
+    pub(super) rows: Split,
+}
+
+/// A norm's weight, with the family's offset folded in (Gemma's `1 + w`).
+pub(super) fn norm_vector(
+    c: &ModelConfig,
+    ws: &WeightStore,
+    name: &str,
+    len: usize,
+) -> Result<Vec<f32>> {
+    let mut w = ws.vector(name, len)?;
+    if c.arch.norm_offset != 0.0 {
+        for v in &mut w {
+            *v += c.arch.norm_offset;
+        }
+    }
+    Ok(w)
+}
+
+/// The `N` projections loaded from one fused tensor.
+fn parts<const N: usize>(loaded: Vec<Linear>) -> Result<[Linear; N]> {
+    let n = loaded.len();
+    loaded.try_into().map_err(|_| {
+        EngineError::InvalidCheckpoint(format!("a fused tensor gave {n} parts, not {N}"))
+    })
+}
+
+/// The checkpoint a layer is read from.
+pub(super) struct Source<'a> {
+    pub(super) config: &'a ModelConfig,
+    pub(super) ws: &'a WeightStore,
+    pub(super) quant: Option<&'a HfQuantization>,
+    pub(super) names: &'a TensorNames,
+}
+
+impl Source<'_> {
+    /// The projections stored in one fused tensor of layer `i`, in order:
+    /// (rows, split).
+    fn fused(&self, i: usize, t: LayerTensor, parts: &[(usize, &Split)]) -> Result<Vec<Linear>> {
+        let prefix = self.names.layer(i, t)?;
+        let total_rows = parts.iter().map(|p| p.0).sum();
+        let h = self.config.hidden_size;
+        let mut offset = 0;
+        parts
+            .iter()
+            .map(|&(rows, split)| {
+                let part = FusedPart {
+                    prefix: &prefix,
+                    total_rows,
+                    offset,
+                };
+                offset += rows;
+                Linear::load_fused_part(self.ws, self.quant, part, rows, h, split.clone())
+            })
+            .collect()
+    }
+
+    fn linear(&self, prefix: &str, out: usize, inp: usize, split: &Split) -> Result<Linear> {
+        Linear::load_part(self.ws, self.quant, prefix, out, inp, split.clone())
+    }
+
+    /// A gated MLP of `inter` features whose three projections are
+    /// separate tensors under these module paths.
+    fn gated(&self, paths: [String; 3], inter: usize, split: &MlpSplit) -> Result<DenseMlp> {
+        let h = self.config.hidden_size;
+        let [gate, up, down] = paths;
+        Ok(DenseMlp {
+            gate: self.linear(&gate, inter, h, &split.cols)?,
+            up: self.linear(&up, inter, h, &split.cols)?,
+            down: self.linear(&down, h, inter, &split.rows)?,
+        })
+    }
+
+    /// Layer `i`'s dense MLP.
+    fn dense_mlp(&self, i: usize, split: &MlpSplit) -> Result<DenseMlp> {
+        use LayerTensor as T;
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let names = self.names;
+        match c.arch.gate_up {
+            Projections::Split => {
+                let paths = [T::Gate, T::Up, T::Down].map(|t| names.layer(i, t));
+                let [g, u, d] = paths;
+                self.gated([g?, u?, d?], inter, split)
+            }
+            Projections::Fused => {
+                let cols = &split.cols;
+                let [gate, up] = parts(self.fused(i, T::GateUp, &[(inter, cols), (inter, cols)])?)?;
+                let down = names.layer(i, T::Down)?;
+                Ok(DenseMlp {
+                    gate,
+                    up,
+                    down: self.linear(&down, h, inter, &split.rows)?,
+                })
+            }
+        }
+    }
+
+    /// Layer `i`'s mixture of experts.
+    fn sparse_mlp(&self, i: usize, moe: &MoeSpec, splits: &LayerSplits) -> Result<SparseMlp> {
+        use LayerTensor as T;
+        let names = self.names;
+        let h = self.config.hidden_size;
+        let router = self
+            .ws
+            .matrix(&names.layer_weight(i, T::Router)?, moe.num_experts, h)?;
+        let experts = (0..moe.num_experts)
+            .map(|e| {
+                let [g, u, d] = [T::ExpertGate, T::ExpertUp, T::ExpertDown]
+                    .map(|t| names.expert(i, e, t));
+                self.gated([g?, u?, d?], moe.expert_intermediate, &splits.expert)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match moe.shared_intermediate {
+            None => None,
+            Some(inter) => {
+                let [g, u, d] = [T::SharedGate, T::SharedUp, T::SharedDown]
+                    .map(|t| names.layer(i, t));
+                Some(SharedExpert {
+                    mlp: self.gated([g?, u?, d?], inter, &splits.shared)?,
+                    gate: self
+                        .ws
+                        .matrix(&names.layer_weight(i, T::SharedExpertGate)?, 1, h)?,
+                })
+            }
+        };
+        Ok(SparseMlp::new(router, experts, shared, moe))
+    }
+
+    /// Loads layer `i` (this rank's part of it).
+    pub(super) fn layer(&self, i: usize, splits: &LayerSplits) -> Result<Layer> {
+        use LayerTensor as T;
+        let (c, names) = (self.config, self.names);
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_heads * d, c.num_kv_heads * d);
+        let spec = &c.arch;
+        let norm = |t: T, len: usize| norm_vector(c, self.ws, &names.layer_weight(i, t)?, len);
+        let optional_norm = |on: bool, t: T, len: usize| on.then(|| norm(t, len)).transpose();
+        let (inputs, outputs) = (spec.norm.on_inputs(), spec.norm.on_outputs());
+        let (q_norm_len, k_norm_len) = match spec.qk_norm {
+            QkNorm::Full => (q_out, kv_out),
+            _ => (d, d),
+        };
+        let qk_norm = spec.qk_norm != QkNorm::None;
+        let (q, k, v) = match spec.qkv {
+            Projections::Split => (
+                self.linear(&names.layer(i, T::Q)?, q_out, h, &splits.q_cols)?,
+                self.linear(&names.layer(i, T::K)?, kv_out, h, &splits.kv_cols)?,
+                self.linear(&names.layer(i, T::V)?, kv_out, h, &splits.kv_cols)?,
+            ),
+            Projections::Fused => {
+                let kv = &splits.kv_cols;
+                let [q, k, v] = parts(self.fused(
+                    i,
+                    T::Qkv,
+                    &[(q_out, &splits.q_cols), (kv_out, kv), (kv_out, kv)],
+                )?)?;
+                (q, k, v)
+            }
+        };
+        let mlp = match spec.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(moe) => Mlp::Sparse(self.sparse_mlp(i, moe, splits)?),
+            None => Mlp::Dense(self.dense_mlp(i, &splits.inter)?),
+        };
+        Ok(Layer {
+            attn_norm: optional_norm(inputs, T::AttnNorm, h)?,
+            q,
+            k,
+            v,
+            o: self.linear(&names.layer(i, T::O)?, h, q_out, &splits.o_rows)?,
+            q_norm: optional_norm(qk_norm, T::QNorm, q_norm_len)?,
+            k_norm: optional_norm(qk_norm, T::KNorm, k_norm_len)?,
+            attn_out_norm: optional_norm(outputs, T::AttnOutNorm, h)?,
+            mlp_norm: optional_norm(inputs, T::MlpNorm, h)?,
+            mlp_out_norm: optional_norm(outputs, T::MlpOutNorm, h)?,
+            mlp,
+            attention: spec.layer_attention(c.sliding_window[i]),
+        })
+    }
+}

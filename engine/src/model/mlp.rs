@@ -1,0 +1,366 @@
+//! A decoder layer's MLP: dense, or a mixture of experts.
+//!
+//! A sparse MLP routes each token to `top_k` of its experts and sums their
+//! outputs, weighted. It never loops over tokens: after routing, the
+//! batch's (token, expert) pairs are sorted by expert (a counting sort), and
+//! each expert that got tokens runs one gated MLP over all of them, its rows
+//! gathered into one matrix, so its weights are read once per step however
+//! many tokens chose it. Each output row is then added to its token's sum in
+//! ascending expert order, the same order whatever else is in the batch, so
+//! with [`MatmulPolicy::BatchInvariant`] a token's result does not depend on
+//! its batch. The experts are [`Linear`]s like any other: mapped in place,
+//! split by intermediate feature under tensor parallelism (the router is
+//! replicated, each rank routes identically and the all-reduce after the MLP
+//! sums the ranks' partial outputs), quantized by `--quantize int4`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::arch::{Activation, MoeSpec, Routing};
+use crate::kernels::{self, gelu_tanh_mul, silu_mul, MatmulPolicy};
+use crate::weights::Matrix;
+
+use super::linear::Linear;
+
+/// `down(act(gate(x)) · up(x))`.
+#[derive(Debug)]
+pub(super) struct DenseMlp {
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+impl DenseMlp {
+    /// Runs `m` rows of `x` into `out` (`m × hidden`), with `gate` and `up`
+    /// as scratch of at least `m × intermediate` each.
+    pub(super) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        act: Activation,
+        policy: MatmulPolicy,
+        scratch: (&mut [f32], &mut [f32]),
+        out: &mut [f32],
+    ) {
+        let inter = self.gate.out_features();
+        let (gate, up) = (&mut scratch.0[..m * inter], &mut scratch.1[..m * inter]);
+        self.gate.forward(x, m, policy, gate);
+        self.up.forward(x, m, policy, up);
+        match act {
+            Activation::Silu => silu_mul(gate, up),
+            Activation::GeluTanh => gelu_tanh_mul(gate, up),
+        }
+        self.down.forward(gate, m, policy, out);
+    }
+
+    fn linears(&self) -> [(&'static str, &Linear); 3] {
+        [
+            ("gate_proj", &self.gate),
+            ("up_proj", &self.up),
+            ("down_proj", &self.down),
+        ]
+    }
+
+    fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 3] {
+        [
+            ("gate_proj", &mut self.gate),
+            ("up_proj", &mut self.up),
+            ("down_proj", &mut self.down),
+        ]
+    }
+}
+
+/// Qwen2-MoE's always-on expert and its `[1, hidden]` sigmoid gate.
+#[derive(Debug)]
+pub(super) struct SharedExpert {
+    pub(super) mlp: DenseMlp,
+    pub(super) gate: Matrix,
+}
+
+/// A mixture of experts.
+#[derive(Debug)]
+pub(super) struct SparseMlp {
+    /// `[num_experts, hidden]`, replicated on every tensor-parallel rank.
+    pub(super) router: Matrix,
+    pub(super) experts: Vec<DenseMlp>,
+    pub(super) shared: Option<SharedExpert>,
+    pub(super) top_k: usize,
+    pub(super) routing: Routing,
+    /// Tokens routed to each expert since load (a token counts once per
+    /// expert it chose).
+    pub(super) routed: Vec<AtomicU64>,
+}
+
+/// A batch's routing, sorted by expert: expert `e`'s tokens are
+/// `rows[starts[e]..starts[e + 1]]`, with their weights alongside.
+#[derive(Debug, PartialEq)]
+pub(super) struct Routes {
+    pub(super) starts: Vec<usize>,
+    pub(super) rows: Vec<u32>,
+    pub(super) weights: Vec<f32>,
+}
+
+impl SparseMlp {
+    pub(super) fn new(
+        router: Matrix,
+        experts: Vec<DenseMlp>,
+        shared: Option<SharedExpert>,
+        spec: &MoeSpec,
+    ) -> Self {
+        let routed = (0..experts.len()).map(|_| AtomicU64::new(0)).collect();
+        Self {
+            router,
+            experts,
+            shared,
+            top_k: spec.top_k,
+            routing: spec.routing,
+            routed,
+        }
+    }
+
+    /// Routes `m` rows of `x` and sums their experts' outputs into `out`
+    /// (`m × hidden`, overwritten).
+    pub(super) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        act: Activation,
+        policy: MatmulPolicy,
+        out: &mut [f32],
+    ) {
+        let (e, hsz) = (self.experts.len(), self.router.cols);
+        let mut logits = vec![0.0f32; m * e];
+        kernels::linear(x, m, &self.router, None, policy, &mut logits);
+        let routes = route(&logits, e, self.top_k, self.routing);
+        for (counter, w) in self.routed.iter().zip(routes.starts.windows(2)) {
+            counter.fetch_add((w[1] - w[0]) as u64, Ordering::Relaxed);
+        }
+        out[..m * hsz].fill(0.0);
+        let most = routes.starts.windows(2).map(|w| w[1] - w[0]).max();
+        let most = most.unwrap_or(0);
+        let inter = self.experts.first().map_or(0, |x| x.gate.out_features());
+        let mut rows_in = vec![0.0f32; most * hsz];
+        let mut rows_out = vec![0.0f32; most * hsz];
+        let (mut gate, mut up) = (vec![0.0f32; most * inter], vec![0.0f32; most * inter]);
+        for (expert, span) in self.experts.iter().zip(routes.starts.windows(2)) {
+            let n = span[1] - span[0];
+            if n == 0 {
+                continue;
+            }
+            let rows = &routes.rows[span[0]..span[1]];
+            for (dst, &r) in rows_in.chunks_exact_mut(hsz).zip(rows) {
+                let r = r as usize;
+                dst.copy_from_slice(&x[r * hsz..(r + 1) * hsz]);
+            }
+            let done = &mut rows_out[..n * hsz];
+            let scratch = (&mut gate[..], &mut up[..]);
+            expert.forward(&rows_in[..n * hsz], n, act, policy, scratch, done);
+            for ((src, &r), &w) in done
+                .chunks_exact(hsz)
+                .zip(rows)
+                .zip(&routes.weights[span[0]..span[1]])
+            {
+                let r = r as usize;
+                for (o, &v) in out[r * hsz..(r + 1) * hsz].iter_mut().zip(src) {
+                    *o += w * v;
+                }
+            }
+        }
+        if let Some(shared) = &self.shared {
+            self.add_shared(shared, x, m, act, policy, out);
+        }
+    }
+
+    /// `out += sigmoid(gate · x) · shared(x)`, row by row.
+    fn add_shared(
+        &self,
+        shared: &SharedExpert,
+        x: &[f32],
+        m: usize,
+        act: Activation,
+        policy: MatmulPolicy,
+        out: &mut [f32],
+    ) {
+        let hsz = self.router.cols;
+        let inter = shared.mlp.gate.out_features();
+        let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
+        let mut y = vec![0.0f32; m * hsz];
+        shared
+            .mlp
+            .forward(x, m, act, policy, (&mut gate, &mut up), &mut y);
+        let mut g = vec![0.0f32; m];
+        kernels::linear(x, m, &shared.gate, None, policy, &mut g);
+        for ((row, src), &g) in out.chunks_exact_mut(hsz).zip(y.chunks_exact(hsz)).zip(&g) {
+            let s = 1.0 / (1.0 + (-g).exp());
+            for (o, &v) in row.iter_mut().zip(src) {
+                *o += s * v;
+            }
+        }
+    }
+
+    /// Tokens routed to each expert since load.
+    pub(super) fn routed_tokens(&self) -> Vec<u64> {
+        self.routed
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// Each row of `logits` (`num_experts` wide) picks its `top_k` experts,
+/// then the picks are sorted by expert (rows ascending within one).
+pub(super) fn route(logits: &[f32], num_experts: usize, top_k: usize, routing: Routing) -> Routes {
+    let m = logits.len() / num_experts;
+    let mut picks: Vec<(u32, f32)> = Vec::with_capacity(m * top_k);
+    let mut probs = vec![0.0f32; num_experts];
+    let mut order: Vec<usize> = Vec::with_capacity(num_experts);
+    for row in logits.chunks_exact(num_experts) {
+        let Routing::SoftmaxTopK { renormalize } = routing;
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (p, &l) in probs.iter_mut().zip(row) {
+            *p = (l - max).exp();
+            sum += *p;
+        }
+        for p in &mut probs {
+            *p /= sum;
+        }
+        order.clear();
+        order.extend(0..num_experts);
+        // Largest first; equal probabilities keep the lower expert first.
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let top = &order[..top_k];
+        let norm = match renormalize {
+            true => top.iter().map(|&e| probs[e]).sum::<f32>(),
+            false => 1.0,
+        };
+        picks.extend(top.iter().map(|&e| (e as u32, probs[e] / norm)));
+    }
+    // Counting sort by expert; a stable pass keeps rows ascending.
+    let mut starts = vec![0usize; num_experts + 1];
+    for &(e, _) in &picks {
+        starts[e as usize + 1] += 1;
+    }
+    for e in 0..num_experts {
+        starts[e + 1] += starts[e];
+    }
+    let mut next = starts.clone();
+    let mut rows = vec![0u32; picks.len()];
+    let mut weights = vec![0.0f32; picks.len()];
+    for (i, &(e, w)) in picks.iter().enumerate() {
+        let slot = &mut next[e as usize];
+        rows[*slot] = (i / top_k) as u32;
+        weights[*slot] = w;
+        *slot += 1;
+    }
+    Routes {
+        starts,
+        rows,
+        weights,
+    }
+}
+
+/// A layer's MLP.
+#[derive(Debug)]
+pub(super) enum Mlp {
+    Dense(DenseMlp),
+    Sparse(SparseMlp),
+}
+
+impl Mlp {
+    /// Every linear layer with a name for messages (`gate_proj`,
+    /// `expert 3 up_proj`, `shared_expert down_proj`); not the router,
+    /// which stays dense.
+    pub(super) fn linears(&self) -> Vec<(String, &Linear)> {
+        match self {
+            Self::Dense(d) => d.linears().map(|(n, l)| (n.to_string(), l)).into(),
+            Self::Sparse(s) => {
+                let experts = s.experts.iter().enumerate().flat_map(|(e, x)| {
+                    x.linears()
+                        .map(move |(n, l)| (format!("expert {e} {n}"), l))
+                });
+                let shared = s.shared.iter().flat_map(|x| {
+                    x.mlp
+                        .linears()
+                        .map(|(n, l)| (format!("shared_expert {n}"), l))
+                });
+                experts.chain(shared).collect()
+            }
+        }
+    }
+
+    /// As [`linears`](Self::linears), mutably.
+    pub(super) fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        match self {
+            Self::Dense(d) => d
+                .linears_mut()
+                .map(|(n, l)| (n.to_string(), l))
+                .into(),
+            Self::Sparse(s) => {
+                let experts = s.experts.iter_mut().enumerate().flat_map(|(e, x)| {
+                    x.linears_mut()
+                        .map(move |(n, l)| (format!("expert {e} {n}"), l))
+                });
+                let shared = s.shared.iter_mut().flat_map(|x| {
+                    x.mlp
+                        .linears_mut()
+                        .map(|(n, l)| (format!("shared_expert {n}"), l))
+                });
+                experts.chain(shared).collect()
+            }
+        }
+    }
+
+    /// Bytes of the router and shared gate (kept dense, not in
+    /// [`linears`](Self::linears)).
+    pub(super) fn routing_bytes(&self) -> usize {
+        match self {
+            Self::Dense(_) => 0,
+            Self::Sparse(s) => {
+                s.router.bytes() + s.shared.as_ref().map_or(0, |x| x.gate.bytes())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RENORM: Routing = Routing::SoftmaxTopK { renormalize: true };
+    const RAW: Routing = Routing::SoftmaxTopK { renormalize: false };
+
+    #[test]
+    fn routes_are_sorted_by_expert_with_softmax_weights() {
+        // Row 0 prefers experts 2 then 0; row 1 prefers 0 then 1.
+        let logits = [1.0, 0.0, 3.0, 2.0f32.ln(), 0.0, 0.0];
+        let r = route(&logits, 3, 2, RAW);
+        assert_eq!(r.starts, vec![0, 2, 3, 4]);
+        assert_eq!(r.rows, vec![0, 1, 1, 0]);
+        let e = |x: f32| x.exp();
+        let row0 = e(1.0) + e(0.0) + e(3.0);
+        let row1 = 2.0 + 1.0 + 1.0;
+        let want = [e(1.0) / row0, 2.0 / row1, 1.0 / row1, e(3.0) / row0];
+        for (got, want) in r.weights.iter().zip(want) {
+            assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn renormalised_top_k_weights_sum_to_one() {
+        let logits = [0.3, -1.0, 2.0, 0.7, 0.1, 0.0, -0.5, 1.5];
+        let r = route(&logits, 4, 2, RENORM);
+        let mut per_row = [0.0f32; 2];
+        for (&row, &w) in r.rows.iter().zip(&r.weights) {
+            per_row[row as usize] += w;
+        }
+        for s in per_row {
+            assert!((s - 1.0).abs() < 1e-6, "{s}");
+        }
+    }
+
+    #[test]
+    fn equal_logits_pick_the_lower_experts() {
+        let r = route(&[0.0; 4], 4, 2, RAW);
+        assert_eq!(r.starts, vec![0, 1, 2, 2, 2]);
+    }
+}
