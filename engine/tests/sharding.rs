@@ -199,6 +199,11 @@ fn every_family_shards_to_the_whole_models_logits() {
         ("phi3_fused_f32", both),
         ("granite_gqa_f32", both),
         ("qwen3_yarn_f32", both),
+        // Experts split by intermediate feature, the router replicated; a
+        // shared expert; a dense layer between sparse ones.
+        ("mixtral_top2_f32", both),
+        ("qwen2moe_shared_f32", both),
+        ("qwen3moe_norm_f32", &[(2, 1), (1, 3), (2, 3), (4, 1)][..]),
         // Its q/k norm spans every head: pipeline only.
         ("olmo2_gqa_f32", &[(1, 2)][..]),
     ] {

@@ -341,13 +341,14 @@ def cases():
             ),
         ),
         # Qwen3-MoE: top-2 of 8 renormalised, head_dim 32, and a dense
-        # layer between sparse ones (mlp_only_layers).
+        # layer between sparse ones (mlp_only_layers); experts 64 wide, so
+        # INT4 (64-column blocks) covers them.
         "qwen3moe_norm": (
             Qwen3MoeConfig,
             Qwen3MoeForCausalLM,
             dict(
                 BASE, num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
             ),
         ),
         # Qwen3-MoE with every second layer sparse (decoder_sparse_step),
