@@ -11,8 +11,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 use tandem_engine::capacity::{
-    checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, parse_memory_size,
-    Capacity, CapacityPlan, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, format_count,
+    parameter_counts, parse_memory_size, Capacity, CapacityPlan, ParamCounts, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 };
 use tandem_engine::ModelConfig;
@@ -90,18 +90,35 @@ pub fn run(args: PlanArgs) -> Result<()> {
             format_bytes(args.memory)
         )
     })?;
+    let params = parameter_counts(&dir, &cfg)
+        .with_context(|| format!("counting the parameters of {}", dir.display()))?;
     if args.json {
-        println!("{}", to_json(&dir, &cfg, &cap));
+        println!("{}", to_json(&dir, &cfg, &cap, &params));
     } else {
-        print_table(&dir, &cfg, &cap);
+        print_table(&dir, &cfg, &cap, &params);
     }
     Ok(())
 }
 
-fn to_json(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) -> serde_json::Value {
+fn to_json(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    c: &Capacity,
+    p: &ParamCounts,
+) -> serde_json::Value {
+    let moe = cfg.arch.moe.as_ref();
     json!({
         "model": dir.display().to_string(),
         "architecture": cfg.architecture.hf_name(),
+        "total_params": p.total,
+        "active_params": p.active,
+        "expert_params": p.experts,
+        "experts": moe.map(|m| json!({
+            "num_experts": m.num_experts,
+            "experts_per_token": m.top_k,
+            "sparse_layers": m.sparse_count(),
+            "shared_expert": m.shared_intermediate.is_some(),
+        })),
         "memory_bytes": c.memory_bytes,
         "weight_bytes": c.weight_bytes,
         "activation_bytes": c.activation_bytes,
@@ -139,7 +156,24 @@ fn blocks_per_seq(c: &Capacity) -> String {
     )
 }
 
-fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) {
+/// Total and active parameters, and how the experts make the difference.
+fn parameters(cfg: &ModelConfig, p: &ParamCounts) -> String {
+    let Some(moe) = &cfg.arch.moe else {
+        return format!("{} (dense: every token reads all)", format_count(p.total));
+    };
+    format!(
+        "{} total, {} active per token ({} in experts: {} of {} per token on {} sparse layers{})",
+        format_count(p.total),
+        format_count(p.active),
+        format_count(p.experts),
+        moe.top_k,
+        moe.num_experts,
+        moe.sparse_count(),
+        if moe.shared_intermediate.is_some() { ", plus a shared expert" } else { "" },
+    )
+}
+
+fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity, p: &ParamCounts) {
     let bytes = |b: u64| format!("{} ({b} bytes)", format_bytes(b));
     let rows: Vec<(&str, String)> = vec![
         (
@@ -153,6 +187,7 @@ fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity) {
                 cfg.head_dim
             ),
         ),
+        ("parameters", parameters(cfg, p)),
         ("memory budget", bytes(c.memory_bytes)),
         ("weights", bytes(c.weight_bytes)),
         (

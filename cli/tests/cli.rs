@@ -468,3 +468,28 @@ fn plan_counts_what_sliding_window_layers_free() {
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("17 (32 without freeing"), "{text}");
 }
+
+/// `tandem plan` on a Qwen3-MoE checkpoint (two sparse layers of 8
+/// experts, 2 per token, 64 wide, around a dense layer): total and active
+/// parameters.
+#[test]
+fn plan_reports_total_and_active_parameters_of_a_mixture_of_experts() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden/qwen3moe_norm_f32");
+    let m = model.to_str().expect("utf-8 path");
+    let p = json_of(&tandem(
+        &["plan", "--model", m, "--memory", "64MiB", "--json"],
+        tmp.path(),
+    ));
+    let per_expert = 3 * 64 * 64;
+    assert_eq!(p["expert_params"], 2 * 8 * per_expert);
+    let (total, active) = (&p["total_params"], &p["active_params"]);
+    let (total, active) = (total.as_u64().expect("total"), active.as_u64().expect("active"));
+    assert_eq!(total - active, 2 * 6 * per_expert);
+    assert_eq!(p["experts"]["experts_per_token"], 2);
+    assert_eq!(p["experts"]["sparse_layers"], 2);
+    let table = tandem(&["plan", "--model", m, "--memory", "64MiB"], tmp.path());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("active per token") && text.contains("2 of 8"), "{text}");
+}

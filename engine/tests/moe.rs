@@ -282,3 +282,19 @@ fn int4_quantizes_every_expert_and_keeps_their_function() {
     let mean = a.iter().zip(&b).map(|(x, y)| cosine(x, y)).sum::<f32>() / a.len() as f32;
     assert!(mean > 0.8, "mean cosine of dense and INT4 logits {mean}");
 }
+
+#[test]
+fn the_int4_plan_counts_the_experts_the_model_quantizes() {
+    use tandem_engine::capacity::{checkpoint_weight_bytes, checkpoint_weight_bytes_int4};
+    for case in ["mixtral_top2_f32", "qwen3moe_norm_f32"] {
+        let dir = golden(case);
+        let stored = checkpoint_weight_bytes(&dir).expect("headers");
+        let planned = checkpoint_weight_bytes_int4(&dir, 64).expect("headers");
+        let mut model = Model::load(&dir).expect("load");
+        let dense = model.weight_bytes() as u64;
+        model
+            .quantize_int4(Int4Config::new(64).expect("group"))
+            .expect("quantize");
+        assert_eq!(stored - planned, dense - model.weight_bytes() as u64, "{case}");
+    }
+}

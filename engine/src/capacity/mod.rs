@@ -36,6 +36,9 @@ use std::path::Path;
 use std::str::FromStr;
 
 use crate::config::ModelConfig;
+
+mod params;
+pub use params::{format_count, parameter_counts, ParamCounts};
 use crate::error::{EngineError, Result};
 
 /// Tokens per KV block unless told otherwise.
@@ -453,7 +456,9 @@ pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
 
 /// As [`checkpoint_weight_bytes`], for the model quantized at load to INT4
 /// with `group_size` (`--quantize int4`): every 2-D
-/// `model.layers.*.{self_attn,mlp}.*_proj.weight` and `lm_head.weight`
+/// `model.layers.*.{self_attn,mlp}.*_proj.weight` (routed and shared
+/// experts among them; Mixtral's `block_sparse_moe.experts.*`; not the
+/// routers, which stay dense) and `lm_head.weight`
 /// counts what its [`crate::quant::Int4Matrix`] takes
 /// ([`crate::quant::int4_bytes`], with [`crate::quant::Int4Config::group_for`]'s
 /// group); a checkpoint without `lm_head.weight` (tied) adds an INT4 copy of
@@ -467,9 +472,11 @@ pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64
     let head_seen = std::cell::Cell::new(false);
     let embed_shape = std::cell::Cell::new(None);
     let quantized = |name: &str, shape: &[u64], stored: u64| {
+        // Mixtral's experts are `block_sparse_moe.experts.{e}.w1` etc.
         let is_linear = name.starts_with("model.layers.")
             && (name.contains(".self_attn.") || name.contains(".mlp."))
-            && name.ends_with("_proj.weight");
+            && name.ends_with("_proj.weight")
+            || name.contains(".block_sparse_moe.experts.");
         if name == "model.embed_tokens.weight" {
             if let [rows, cols] = shape {
                 embed_shape.set(Some((*rows, *cols)));

@@ -1,0 +1,107 @@
+//! Parameter counts: every parameter the checkpoint stores, and those one
+//! token's forward pass reads. They differ for a mixture of experts: a
+//! token runs `top_k` of each sparse layer's experts (and the shared one),
+//! so the other experts' weights are stored but not read for it. Decode at
+//! small batch is bound by the bytes it reads, which follow the active
+//! count; memory follows the total.
+
+use std::path::Path;
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+
+/// A model's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamCounts {
+    /// Every element of every tensor in the checkpoint.
+    pub total: u64,
+    /// What one token's forward pass reads: `total` less, on every sparse
+    /// layer, the experts it does not run.
+    pub active: u64,
+    /// Parameters of the routed experts (all of them, every sparse layer).
+    pub experts: u64,
+}
+
+/// Counts `dir`'s parameters from its safetensors headers (no tensor data is
+/// read) and `cfg`'s experts.
+pub fn parameter_counts(dir: &Path, cfg: &ModelConfig) -> Result<ParamCounts> {
+    let mut total = 0u64;
+    for path in crate::weights::safetensors_files(dir)? {
+        total += super::safetensors_data_bytes(&path, &|_, shape, _| shape.iter().product())?;
+    }
+    let Some(moe) = &cfg.arch.moe else {
+        return Ok(ParamCounts {
+            total,
+            active: total,
+            experts: 0,
+        });
+    };
+    let per_expert = 3 * (cfg.hidden_size * moe.expert_intermediate) as u64;
+    let sparse = moe.sparse_count() as u64;
+    let experts = sparse * moe.num_experts as u64 * per_expert;
+    let idle = sparse * (moe.num_experts - moe.top_k) as u64 * per_expert;
+    Ok(ParamCounts {
+        total,
+        active: total.saturating_sub(idle),
+        experts,
+    })
+}
+
+/// `1.23B`, `456.7M`, `89.0K`, `512`.
+pub fn format_count(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2}B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.1}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden(case: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/golden")
+            .join(case)
+    }
+
+    #[test]
+    fn a_dense_model_reads_every_parameter() {
+        let dir = golden("qwen3_gqa_f32");
+        let cfg = ModelConfig::from_dir(&dir).expect("config");
+        let p = parameter_counts(&dir, &cfg).expect("count");
+        assert_eq!(p.active, p.total);
+        assert_eq!(p.experts, 0);
+        let model = crate::Model::load(&dir).expect("load");
+        assert_eq!(p.total * 4, model.weight_bytes() as u64 + embedding_and_norms(&cfg));
+    }
+
+    /// The f32 bytes of what `weight_bytes` leaves out: the embedding (the
+    /// head is separate here), the norms.
+    fn embedding_and_norms(cfg: &ModelConfig) -> u64 {
+        let h = cfg.hidden_size as u64;
+        let d = cfg.head_dim as u64;
+        let per_layer = 2 * h + 2 * d;
+        4 * (cfg.vocab_size as u64 * h + h + cfg.num_layers as u64 * per_layer)
+    }
+
+    #[test]
+    fn a_mixture_of_experts_reads_top_k_of_its_experts() {
+        // Two sparse layers of 8 experts (top 2, 64 wide) around a dense one.
+        let dir = golden("qwen3moe_norm_f32");
+        let cfg = ModelConfig::from_dir(&dir).expect("config");
+        let p = parameter_counts(&dir, &cfg).expect("count");
+        let per_expert = 3 * 64 * 64;
+        assert_eq!(p.experts, 2 * 8 * per_expert);
+        assert_eq!(p.total - p.active, 2 * 6 * per_expert);
+    }
+
+    #[test]
+    fn counts_read_as_people_write_them() {
+        assert_eq!(format_count(30_532_122_624), "30.53B");
+        assert_eq!(format_count(3_300_000), "3.3M");
+        assert_eq!(format_count(999), "999");
+    }
+}
