@@ -442,7 +442,8 @@ fn metrics_on_every_component_count_what_was_served() {
 #[test]
 fn serve_logs_json_naming_the_request_and_serves_metrics() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    tandem_tests::cluster::gen_model(tandem(), tmp.path(), "tiny");
+    // A mixture of experts, so the per-expert counters are served too.
+    tandem_tests::cluster::gen_model(tandem(), tmp.path(), "tiny-moe");
     let mut child = Command::new(tandem())
         .args([
             "serve",
@@ -493,6 +494,20 @@ fn serve_logs_json_naming_the_request_and_serves_metrics() {
     assert_eq!(count(&s, "tandem_time_per_output_token_seconds"), 2.0);
     assert_eq!(s.value("tandem_generation_tokens_total", &[]), Some(8.0));
     assert_eq!(s.value("tandem_prompt_tokens_total", &[]), Some(60.0));
+    // Every token run is routed to 2 of 8 experts on each of 2 layers.
+    let computed = s.value("tandem_engine_computed_tokens_total", &[]);
+    let computed = computed.expect("computed tokens");
+    assert!(computed >= 60.0, "{computed}");
+    for layer in ["0", "1"] {
+        let routed: f64 = (0..8)
+            .map(|e| {
+                let labels = [("layer", layer), ("expert", &e.to_string())];
+                s.value("tandem_moe_routed_tokens_total", &labels)
+                    .unwrap_or_else(|| panic!("layer {layer} expert {e} counted"))
+            })
+            .sum();
+        assert_eq!(routed, 2.0 * computed, "layer {layer}");
+    }
 
     drop(process); // SIGTERM: the server exits and closes stderr
     let logs = logs.join().expect("log reader");

@@ -92,6 +92,12 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
     fn failure(&self) -> Option<String> {
         None
     }
+
+    /// Tokens routed to each expert since load, per sparse layer this
+    /// backend counts: `(layer, tokens per expert)` (none for a dense model).
+    fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {
+        Vec::new()
+    }
 }
 
 /// The CPU engine: [`Model`] and a host [`KvCache`].
@@ -172,6 +178,10 @@ impl ComputeBackend for CpuBackend {
 
     fn uses_cpu_pool(&self) -> bool {
         true
+    }
+
+    fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {
+        self.model.routed_tokens()
     }
 
     fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {

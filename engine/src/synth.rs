@@ -36,6 +36,18 @@ pub struct SynthConfig {
     pub max_position_embeddings: usize,
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
+    /// Make every MLP a mixture of experts: a Qwen3-MoE checkpoint (per-head
+    /// q/k norms, `mlp.gate` router, `mlp.experts.{e}.*`) instead of Llama.
+    pub experts: Option<SynthExperts>,
+}
+
+/// The experts of a generated mixture-of-experts model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SynthExperts {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Each expert's intermediate features.
+    pub intermediate_size: usize,
 }
 
 /// Named presets: `(name, description, config)`.
@@ -50,6 +62,19 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
         max_position_embeddings: 512,
         rope_theta: 10000.0,
         tie_word_embeddings: false,
+        experts: None,
+    };
+    let bench = SynthConfig {
+        hidden_size: 768,
+        intermediate_size: 2048,
+        num_layers: 12,
+        num_heads: 12,
+        num_kv_heads: 4,
+        vocab_size: 8000,
+        max_position_embeddings: 4096,
+        rope_theta: 10000.0,
+        tie_word_embeddings: false,
+        experts: None,
     };
     vec![
         (
@@ -83,16 +108,31 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
         (
             "bench-100m",
             "768 hidden, 12 layers, GQA 12:4, 8000 vocab (~88M params): performance work",
+            bench.clone(),
+        ),
+        (
+            "tiny-moe",
+            "as tiny, a Qwen3-MoE: 8 experts of 64 features, 2 per token",
             SynthConfig {
-                hidden_size: 768,
-                intermediate_size: 2048,
-                num_layers: 12,
-                num_heads: 12,
-                num_kv_heads: 4,
-                vocab_size: 8000,
-                max_position_embeddings: 4096,
-                rope_theta: 10000.0,
-                tie_word_embeddings: false,
+                experts: Some(SynthExperts {
+                    num_experts: 8,
+                    top_k: 2,
+                    intermediate_size: 64,
+                }),
+                ..tiny.clone()
+            },
+        ),
+        (
+            "bench-moe",
+            "as bench-100m, a Qwen3-MoE: 80 experts of 128 features, 8 per token \
+             (~314M params, ~60M active): moe-bench",
+            SynthConfig {
+                experts: Some(SynthExperts {
+                    num_experts: 80,
+                    top_k: 8,
+                    intermediate_size: 128,
+                }),
+                ..bench
             },
         ),
     ]
@@ -121,11 +161,25 @@ impl SynthConfig {
         self.hidden_size / self.num_heads
     }
 
-    /// Parameters of the model.
+    /// The dense model that reads as many parameters per token: each MLP
+    /// `top_k × expert features` wide (a mixture's own shape otherwise).
+    pub fn dense_equivalent(&self) -> Self {
+        let mut dense = self.clone();
+        if let Some(x) = dense.experts.take() {
+            dense.intermediate_size = x.top_k * x.intermediate_size;
+        }
+        dense
+    }
+
+    /// Parameters of the model (every expert's).
     pub fn num_params(&self) -> usize {
         let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
         let attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2;
-        let per_layer = attn + 3 * h * i + 2 * h;
+        let mlp = match self.experts {
+            None => 3 * h * i,
+            Some(x) => x.num_experts * (3 * h * x.intermediate_size + h) + 2 * d,
+        };
+        let per_layer = attn + mlp + 2 * h;
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -135,6 +189,26 @@ impl SynthConfig {
     }
 
     fn config_json(&self, dtype: DType) -> Value {
+        let mut c = self.llama_config_json(dtype);
+        if let Some(x) = self.experts {
+            let moe = json!({
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": x.num_experts,
+                "num_experts_per_tok": x.top_k,
+                "moe_intermediate_size": x.intermediate_size,
+                "norm_topk_prob": true,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            });
+            for (k, v) in moe.as_object().into_iter().flatten() {
+                c[k] = v.clone();
+            }
+        }
+        c
+    }
+
+    fn llama_config_json(&self, dtype: DType) -> Value {
         json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -180,9 +254,18 @@ impl SynthConfig {
                 vec![h],
                 true,
             ));
-            t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], false));
-            t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], false));
-            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], false));
+            match self.experts {
+                None => t.extend(mlp_tensors(&format!("{p}.mlp"), h, i)),
+                Some(x) => {
+                    t.push((format!("{p}.self_attn.q_norm.weight"), vec![d], true));
+                    t.push((format!("{p}.self_attn.k_norm.weight"), vec![d], true));
+                    t.push((format!("{p}.mlp.gate.weight"), vec![x.num_experts, h], false));
+                    for e in 0..x.num_experts {
+                        let expert = format!("{p}.mlp.experts.{e}");
+                        t.extend(mlp_tensors(&expert, h, x.intermediate_size));
+                    }
+                }
+            }
         }
         t.push(("model.norm.weight".to_string(), vec![h], true));
         if !self.tie_word_embeddings {
@@ -290,6 +373,15 @@ impl SynthConfig {
         )?;
         Ok(())
     }
+}
+
+/// A gated MLP's three projections under `prefix`.
+fn mlp_tensors(prefix: &str, h: usize, i: usize) -> [(String, Vec<usize>, bool); 3] {
+    [
+        (format!("{prefix}.gate_proj.weight"), vec![i, h], false),
+        (format!("{prefix}.up_proj.weight"), vec![i, h], false),
+        (format!("{prefix}.down_proj.weight"), vec![h, i], false),
+    ]
 }
 
 /// A standard normal draw (Box–Muller).

@@ -298,3 +298,25 @@ fn the_int4_plan_counts_the_experts_the_model_quantizes() {
         assert_eq!(stored - planned, dense - model.weight_bytes() as u64, "{case}");
     }
 }
+
+#[test]
+fn generated_moe_models_load_and_count_their_parameters() {
+    use tandem_engine::capacity::parameter_counts;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = tandem_engine::synth::preset("tiny-moe").expect("preset");
+    cfg.write(dir.path(), 3, tandem_engine::weights::DType::F32)
+        .expect("write");
+    let model = Model::load(dir.path()).expect("load");
+    let c = model.config();
+    assert_eq!(c.architecture.hf_name(), "Qwen3MoeForCausalLM");
+    let p = parameter_counts(dir.path(), c).expect("count");
+    assert_eq!(p.total as usize, cfg.num_params());
+    // The dense equivalent reads as many parameters per token.
+    let dense = cfg.dense_equivalent();
+    let routers_and_qk_norms = 2 * (8 * 64 + 2 * 16);
+    assert_eq!(
+        p.active as usize,
+        dense.num_params() + routers_and_qk_norms,
+        "active {p:?}"
+    );
+}

@@ -372,6 +372,12 @@ impl ComputeBackend for ParallelBackend {
         self.layout
     }
 
+    /// The leader's layers' counts (every rank of a stage routes alike; a
+    /// later stage's layers are not counted here).
+    fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {
+        self.model.routed_tokens()
+    }
+
     fn num_blocks(&self) -> usize {
         self.kv.num_blocks()
     }

@@ -214,6 +214,18 @@ pub fn register_engine(registry: &Registry, engine: EngineHandle) {
                 used as f64 / st.num_blocks as f64
             },
         );
+        for (layer, experts) in &st.routed_tokens {
+            let layer = layer.to_string();
+            for (expert, &tokens) in experts.iter().enumerate() {
+                s.counter(
+                    "tandem_moe_routed_tokens_total",
+                    "Tokens routed to each expert of each mixture-of-experts layer \
+                     (a token counts once per expert it chose).",
+                    &[("layer", &layer), ("expert", &expert.to_string())],
+                    tokens as f64,
+                );
+            }
+        }
         s.counter(
             "tandem_prefix_cache_queries_total",
             "Prompt blocks looked up in the prefix cache at admission.",

@@ -137,6 +137,9 @@ pub struct EngineStats {
     pub speculation: SpecCounts,
     /// ... and the KV blocks the drafter holds in its own pool.
     pub draft_blocks: usize,
+    /// Mixture of experts: tokens routed to each expert since start, per
+    /// sparse layer (`(layer, per expert)`), so hot experts show.
+    pub routed_tokens: Vec<(usize, Vec<u64>)>,
 }
 
 impl EngineStats {
@@ -1085,5 +1088,6 @@ impl EngineCore {
         s.parked = self.scheduler.num_parked();
         s.preemptions = self.scheduler.preemptions();
         s.draft_blocks = draft_blocks;
+        s.routed_tokens = self.backend.routed_tokens();
     }
 }
