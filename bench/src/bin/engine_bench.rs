@@ -253,6 +253,9 @@ fn main() -> Result<()> {
         "decode": decode,
         "roofline_crossover_batch": crossover_batch,
         "first_compute_bound_batch": measured_compute_bound,
+        // Mixtures of experts: tokens each expert got over the run, per
+        // sparse layer (empty for a dense model).
+        "routed_tokens": model.routed_tokens(),
     });
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

@@ -15,6 +15,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rayon::prelude::*;
+
 use crate::arch::{Activation, MoeSpec, Routing};
 use crate::kernels::{self, gelu_tanh_mul, silu_mul, MatmulPolicy};
 use crate::weights::Matrix;
@@ -121,7 +123,7 @@ impl SparseMlp {
     /// (`m × hidden`, overwritten).
     pub(super) fn forward(
         &self,
-        x: &[f32],
+        input: &[f32],
         m: usize,
         act: Activation,
         policy: MatmulPolicy,
@@ -129,36 +131,31 @@ impl SparseMlp {
     ) {
         let (e, hsz) = (self.experts.len(), self.router.cols);
         let mut logits = vec![0.0f32; m * e];
-        kernels::linear(x, m, &self.router, None, policy, &mut logits);
+        kernels::linear(input, m, &self.router, None, policy, &mut logits);
         let routes = route(&logits, e, self.top_k, self.routing);
         for (counter, w) in self.routed.iter().zip(routes.starts.windows(2)) {
             counter.fetch_add((w[1] - w[0]) as u64, Ordering::Relaxed);
         }
         out[..m * hsz].fill(0.0);
-        let most = routes.starts.windows(2).map(|w| w[1] - w[0]).max();
-        let most = most.unwrap_or(0);
-        let inter = self.experts.first().map_or(0, |x| x.gate.out_features());
-        let mut rows_in = vec![0.0f32; most * hsz];
-        let mut rows_out = vec![0.0f32; most * hsz];
-        let (mut gate, mut up) = (vec![0.0f32; most * inter], vec![0.0f32; most * inter]);
-        for (expert, span) in self.experts.iter().zip(routes.starts.windows(2)) {
-            let n = span[1] - span[0];
-            if n == 0 {
-                continue;
-            }
-            let rows = &routes.rows[span[0]..span[1]];
-            for (dst, &r) in rows_in.chunks_exact_mut(hsz).zip(rows) {
-                let r = r as usize;
-                dst.copy_from_slice(&x[r * hsz..(r + 1) * hsz]);
-            }
-            let done = &mut rows_out[..n * hsz];
-            let scratch = (&mut gate[..], &mut up[..]);
-            expert.forward(&rows_in[..n * hsz], n, act, policy, scratch, done);
-            for ((src, &r), &w) in done
-                .chunks_exact(hsz)
-                .zip(rows)
-                .zip(&routes.weights[span[0]..span[1]])
-            {
+        // Experts run side by side, one task each (a step of small batches
+        // has many experts of a few rows: one parallel loop over them costs
+        // far less than a parallel loop inside each of their matrices);
+        // their rows are added in ascending expert order afterwards, so the
+        // sum does not depend on the schedule.
+        let active: Vec<usize> = (0..e)
+            .filter(|&x| routes.starts[x + 1] > routes.starts[x])
+            .collect();
+        let outputs: Vec<Vec<f32>> = active
+            .par_iter()
+            .map(|&x| {
+                let rows = &routes.rows[routes.starts[x]..routes.starts[x + 1]];
+                self.run_expert(x, rows, input, act, policy)
+            })
+            .collect();
+        for (&x, done) in active.iter().zip(&outputs) {
+            let span = routes.starts[x]..routes.starts[x + 1];
+            let weighted = routes.rows[span.clone()].iter().zip(&routes.weights[span]);
+            for (src, (&r, &w)) in done.chunks_exact(hsz).zip(weighted) {
                 let r = r as usize;
                 for (o, &v) in out[r * hsz..(r + 1) * hsz].iter_mut().zip(src) {
                     *o += w * v;
@@ -166,8 +163,32 @@ impl SparseMlp {
             }
         }
         if let Some(shared) = &self.shared {
-            self.add_shared(shared, x, m, act, policy, out);
+            self.add_shared(shared, input, m, act, policy, out);
         }
+    }
+
+    /// Expert `expert` over the rows `rows` of `x`, gathered into one
+    /// matrix: its `rows.len() × hidden` outputs, unweighted.
+    fn run_expert(
+        &self,
+        expert: usize,
+        rows: &[u32],
+        x: &[f32],
+        act: Activation,
+        policy: MatmulPolicy,
+    ) -> Vec<f32> {
+        let (n, hsz) = (rows.len(), self.router.cols);
+        let mlp = &self.experts[expert];
+        let inter = mlp.gate.out_features();
+        let mut gathered = vec![0.0f32; n * hsz];
+        for (dst, &r) in gathered.chunks_exact_mut(hsz).zip(rows) {
+            let r = r as usize;
+            dst.copy_from_slice(&x[r * hsz..(r + 1) * hsz]);
+        }
+        let (mut gate, mut up) = (vec![0.0f32; n * inter], vec![0.0f32; n * inter]);
+        let mut out = vec![0.0f32; n * hsz];
+        mlp.forward(&gathered, n, act, policy, (&mut gate, &mut up), &mut out);
+        out
     }
 
     /// `out += sigmoid(gate · x) · shared(x)`, row by row.
