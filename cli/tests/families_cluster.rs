@@ -1,6 +1,6 @@
 //! The families beyond Llama through a cluster of real processes: `tandem
 //! up --prefill 1 --decode 1` (router, one prefill and one decode worker on
-//! loopback, KV moved between them) serving Qwen3 and Gemma 3 checkpoints
+//! loopback, KV moved between them) serving Qwen3, Gemma 3 and Qwen3-MoE checkpoints
 //! made by transformers, against transformers' own tokens and against
 //! `tandem serve`.
 //!
@@ -135,4 +135,12 @@ fn qwen3_through_a_disaggregated_cluster() {
 #[test]
 fn gemma3_through_a_disaggregated_cluster() {
     cluster_matches_serve_and_transformers("gemma3_gqa_f32");
+}
+
+/// A mixture of experts (Qwen3-MoE: 8 experts, 2 per token, a dense layer
+/// between two sparse ones) prefilled on one worker and decoded on the
+/// other.
+#[test]
+fn qwen3_moe_through_a_disaggregated_cluster() {
+    cluster_matches_serve_and_transformers("qwen3moe_norm_f32");
 }
