@@ -42,8 +42,10 @@ pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     if config.rope_scaling.position_dependent() {
         missing.push("position-dependent RoPE frequencies (longrope, dynamic)");
     }
-    if s.activation != Activation::Silu {
-        missing.push("GELU-tanh MLP activation");
+    match s.activation {
+        Activation::Silu => {}
+        Activation::GeluTanh => missing.push("GELU-tanh MLP activation"),
+        Activation::ClampedSwiglu { .. } => missing.push("clamped SwiGLU activation"),
     }
     if s.embed_scale.is_some() {
         missing.push("embedding scaling");
@@ -59,6 +61,9 @@ pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     }
     if s.moe.is_some() {
         missing.push("mixture-of-experts layers");
+    }
+    if s.attn_sinks {
+        missing.push("attention sinks");
     }
     missing
 }

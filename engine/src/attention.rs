@@ -39,22 +39,27 @@ pub struct Heads {
 
 /// How one layer scores keys.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scoring {
+pub struct Scoring<'a> {
     /// Scores are `q·k · scale` (`1/√head_dim` unless the family says).
     pub scale: f32,
     /// Scores become `cap · tanh(score / cap)` before the softmax.
     pub softcap: Option<f32>,
     /// Only the last `window` positions (the query's own included) are seen.
     pub window: Option<usize>,
+    /// One learned logit per head that joins every softmax's denominator
+    /// but has no value (gpt-oss's attention sinks): a head can attend to
+    /// nothing.
+    pub sinks: Option<&'a [f32]>,
 }
 
-impl Scoring {
+impl Scoring<'_> {
     /// Plain causal attention scaled by `1/√head_dim`.
     pub fn causal(head_dim: usize) -> Self {
         Self {
             scale: 1.0 / (head_dim as f32).sqrt(),
             softcap: None,
             window: None,
+            sinks: None,
         }
     }
 }
@@ -70,7 +75,7 @@ pub fn paged_attention(
     layer: usize,
     seqs: &[AttnSeq<'_>],
     heads: Heads,
-    scoring: Scoring,
+    scoring: Scoring<'_>,
     out: &mut [f32],
 ) {
     let Heads {
@@ -84,6 +89,7 @@ pub fn paged_attention(
         scale,
         softcap,
         window,
+        sinks,
     } = scoring;
     let bs = kv.layout().block_size;
     let view = kv.layer(layer);
@@ -149,6 +155,19 @@ pub fn paged_attention(
                     axpy_f32(acc, p * v_scale, vr);
                 }
                 kpos += slot1 - slot0;
+            }
+            if let Some(sink) = sinks.map(|s| s[h]) {
+                // The sink joins the denominator; rescale first if it is the
+                // largest logit, so nothing overflows.
+                if sink > m {
+                    let c = (m - sink).exp();
+                    l = l * c + 1.0;
+                    for a in acc.iter_mut() {
+                        *a *= c;
+                    }
+                } else {
+                    l += (sink - m).exp();
+                }
             }
             let inv = 1.0 / l;
             for a in acc.iter_mut() {

@@ -29,6 +29,7 @@ pub enum Architecture {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    GptOss,
 }
 
 impl Architecture {
@@ -48,6 +49,7 @@ impl Architecture {
             Self::Mixtral => "MixtralForCausalLM",
             Self::Qwen2Moe => "Qwen2MoeForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::GptOss => "GptOssForCausalLM",
         }
     }
 }

@@ -380,23 +380,51 @@ impl WeightStore {
             let row = r * total_cols * size;
             shard.extend_from_slice(&bytes[row + cols.start * size..row + cols.end * size]);
         }
-        fn owned<T: bytemuck::Pod>(bytes: &[u8]) -> Buf<T> {
-            Buf::from(
-                bytes
-                    .chunks_exact(std::mem::size_of::<T>())
-                    .map(bytemuck::pod_read_unaligned::<T>)
-                    .collect::<Vec<T>>(),
-            )
-        }
-        let data = match e.dtype {
-            Dtype::F32 => WeightData::F32(owned(&shard)),
-            Dtype::BF16 => WeightData::Bf16(owned(&shard)),
-            _ => WeightData::F16(owned(&shard)),
-        };
+        let data = owned_data(e.dtype, &shard);
         Ok(Matrix {
             rows,
             cols: cols.len(),
             data,
+        })
+    }
+
+    /// One expert's projection out of a stacked, input-major `[experts,
+    /// inputs, outputs]` tensor (gpt-oss), as an `[out, in]` matrix: row `r`
+    /// is stored column `outputs[r]` of `expert`'s slice, over the stored
+    /// rows `inputs`. Copied out (transposed), in the stored dtype.
+    pub fn stacked_transposed(
+        &self,
+        name: &str,
+        shape: [usize; 3],
+        expert: usize,
+        outputs: &[usize],
+        inputs: std::ops::Range<usize>,
+    ) -> Result<Matrix> {
+        let e = self.entry(name, &shape)?;
+        let [experts, rows, cols] = shape;
+        let outside = expert >= experts
+            || inputs.end > rows
+            || inputs.start > inputs.end
+            || outputs.iter().any(|&c| c >= cols);
+        if outside {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "expert {expert}'s part of tensor `{name}` is outside its shape {shape:?}"
+            )));
+        }
+        let size = dtype_size(name, e.dtype)?;
+        let bytes = &self.maps[e.file][e.start..e.end];
+        let base = expert * rows * cols;
+        let mut out = Vec::with_capacity(outputs.len() * inputs.len() * size);
+        for &c in outputs {
+            for r in inputs.clone() {
+                let at = (base + r * cols + c) * size;
+                out.extend_from_slice(&bytes[at..at + size]);
+            }
+        }
+        Ok(Matrix {
+            rows: outputs.len(),
+            cols: inputs.len(),
+            data: owned_data(e.dtype, &out),
         })
     }
 
@@ -452,5 +480,22 @@ impl WeightStore {
         } else {
             Ok(None)
         }
+    }
+}
+
+/// Stored bytes of a float dtype copied into an owned buffer.
+fn owned_data(dtype: Dtype, bytes: &[u8]) -> WeightData {
+    fn owned<T: bytemuck::Pod>(bytes: &[u8]) -> Buf<T> {
+        Buf::from(
+            bytes
+                .chunks_exact(std::mem::size_of::<T>())
+                .map(bytemuck::pod_read_unaligned::<T>)
+                .collect::<Vec<T>>(),
+        )
+    }
+    match dtype {
+        Dtype::F32 => WeightData::F32(owned(bytes)),
+        Dtype::BF16 => WeightData::Bf16(owned(bytes)),
+        _ => WeightData::F16(owned(bytes)),
     }
 }

@@ -204,6 +204,9 @@ fn every_family_shards_to_the_whole_models_logits() {
         ("mixtral_top2_f32", both),
         ("qwen2moe_shared_f32", both),
         ("qwen3moe_norm_f32", &[(2, 1), (1, 3), (2, 3), (4, 1)][..]),
+        // Sinks split with their heads, stacked experts by feature, the
+        // down biases added once.
+        ("gptoss_sinks_f32", both),
         // Its q/k norm spans every head: pipeline only.
         ("olmo2_gqa_f32", &[(1, 2)][..]),
     ] {

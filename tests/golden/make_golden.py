@@ -35,6 +35,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -363,6 +365,22 @@ def cases():
             ),
             legacy_qwen3_moe,
         ),
+        # gpt-oss: attention sinks, q/k/v/o biases, sliding (window 8) and
+        # full layers alternating, YaRN over a 16-token original context
+        # (no truncation), 4 stacked experts with biases, top-2 by logit,
+        # and a SwiGLU clamp small enough to bind.
+        "gptoss_sinks": (
+            GptOssConfig,
+            GptOssForCausalLM,
+            dict(
+                BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                swiglu_limit=1.5,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=150000.0, factor=8.0, original_max_position_embeddings=16,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False,
+                ),
+            ),
+        ),
     }
 
 
@@ -394,7 +412,7 @@ def build(config_cls, model_cls, kwargs, seed):
     with torch.no_grad():
         # Biases are zero-initialised by HF; give them values so they matter.
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or name.endswith("_bias") or name.endswith(".sinks"):
                 p.normal_(0.0, INIT_STD)
             if "norm" in name:
                 p.uniform_(0.5, 1.5)

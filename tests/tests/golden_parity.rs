@@ -203,6 +203,7 @@ fn every_fixture_architecture_is_covered() {
         "qwen2moe_shared",
         "qwen3moe_norm",
         "qwen3moe_step2",
+        "gptoss_sinks",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -259,6 +260,7 @@ parity!(
     qwen2moe_shared,
     qwen3moe_norm,
     qwen3moe_step2,
+    gptoss_sinks,
 );
 
 #[test]

@@ -143,6 +143,7 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
         },
         text_tower_of: (c.class == MULTIMODAL).then_some(MULTIMODAL),
         moe: None,
+        attn_sinks: false,
     })
 }
 

@@ -4,7 +4,7 @@
 //! top-k weights are renormalised (`block_sparse_moe`, experts' `w1` gate,
 //! `w3` up, `w2` down).
 
-use super::moe::{self, MoeSpec, Routing};
+use super::moe::{self, ExpertStorage, MoeSpec, Routing};
 use super::{ArchSpec, Family, FamilyInput, LayerTensor};
 use crate::config::Architecture;
 use crate::error::Result;
@@ -41,6 +41,7 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             // Mixtral's experts are as wide as its `intermediate_size`.
             expert_intermediate: moe::size(c, "intermediate_size")?,
             routing: Routing::SoftmaxTopK { renormalize: true },
+            storage: ExpertStorage::PerExpert,
             shared_intermediate: None,
             sparse_layers: vec![true; c.num_layers],
         }),

@@ -23,6 +23,7 @@
 //! family name; only the files of this module do.
 
 pub mod gemma;
+pub mod gpt_oss;
 pub mod granite;
 pub mod llama;
 pub mod mixtral;
@@ -36,7 +37,7 @@ use serde_json::Value;
 
 use crate::config::{Architecture, RopeScaling};
 use crate::error::{EngineError, Result};
-pub use moe::{MoeSpec, Routing};
+pub use moe::{ExpertStorage, MoeSpec, Routing};
 
 /// Where a decoder layer's RMSNorms sit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,12 +78,15 @@ pub enum QkNorm {
 }
 
 /// The MLP's gate activation (`act(gate) * up`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Activation {
     /// `x · sigmoid(x)` (`silu`).
     Silu,
     /// GELU, tanh approximation (`gelu_pytorch_tanh`).
     GeluTanh,
+    /// gpt-oss's: `(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)` with
+    /// `g = min(gate, limit)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 impl Activation {
@@ -145,6 +149,12 @@ pub enum LayerTensor {
     SharedDown,
     /// The shared expert's `[1, hidden]` output gate.
     SharedExpertGate,
+    /// Every expert's gate and up projections in one 3-D tensor, and their
+    /// down projections in another ([`ExpertStorage::Stacked`]).
+    ExpertsGateUp,
+    ExpertsDown,
+    /// One attention-sink logit per head (gpt-oss).
+    Sinks,
 }
 
 /// A layer's attention, resolved at load.
@@ -205,6 +215,8 @@ pub struct ArchSpec {
     pub text_tower_of: Option<&'static str>,
     /// The mixture-of-experts layers, if the family has them.
     pub moe: Option<MoeSpec>,
+    /// A learned per-head logit in every attention softmax (gpt-oss).
+    pub attn_sinks: bool,
 }
 
 impl ArchSpec {
@@ -233,6 +245,7 @@ impl ArchSpec {
             local_rope: None,
             text_tower_of: None,
             moe: None,
+            attn_sinks: false,
         })
     }
 
@@ -268,13 +281,20 @@ impl ArchSpec {
             _ => {}
         }
         if let Some(moe) = self.moe.as_ref().filter(|m| m.sparse_count() > 0) {
-            t.extend([Router, ExpertGate, ExpertUp, ExpertDown]);
+            t.push(Router);
+            match moe.storage {
+                ExpertStorage::PerExpert => t.extend([ExpertGate, ExpertUp, ExpertDown]),
+                ExpertStorage::Stacked => t.extend([ExpertsGateUp, ExpertsDown]),
+            }
             if moe.shared_intermediate.is_some() {
                 t.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
             }
         }
         if self.qk_norm != QkNorm::None {
             t.extend([QNorm, KNorm]);
+        }
+        if self.attn_sinks {
+            t.push(Sinks);
         }
         t
     }
@@ -444,6 +464,7 @@ pub const FAMILIES: &[&Family] = &[
     &granite::FAMILY,
     &mixtral::FAMILY,
     &qwen_moe::FAMILY,
+    &gpt_oss::FAMILY,
 ];
 
 /// The family and engine architecture of a Hugging Face class name.

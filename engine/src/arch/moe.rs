@@ -20,6 +20,22 @@ pub enum Routing {
     /// renormalised to sum to one when `renormalize` (Mixtral always;
     /// Qwen when `norm_topk_prob`).
     SoftmaxTopK { renormalize: bool },
+    /// The `top_k` largest logits, then a softmax over those alone
+    /// (gpt-oss).
+    TopKSoftmax,
+}
+
+/// How a checkpoint stores its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// One module per expert, each with its own gate, up and down
+    /// `[out, in]` tensors (Mixtral, Qwen).
+    PerExpert,
+    /// All experts stacked, input-major: `gate_up_proj` `[E, hidden, 2I]`
+    /// with gate and up interleaved along the last axis (gate at even
+    /// columns), `down_proj` `[E, I, hidden]`, biases `*_bias` `[E, out]`
+    /// (gpt-oss).
+    Stacked,
 }
 
 /// A model's mixture-of-experts layers.
@@ -31,6 +47,7 @@ pub struct MoeSpec {
     /// Intermediate features of each routed expert.
     pub expert_intermediate: usize,
     pub routing: Routing,
+    pub storage: ExpertStorage,
     /// Intermediate features of the shared expert, if the family has one
     /// (Qwen2-MoE's `shared_expert_intermediate_size`).
     pub shared_intermediate: Option<usize>,

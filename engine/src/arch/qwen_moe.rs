@@ -6,7 +6,7 @@
 //! expert on every sparse layer, gated by `sigmoid(shared_expert_gate · x)`.
 
 use super::llama::qwen_windows;
-use super::moe::{self, MoeSpec, Routing};
+use super::moe::{self, ExpertStorage, MoeSpec, Routing};
 use super::{ArchSpec, Family, FamilyInput, LayerTensor, QkNorm};
 use crate::config::Architecture;
 use crate::error::Result;
@@ -62,6 +62,7 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             routing: Routing::SoftmaxTopK {
                 renormalize: moe::flag(c, "norm_topk_prob", false),
             },
+            storage: ExpertStorage::PerExpert,
             shared_intermediate,
             sparse_layers: moe::qwen_sparse_layers(c)?,
         }),

@@ -201,6 +201,16 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU, in place: `gate = (clamp(up, ±limit) + 1) ·
+/// g · sigmoid(alpha · g)` with `g = min(gate, limit)`.
+pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        *g = (u + 1.0) * x / (1.0 + (-alpha * x).exp());
+    }
+}
+
 /// `gate = gelu_tanh(gate) * up`, in place: PyTorch's
 /// `gelu(approximate="tanh")`, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {

@@ -63,7 +63,30 @@ pub(super) enum Split {
     },
 }
 
+impl Split {
+    /// The features of `n` this split keeps (outputs or inputs).
+    pub(super) fn range(&self, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Self::Whole => 0..n,
+            Self::Outputs(r) | Self::Inputs { range: r, .. } => r.clone(),
+        }
+    }
+
+    /// Whether this rank adds the bias of a row-parallel layer.
+    pub(super) fn keeps_bias(&self) -> bool {
+        !matches!(self, Self::Inputs { keeps_bias: false, .. })
+    }
+}
+
 impl Linear {
+    /// A dense layer from a weight already loaded.
+    pub(super) fn dense(w: Matrix, b: Option<Vec<f32>>) -> Self {
+        Self {
+            w: LinearWeight::Dense(w),
+            b,
+        }
+    }
+
     /// Loads a rank's part of the layer (reading only that part):
     /// `prefix.weight`, or the `prefix.qweight` family of a pre-quantized
     /// checkpoint (whole layers only).

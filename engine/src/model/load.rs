@@ -2,7 +2,7 @@
 //! [`ArchSpec`](crate::arch::ArchSpec) describes it: split or fused
 //! projections, the norms its placement needs, and a dense or sparse MLP.
 
-use crate::arch::{LayerTensor, MoeSpec, Projections, QkNorm, TensorNames};
+use crate::arch::{ExpertStorage, LayerTensor, MoeSpec, Projections, QkNorm, TensorNames};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::quant::hf::HfQuantization;
@@ -17,6 +17,8 @@ pub(super) struct LayerSplits {
     pub(super) q_cols: Split,
     pub(super) kv_cols: Split,
     pub(super) o_rows: Split,
+    /// This rank's query heads (its attention sinks).
+    pub(super) heads: std::ops::Range<usize>,
     /// A gated MLP's (dense, expert, shared expert) intermediate features.
     pub(super) inter: MlpSplit,
     pub(super) expert: MlpSplit,
@@ -125,19 +127,63 @@ impl Source<'_> {
         }
     }
 
+    /// Expert `e` of layer `i` from the stacked tensors (gpt-oss): gate
+    /// and up interleaved in `[E, hidden, 2I]`, down `[E, I, hidden]`, each
+    /// with an `_bias` `[E, out]`.
+    fn stacked_expert(&self, i: usize, e: usize, moe: &MoeSpec, split: &MlpSplit) -> Result<DenseMlp> {
+        use LayerTensor as T;
+        let (h, inter, n) = (self.config.hidden_size, moe.expert_intermediate, moe.num_experts);
+        let gate_up = self.names.layer(i, T::ExpertsGateUp)?;
+        let down = self.names.layer(i, T::ExpertsDown)?;
+        let features = split.cols.range(inter);
+        let bias_row = |name: String, width: usize| -> Result<Option<Vec<f32>>> {
+            if !self.ws.contains(&name) {
+                return Ok(None);
+            }
+            let m = self.ws.matrix(&name, n, width)?;
+            let mut row = vec![0.0; width];
+            m.row_to_f32(e, &mut row);
+            Ok(Some(row))
+        };
+        let gate_up_bias = bias_row(format!("{gate_up}_bias"), 2 * inter)?;
+        let half = |parity: usize| -> Result<Linear> {
+            let cols: Vec<usize> = features.clone().map(|j| 2 * j + parity).collect();
+            let w = self.ws.stacked_transposed(&gate_up, [n, h, 2 * inter], e, &cols, 0..h)?;
+            let b = gate_up_bias.as_ref().map(|b| cols.iter().map(|&c| b[c]).collect());
+            Ok(Linear::dense(w, b))
+        };
+        let all: Vec<usize> = (0..h).collect();
+        let w = self.ws.stacked_transposed(&down, [n, inter, h], e, &all, features.clone())?;
+        let b = match split.rows.keeps_bias() {
+            true => bias_row(format!("{down}_bias"), h)?,
+            false => None,
+        };
+        Ok(DenseMlp {
+            gate: half(0)?,
+            up: half(1)?,
+            down: Linear::dense(w, b),
+        })
+    }
+
     /// Layer `i`'s mixture of experts.
     fn sparse_mlp(&self, i: usize, moe: &MoeSpec, splits: &LayerSplits) -> Result<SparseMlp> {
         use LayerTensor as T;
         let names = self.names;
         let h = self.config.hidden_size;
-        let router = self
-            .ws
-            .matrix(&names.layer_weight(i, T::Router)?, moe.num_experts, h)?;
+        let router_path = names.layer(i, T::Router)?;
+        let router = (
+            self.ws.matrix(&format!("{router_path}.weight"), moe.num_experts, h)?,
+            self.ws
+                .optional_vector(&format!("{router_path}.bias"), moe.num_experts)?,
+        );
         let experts = (0..moe.num_experts)
-            .map(|e| {
-                let [g, u, d] = [T::ExpertGate, T::ExpertUp, T::ExpertDown]
-                    .map(|t| names.expert(i, e, t));
-                self.gated([g?, u?, d?], moe.expert_intermediate, &splits.expert)
+            .map(|e| match moe.storage {
+                ExpertStorage::PerExpert => {
+                    let [g, u, d] = [T::ExpertGate, T::ExpertUp, T::ExpertDown]
+                        .map(|t| names.expert(i, e, t));
+                    self.gated([g?, u?, d?], moe.expert_intermediate, &splits.expert)
+                }
+                ExpertStorage::Stacked => self.stacked_expert(i, e, moe, &splits.expert),
             })
             .collect::<Result<Vec<_>>>()?;
         let shared = match moe.shared_intermediate {
@@ -191,7 +237,15 @@ impl Source<'_> {
             Some(moe) => Mlp::Sparse(self.sparse_mlp(i, moe, splits)?),
             None => Mlp::Dense(self.dense_mlp(i, &splits.inter)?),
         };
+        let sinks = match spec.attn_sinks {
+            true => {
+                let name = names.layer(i, T::Sinks)?;
+                Some(self.ws.vector_part(&name, c.num_heads, splits.heads.clone())?)
+            }
+            false => None,
+        };
         Ok(Layer {
+            sinks,
             attn_norm: optional_norm(inputs, T::AttnNorm, h)?,
             q,
             k,

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rayon::prelude::*;
 
 use crate::arch::{Activation, MoeSpec, Routing};
-use crate::kernels::{self, gelu_tanh_mul, silu_mul, MatmulPolicy};
+use crate::kernels::{self, clamped_swiglu_mul, gelu_tanh_mul, silu_mul, MatmulPolicy};
 use crate::weights::Matrix;
 
 use super::linear::Linear;
@@ -50,6 +50,9 @@ impl DenseMlp {
         match act {
             Activation::Silu => silu_mul(gate, up),
             Activation::GeluTanh => gelu_tanh_mul(gate, up),
+            Activation::ClampedSwiglu { alpha, limit } => {
+                clamped_swiglu_mul(gate, up, alpha, limit)
+            }
         }
         self.down.forward(gate, m, policy, out);
     }
@@ -83,6 +86,7 @@ pub(super) struct SharedExpert {
 pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`, replicated on every tensor-parallel rank.
     pub(super) router: Matrix,
+    pub(super) router_bias: Option<Vec<f32>>,
     pub(super) experts: Vec<DenseMlp>,
     pub(super) shared: Option<SharedExpert>,
     pub(super) top_k: usize,
@@ -103,7 +107,7 @@ pub(super) struct Routes {
 
 impl SparseMlp {
     pub(super) fn new(
-        router: Matrix,
+        (router, router_bias): (Matrix, Option<Vec<f32>>),
         experts: Vec<DenseMlp>,
         shared: Option<SharedExpert>,
         spec: &MoeSpec,
@@ -111,6 +115,7 @@ impl SparseMlp {
         let routed = (0..experts.len()).map(|_| AtomicU64::new(0)).collect();
         Self {
             router,
+            router_bias,
             experts,
             shared,
             top_k: spec.top_k,
@@ -131,7 +136,8 @@ impl SparseMlp {
     ) {
         let (e, hsz) = (self.experts.len(), self.router.cols);
         let mut logits = vec![0.0f32; m * e];
-        kernels::linear(input, m, &self.router, None, policy, &mut logits);
+        let bias = self.router_bias.as_deref();
+        kernels::linear(input, m, &self.router, bias, policy, &mut logits);
         let routes = route(&logits, e, self.top_k, self.routing);
         for (counter, w) in self.routed.iter().zip(routes.starts.windows(2)) {
             counter.fetch_add((w[1] - w[0]) as u64, Ordering::Relaxed);
@@ -235,16 +241,13 @@ pub(super) fn route(logits: &[f32], num_experts: usize, top_k: usize, routing: R
     let mut probs = vec![0.0f32; num_experts];
     let mut order: Vec<usize> = Vec::with_capacity(num_experts);
     for row in logits.chunks_exact(num_experts) {
-        let Routing::SoftmaxTopK { renormalize } = routing;
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for (p, &l) in probs.iter_mut().zip(row) {
-            *p = (l - max).exp();
-            sum += *p;
-        }
-        for p in &mut probs {
-            *p /= sum;
-        }
+        let renormalize = match routing {
+            Routing::SoftmaxTopK { renormalize } => renormalize,
+            // A softmax over the top k logits is the softmax over all of
+            // them, restricted to those k and renormalised.
+            Routing::TopKSoftmax => true,
+        };
+        softmax_into(row, &mut probs);
         order.clear();
         order.extend(0..num_experts);
         // Largest first; equal probabilities keep the lower expert first.
@@ -277,6 +280,19 @@ pub(super) fn route(logits: &[f32], num_experts: usize, top_k: usize, routing: R
         starts,
         rows,
         weights,
+    }
+}
+
+/// `probs = softmax(row)`.
+fn softmax_into(row: &[f32], probs: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for (p, &l) in probs.iter_mut().zip(row) {
+        *p = (l - max).exp();
+        sum += *p;
+    }
+    for p in probs.iter_mut() {
+        *p /= sum;
     }
 }
 

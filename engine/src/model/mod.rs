@@ -63,6 +63,8 @@ struct Layer {
     mlp_out_norm: Option<Vec<f32>>,
     mlp: Mlp,
     attention: LayerAttention,
+    /// This rank's heads' attention-sink logits (gpt-oss).
+    sinks: Option<Vec<f32>>,
 }
 
 impl Layer {
@@ -239,6 +241,7 @@ impl Model {
             q_cols: outputs(&qh, d),
             kv_cols: outputs(&kvh, d),
             o_rows: inputs(&qh, d),
+            heads: qh.clone(),
             inter: mlp(c.intermediate_size),
             expert: mlp(moe.map_or(0, |m| m.expert_intermediate)),
             shared: mlp(moe.and_then(|m| m.shared_intermediate).unwrap_or(0)),
@@ -639,6 +642,7 @@ impl Model {
             scale: self.config.arch.attn_scale * rope.score_factor(),
             softcap: self.config.arch.attn_softcap,
             window: layer.attention.window,
+            sinks: layer.sinks.as_deref(),
         };
         paged_attention(&s.q, kv, li, &s.seqs, s.heads, scoring, &mut s.attn);
         layer.o.forward(&s.attn, t, self.matmul, &mut s.proj);
