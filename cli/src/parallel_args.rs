@@ -28,10 +28,17 @@ pub struct ParallelArgs {
     /// attention heads and MLP features are split among them).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
-    /// Pipeline stages (contiguous layer ranges, one set of `--tp` ranks
-    /// each).
+    /// Pipeline stages (contiguous layer ranges, one set of `--tp` × `--ep`
+    /// ranks each).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Expert parallelism (mixture-of-experts models): each stage has
+    /// `--tp` × `--ep` ranks; every MoE layer's experts are split by index
+    /// into `--ep` groups (each group's `--tp` ranks split its experts'
+    /// features), attention and dense layers tensor-parallel over all of
+    /// the stage's ranks.
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Micro-batches per step when pipelined (default: `--pp`).
     #[arg(long)]
     micro_batches: Option<usize>,
@@ -53,13 +60,7 @@ pub struct ParallelArgs {
 impl ParallelArgs {
     /// The split, when there is one.
     pub fn parallelism(&self) -> Result<Option<Parallelism>> {
-        if self.tp == 0 || self.pp == 0 {
-            bail!("--tp and --pp must be at least 1");
-        }
-        let par = Parallelism {
-            tp: self.tp,
-            pp: self.pp,
-        };
+        let par = parallelism(self.tp, self.pp, self.ep)?;
         Ok((par.world() > 1).then_some(par))
     }
 
@@ -69,6 +70,14 @@ impl ParallelArgs {
             (cores / par.world()).max(1)
         })
     }
+}
+
+/// `--tp`, `--pp`, `--ep` as the ranks see them: `tp × ep` ranks per stage.
+fn parallelism(tp: usize, pp: usize, ep: usize) -> Result<Parallelism> {
+    if tp == 0 || pp == 0 || ep == 0 {
+        bail!("--tp, --pp and --ep must be at least 1");
+    }
+    Ok(Parallelism { tp: tp * ep, pp, ep })
 }
 
 /// The other ranks this process started; killed with it.
@@ -104,6 +113,11 @@ pub fn start_leader(
     if config.weight_quantization.is_some() {
         bail!("--quantize int4 runs without --tp/--pp (INT4 shards are not supported yet)");
     }
+    // A split the model cannot take is refused before any rank starts.
+    let model_config = tandem_engine::ModelConfig::from_dir(dir)
+        .with_context(|| format!("reading the config of {}", dir.display()))?;
+    par.check(&model_config)
+        .with_context(|| format!("splitting {} over {} ranks", dir.display(), par.world()))?;
     set_compute_threads(args.threads(par));
     let rendezvous = Rendezvous::bind(args.rank_addr)
         .with_context(|| format!("binding the rank rendezvous at {}", args.rank_addr))?;
@@ -118,8 +132,9 @@ pub fn start_leader(
                 .arg("rank")
                 .args(["--leader", &addr.to_string()])
                 .args(["--rank", &rank.to_string()])
-                .args(["--tp", &par.tp.to_string()])
+                .args(["--tp", &(par.tp / par.ep).to_string()])
                 .args(["--pp", &par.pp.to_string()])
+                .args(["--ep", &par.ep.to_string()])
                 .args(["--threads", &args.threads(par).to_string()])
                 .arg("--model")
                 .arg(dir)
@@ -160,14 +175,16 @@ pub struct RankArgs {
     /// The leader's `--rank-addr`.
     #[arg(long)]
     leader: SocketAddr,
-    /// This rank (1 .. tp × pp − 1; rank r is TP rank r % tp of stage
-    /// r / tp).
+    /// This rank (1 .. tp × ep × pp − 1; with `n = tp × ep` ranks per
+    /// stage, rank r is rank r % n of stage r / n).
     #[arg(long)]
     rank: usize,
     #[arg(long)]
     tp: usize,
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
     /// Checkpoint directory (default: the built-in model); the leader checks
     /// that it is the same model.
     #[arg(long)]
@@ -185,10 +202,7 @@ pub fn run_rank(args: RankArgs) -> Result<()> {
         Some(d) => d,
         None => crate::default_model::default_model_dir()?,
     };
-    let par = Parallelism {
-        tp: args.tp,
-        pp: args.pp,
-    };
+    let par = parallelism(args.tp, args.pp, args.ep)?;
     let comm = TcpComm::connect(args.leader, args.rank, par.world(), CommConfig::default())
         .with_context(|| format!("rank {} joining {}", args.rank, args.leader))?;
     run_follower(&dir, par, Box::new(comm)).with_context(|| format!("rank {}", args.rank))?;

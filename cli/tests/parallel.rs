@@ -148,22 +148,37 @@ fn alive(pid: u32) -> bool {
 
 #[test]
 fn killing_one_rank_takes_its_worker_out_and_requests_go_on_elsewhere() {
-    let cluster = tandem_tests::cluster::start(
-        tandem(),
-        &[
-            "up",
-            "--prefill",
-            "0",
-            "--decode",
-            "2",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--kv-cache-memory",
-            "32MiB",
-            "--decode-arg=--tp=2",
-        ],
-    );
+    kill_one_rank(&[], "--decode-arg=--tp=2");
+}
+
+/// The same for an expert-parallel worker of a mixture of experts.
+#[test]
+fn killing_an_expert_parallel_rank_takes_its_worker_out() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    tandem_tests::cluster::gen_model(tandem(), tmp.path(), "tiny-moe");
+    let model = tmp.path().to_str().expect("utf8");
+    kill_one_rank(&["--model", model], "--decode-arg=--ep=2");
+}
+
+/// Two decode workers, the first split over two ranks by `split_arg`: one
+/// of its ranks is killed mid-call; the worker fails its calls cleanly or
+/// they migrate, it leaves etcd, and the survivor serves what follows.
+fn kill_one_rank(model_args: &[&str], split_arg: &str) {
+    let mut args = vec![
+        "up",
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--addr",
+        "127.0.0.1:0",
+        "--no-http",
+        "--kv-cache-memory",
+        "32MiB",
+        split_arg,
+    ];
+    args.extend(model_args);
+    let cluster = tandem_tests::cluster::start(tandem(), &args);
     let victim = cluster.decode[0].clone();
     let survivor = cluster.decode[1].clone();
     let leader = cluster.pids[&victim];

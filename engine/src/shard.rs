@@ -10,6 +10,19 @@
 //! heads. When the model has fewer KV heads than ranks, each KV head is
 //! replicated on the ranks whose query heads use it.
 //!
+//! Expert parallelism (EP) splits the experts of every mixture-of-experts
+//! layer by index into `ep_size` groups of whole experts, each group held
+//! by `tp_size / ep_size` ranks of the stage (which split its experts'
+//! features as TP would). Attention and dense MLPs stay tensor-parallel
+//! over all the stage's ranks, so every rank has every token's hidden
+//! state after attention's all-reduce: dispatch needs no communication,
+//! each rank runs its experts on the tokens routed to them (the router is
+//! replicated), and the all-reduce after the MLP that TP already does
+//! combines the experts' weighted outputs. On loopback and shared memory
+//! that one all-reduce of `tokens × hidden` floats moves the same bytes as
+//! an all-to-all dispatch and combine would, in one collective instead of
+//! two, and the ranks keep whole experts (wider matrices than a TP split).
+//!
 //! Pipeline parallelism (PP) gives each stage a contiguous range of layers;
 //! the first stage embeds, the last one normalises and runs the output head
 //! (on its TP rank 0 only), and activations pass between stages.
@@ -33,6 +46,22 @@ pub struct ShardSpec {
     pub layers: Range<usize>,
     /// Layers in the whole model.
     pub total_layers: usize,
+    /// Expert groups in this rank's stage (1: every rank holds a feature
+    /// slice of every expert).
+    pub ep_size: usize,
+}
+
+/// How a model is split over ranks, and which rank this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// Ranks per stage (attention heads and dense MLP features split this
+    /// many ways).
+    pub tp: usize,
+    pub tp_rank: usize,
+    pub pp: usize,
+    pub stage: usize,
+    /// Expert groups per stage; divides `tp`.
+    pub ep: usize,
 }
 
 impl ShardSpec {
@@ -43,6 +72,7 @@ impl ShardSpec {
             tp_rank: 0,
             layers: 0..config.num_layers,
             total_layers: config.num_layers,
+            ep_size: 1,
         }
     }
 
@@ -56,12 +86,25 @@ impl ShardSpec {
         pp: usize,
         stage: usize,
     ) -> Result<Self> {
-        let layers = stage_layers(config.num_layers, pp, stage)?;
-        let spec = Self {
-            tp_size: tp,
+        let split = Split {
+            tp,
             tp_rank,
+            pp,
+            stage,
+            ep: 1,
+        };
+        Self::of(config, split)
+    }
+
+    /// The shard `split` describes, checked against `config`.
+    pub fn of(config: &ModelConfig, split: Split) -> Result<Self> {
+        let layers = stage_layers(config.num_layers, split.pp, split.stage)?;
+        let spec = Self {
+            tp_size: split.tp,
+            tp_rank: split.tp_rank,
             layers,
             total_layers: config.num_layers,
+            ep_size: split.ep,
         };
         spec.check(config)?;
         Ok(spec)
@@ -81,6 +124,7 @@ impl ShardSpec {
                 "tensor parallelism {tp} cannot split this model: {what}"
             )))
         };
+        self.check_experts(c)?;
         if tp > 1 && c.arch.qk_norm == crate::arch::QkNorm::Full {
             return fail("its q/k RMSNorm spans every head (OLMo 2)".into());
         }
@@ -91,13 +135,12 @@ impl ShardSpec {
             return fail(format!("intermediate size {}", c.intermediate_size));
         }
         if let Some(moe) = &c.arch.moe {
-            for (what, n) in [
-                ("moe_intermediate_size", Some(moe.expert_intermediate)),
-                ("shared_expert_intermediate_size", moe.shared_intermediate),
-            ] {
-                if let Some(n) = n.filter(|n| !n.is_multiple_of(tp)) {
-                    return fail(format!("{what} {n}"));
-                }
+            let ways = self.expert_ways();
+            if !moe.expert_intermediate.is_multiple_of(ways) {
+                return fail(format!("moe_intermediate_size {}", moe.expert_intermediate));
+            }
+            if let Some(n) = moe.shared_intermediate.filter(|n| !n.is_multiple_of(tp)) {
+                return fail(format!("shared_expert_intermediate_size {n}"));
             }
         }
         let kv = c.num_kv_heads;
@@ -155,11 +198,56 @@ impl ShardSpec {
         self.features(c.intermediate_size)
     }
 
-    /// This rank's slice of `n` features split evenly over the ranks (an
-    /// expert's intermediate features).
+    /// This rank's slice of `n` features split evenly over the ranks (a
+    /// shared expert's intermediate features).
     pub fn features(&self, n: usize) -> Range<usize> {
         let n = n / self.tp_size;
         self.tp_rank * n..(self.tp_rank + 1) * n
+    }
+
+    /// Ranks that share one expert group (splitting its features).
+    fn expert_ways(&self) -> usize {
+        self.tp_size / self.ep_size.max(1)
+    }
+
+    /// The experts (of `n`) this rank holds: its expert group's.
+    pub fn experts(&self, n: usize) -> Range<usize> {
+        let per_group = n / self.ep_size;
+        let group = self.tp_rank / self.expert_ways();
+        group * per_group..(group + 1) * per_group
+    }
+
+    /// This rank's slice of each of its experts' `n` features.
+    pub fn expert_features(&self, n: usize) -> Range<usize> {
+        let ways = self.expert_ways();
+        let part = n / ways;
+        let i = self.tp_rank % ways;
+        i * part..(i + 1) * part
+    }
+
+    /// Refuses an expert split the model cannot take, by name.
+    fn check_experts(&self, c: &ModelConfig) -> Result<()> {
+        let ep = self.ep_size;
+        if ep == 1 {
+            return Ok(());
+        }
+        let refuse = |why: String| Err(EngineError::Unsupported(format!("--ep {ep}: {why}")));
+        let Some(moe) = &c.arch.moe else {
+            return refuse(format!(
+                "{} has no mixture-of-experts layers to split",
+                c.architecture.hf_name()
+            ));
+        };
+        if ep == 0 || !self.tp_size.is_multiple_of(ep) {
+            return refuse(format!("{ep} expert groups over {} ranks", self.tp_size));
+        }
+        if !moe.num_experts.is_multiple_of(ep) {
+            return refuse(format!(
+                "num_experts {} does not divide into {ep} groups",
+                moe.num_experts
+            ));
+        }
+        Ok(())
     }
 }
 

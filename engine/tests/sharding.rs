@@ -91,6 +91,12 @@ fn prompt(seed: u32, n: usize, vocab: u32) -> Vec<u32> {
 /// Two steps (a batch of two prompts, then one decode token each) on
 /// `tp × pp` ranks; returns the logit rows of the rank that computes them.
 fn run_sharded(dir: &std::path::Path, tp: usize, pp: usize) -> Vec<Vec<f32>> {
+    run_split(dir, tp, pp, 1)
+}
+
+/// As [`run_sharded`], the experts also split into `ep` groups over each
+/// stage's `tp` ranks.
+fn run_split(dir: &std::path::Path, tp: usize, pp: usize, ep: usize) -> Vec<Vec<f32>> {
     let world = tp * pp;
     let bs = 4;
     let vocab = ModelConfig::from_dir(dir).expect("config").vocab_size as u32;
@@ -102,7 +108,14 @@ fn run_sharded(dir: &std::path::Path, tp: usize, pp: usize) -> Vec<Vec<f32>> {
                 let prompts = &prompts;
                 s.spawn(move || {
                     let (stage, tp_rank) = (peers.rank / tp, peers.rank % tp);
-                    let model = Model::load_shard(dir, tp, tp_rank, pp, stage).expect("shard");
+                    let split = tandem_engine::shard::Split {
+                        tp,
+                        tp_rank,
+                        pp,
+                        stage,
+                        ep,
+                    };
+                    let model = Model::load_split(dir, split).expect("shard");
                     let mut kv = KvCache::new(model.kv_layout(bs), 32);
                     // Every rank allocates the same block ids, as the leader's
                     // allocator would hand them out.
@@ -217,6 +230,40 @@ fn every_family_shards_to_the_whole_models_logits() {
             assert!(d < 1e-4, "{case} tp={tp} pp={pp}: logits differ by {d}");
         }
     }
+}
+
+/// Expert parallelism: whole experts per group of ranks, alone (ep = tp),
+/// with a feature split inside each group (tp = 2 × ep), and pipelined.
+#[test]
+fn expert_parallel_shards_give_the_whole_models_logits() {
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden");
+    for case in ["qwen3moe_norm_f32", "qwen2moe_shared_f32", "gptoss_sinks_f32", "mixtral_top2_f32"] {
+        let dir = golden.join(case);
+        let whole = run_sharded(&dir, 1, 1);
+        for (tp, pp, ep) in [(2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 2)] {
+            let d = max_diff(&whole, &run_split(&dir, tp, pp, ep));
+            assert!(d < 1e-4, "{case} tp={tp} pp={pp} ep={ep}: logits differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn expert_splits_the_model_cannot_take_are_refused_by_name() {
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden");
+    let split = |tp, ep| tandem_engine::shard::Split {
+        tp,
+        tp_rank: 0,
+        pp: 1,
+        stage: 0,
+        ep,
+    };
+    // 6 experts in 4 groups.
+    let err = Model::load_split(&golden.join("qwen3moe_step2_f32"), split(4, 4)).expect_err("6 / 4");
+    assert!(err.to_string().contains("num_experts 6"), "{err}");
+    let err = Model::load_split(&golden.join("qwen3_gqa_f32"), split(2, 2)).expect_err("dense");
+    assert!(err.to_string().contains("no mixture-of-experts"), "{err}");
+    let err = Model::load_split(&golden.join("qwen3moe_norm_f32"), split(2, 4)).expect_err("4 > 2");
+    assert!(err.to_string().contains("4 expert groups over 2 ranks"), "{err}");
 }
 
 #[test]

@@ -43,8 +43,7 @@ pub fn run_follower(
         ));
     };
     let prepared = (|| -> Result<(Model, KvCache), String> {
-        let model = Model::load_shard(dir, par.tp, place.tp_rank, par.pp, place.stage)
-            .map_err(|e| e.to_string())?;
+        let model = Model::load_split(dir, par.split(place)).map_err(|e| e.to_string())?;
         let mine = fingerprint(model.config());
         if mine != leaders {
             return Err(format!(
@@ -94,6 +93,7 @@ pub fn run_follower(
         stage = place.stage,
         tp_rank = place.tp_rank,
         ?layers,
+        weight_bytes = model.weight_bytes(),
         "rank ready"
     );
     loop {

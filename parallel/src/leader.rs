@@ -82,7 +82,11 @@ impl ParallelBackend {
                 comm.world_size()
             )));
         }
-        let model = Model::load_shard(dir, par.tp, 0, par.pp, 0)?;
+        let first = par.split(crate::Place {
+            stage: 0,
+            tp_rank: 0,
+        });
+        let model = Model::load_split(dir, first)?;
         par.check(model.config())?;
         let local = model.kv_layout(opts.block_size);
         let num_blocks = match opts.pool {
@@ -121,10 +125,11 @@ impl ParallelBackend {
             }
         }
         tracing::info!(
-            tp = par.tp,
+            ranks_per_stage = par.tp,
             pp = par.pp,
+            expert_groups = par.ep,
             num_blocks,
-            "tensor/pipeline-parallel ranks ready"
+            "tensor/pipeline/expert-parallel ranks ready"
         );
         Ok(Self {
             par,

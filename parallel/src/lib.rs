@@ -49,11 +49,14 @@ pub use leader::{CommStats, LeaderOptions, ParallelBackend};
 pub use tandem_comm::{CommConfig, CommError, Communicator, Rendezvous, TcpComm};
 use tandem_engine::{shard, EngineError, ModelConfig};
 
-/// How a worker's model is split: `tp` ranks per stage, `pp` stages.
+/// How a worker's model is split: `tp` ranks per stage, `pp` stages, and
+/// each stage's experts in `ep` groups of `tp / ep` ranks
+/// ([`tandem_engine::shard`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Parallelism {
     pub tp: usize,
     pub pp: usize,
+    pub ep: usize,
 }
 
 /// Where a rank sits.
@@ -65,7 +68,27 @@ pub struct Place {
 
 impl Parallelism {
     /// One rank: no parallelism.
-    pub const NONE: Self = Self { tp: 1, pp: 1 };
+    pub const NONE: Self = Self {
+        tp: 1,
+        pp: 1,
+        ep: 1,
+    };
+
+    /// `tp` ranks per stage, `pp` stages, no expert parallelism.
+    pub fn tp_pp(tp: usize, pp: usize) -> Self {
+        Self { tp, pp, ep: 1 }
+    }
+
+    /// Rank `tp_rank` of stage `stage`'s split of the model.
+    pub fn split(&self, place: Place) -> shard::Split {
+        shard::Split {
+            tp: self.tp,
+            tp_rank: place.tp_rank,
+            pp: self.pp,
+            stage: place.stage,
+            ep: self.ep,
+        }
+    }
 
     /// Ranks in all.
     pub fn world(&self) -> usize {
@@ -105,7 +128,7 @@ impl Parallelism {
             ));
         }
         for stage in 0..self.pp {
-            shard::ShardSpec::new(config, self.tp, 0, self.pp, stage)?;
+            shard::ShardSpec::of(config, self.split(Place { stage, tp_rank: 0 }))?;
         }
         Ok(())
     }
@@ -150,7 +173,7 @@ mod tests {
 
     #[test]
     fn ranks_are_stage_major() {
-        let p = Parallelism { tp: 2, pp: 3 };
+        let p = Parallelism::tp_pp(2, 3);
         assert_eq!(p.world(), 6);
         assert_eq!(
             p.place(3),

@@ -146,7 +146,7 @@ fn tp_pp_and_both_give_the_whole_models_logits_and_blocks() {
         let mut whole = CpuBackend::new(model, BS, BLOCKS);
         let (want, want_blocks) = greedy(&mut whole, 6);
         for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-            let (mut leader, followers) = start(tmp.path(), Parallelism { tp, pp });
+            let (mut leader, followers) = start(tmp.path(), Parallelism::tp_pp(tp, pp));
             let (got, got_blocks) = greedy(&mut leader, 6);
             let d = max_diff(&want, &got);
             assert!(d < 1e-4, "{preset} tp={tp} pp={pp}: logits differ by {d}");
@@ -226,7 +226,7 @@ fn whole_blocks_written_into_a_split_pool_decode_the_same() {
     };
     let want = whole.forward(&[step], &mut |_, _| {}).expect("decode");
     for (tp, pp) in [(2, 1), (2, 2)] {
-        let (mut leader, followers) = start(tmp.path(), Parallelism { tp, pp });
+        let (mut leader, followers) = start(tmp.path(), Parallelism::tp_pp(tp, pp));
         for (layer, b, k, v) in &blocks {
             leader.write_block(*layer, *b, k, v).expect("write");
         }
@@ -256,7 +256,7 @@ fn whole_blocks_written_into_a_split_pool_decode_the_same() {
 #[test]
 fn a_lost_rank_fails_the_backend_for_good() {
     let tmp = checkpoint("tiny");
-    let par = Parallelism { tp: 2, pp: 1 };
+    let par = Parallelism::tp_pp(2, 1);
     let rv = Rendezvous::bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
     let addr = rv.local_addr().expect("addr");
     // A "rank" that joins, answers Setup, then dies.

@@ -74,7 +74,7 @@ fn main() -> Result<()> {
                 .build_global()
                 .context("one compute thread")?;
             let dir = args.model.clone().context("--model")?;
-            let par = Parallelism { tp: 2, pp: 1 };
+            let par = Parallelism::tp_pp(2, 1);
             let leader = args.leader.context("--leader");
             match role {
                 "single" => {

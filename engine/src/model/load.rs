@@ -23,6 +23,8 @@ pub(super) struct LayerSplits {
     pub(super) inter: MlpSplit,
     pub(super) expert: MlpSplit,
     pub(super) shared: MlpSplit,
+    /// The experts this rank holds (expert parallelism).
+    pub(super) experts: std::ops::Range<usize>,
 }
 
 /// One gated MLP's shard: gate/up columns, down rows.
@@ -176,7 +178,9 @@ impl Source<'_> {
             self.ws
                 .optional_vector(&format!("{router_path}.bias"), moe.num_experts)?,
         );
-        let experts = (0..moe.num_experts)
+        let experts = splits
+            .experts
+            .clone()
             .map(|e| match moe.storage {
                 ExpertStorage::PerExpert => {
                     let [g, u, d] = [T::ExpertGate, T::ExpertUp, T::ExpertDown]
@@ -199,7 +203,7 @@ impl Source<'_> {
                 })
             }
         };
-        Ok(SparseMlp::new(router, experts, shared, moe))
+        Ok(SparseMlp::new(router, (splits.experts.start, experts), shared, moe))
     }
 
     /// Loads layer `i` (this rank's part of it).

@@ -87,7 +87,10 @@ pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`, replicated on every tensor-parallel rank.
     pub(super) router: Matrix,
     pub(super) router_bias: Option<Vec<f32>>,
+    /// This rank's experts (all of them without expert parallelism),
+    /// `first_expert` onwards.
     pub(super) experts: Vec<DenseMlp>,
+    pub(super) first_expert: usize,
     pub(super) shared: Option<SharedExpert>,
     pub(super) top_k: usize,
     pub(super) routing: Routing,
@@ -108,15 +111,16 @@ pub(super) struct Routes {
 impl SparseMlp {
     pub(super) fn new(
         (router, router_bias): (Matrix, Option<Vec<f32>>),
-        experts: Vec<DenseMlp>,
+        (first_expert, experts): (usize, Vec<DenseMlp>),
         shared: Option<SharedExpert>,
         spec: &MoeSpec,
     ) -> Self {
-        let routed = (0..experts.len()).map(|_| AtomicU64::new(0)).collect();
+        let routed = (0..spec.num_experts).map(|_| AtomicU64::new(0)).collect();
         Self {
             router,
             router_bias,
             experts,
+            first_expert,
             shared,
             top_k: spec.top_k,
             routing: spec.routing,
@@ -134,7 +138,7 @@ impl SparseMlp {
         policy: MatmulPolicy,
         out: &mut [f32],
     ) {
-        let (e, hsz) = (self.experts.len(), self.router.cols);
+        let (e, hsz) = (self.router.rows, self.router.cols);
         let mut logits = vec![0.0f32; m * e];
         let bias = self.router_bias.as_deref();
         kernels::linear(input, m, &self.router, bias, policy, &mut logits);
@@ -148,7 +152,10 @@ impl SparseMlp {
         // far less than a parallel loop inside each of their matrices);
         // their rows are added in ascending expert order afterwards, so the
         // sum does not depend on the schedule.
-        let active: Vec<usize> = (0..e)
+        // This rank's experts that got tokens (expert parallelism: the
+        // others' outputs come from their ranks through the all-reduce).
+        let mine = self.first_expert..self.first_expert + self.experts.len();
+        let active: Vec<usize> = mine
             .filter(|&x| routes.starts[x + 1] > routes.starts[x])
             .collect();
         let outputs: Vec<Vec<f32>> = active
@@ -184,7 +191,7 @@ impl SparseMlp {
         policy: MatmulPolicy,
     ) -> Vec<f32> {
         let (n, hsz) = (rows.len(), self.router.cols);
-        let mlp = &self.experts[expert];
+        let mlp = &self.experts[expert - self.first_expert];
         let inter = mlp.gate.out_features();
         let mut gathered = vec![0.0f32; n * hsz];
         for (dst, &r) in gathered.chunks_exact_mut(hsz).zip(rows) {
@@ -311,7 +318,9 @@ impl Mlp {
         match self {
             Self::Dense(d) => d.linears().map(|(n, l)| (n.to_string(), l)).into(),
             Self::Sparse(s) => {
-                let experts = s.experts.iter().enumerate().flat_map(|(e, x)| {
+                let first = s.first_expert;
+                let experts = s.experts.iter().enumerate().flat_map(move |(e, x)| {
+                    let e = first + e;
                     x.linears()
                         .map(move |(n, l)| (format!("expert {e} {n}"), l))
                 });
@@ -333,7 +342,9 @@ impl Mlp {
                 .map(|(n, l)| (n.to_string(), l))
                 .into(),
             Self::Sparse(s) => {
-                let experts = s.experts.iter_mut().enumerate().flat_map(|(e, x)| {
+                let first = s.first_expert;
+                let experts = s.experts.iter_mut().enumerate().flat_map(move |(e, x)| {
+                    let e = first + e;
                     x.linears_mut()
                         .map(move |(n, l)| (format!("expert {e} {n}"), l))
                 });

@@ -192,8 +192,21 @@ impl Model {
         pp: usize,
         stage: usize,
     ) -> Result<Self> {
+        let split = crate::shard::Split {
+            tp,
+            tp_rank,
+            pp,
+            stage,
+            ep: 1,
+        };
+        Self::load_split(dir, split)
+    }
+
+    /// As [`load_shard`](Self::load_shard), with the experts split too
+    /// ([`crate::shard`]).
+    pub fn load_split(dir: &Path, split: crate::shard::Split) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let shard = ShardSpec::new(&config, tp, tp_rank, pp, stage)?;
+        let shard = ShardSpec::of(&config, split)?;
         let ws = WeightStore::open(dir)?;
         let quant = HfQuantization::from_dir(dir)?;
         Self::from_parts(config, ws, quant.as_ref(), shard)
@@ -243,7 +256,22 @@ impl Model {
             o_rows: inputs(&qh, d),
             heads: qh.clone(),
             inter: mlp(c.intermediate_size),
-            expert: mlp(moe.map_or(0, |m| m.expert_intermediate)),
+            expert: {
+                let r = shard.expert_features(moe.map_or(0, |m| m.expert_intermediate));
+                MlpSplit {
+                    cols: outputs(&r, 1),
+                    // One rank of each expert group adds its down biases:
+                    // the one with the first feature slice.
+                    rows: match whole {
+                        true => Split::Whole,
+                        false => Split::Inputs {
+                            keeps_bias: r.start == 0,
+                            range: r,
+                        },
+                    },
+                }
+            },
+            experts: shard.experts(moe.map_or(0, |m| m.num_experts)),
             shared: mlp(moe.and_then(|m| m.shared_intermediate).unwrap_or(0)),
         };
         let embed = ws.matrix(&names.embed(), c.vocab_size, h)?;
