@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo run --release -p tandem-bench --bin tp-bench -- --out bench/results/tp.json
+//! tp-bench --preset bench-moe --ep --out bench/results/ep.json   # EP=2 against EP=1
 //! ```
 //!
 //! Every measurement is a set of child processes of this binary under
@@ -55,6 +56,13 @@ struct Args {
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Split the two ranks' experts instead of their features (expert
+    /// parallelism, `--ep 2`; a mixture-of-experts model).
+    #[arg(long)]
+    ep: bool,
+    /// The preset generated without `--model`.
+    #[arg(long, default_value = "bench-100m")]
+    preset: String,
     /// Internal: `single`, `leader` or `rank`.
     #[arg(long, hide = true)]
     role: Option<String>,
@@ -74,7 +82,11 @@ fn main() -> Result<()> {
                 .build_global()
                 .context("one compute thread")?;
             let dir = args.model.clone().context("--model")?;
-            let par = Parallelism::tp_pp(2, 1);
+            let par = Parallelism {
+                tp: 2,
+                pp: 1,
+                ep: if args.ep { 2 } else { 1 },
+            };
             let leader = args.leader.context("--leader");
             match role {
                 "single" => {
@@ -276,6 +288,7 @@ fn spawn(
         .args(["--prompt-len", &args.prompt_len.to_string()])
         .args(["--reps", &args.reps.to_string()])
         .args(["--decode-steps", &args.decode_steps.to_string()])
+        .args(args.ep.then_some("--ep"))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     if let Some(a) = leader {
@@ -305,7 +318,7 @@ fn parent(args: &Args) -> Result<()> {
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => {
-            tandem_engine::synth::preset("bench-100m")?.write(tmp.path(), 1, DType::Bf16)?;
+            tandem_engine::synth::preset(&args.preset)?.write(tmp.path(), 1, DType::Bf16)?;
             tmp.path().to_path_buf()
         }
     };
@@ -354,7 +367,17 @@ fn parent(args: &Args) -> Result<()> {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let report = json!({
-        "model": if args.model.is_some() { dir.display().to_string() } else { "bench-100m (bf16, 88M params)".into() },
+        "model": match &args.model {
+            Some(_) => dir.display().to_string(),
+            None => format!(
+                "{} (bf16, {:.0}M params)",
+                args.preset,
+                tandem_engine::synth::preset(&args.preset)?.num_params() as f64 / 1e6
+            ),
+        },
+        // How the two ranks split the model: features of every layer (tp),
+        // or whole experts of the MoE layers (ep; attention still by head).
+        "split": if args.ep { "ep" } else { "tp" },
         "prompt_len": args.prompt_len,
         "threads_per_process": 1,
         "prefill_speedup_median": med(&["prefill_speedup"]),
