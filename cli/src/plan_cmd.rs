@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::json;
 use tandem_engine::capacity::{
     checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, format_count,
-    parameter_counts, parse_memory_size, Capacity, CapacityPlan, ParamCounts, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    parameter_counts, parse_memory_size, weight_bytes_per_rank, Capacity, CapacityPlan, ParamCounts, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 };
 use tandem_engine::ModelConfig;
@@ -50,6 +50,13 @@ pub struct PlanArgs {
     /// Most sequences in one forward step (sizes the logits).
     #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
     max_num_seqs: usize,
+    /// Tensor-parallel ranks per stage (for the weights per rank).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Expert groups per stage (`--tp` × `--ep` ranks; for the weights per
+    /// rank).
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -92,10 +99,33 @@ pub fn run(args: PlanArgs) -> Result<()> {
     })?;
     let params = parameter_counts(&dir, &cfg)
         .with_context(|| format!("counting the parameters of {}", dir.display()))?;
+    let ranks = args.tp.max(1) * args.ep.max(1);
+    let split = tandem_engine::shard::Split {
+        tp: ranks,
+        tp_rank: 0,
+        pp: 1,
+        stage: 0,
+        ep: args.ep.max(1),
+    };
+    tandem_engine::ShardSpec::of(&cfg, split)
+        .with_context(|| format!("splitting {} over {ranks} ranks", dir.display()))?;
+    let per_rank = (ranks, weight_bytes_per_rank(&cfg, &params, weight_bytes, ranks));
     if args.json {
-        println!("{}", to_json(&dir, &cfg, &cap, &params));
+        let mut v = to_json(&dir, &cfg, &cap, &params);
+        v["ranks"] = json!(per_rank.0);
+        v["weight_bytes_per_rank"] = json!(per_rank.1);
+        println!("{v}");
     } else {
         print_table(&dir, &cfg, &cap, &params);
+        if ranks > 1 {
+            println!(
+                "{:<22}{} on the largest of {ranks} ranks (--tp {} × --ep {})",
+                "weights per rank",
+                format_bytes(per_rank.1),
+                args.tp,
+                args.ep
+            );
+        }
     }
     Ok(())
 }

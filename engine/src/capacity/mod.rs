@@ -38,7 +38,7 @@ use std::str::FromStr;
 use crate::config::ModelConfig;
 
 mod params;
-pub use params::{format_count, parameter_counts, ParamCounts};
+pub use params::{format_count, parameter_counts, weight_bytes_per_rank, ParamCounts};
 use crate::error::{EngineError, Result};
 
 /// Tokens per KV block unless told otherwise.

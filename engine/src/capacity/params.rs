@@ -47,6 +47,34 @@ pub fn parameter_counts(dir: &Path, cfg: &ModelConfig) -> Result<ParamCounts> {
     })
 }
 
+/// Weight bytes of the largest rank (rank 0, which also runs the output
+/// head) when one stage is split over `ranks` processes (`--tp` × `--ep`):
+/// the embedding, head, norms and routers are replicated; every other
+/// weight (attention, dense MLPs, experts by index and feature) divides
+/// over the ranks. An estimate from the counts: with fewer KV heads than
+/// ranks the k/v projections are replicated too, and the real shard is a
+/// little larger.
+pub fn weight_bytes_per_rank(
+    cfg: &ModelConfig,
+    p: &ParamCounts,
+    stored_bytes: u64,
+    ranks: usize,
+) -> u64 {
+    if ranks <= 1 || p.total == 0 {
+        return stored_bytes;
+    }
+    let h = cfg.hidden_size as u64;
+    let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
+    let norms = cfg.num_layers as u64 * (2 * h + 2 * cfg.head_dim as u64) + h;
+    let routers = cfg.arch.moe.as_ref().map_or(0, |m| {
+        m.sparse_count() as u64 * m.num_experts as u64 * h
+    });
+    let replicated = (heads * cfg.vocab_size as u64 * h + norms + routers).min(p.total);
+    let per_param = stored_bytes as f64 / p.total as f64;
+    let params = replicated + (p.total - replicated).div_ceil(ranks as u64);
+    (params as f64 * per_param) as u64
+}
+
 /// `1.23B`, `456.7M`, `89.0K`, `512`.
 pub fn format_count(n: u64) -> String {
     match n {
@@ -96,6 +124,28 @@ mod tests {
         let per_expert = 3 * 64 * 64;
         assert_eq!(p.experts, 2 * 8 * per_expert);
         assert_eq!(p.total - p.active, 2 * 6 * per_expert);
+    }
+
+    #[test]
+    fn a_ranks_estimated_share_is_what_it_loads() {
+        let dir = golden("qwen3moe_norm_f32");
+        let cfg = ModelConfig::from_dir(&dir).expect("config");
+        let p = parameter_counts(&dir, &cfg).expect("count");
+        let stored = super::super::checkpoint_weight_bytes(&dir).expect("bytes");
+        assert_eq!(weight_bytes_per_rank(&cfg, &p, stored, 1), stored);
+        // Two ranks in two expert groups: 2 KV heads, so none replicated.
+        let split = crate::shard::Split {
+            tp: 2,
+            tp_rank: 0,
+            pp: 1,
+            stage: 0,
+            ep: 2,
+        };
+        let rank0 = crate::Model::load_split(&dir, split).expect("rank 0");
+        let embedding = (cfg.vocab_size * cfg.hidden_size * 4) as u64;
+        let norms = 4 * (3 * (2 * 64 + 2 * 32) + 64) as u64;
+        let loaded = rank0.weight_bytes() as u64 + embedding + norms;
+        assert_eq!(weight_bytes_per_rank(&cfg, &p, stored, 2), loaded);
     }
 
     #[test]
