@@ -428,6 +428,74 @@ impl WeightStore {
         })
     }
 
+    /// Rows `rows` (columns `inputs`) of one expert of an MXFP4 tensor
+    /// (gpt-oss's published experts), dequantized to bf16 (exact: an FP4
+    /// value times a power of two has at most two mantissa bits). The
+    /// tensor `{prefix}_blocks` is `[experts, out, in / 32, 16]` bytes, two
+    /// E2M1 codes each, the lower nibble the even element;
+    /// `{prefix}_scales` is `[experts, out, in / 32]`, a power-of-two
+    /// exponent biased by 127 per 32 inputs.
+    pub fn mxfp4_rows(
+        &self,
+        prefix: &str,
+        shape: [usize; 3],
+        expert: usize,
+        rows: &[usize],
+        inputs: std::ops::Range<usize>,
+    ) -> Result<Matrix> {
+        const FP4: [f32; 16] = [
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+        ];
+        let [experts, out, inp] = shape;
+        let (blocks_name, scales_name) = (format!("{prefix}_blocks"), format!("{prefix}_scales"));
+        if !inp.is_multiple_of(32) {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "`{blocks_name}`: {inp} inputs are not whole blocks of 32"
+            )));
+        }
+        let groups = inp / 32;
+        let blocks = self.entry(&blocks_name, &[experts, out, groups, 16])?;
+        let scales = self.entry(&scales_name, &[experts, out, groups])?;
+        for (name, e) in [(&blocks_name, blocks), (&scales_name, scales)] {
+            if e.dtype != Dtype::U8 {
+                return Err(EngineError::InvalidCheckpoint(format!(
+                    "tensor `{name}` has dtype {:?}, expected U8",
+                    e.dtype
+                )));
+            }
+        }
+        let outside = expert >= experts
+            || inputs.start > inputs.end
+            || inputs.end > inp
+            || rows.iter().any(|&r| r >= out);
+        if outside {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "expert {expert}'s part of `{blocks_name}` is outside its shape"
+            )));
+        }
+        let b = &self.maps[blocks.file][blocks.start..blocks.end];
+        let s = &self.maps[scales.file][scales.start..scales.end];
+        let mut data = Vec::with_capacity(rows.len() * inputs.len());
+        let mut row = vec![0.0f32; inp];
+        for &r in rows {
+            let at = expert * out + r;
+            for (g, chunk) in row.chunks_exact_mut(32).enumerate() {
+                let scale = 2f32.powi(i32::from(s[at * groups + g]) - 127);
+                let bytes = &b[(at * groups + g) * 16..(at * groups + g + 1) * 16];
+                for (pair, &byte) in chunk.chunks_exact_mut(2).zip(bytes) {
+                    pair[0] = FP4[usize::from(byte & 0x0f)] * scale;
+                    pair[1] = FP4[usize::from(byte >> 4)] * scale;
+                }
+            }
+            data.extend(row[inputs.clone()].iter().map(|&v| half::bf16::from_f32(v)));
+        }
+        Ok(Matrix {
+            rows: rows.len(),
+            cols: inputs.len(),
+            data: WeightData::Bf16(Buf::from(data)),
+        })
+    }
+
     /// Elements `range` of a 1-D tensor widened to f32 (a shard of a bias).
     pub fn vector_part(
         &self,

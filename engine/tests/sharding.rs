@@ -220,6 +220,8 @@ fn every_family_shards_to_the_whole_models_logits() {
         // Sinks split with their heads, stacked experts by feature, the
         // down biases added once.
         ("gptoss_sinks_f32", both),
+        // MXFP4 experts, dequantized row by row for each rank's features.
+        ("gptoss_mxfp4_f32", both),
         // Its q/k norm spans every head: pipeline only.
         ("olmo2_gqa_f32", &[(1, 2)][..]),
     ] {
@@ -237,7 +239,13 @@ fn every_family_shards_to_the_whole_models_logits() {
 #[test]
 fn expert_parallel_shards_give_the_whole_models_logits() {
     let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden");
-    for case in ["qwen3moe_norm_f32", "qwen2moe_shared_f32", "gptoss_sinks_f32", "mixtral_top2_f32"] {
+    for case in [
+        "qwen3moe_norm_f32",
+        "qwen2moe_shared_f32",
+        "gptoss_sinks_f32",
+        "gptoss_mxfp4_f32",
+        "mixtral_top2_f32",
+    ] {
         let dir = golden.join(case);
         let whole = run_sharded(&dir, 1, 1);
         for (tp, pp, ep) in [(2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 2)] {

@@ -167,6 +167,10 @@ def legacy_rope(cfg):
 # pass with the KV cache, crossing the original context while generating.
 INCREMENTAL = {"llama_dynamic", "phi3_longrope"}
 
+# gpt-oss cases whose experts are rewritten as MXFP4 blocks and scales
+# after saving (the published checkpoints' format).
+MXFP4 = {"gptoss_mxfp4"}
+
 # LongRoPE's per-pair divisors for head_dim 16 (8 pairs), short and long.
 SHORT_FACTOR = [1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0]
 LONG_FACTOR = [1.0, 1.5, 2.5, 4.0, 8.0, 12.0, 16.0, 24.0]
@@ -381,7 +385,58 @@ def cases():
                 ),
             ),
         ),
+        # gpt-oss with its experts in MXFP4 (the published format), MQA,
+        # 4 of 8 experts per token, the default clamp and YaRN.
+        "gptoss_mxfp4": (
+            GptOssConfig,
+            GptOssForCausalLM,
+            dict(
+                BASE, head_dim=16, num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=4,
+                sliding_window=8,
+            ),
+        ),
     }
+
+
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4_quantize(w):
+    """gpt-oss's published expert format from an `[E, out, in]` float
+    tensor: per 32 inputs one power-of-two scale (`uint8`, bias 127) and 32
+    FP4 (E2M1) codes, two per byte, the lower nibble first. Returns
+    (blocks `[E, out, in/32, 16]`, scales `[E, out, in/32]`)."""
+    e, out, inp = w.shape
+    g = w.float().reshape(e, out, inp // 32, 32)
+    amax = g.abs().amax(dim=-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
+    scaled = g / torch.exp2(exp)[..., None]
+    lut = torch.tensor(FP4_VALUES)
+    codes = (scaled[..., None] - lut).abs().argmin(dim=-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_checkpoint(path):
+    """Rewrites a saved bf16 gpt-oss checkpoint's experts as MXFP4 blocks
+    and scales, as the published checkpoints store them."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")]:
+        # Stored input-major [E, in, out]; MXFP4 is output-major.
+        blocks, scales = mxfp4_quantize(tensors.pop(name).transpose(1, 2))
+        tensors[name + "_blocks"] = blocks
+        tensors[name + "_scales"] = scales
+    save_file(tensors, file, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
 
 
 def router_gaps(model):
@@ -484,7 +539,13 @@ def main():
                     json.dump(rewrite[0](cfg), f, indent=2, sort_keys=True)
             # Reload with float32 compute: for bf16 this widens the stored
             # weights exactly, so the reference is the checkpoint's function.
-            ref = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+            extra = {}
+            if name in MXFP4:
+                # The reference dequantizes the MXFP4 experts at load, as
+                # transformers does on a CPU.
+                mxfp4_checkpoint(path)
+                extra["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+            ref = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **extra).eval()
             gaps = router_gaps(ref)
             steps = greedy(ref, prompt, incremental=name in INCREMENTAL)
             record = {

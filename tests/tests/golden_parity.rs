@@ -204,6 +204,7 @@ fn every_fixture_architecture_is_covered() {
         "qwen3moe_norm",
         "qwen3moe_step2",
         "gptoss_sinks",
+        "gptoss_mxfp4",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -261,6 +262,7 @@ parity!(
     qwen3moe_norm,
     qwen3moe_step2,
     gptoss_sinks,
+    gptoss_mxfp4,
 );
 
 #[test]

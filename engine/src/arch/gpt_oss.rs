@@ -8,8 +8,10 @@
 //! (`swiglu_alpha`, `swiglu_limit`).
 //!
 //! The published checkpoints store the experts as MXFP4 blocks and scales
-//! (`*_blocks`, `*_scales`); those are not read yet (the loader names the
-//! tensor it did not find): dequantize them to bf16 first.
+//! (`*_blocks`, `*_scales`, `quant_method: mxfp4`); they are dequantized at
+//! load into bf16 matrices (exact), which run as any expert does (and
+//! `--quantize int4` can requantize). The experts are copied either way (a
+//! stacked tensor is input-major), not mapped.
 
 use super::moe::{self, ExpertStorage, MoeSpec, Routing};
 use super::{Activation, ArchSpec, Family, FamilyInput, LayerTensor};

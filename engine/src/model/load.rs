@@ -148,14 +148,21 @@ impl Source<'_> {
             Ok(Some(row))
         };
         let gate_up_bias = bias_row(format!("{gate_up}_bias"), 2 * inter)?;
+        // The published checkpoints store them as MXFP4 (output-major),
+        // dequantized here; a bf16 or f32 one, input-major.
+        let mxfp4 = self.ws.contains(&format!("{gate_up}_blocks"));
+        let load = |name: &str, [out, inp]: [usize; 2], rows: &[usize], inputs| match mxfp4 {
+            true => self.ws.mxfp4_rows(name, [n, out, inp], e, rows, inputs),
+            false => self.ws.stacked_transposed(name, [n, inp, out], e, rows, inputs),
+        };
         let half = |parity: usize| -> Result<Linear> {
             let cols: Vec<usize> = features.clone().map(|j| 2 * j + parity).collect();
-            let w = self.ws.stacked_transposed(&gate_up, [n, h, 2 * inter], e, &cols, 0..h)?;
+            let w = load(&gate_up, [2 * inter, h], &cols, 0..h)?;
             let b = gate_up_bias.as_ref().map(|b| cols.iter().map(|&c| b[c]).collect());
             Ok(Linear::dense(w, b))
         };
         let all: Vec<usize> = (0..h).collect();
-        let w = self.ws.stacked_transposed(&down, [n, inter, h], e, &all, features.clone())?;
+        let w = load(&down, [h, inter], &all, features.clone())?;
         let b = match split.rows.keeps_bias() {
             true => bias_row(format!("{down}_bias"), h)?,
             false => None,

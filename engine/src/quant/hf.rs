@@ -65,11 +65,13 @@ impl HfQuantization {
             return Ok(None);
         }
         let config = read_json(&path)?;
-        config
-            .get("quantization_config")
-            .filter(|v| !v.is_null())
-            .map(Self::from_json)
-            .transpose()
+        let q = config.get("quantization_config").filter(|v| !v.is_null());
+        // gpt-oss's MXFP4 experts are not INT4 linear layers: the expert
+        // loader dequantizes them (`WeightStore::mxfp4_rows`).
+        if q.and_then(|q| q.get("quant_method")).and_then(Value::as_str) == Some("mxfp4") {
+            return Ok(None);
+        }
+        q.map(Self::from_json).transpose()
     }
 
     /// Parses a `quantization_config` object.
