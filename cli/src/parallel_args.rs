@@ -77,7 +77,11 @@ fn parallelism(tp: usize, pp: usize, ep: usize) -> Result<Parallelism> {
     if tp == 0 || pp == 0 || ep == 0 {
         bail!("--tp, --pp and --ep must be at least 1");
     }
-    Ok(Parallelism { tp: tp * ep, pp, ep })
+    Ok(Parallelism {
+        tp: tp * ep,
+        pp,
+        ep,
+    })
 }
 
 /// The other ranks this process started; killed with it.

@@ -12,8 +12,8 @@ use clap::Args;
 use serde_json::json;
 use tandem_engine::capacity::{
     checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, format_count,
-    parameter_counts, parse_memory_size, weight_bytes_per_rank, Capacity, CapacityPlan, ParamCounts, KvDtype, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
+    parameter_counts, parse_memory_size, weight_bytes_per_rank, Capacity, CapacityPlan, KvDtype,
+    ParamCounts, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 };
 use tandem_engine::ModelConfig;
 
@@ -109,7 +109,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     tandem_engine::ShardSpec::of(&cfg, split)
         .with_context(|| format!("splitting {} over {ranks} ranks", dir.display()))?;
-    let per_rank = (ranks, weight_bytes_per_rank(&cfg, &params, weight_bytes, ranks));
+    let per_rank = (
+        ranks,
+        weight_bytes_per_rank(&cfg, &params, weight_bytes, ranks),
+    );
     if args.json {
         let mut v = to_json(&dir, &cfg, &cap, &params);
         v["ranks"] = json!(per_rank.0);
@@ -199,7 +202,11 @@ fn parameters(cfg: &ModelConfig, p: &ParamCounts) -> String {
         moe.top_k,
         moe.num_experts,
         moe.sparse_count(),
-        if moe.shared_intermediate.is_some() { ", plus a shared expert" } else { "" },
+        if moe.shared_intermediate.is_some() {
+            ", plus a shared expert"
+        } else {
+            ""
+        },
     )
 }
 

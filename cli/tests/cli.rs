@@ -485,24 +485,41 @@ fn plan_reports_total_and_active_parameters_of_a_mixture_of_experts() {
     let per_expert = 3 * 64 * 64;
     assert_eq!(p["expert_params"], 2 * 8 * per_expert);
     let (total, active) = (&p["total_params"], &p["active_params"]);
-    let (total, active) = (total.as_u64().expect("total"), active.as_u64().expect("active"));
+    let (total, active) = (
+        total.as_u64().expect("total"),
+        active.as_u64().expect("active"),
+    );
     assert_eq!(total - active, 2 * 6 * per_expert);
     assert_eq!(p["experts"]["experts_per_token"], 2);
     assert_eq!(p["experts"]["sparse_layers"], 2);
     let table = tandem(&["plan", "--model", m, "--memory", "64MiB"], tmp.path());
     let text = String::from_utf8_lossy(&table.stdout);
-    assert!(text.contains("active per token") && text.contains("2 of 8"), "{text}");
+    assert!(
+        text.contains("active per token") && text.contains("2 of 8"),
+        "{text}"
+    );
     // Split over --ep 2: less than the whole on each rank.
     let p = json_of(&tandem(
-        &["plan", "--model", m, "--memory", "64MiB", "--ep", "2", "--json"],
+        &[
+            "plan", "--model", m, "--memory", "64MiB", "--ep", "2", "--json",
+        ],
         tmp.path(),
     ));
     assert_eq!(p["ranks"], 2);
     let (whole, per_rank) = (&p["weight_bytes"], &p["weight_bytes_per_rank"]);
-    let (whole, per_rank) = (whole.as_u64().expect("bytes"), per_rank.as_u64().expect("bytes"));
-    assert!(per_rank < whole && per_rank > whole / 2, "{per_rank} of {whole}");
+    let (whole, per_rank) = (
+        whole.as_u64().expect("bytes"),
+        per_rank.as_u64().expect("bytes"),
+    );
+    assert!(
+        per_rank < whole && per_rank > whole / 2,
+        "{per_rank} of {whole}"
+    );
     // 8 experts do not make 3 groups.
-    let out = tandem(&["plan", "--model", m, "--memory", "64MiB", "--ep", "3"], tmp.path());
+    let out = tandem(
+        &["plan", "--model", m, "--memory", "64MiB", "--ep", "3"],
+        tmp.path(),
+    );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("num_experts 8"));
 }

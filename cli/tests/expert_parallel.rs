@@ -2,8 +2,9 @@
 //! experts, 2 per token) whose experts are split over rank processes gives
 //! the same greedy tokens as one process for 16 concurrent mixed requests,
 //! alone (`--ep 2`), with a feature split inside each expert group (`--tp 2
-//! --ep 2`) and in a disaggregated cluster whose decode pool alone is
-//! expert-parallel; a split the model cannot take is refused at start.
+//! --ep 2`), pipelined (`--pp 2 --ep 2`) and in a disaggregated cluster
+//! whose pools split differently (prefill `--tp 2`, decode `--ep 2`); a
+//! split the model cannot take is refused at start.
 
 use std::path::Path;
 
@@ -86,7 +87,11 @@ fn expert_parallel_workers_give_the_same_greedy_tokens() {
     let model = tmp.path().to_str().expect("utf8");
     let want = tokens(&run_all(&serve(model, &[]).addr));
     assert!(want.iter().all(|t| t.len() == 16));
-    for split in [&["--ep", "2"][..], &["--tp", "2", "--ep", "2"][..]] {
+    for split in [
+        &["--ep", "2"][..],
+        &["--tp", "2", "--ep", "2"][..],
+        &["--pp", "2", "--ep", "2"][..],
+    ] {
         let worker = serve(model, split);
         assert_eq!(tokens(&run_all(&worker.addr)), want, "{split:?}");
     }
@@ -115,6 +120,7 @@ fn a_disaggregated_cluster_with_an_expert_parallel_decode_pool_agrees() {
             "--remote-prefill-threshold",
             "16",
             "--worker-arg=--batch-invariant",
+            "--prefill-arg=--tp=2",
             "--decode-arg=--ep=2",
         ],
     );
@@ -134,8 +140,8 @@ fn a_disaggregated_cluster_with_an_expert_parallel_decode_pool_agrees() {
 fn an_expert_split_the_model_cannot_take_is_refused_at_start() {
     // A Qwen3-MoE of 6 experts and 4 heads: 4 ranks split its heads, but
     // its experts do not make 4 groups. Refused before any rank starts.
-    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/golden/qwen3moe_step2_f32");
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden/qwen3moe_step2_f32");
     let out = std::process::Command::new(tandem())
         .args(["serve", "--addr", "127.0.0.1:0", "--ep", "4", "--model"])
         .arg(&model)

@@ -259,7 +259,11 @@ impl SynthConfig {
                 Some(x) => {
                     t.push((format!("{p}.self_attn.q_norm.weight"), vec![d], true));
                     t.push((format!("{p}.self_attn.k_norm.weight"), vec![d], true));
-                    t.push((format!("{p}.mlp.gate.weight"), vec![x.num_experts, h], false));
+                    t.push((
+                        format!("{p}.mlp.gate.weight"),
+                        vec![x.num_experts, h],
+                        false,
+                    ));
                     for e in 0..x.num_experts {
                         let expert = format!("{p}.mlp.experts.{e}");
                         t.extend(mlp_tensors(&expert, h, x.intermediate_size));

@@ -68,9 +68,15 @@ fn tensors(arch: &str) -> Vec<(String, Vec<usize>)> {
         }
         if !mixtral {
             for s in ["gate_proj", "up_proj"] {
-                t.push((p(&format!("mlp.shared_expert.{s}.weight")), vec![SHARED_INTER, H]));
+                t.push((
+                    p(&format!("mlp.shared_expert.{s}.weight")),
+                    vec![SHARED_INTER, H],
+                ));
             }
-            t.push((p("mlp.shared_expert.down_proj.weight"), vec![H, SHARED_INTER]));
+            t.push((
+                p("mlp.shared_expert.down_proj.weight"),
+                vec![H, SHARED_INTER],
+            ));
             t.push((p("mlp.shared_expert_gate.weight"), vec![1, H]));
         }
     }
@@ -137,46 +143,69 @@ fn moe_checkpoints_load_with_every_expert() {
 #[test]
 fn a_router_of_the_wrong_shape_is_refused_with_the_expected_shape() {
     let name = "model.layers.1.mlp.gate.weight";
-    let err = load_with("Qwen2MoeForCausalLM", |t| set_shape(t, name, vec![EXPERTS + 1, H]))
-        .expect_err("refused");
+    let err = load_with("Qwen2MoeForCausalLM", |t| {
+        set_shape(t, name, vec![EXPERTS + 1, H])
+    })
+    .expect_err("refused");
     assert!(matches!(err, EngineError::InvalidCheckpoint(_)), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains(name) && msg.contains(&format!("[{EXPERTS}, {H}]")), "{msg}");
+    assert!(
+        msg.contains(name) && msg.contains(&format!("[{EXPERTS}, {H}]")),
+        "{msg}"
+    );
 }
 
 #[test]
 fn an_expert_of_the_wrong_shape_or_missing_is_refused_by_name() {
     let name = "model.layers.0.block_sparse_moe.experts.3.w2.weight";
-    let err = load_with("MixtralForCausalLM", |t| set_shape(t, name, vec![H, 47]))
-        .expect_err("refused");
+    let err =
+        load_with("MixtralForCausalLM", |t| set_shape(t, name, vec![H, 47])).expect_err("refused");
     let msg = err.to_string();
-    assert!(msg.contains(name) && msg.contains(&format!("[{H}, 48]")), "{msg}");
+    assert!(
+        msg.contains(name) && msg.contains(&format!("[{H}, 48]")),
+        "{msg}"
+    );
     let name = "model.layers.1.mlp.experts.2.up_proj.weight";
     let err =
         load_with("Qwen2MoeForCausalLM", |t| t.retain(|(n, _)| n != name)).expect_err("refused");
     let msg = err.to_string();
     assert!(msg.contains(name) && msg.contains("missing"), "{msg}");
     let name = "model.layers.0.mlp.shared_expert_gate.weight";
-    let err = load_with("Qwen2MoeForCausalLM", |t| set_shape(t, name, vec![2, H]))
-        .expect_err("refused");
+    let err =
+        load_with("Qwen2MoeForCausalLM", |t| set_shape(t, name, vec![2, H])).expect_err("refused");
     assert!(err.to_string().contains(name), "{err}");
 }
 
 #[test]
 fn impossible_routing_configs_are_refused_by_field() {
     for (field, value, want) in [
-        ("num_experts_per_tok", json!(EXPERTS + 1), "num_experts_per_tok is 5"),
+        (
+            "num_experts_per_tok",
+            json!(EXPERTS + 1),
+            "num_experts_per_tok is 5",
+        ),
         ("num_experts_per_tok", json!(0), "num_experts_per_tok is 0"),
         ("num_experts_per_tok", Value::Null, "num_experts_per_tok"),
         ("num_experts", json!(0), "num_experts is 0"),
-        ("moe_intermediate_size", Value::Null, "moe_intermediate_size"),
-        ("mlp_only_layers", json!([2]), "mlp_only_layers names layer 2"),
+        (
+            "moe_intermediate_size",
+            Value::Null,
+            "moe_intermediate_size",
+        ),
+        (
+            "mlp_only_layers",
+            json!([2]),
+            "mlp_only_layers names layer 2",
+        ),
         ("decoder_sparse_step", json!(0), "decoder_sparse_step is 0"),
     ] {
         let mut c = config("Qwen3MoeForCausalLM");
         c[field] = value.clone();
         let err = ModelConfig::from_json(&c).expect_err("refused");
-        assert!(matches!(err, EngineError::InvalidCheckpoint(_)), "{field}: {err:?}");
+        assert!(
+            matches!(err, EngineError::InvalidCheckpoint(_)),
+            "{field}: {err:?}"
+        );
         assert!(err.to_string().contains(want), "{field}={value}: {err}");
     }
 }
@@ -196,7 +225,11 @@ fn a_tensor_parallel_split_must_divide_the_experts_features() {
     write(dir.path(), &c, &t);
     Model::load_shard(dir.path(), 2, 1, 1, 0).expect("18 / 2");
     let err = Model::load_shard(dir.path(), 4, 0, 1, 0).expect_err("18 / 4");
-    assert!(err.to_string().contains("shared_expert_intermediate_size 18"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("shared_expert_intermediate_size 18"),
+        "{err}"
+    );
 }
 
 /// Last-token logits of each sequence, each run from an empty cache.
@@ -226,11 +259,15 @@ fn logits_of(model: &Model, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
         })
         .collect();
     let logits = model.forward(&batch, &mut kv).expect("forward");
-    (0..prompts.len()).map(|i| logits.last(i).to_vec()).collect()
+    (0..prompts.len())
+        .map(|i| logits.last(i).to_vec())
+        .collect()
 }
 
 fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (seed * 31 + i * 17) % 120 + 3).collect()
+    (0..n as u32)
+        .map(|i| (seed * 31 + i * 17) % 120 + 3)
+        .collect()
 }
 
 #[test]
@@ -242,7 +279,10 @@ fn a_sequences_moe_logits_do_not_depend_on_its_batch() {
     let mut batch = vec![prompt(1, 9)];
     batch.extend(others);
     let together = logits_of(&model, &batch);
-    assert_eq!(alone[0], together[0], "bit-identical with 7 other sequences");
+    assert_eq!(
+        alone[0], together[0],
+        "bit-identical with 7 other sequences"
+    );
 }
 
 #[test]
@@ -295,7 +335,11 @@ fn the_int4_plan_counts_the_experts_the_model_quantizes() {
         model
             .quantize_int4(Int4Config::new(64).expect("group"))
             .expect("quantize");
-        assert_eq!(stored - planned, dense - model.weight_bytes() as u64, "{case}");
+        assert_eq!(
+            stored - planned,
+            dense - model.weight_bytes() as u64,
+            "{case}"
+        );
     }
 }
 

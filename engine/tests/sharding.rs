@@ -250,7 +250,10 @@ fn expert_parallel_shards_give_the_whole_models_logits() {
         let whole = run_sharded(&dir, 1, 1);
         for (tp, pp, ep) in [(2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 2)] {
             let d = max_diff(&whole, &run_split(&dir, tp, pp, ep));
-            assert!(d < 1e-4, "{case} tp={tp} pp={pp} ep={ep}: logits differ by {d}");
+            assert!(
+                d < 1e-4,
+                "{case} tp={tp} pp={pp} ep={ep}: logits differ by {d}"
+            );
         }
     }
 }
@@ -266,12 +269,16 @@ fn expert_splits_the_model_cannot_take_are_refused_by_name() {
         ep,
     };
     // 6 experts in 4 groups.
-    let err = Model::load_split(&golden.join("qwen3moe_step2_f32"), split(4, 4)).expect_err("6 / 4");
+    let err =
+        Model::load_split(&golden.join("qwen3moe_step2_f32"), split(4, 4)).expect_err("6 / 4");
     assert!(err.to_string().contains("num_experts 6"), "{err}");
     let err = Model::load_split(&golden.join("qwen3_gqa_f32"), split(2, 2)).expect_err("dense");
     assert!(err.to_string().contains("no mixture-of-experts"), "{err}");
     let err = Model::load_split(&golden.join("qwen3moe_norm_f32"), split(2, 4)).expect_err("4 > 2");
-    assert!(err.to_string().contains("4 expert groups over 2 ranks"), "{err}");
+    assert!(
+        err.to_string().contains("4 expert groups over 2 ranks"),
+        "{err}"
+    );
 }
 
 #[test]

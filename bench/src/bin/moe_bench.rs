@@ -57,7 +57,10 @@ fn main() -> Result<()> {
     let dense_cfg = moe_cfg.dense_equivalent();
     let tmp = tempfile::tempdir()?;
     let (moe_dir, dense_dir) = (tmp.path().join("moe"), tmp.path().join("dense"));
-    eprintln!("generating {} and its dense equivalent (bf16)…", args.preset);
+    eprintln!(
+        "generating {} and its dense equivalent (bf16)…",
+        args.preset
+    );
     moe_cfg.write(&moe_dir, 0, DType::Bf16)?;
     dense_cfg.write(&dense_dir, 0, DType::Bf16)?;
     let moe = Model::load(&moe_dir).context("loading the mixture")?;
@@ -153,7 +156,11 @@ fn decode_tok_s(model: &Model, batch: usize, args: &Args) -> Result<f64> {
     let mut kv = KvCache::new(model.kv_layout(bs), per_seq * batch);
     let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::new(&pool)).collect();
     let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|s| (0..ctx).map(|i| ((s * 131 + i * 17) % vocab) as u32).collect())
+        .map(|s| {
+            (0..ctx)
+                .map(|i| ((s * 131 + i * 17) % vocab) as u32)
+                .collect()
+        })
         .collect();
     for t in &mut tables {
         t.append(ctx)?;

@@ -107,9 +107,8 @@ pub(crate) fn qwen_sparse_layers(c: &FamilyInput<'_>) -> Result<Vec<bool>> {
     }
     let dense: Vec<usize> = match c.json.get("mlp_only_layers") {
         None | Some(serde_json::Value::Null) => Vec::new(),
-        Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
-            invalid("mlp_only_layers must be a list of layer indices".into())
-        })?,
+        Some(v) => serde_json::from_value(v.clone())
+            .map_err(|_| invalid("mlp_only_layers must be a list of layer indices".into()))?,
     };
     if let Some(bad) = dense.iter().find(|&&i| i >= c.num_layers) {
         return Err(invalid(format!(

@@ -66,9 +66,11 @@ pub fn weight_bytes_per_rank(
     let h = cfg.hidden_size as u64;
     let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
     let norms = cfg.num_layers as u64 * (2 * h + 2 * cfg.head_dim as u64) + h;
-    let routers = cfg.arch.moe.as_ref().map_or(0, |m| {
-        m.sparse_count() as u64 * m.num_experts as u64 * h
-    });
+    let routers = cfg
+        .arch
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.sparse_count() as u64 * m.num_experts as u64 * h);
     let replicated = (heads * cfg.vocab_size as u64 * h + norms + routers).min(p.total);
     let per_param = stored_bytes as f64 / p.total as f64;
     let params = replicated + (p.total - replicated).div_ceil(ranks as u64);
@@ -103,7 +105,10 @@ mod tests {
         assert_eq!(p.active, p.total);
         assert_eq!(p.experts, 0);
         let model = crate::Model::load(&dir).expect("load");
-        assert_eq!(p.total * 4, model.weight_bytes() as u64 + embedding_and_norms(&cfg));
+        assert_eq!(
+            p.total * 4,
+            model.weight_bytes() as u64 + embedding_and_norms(&cfg)
+        );
     }
 
     /// The f32 bytes of what `weight_bytes` leaves out: the embedding (the

@@ -74,7 +74,13 @@ impl Split {
 
     /// Whether this rank adds the bias of a row-parallel layer.
     pub(super) fn keeps_bias(&self) -> bool {
-        !matches!(self, Self::Inputs { keeps_bias: false, .. })
+        !matches!(
+            self,
+            Self::Inputs {
+                keeps_bias: false,
+                ..
+            }
+        )
     }
 }
 

@@ -118,7 +118,8 @@ impl Source<'_> {
             }
             Projections::Fused => {
                 let cols = &split.cols;
-                let [gate, up] = parts(self.fused(i, T::GateUp, &[(inter, cols), (inter, cols)])?)?;
+                let [gate, up] =
+                    parts(self.fused(i, T::GateUp, &[(inter, cols), (inter, cols)])?)?;
                 let down = names.layer(i, T::Down)?;
                 Ok(DenseMlp {
                     gate,
@@ -132,9 +133,19 @@ impl Source<'_> {
     /// Expert `e` of layer `i` from the stacked tensors (gpt-oss): gate
     /// and up interleaved in `[E, hidden, 2I]`, down `[E, I, hidden]`, each
     /// with an `_bias` `[E, out]`.
-    fn stacked_expert(&self, i: usize, e: usize, moe: &MoeSpec, split: &MlpSplit) -> Result<DenseMlp> {
+    fn stacked_expert(
+        &self,
+        i: usize,
+        e: usize,
+        moe: &MoeSpec,
+        split: &MlpSplit,
+    ) -> Result<DenseMlp> {
         use LayerTensor as T;
-        let (h, inter, n) = (self.config.hidden_size, moe.expert_intermediate, moe.num_experts);
+        let (h, inter, n) = (
+            self.config.hidden_size,
+            moe.expert_intermediate,
+            moe.num_experts,
+        );
         let gate_up = self.names.layer(i, T::ExpertsGateUp)?;
         let down = self.names.layer(i, T::ExpertsDown)?;
         let features = split.cols.range(inter);
@@ -153,12 +164,16 @@ impl Source<'_> {
         let mxfp4 = self.ws.contains(&format!("{gate_up}_blocks"));
         let load = |name: &str, [out, inp]: [usize; 2], rows: &[usize], inputs| match mxfp4 {
             true => self.ws.mxfp4_rows(name, [n, out, inp], e, rows, inputs),
-            false => self.ws.stacked_transposed(name, [n, inp, out], e, rows, inputs),
+            false => self
+                .ws
+                .stacked_transposed(name, [n, inp, out], e, rows, inputs),
         };
         let half = |parity: usize| -> Result<Linear> {
             let cols: Vec<usize> = features.clone().map(|j| 2 * j + parity).collect();
             let w = load(&gate_up, [2 * inter, h], &cols, 0..h)?;
-            let b = gate_up_bias.as_ref().map(|b| cols.iter().map(|&c| b[c]).collect());
+            let b = gate_up_bias
+                .as_ref()
+                .map(|b| cols.iter().map(|&c| b[c]).collect());
             Ok(Linear::dense(w, b))
         };
         let all: Vec<usize> = (0..h).collect();
@@ -181,7 +196,8 @@ impl Source<'_> {
         let h = self.config.hidden_size;
         let router_path = names.layer(i, T::Router)?;
         let router = (
-            self.ws.matrix(&format!("{router_path}.weight"), moe.num_experts, h)?,
+            self.ws
+                .matrix(&format!("{router_path}.weight"), moe.num_experts, h)?,
             self.ws
                 .optional_vector(&format!("{router_path}.bias"), moe.num_experts)?,
         );
@@ -190,8 +206,8 @@ impl Source<'_> {
             .clone()
             .map(|e| match moe.storage {
                 ExpertStorage::PerExpert => {
-                    let [g, u, d] = [T::ExpertGate, T::ExpertUp, T::ExpertDown]
-                        .map(|t| names.expert(i, e, t));
+                    let [g, u, d] =
+                        [T::ExpertGate, T::ExpertUp, T::ExpertDown].map(|t| names.expert(i, e, t));
                     self.gated([g?, u?, d?], moe.expert_intermediate, &splits.expert)
                 }
                 ExpertStorage::Stacked => self.stacked_expert(i, e, moe, &splits.expert),
@@ -200,8 +216,8 @@ impl Source<'_> {
         let shared = match moe.shared_intermediate {
             None => None,
             Some(inter) => {
-                let [g, u, d] = [T::SharedGate, T::SharedUp, T::SharedDown]
-                    .map(|t| names.layer(i, t));
+                let [g, u, d] =
+                    [T::SharedGate, T::SharedUp, T::SharedDown].map(|t| names.layer(i, t));
                 Some(SharedExpert {
                     mlp: self.gated([g?, u?, d?], inter, &splits.shared)?,
                     gate: self
@@ -210,7 +226,12 @@ impl Source<'_> {
                 })
             }
         };
-        Ok(SparseMlp::new(router, (splits.experts.start, experts), shared, moe))
+        Ok(SparseMlp::new(
+            router,
+            (splits.experts.start, experts),
+            shared,
+            moe,
+        ))
     }
 
     /// Loads layer `i` (this rank's part of it).
@@ -245,13 +266,16 @@ impl Source<'_> {
             }
         };
         let mlp = match spec.moe.as_ref().filter(|m| m.is_sparse(i)) {
-            Some(moe) => Mlp::Sparse(self.sparse_mlp(i, moe, splits)?),
-            None => Mlp::Dense(self.dense_mlp(i, &splits.inter)?),
+            Some(moe) => Mlp::Sparse(Box::new(self.sparse_mlp(i, moe, splits)?)),
+            None => Mlp::Dense(Box::new(self.dense_mlp(i, &splits.inter)?)),
         };
         let sinks = match spec.attn_sinks {
             true => {
                 let name = names.layer(i, T::Sinks)?;
-                Some(self.ws.vector_part(&name, c.num_heads, splits.heads.clone())?)
+                Some(
+                    self.ws
+                        .vector_part(&name, c.num_heads, splits.heads.clone())?,
+                )
             }
             false => None,
         };

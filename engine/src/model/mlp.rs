@@ -306,8 +306,8 @@ fn softmax_into(row: &[f32], probs: &mut [f32]) {
 /// A layer's MLP.
 #[derive(Debug)]
 pub(super) enum Mlp {
-    Dense(DenseMlp),
-    Sparse(SparseMlp),
+    Dense(Box<DenseMlp>),
+    Sparse(Box<SparseMlp>),
 }
 
 impl Mlp {
@@ -337,10 +337,7 @@ impl Mlp {
     /// As [`linears`](Self::linears), mutably.
     pub(super) fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         match self {
-            Self::Dense(d) => d
-                .linears_mut()
-                .map(|(n, l)| (n.to_string(), l))
-                .into(),
+            Self::Dense(d) => d.linears_mut().map(|(n, l)| (n.to_string(), l)).into(),
             Self::Sparse(s) => {
                 let first = s.first_expert;
                 let experts = s.experts.iter_mut().enumerate().flat_map(move |(e, x)| {
@@ -363,9 +360,7 @@ impl Mlp {
     pub(super) fn routing_bytes(&self) -> usize {
         match self {
             Self::Dense(_) => 0,
-            Self::Sparse(s) => {
-                s.router.bytes() + s.shared.as_ref().map_or(0, |x| x.gate.bytes())
-            }
+            Self::Sparse(s) => s.router.bytes() + s.shared.as_ref().map_or(0, |x| x.gate.bytes()),
         }
     }
 }

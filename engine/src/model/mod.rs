@@ -380,7 +380,9 @@ impl Model {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| l.linears().map(|(_, lin)| lin.w.bytes()).sum::<usize>() + l.mlp.routing_bytes())
+            .map(|l| {
+                l.linears().map(|(_, lin)| lin.w.bytes()).sum::<usize>() + l.mlp.routing_bytes()
+            })
             .sum();
         let head = match self.shard.computes_logits() {
             true => self

@@ -68,7 +68,10 @@ impl HfQuantization {
         let q = config.get("quantization_config").filter(|v| !v.is_null());
         // gpt-oss's MXFP4 experts are not INT4 linear layers: the expert
         // loader dequantizes them (`WeightStore::mxfp4_rows`).
-        if q.and_then(|q| q.get("quant_method")).and_then(Value::as_str) == Some("mxfp4") {
+        if q.and_then(|q| q.get("quant_method"))
+            .and_then(Value::as_str)
+            == Some("mxfp4")
+        {
             return Ok(None);
         }
         q.map(Self::from_json).transpose()
