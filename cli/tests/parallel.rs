@@ -212,13 +212,32 @@ fn kill_one_rank(model_args: &[&str], split_arg: &str) {
             .args(["-KILL", &ranks[0].to_string()])
             .status()
             .expect("kill");
-        // The leader notices, fails its requests, leaves etcd and exits.
+        // The leader notices at its next step, fails its requests, leaves
+        // etcd and exits. A small model can finish its call between the
+        // check above and the kill, leaving the leader idle: a short call
+        // every 200 ms gives it that next step (least-loaded routing sends
+        // some of them to the victim).
+        let mut probes = Vec::new();
+        let mut probed_at = Instant::now();
         while alive(leader) {
             assert!(
                 killed_at.elapsed() < Duration::from_secs(10),
                 "the worker with a dead rank is still running after 10 s"
             );
+            if probed_at.elapsed() > Duration::from_millis(200) {
+                let addr = addr.clone();
+                probes.push(tokio::spawn(async move {
+                    greedy(&addr, vec![7, 8, 9], 2).await
+                }));
+                probed_at = Instant::now();
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for p in probes {
+            // A probe is served (by either worker) or ends with a status.
+            let _ = tokio::time::timeout(Duration::from_secs(30), p)
+                .await
+                .expect("probe ended");
         }
         let gone_after = killed_at.elapsed();
         eprintln!("worker {victim} exited {gone_after:?} after its rank was killed");

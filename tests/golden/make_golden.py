@@ -395,6 +395,26 @@ def cases():
                 sliding_window=8,
             ),
         ),
+        # Mixtral with 8 experts, multi-query attention, a tied head and no
+        # window.
+        "mixtral_mqa_tied": (
+            MixtralConfig,
+            MixtralForCausalLM,
+            dict(
+                BASE, num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=1,
+                tie_word_embeddings=True, head_dim=32,
+            ),
+        ),
+        # Qwen2-MoE with top-4 of 6 renormalised, every second layer sparse
+        # and the rest dense (decoder_sparse_step), a narrow shared expert.
+        "qwen2moe_step2": (
+            Qwen2MoeConfig,
+            Qwen2MoeForCausalLM,
+            dict(
+                BASE, num_hidden_layers=4, num_experts=6, num_experts_per_tok=4, moe_intermediate_size=16,
+                shared_expert_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=2,
+            ),
+        ),
     }
 
 

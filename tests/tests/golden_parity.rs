@@ -205,6 +205,8 @@ fn every_fixture_architecture_is_covered() {
         "qwen3moe_step2",
         "gptoss_sinks",
         "gptoss_mxfp4",
+        "mixtral_mqa_tied",
+        "qwen2moe_step2",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -263,6 +265,8 @@ parity!(
     qwen3moe_step2,
     gptoss_sinks,
     gptoss_mxfp4,
+    mixtral_mqa_tied,
+    qwen2moe_step2,
 );
 
 #[test]
