@@ -46,9 +46,11 @@ pub struct EngineArgs {
     /// engine's numerics, bf16 is fast.
     #[arg(long, value_enum, default_value_t = GpuDtype::Bf16)]
     gpu_dtype: GpuDtype,
-    /// What the KV cache stores (CPU): f32, or 8-bit `int8` / `fp8-e4m3`
-    /// codes with one scale per block and KV head (a quarter of f32's
-    /// bytes; `--kv-cache-memory` then holds four times the blocks).
+    /// What the KV cache stores (CPU): f32; 16-bit `bf16` / `f16` (half of
+    /// f32's bytes); or 8-bit `int8` / `fp8-e4m3` codes with scales (a
+    /// quarter; `--kv-cache-memory` then holds four times the blocks).
+    /// README's engine-flags table gives each one's measured perplexity
+    /// cost.
     #[arg(long, default_value = "f32", value_parser = parse_kv_cache_dtype)]
     kv_dtype: tandem_engine::KvCacheDtype,
     /// Keep every KV block of sliding-window layers (Gemma 2/3, Mistral)

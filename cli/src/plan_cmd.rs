@@ -31,7 +31,7 @@ pub struct PlanArgs {
     #[arg(long)]
     max_model_len: Option<usize>,
     /// What the KV cache stores: f32, bf16, f16, fp8 or int8 (the 8-bit
-    /// ones with an f32 scale per block and KV head, as the CPU engine
+    /// ones with an f16 scale per token and KV head, as the CPU engine
     /// stores `--kv-dtype int8` / `fp8-e4m3`).
     #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,

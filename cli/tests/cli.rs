@@ -358,8 +358,9 @@ fn plan_json_follows_the_capacity_formula() {
     let memory = 500_000_000u64;
     let kv_per_token = 2 * layers * kv_heads * head_dim;
     let activations = 4 * (512 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 8 * vocab);
-    // 8-bit KV carries an f32 scale per (layer, block, KV head), K and V.
-    let scales = 2 * layers * kv_heads * 4;
+    // 8-bit KV carries an f16 scale per (layer, token, KV head), K and V:
+    // 32 tokens a block.
+    let scales = 2 * layers * kv_heads * 32 * 2;
     let pool_blocks = (memory - weights - activations) / (32 * kv_per_token + scales);
     assert_eq!(p["memory_bytes"], memory);
     assert_eq!(p["kv_dtype"], "fp8");

@@ -6,14 +6,16 @@
 //! paged pool. Work is split over (sequence, query head, tile of queries), so
 //! a long prefill and many single-token decodes parallelise alike.
 //!
-//! An 8-bit cache is read in place too: each key or value row is decoded
-//! into the task's `head_dim` buffer and its block-head
-//! scale multiplies the score (keys) or the softmax weight (values).
+//! A 16- or 8-bit cache is read in place too: each key or value row is
+//! decoded into the task's `head_dim` buffer, and an 8-bit row's scale
+//! multiplies the score (keys) or the softmax weight (values). 8-bit rows
+//! are stored Hadamard-rotated (`kv_cache/q8.rs`): the query is rotated
+//! once before scoring and the output once after.
 
 use rayon::prelude::*;
 
 use crate::kernels::{axpy_f32, dot_f32, OutPtr};
-use crate::kv_cache::{BlockId, KvCache};
+use crate::kv_cache::{rotate_row, unrotate_row, BlockId, KvCache};
 
 /// One sequence's slice of the flattened batch.
 #[derive(Debug, Clone, Copy)]
@@ -111,9 +113,17 @@ pub fn paged_attention(
         let ptr = out_ptr;
         let mut scores = vec![0.0f32; bs];
         let mut row_buf = vec![0.0f32; d];
+        let rotated = view.rotated();
+        let mut q_rot = vec![0.0f32; if rotated { d } else { 0 }];
         for t in t0..t1 {
             let row = seq.row + t;
-            let qv = &q[row * stride + h * d..row * stride + (h + 1) * d];
+            let mut qv = &q[row * stride + h * d..row * stride + (h + 1) * d];
+            if rotated {
+                // Keys are stored rotated: (HDq)·(HDk) = q·k.
+                q_rot.copy_from_slice(qv);
+                rotate_row(&mut q_rot);
+                qv = &q_rot;
+            }
             // SAFETY: this task alone writes row `row`, head `h`; the range
             // lies inside `out` (checked by the slice bounds below).
             let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
@@ -172,6 +182,10 @@ pub fn paged_attention(
             let inv = 1.0 / l;
             for a in acc.iter_mut() {
                 *a *= inv;
+            }
+            if rotated {
+                // The values summed were rotated.
+                unrotate_row(acc);
             }
         }
     });

@@ -240,7 +240,7 @@ mod tests {
     /// one) plus its scales, and its blocks cross the seam in f32 within a
     /// quantization step of what was written.
     #[test]
-    fn eight_bit_pools_round_trip_blocks_and_take_a_quarter_of_the_bytes() {
+    fn eight_bit_pools_round_trip_blocks_and_take_a_quarter_of_the_bytes_plus_scales() {
         for dtype in [KvCacheDtype::Int8, KvCacheDtype::Fp8E4m3] {
             let tmp = tempfile::tempdir().expect("tempdir");
             synth::preset("tiny")
@@ -257,16 +257,19 @@ mod tests {
             b.copy_block(BlockCopy { src: 2, dst: 3 })
                 .expect("in range");
             let (rk, rv) = KvBlocks::read_block(&b.kv, 1, 3).expect("in range");
+            // Rows are rotated before they are coded, so a row's error is
+            // spread over its channels: about a step of the rotated row.
             let tol = if dtype == KvCacheDtype::Int8 {
-                0.01
+                0.03
             } else {
-                0.12
+                0.2
             };
             for (a, b) in k.iter().chain(&v).zip(rk.iter().chain(rv.iter())) {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
             }
             let f32_bytes = layout.block_bytes();
-            let scales = 2 * layout.num_layers * layout.num_kv_heads * 4;
+            // An f16 scale per row (layer, KV head, token), K and V.
+            let scales = 2 * layout.num_layers * layout.num_kv_heads * layout.block_size * 2;
             assert_eq!(b.block_bytes(), f32_bytes / 4 + scales);
         }
     }

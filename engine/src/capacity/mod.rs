@@ -57,9 +57,9 @@ pub enum KvDtype {
     Bf16,
     F16,
     /// One byte per element (e4m3 or e5m2; the size is the same), plus an
-    /// f32 scale per (layer, block, KV head) as the CPU engine stores it.
+    /// f16 scale per (layer, token, KV head) as the CPU engine stores it.
     Fp8,
-    /// One byte per element plus an f32 scale per (layer, block, KV head).
+    /// One byte per element plus an f16 scale per (layer, token, KV head).
     Int8,
 }
 
@@ -76,11 +76,11 @@ impl KvDtype {
         }
     }
 
-    /// Bytes of scales per (layer, block, KV head), for K and for V each.
+    /// Bytes of scales per (layer, token, KV head), for K and for V each.
     pub fn scale_bytes(self) -> usize {
         match self {
             Self::F32 | Self::Bf16 | Self::F16 => 0,
-            Self::Fp8 | Self::Int8 => 4,
+            Self::Fp8 | Self::Int8 => 2,
         }
     }
 
@@ -332,7 +332,7 @@ impl CapacityPlan {
         let slots = layout.layers_per_block() as u64;
         let per_layer_token = kv_bytes_per_token / (cfg.num_layers.max(1) as u64);
         let bytes_per_block = self.block_size as u64 * per_layer_token * slots
-            + 2 * slots * (cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
+            + 2 * slots * (self.block_size * cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
         // A model without KV (no layers) would divide by zero; it has no
         // pool to plan either.
         let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);

@@ -27,7 +27,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
-use crate::quant::Int4Matrix;
+use crate::quant::{zero_point, Int4Matrix};
 use crate::weights::{Matrix, WeightData};
 
 /// Token rows quantized to int8 per weight group.
@@ -146,6 +146,7 @@ pub(crate) fn linear_int4_rows(
 pub(crate) struct Int4Rows<'a> {
     pub packed: &'a [u8],
     pub scales: &'a [f16],
+    /// Zero points in sixteenths ([`zero_point`]).
     pub zeros: &'a [u8],
     pub k: usize,
     pub group: usize,
@@ -186,7 +187,7 @@ pub(crate) fn rows_int4_scalar(
             let zero_term: f32 = (0..gpr)
                 .map(|gi| {
                     let (s, z) = (w.scales[r * gpr + gi].to_f32(), w.zeros[r * gpr + gi]);
-                    -s * f32::from(z) * xa.sums[t * gpr + gi]
+                    -s * zero_point(z) * xa.sums[t * gpr + gi]
                 })
                 .sum();
             out[t * n + r0 + r] = acc + zero_term;

@@ -260,7 +260,7 @@ macro_rules! int4_kernel {
                                     *xsum.add(t * gpr + g),
                                 )
                             };
-                            s -= f16_to_f32(sw) * f32::from(z) * xs;
+                            s -= f16_to_f32(sw) * crate::quant::zero_point(z) * xs;
                         }
                         // SAFETY: within the bounds promised by the caller.
                         unsafe { *out.add(t * n + col + r) = s };

@@ -17,18 +17,24 @@
 //! Storage layout, per layer, for K and for V: `[block][kv_head][slot][head_dim]`,
 //! so one head's keys of one block are contiguous (what attention streams) and
 //! one block of one layer is one contiguous range (what a transfer sends).
-//! Elements are f32, or 8-bit codes ([`KvCacheDtype::Int8`],
-//! [`KvCacheDtype::Fp8E4m3`]) with one scale per (layer, block, KV head)
-//! (`q8.rs`); attention reads either through [`LayerView`], a row at a time.
+//! Elements are f32, 16-bit floats ([`KvCacheDtype::Bf16`],
+//! [`KvCacheDtype::F16`], `half.rs`), or 8-bit codes ([`KvCacheDtype::Int8`],
+//! [`KvCacheDtype::Fp8E4m3`]) of Hadamard-rotated rows with one scale per
+//! row (`q8.rs`); attention reads each through [`LayerView`], a row at a
+//! time.
 
 mod allocator;
 mod groups;
+mod half;
 mod q8;
 mod table;
 
 use std::borrow::Cow;
 
+use half::Half;
 use q8::{Code, Q8Pool};
+
+pub use q8::{rotate as rotate_row, unrotate as unrotate_row};
 
 pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats};
 pub use groups::{KvFootprint, KvGroups, SlidingLayers, FREED};
@@ -103,19 +109,43 @@ impl KvLayout {
 pub enum KvCacheDtype {
     #[default]
     F32,
-    /// int8 codes, one f32 scale per (layer, block, KV head).
+    /// bfloat16 elements: half of f32's bytes, one rounding each.
+    Bf16,
+    /// IEEE f16 elements (saturating at ±65504).
+    F16,
+    /// int8 codes of Hadamard-rotated rows, one f16 scale per row
+    /// (layer, token, KV head).
     Int8,
-    /// FP8 E4M3 codes, one f32 scale per (layer, block, KV head).
+    /// FP8 E4M3 codes of Hadamard-rotated rows, one f16 scale per row.
     Fp8E4m3,
 }
 
 impl KvCacheDtype {
-    /// The command-line spelling (`f32`, `int8`, `fp8-e4m3`).
+    /// Every dtype, in the order the command line lists them.
+    pub const ALL: [KvCacheDtype; 5] =
+        [Self::F32, Self::Bf16, Self::F16, Self::Int8, Self::Fp8E4m3];
+
+    /// The command-line spelling (`f32`, `bf16`, `f16`, `int8`, `fp8-e4m3`).
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
             Self::Int8 => "int8",
             Self::Fp8E4m3 => "fp8-e4m3",
+        }
+    }
+
+    /// What this dtype cost in perplexity where it was measured
+    /// (`quality-bench` on SmolLM2-135M-Instruct against its f32 cache,
+    /// bench/RESULTS.md), for the start-up log.
+    pub fn measured_cost(self) -> &'static str {
+        match self {
+            Self::F32 => "the reference",
+            Self::Bf16 => "+0.02% perplexity, 13/13 answers kept",
+            Self::F16 => "-0.00% perplexity, 13/13 answers kept",
+            Self::Int8 => "+0.03% perplexity, 13/13 answers kept",
+            Self::Fp8E4m3 => "+0.48% perplexity, 11/13 answers kept",
         }
     }
 
@@ -124,8 +154,9 @@ impl KvCacheDtype {
     pub fn block_bytes(self, layout: &KvLayout) -> usize {
         match self {
             Self::F32 => layout.block_bytes(),
+            Self::Bf16 | Self::F16 => layout.block_bytes() / 2,
             Self::Int8 | Self::Fp8E4m3 => {
-                let scales = layout.num_kv_heads * std::mem::size_of::<f32>();
+                let scales = layout.num_kv_heads * layout.block_size * 2;
                 2 * layout.layers_per_block() * (layout.block_elems() + scales)
             }
         }
@@ -133,9 +164,17 @@ impl KvCacheDtype {
 
     fn code(self) -> Option<Code> {
         match self {
-            Self::F32 => None,
+            Self::F32 | Self::Bf16 | Self::F16 => None,
             Self::Int8 => Some(Code::Int8),
             Self::Fp8E4m3 => Some(Code::Fp8E4m3),
+        }
+    }
+
+    fn half(self) -> Option<Half> {
+        match self {
+            Self::Bf16 => Some(Half::Bf16),
+            Self::F16 => Some(Half::F16),
+            Self::F32 | Self::Int8 | Self::Fp8E4m3 => None,
         }
     }
 }
@@ -146,10 +185,12 @@ impl std::str::FromStr for KvCacheDtype {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
             "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Ok(Self::F16),
             "int8" | "i8" => Ok(Self::Int8),
             "fp8-e4m3" | "fp8_e4m3" | "fp8" | "e4m3" => Ok(Self::Fp8E4m3),
             other => Err(format!(
-                "unknown KV cache dtype `{other}` (expected f32, int8 or fp8-e4m3)"
+                "unknown KV cache dtype `{other}` (expected f32, bf16, f16, int8 or fp8-e4m3)"
             )),
         }
     }
@@ -167,6 +208,11 @@ enum Storage {
     F32 {
         k: Vec<Vec<f32>>,
         v: Vec<Vec<f32>>,
+    },
+    Half {
+        half: Half,
+        k: Vec<Vec<u16>>,
+        v: Vec<Vec<u16>>,
     },
     Q8 {
         code: Code,
@@ -186,15 +232,27 @@ enum View<'a> {
         k: &'a [f32],
         v: &'a [f32],
     },
+    Half {
+        half: Half,
+        k: &'a [u16],
+        v: &'a [u16],
+    },
     Q8 {
         code: Code,
         k: &'a Q8Pool,
         v: &'a Q8Pool,
-        block_size: usize,
     },
 }
 
 impl LayerView<'_> {
+    /// Whether rows are stored rotated ([`rotate_row`]): attention must
+    /// then rotate each query before scoring and its output after summing
+    /// values (`q8.rs` explains why 8-bit rows are).
+    #[inline]
+    pub fn rotated(&self) -> bool {
+        matches!(self.0, View::Q8 { .. })
+    }
+
     /// Key row `row` in f32 (borrowed for f32 storage, decoded into `buf`
     /// otherwise) and the factor it must be multiplied by.
     #[inline]
@@ -202,14 +260,13 @@ impl LayerView<'_> {
         let d = buf.len();
         match &self.0 {
             View::F32 { k, .. } => (&k[row * d..(row + 1) * d], 1.0),
-            View::Q8 {
-                code,
-                k,
-                block_size,
-                ..
-            } => {
+            View::Half { half, k, .. } => {
+                half.decode_into(&k[row * d..(row + 1) * d], buf);
+                (buf, 1.0)
+            }
+            View::Q8 { code, k, .. } => {
                 code.decode_into(&k.codes[row * d..(row + 1) * d], buf);
-                (buf, k.scales[row / block_size])
+                (buf, k.scales[row].to_f32())
             }
         }
     }
@@ -220,14 +277,13 @@ impl LayerView<'_> {
         let d = buf.len();
         match &self.0 {
             View::F32 { v, .. } => (&v[row * d..(row + 1) * d], 1.0),
-            View::Q8 {
-                code,
-                v,
-                block_size,
-                ..
-            } => {
+            View::Half { half, v, .. } => {
+                half.decode_into(&v[row * d..(row + 1) * d], buf);
+                (buf, 1.0)
+            }
+            View::Q8 { code, v, .. } => {
                 code.decode_into(&v.codes[row * d..(row + 1) * d], buf);
-                (buf, v.scales[row / block_size])
+                (buf, v.scales[row].to_f32())
             }
         }
     }
@@ -259,12 +315,17 @@ impl KvCache {
             groups.slots()
         };
         let per_pool = num_blocks * layout.block_elems();
-        let storage = match dtype.code() {
-            None => Storage::F32 {
+        let storage = match (dtype.code(), dtype.half()) {
+            (None, None) => Storage::F32 {
                 k: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
                 v: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
             },
-            Some(code) => {
+            (None, Some(half)) => Storage::Half {
+                half,
+                k: (0..pools).map(|_| vec![0; per_pool]).collect(),
+                v: (0..pools).map(|_| vec![0; per_pool]).collect(),
+            },
+            (Some(code), _) => {
                 let pool = || {
                     (0..pools)
                         .map(|_| {
@@ -339,11 +400,15 @@ impl KvCache {
                 k: &k[layer],
                 v: &v[layer],
             },
+            Storage::Half { half, k, v } => View::Half {
+                half: *half,
+                k: &k[layer],
+                v: &v[layer],
+            },
             Storage::Q8 { code, k, v } => View::Q8 {
                 code: *code,
                 k: &k[layer],
                 v: &v[layer],
-                block_size: self.layout.block_size,
             },
         })
     }
@@ -351,7 +416,6 @@ impl KvCache {
     /// Copies one block's K and V, every slot (copy-on-write).
     pub fn copy_block(&mut self, copy: BlockCopy) {
         let n = self.layout.block_elems();
-        let heads = self.layout.num_kv_heads;
         let (s, d) = (copy.src as usize, copy.dst as usize);
         match &mut self.storage {
             Storage::F32 { k, v } => {
@@ -359,9 +423,14 @@ impl KvCache {
                     layer.copy_within(s * n..(s + 1) * n, d * n);
                 }
             }
+            Storage::Half { k, v, .. } => {
+                for layer in k.iter_mut().chain(v.iter_mut()) {
+                    layer.copy_within(s * n..(s + 1) * n, d * n);
+                }
+            }
             Storage::Q8 { k, v, .. } => {
                 for pool in k.iter_mut().chain(v.iter_mut()) {
-                    pool.copy_block(s, d, heads, n / heads);
+                    pool.copy_block(s, d, n);
                 }
             }
         }
@@ -369,7 +438,7 @@ impl KvCache {
 
     /// One block's K and V in one layer (`[kv_head][slot][head_dim]` each),
     /// in f32, e.g. to send it to another worker: borrowed from an f32
-    /// cache, dequantized from an 8-bit one.
+    /// cache, widened from a 16-bit one, dequantized from an 8-bit one.
     pub fn block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         let layer = self.groups.slot(layer);
         let n = self.layout.block_elems();
@@ -379,13 +448,14 @@ impl KvCache {
                 Cow::Borrowed(&k[layer][s..s + n]),
                 Cow::Borrowed(&v[layer][s..s + n]),
             ),
-            Storage::Q8 { code, k, v } => {
-                let heads = self.layout.num_kv_heads;
-                (
-                    Cow::Owned(k[layer].read_block(*code, block as usize, heads, n / heads)),
-                    Cow::Owned(v[layer].read_block(*code, block as usize, heads, n / heads)),
-                )
-            }
+            Storage::Half { half, k, v } => (
+                Cow::Owned(half.decode(&k[layer][s..s + n])),
+                Cow::Owned(half.decode(&v[layer][s..s + n])),
+            ),
+            Storage::Q8 { code, k, v } => (
+                Cow::Owned(k[layer].read_block(*code, block as usize, n)),
+                Cow::Owned(v[layer].read_block(*code, block as usize, n)),
+            ),
         }
     }
 
@@ -412,16 +482,19 @@ impl KvCache {
             });
         }
         let s = block as usize * n;
-        let heads = self.layout.num_kv_heads;
         let layer = self.groups.slot(layer);
         match &mut self.storage {
             Storage::F32 { k: kp, v: vp } => {
                 kp[layer][s..s + n].copy_from_slice(k);
                 vp[layer][s..s + n].copy_from_slice(v);
             }
+            Storage::Half { half, k: kp, v: vp } => {
+                half.encode_into(k, &mut kp[layer][s..s + n]);
+                half.encode_into(v, &mut vp[layer][s..s + n]);
+            }
             Storage::Q8 { code, k: kp, v: vp } => {
-                kp[layer].write_block(*code, block as usize, heads, k);
-                vp[layer].write_block(*code, block as usize, heads, v);
+                kp[layer].write_block(*code, block as usize, k);
+                vp[layer].write_block(*code, block as usize, v);
             }
         }
         Ok(())
@@ -440,6 +513,13 @@ impl KvCache {
                     let o = ((block as usize * heads + h) * bs + slot) * d;
                     kp[layer][o..o + d].copy_from_slice(&k[h * d..(h + 1) * d]);
                     vp[layer][o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+                }
+            }
+            Storage::Half { half, k: kp, v: vp } => {
+                for h in 0..heads {
+                    let o = ((block as usize * heads + h) * bs + slot) * d;
+                    half.encode_into(&k[h * d..(h + 1) * d], &mut kp[layer][o..o + d]);
+                    half.encode_into(&v[h * d..(h + 1) * d], &mut vp[layer][o..o + d]);
                 }
             }
             Storage::Q8 { code, k: kp, v: vp } => {

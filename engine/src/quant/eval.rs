@@ -8,7 +8,7 @@
 
 use crate::error::Result;
 use crate::kernels::log_softmax;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvCacheDtype};
 use crate::model::{Model, SeqInput};
 
 /// Agreement of two models over a set of positions.
@@ -69,24 +69,44 @@ impl Tally {
     }
 }
 
-/// Logits at every position of `tokens`, from a fresh cache.
+/// Logits at every position of `tokens`, from a fresh f32 cache.
 pub fn score(model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
+    score_with(model, tokens, KvCacheDtype::F32, tokens.len())
+}
+
+/// Logits at every position of `tokens`, from a fresh cache of `dtype`,
+/// fed `chunk` tokens per forward step as a chunked prefill is: each step
+/// writes its tokens' K and V into the cache and attends to them there, so
+/// every position reads the cache's rounding of its context, its own token
+/// included, exactly as serving does. A `chunk` of at most the row-kernel
+/// size (48) sends every matmul down the path decode steps take (INT4
+/// weights against int8 activations).
+pub fn score_with(
+    model: &Model,
+    tokens: &[u32],
+    dtype: KvCacheDtype,
+    chunk: usize,
+) -> Result<Vec<f32>> {
     let block_size = 16;
     let layout = model.kv_layout(block_size);
     let groups = crate::KvGroups::of(&layout).num_groups();
-    let mut kv = KvCache::new(layout, tokens.len().div_ceil(block_size) * groups);
+    let mut kv = KvCache::with_dtype(layout, tokens.len().div_ceil(block_size) * groups, dtype);
     let mut table = crate::BlockTable::new(&kv.allocator()?);
     table.append(tokens.len())?;
-    let logits = model.forward(
-        &[SeqInput {
-            tokens,
-            start_pos: 0,
-            blocks: table.blocks(),
-            all_logits: true,
-        }],
-        &mut kv,
-    )?;
-    Ok(logits.seq(0).to_vec())
+    let mut out = Vec::with_capacity(tokens.len() * model.config().vocab_size);
+    for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
+        let logits = model.forward(
+            &[SeqInput {
+                tokens: part,
+                start_pos: i * chunk.max(1),
+                blocks: table.blocks(),
+                all_logits: true,
+            }],
+            &mut kv,
+        )?;
+        out.extend_from_slice(logits.seq(0));
+    }
+    Ok(out)
 }
 
 /// Scores every sequence with both models and compares them position by

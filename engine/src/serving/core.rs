@@ -67,9 +67,9 @@ pub struct EngineConfig {
     /// Quantize the linear layers' weights to INT4 at start-up (CPU
     /// backend; see [`crate::quant`]).
     pub weight_quantization: Option<crate::quant::Int4Config>,
-    /// What the KV pool stores (CPU backend): f32, or 8-bit codes with
-    /// per-block scales, which fit about twice the blocks of a 16-bit
-    /// pool (four times an f32 one) in the same bytes.
+    /// What the KV pool stores (CPU backend): f32, 16-bit floats (twice
+    /// the blocks in the same bytes), or 8-bit codes with per-row scales
+    /// (nearly four times).
     pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
     /// Keep every block of sliding-window layers (CPU backend): one layer
     /// group, nothing freed out of the window (vLLM's
@@ -244,7 +244,14 @@ impl EngineCore {
         }
         if let Some(q) = config.weight_quantization {
             model.quantize_int4(q)?;
+            tracing::info!(
+                group_size = q.group_size,
+                measured = q.measured_cost(),
+                "INT4 weights"
+            );
         }
+        let dtype = config.kv_cache_dtype;
+        tracing::info!(kv_dtype = %dtype, measured = dtype.measured_cost(), "KV cache dtype");
         let mut layout = model.kv_layout(config.block_size);
         if config.keep_windowed_blocks {
             layout.sliding = SlidingLayers::NONE;
