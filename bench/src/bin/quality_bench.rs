@@ -32,6 +32,7 @@ use serde_json::{json, Value};
 use tandem_engine::kernels::log_softmax;
 use tandem_engine::quant::eval::score_with;
 use tandem_engine::quant::Int4Config;
+use tandem_engine::sampling::argmax;
 use tandem_engine::{Checkpoint, KvCacheDtype, Model};
 
 #[derive(Parser, Debug)]
@@ -186,16 +187,6 @@ struct Scores {
     nll_sum: f64,
     top1_agree: usize,
     abs_dlogprob_sum: f64,
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
 }
 
 fn score_windows(model: &Model, m: Mode, chunk: usize, windows: &[Window]) -> Result<Scores> {
