@@ -1,4 +1,4 @@
-//! 8-bit KV storage: int8 or fp8 (e4m3) codes, one f32 scale per row (a
+//! 8-bit KV storage: int8 or fp8 (e4m3) codes, one f16 scale per row (a
 //! token's K or V in one KV head), rows rotated by a Hadamard transform.
 //!
 //! Measured on a real checkpoint (`quality-bench`, bench/RESULTS.md), two
@@ -6,20 +6,20 @@
 //!
 //! - **Scale granularity.** One scale per (block, head) let one loud token
 //!   (the attention sink every model grows at its first position) set the
-//!   step for the fifteen tokens beside it. A scale per row costs 4 bytes per
+//!   step for the fifteen tokens beside it. A scale per row costs 2 bytes per
 //!   `head_dim` codes and never re-encodes anything: a row is quantized once,
 //!   when written.
 //! - **Outlier channels.** Keys carry a few channels far louder than the
 //!   rest, and a query meets them on exactly those channels (that is how a
 //!   head attends to its sink). Each row is multiplied by an orthonormal
 //!   Hadamard matrix `H` (after fixed sign flips `D`) before it is quantized
-//!   ([`rotate`]): `H` spreads an
-//!   outlier's energy evenly over every channel, so the step a row's `amax`
-//!   sets is small for all of them, and a float code's relative error no
-//!   longer lands on the channels that carry the score. Attention never
-//!   un-rotates a key: `q·k = (Hq)·(Hk)`, so it rotates the query once; it
-//!   sums rotated values and rotates the output back once
-//!   (`H = Hᵀ = H⁻¹`). A block read out for a transfer is rotated back.
+//!   ([`rotate`]): `H` spreads an outlier's energy evenly over every
+//!   channel, so the step a row's `amax` sets is small for all of them, and
+//!   a float code's relative error no longer lands on the channels that
+//!   carry the score. Attention never un-rotates a key:
+//!   `q·k = (HDq)·(HDk)`, so it rotates the query once; it sums rotated
+//!   values and rotates the output back once ([`unrotate`]). A block read
+//!   out for a transfer is rotated back.
 //!
 //! Per token and head this stores `head_dim` bytes plus a 2-byte (f16)
 //! scale: with `head_dim` 64, 0.52 of a 16-bit cache's bytes.
@@ -142,9 +142,7 @@ impl Code {
     /// The scale that fits magnitudes up to `amax`. Int8 uses its whole
     /// range (`amax / 127`). E4M3 is a float: its relative precision is the
     /// same across its range, so its scale is rounded up to a power of two,
-    /// which costs no precision and makes raising a block's scale later an
-    /// exact exponent shift of the codes already written (no second
-    /// rounding).
+    /// which costs no precision and is exact in the f16 it is stored as.
     #[inline]
     pub fn scale_for(self, amax: f32) -> f32 {
         let s = amax / self.max();
@@ -212,7 +210,7 @@ impl Q8Pool {
         let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
         // Rounded up to the next f16, so no code overflows its range.
         let mut scale16 = f16::from_f32(code.scale_for(amax));
-        if scale16.to_f32() * code.max() < amax {
+        if scale16.is_finite() && scale16.to_f32() * code.max() < amax {
             scale16 = f16::from_bits(scale16.to_bits() + 1);
         }
         let scale = scale16.to_f32();
