@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BlockTable, KvCache, KvGroups};
+use crate::kv_cache::{BlockTable, KvCache, KvCacheDtype, KvGroups};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
 
@@ -51,6 +51,8 @@ pub struct GenerateRequest {
 pub struct GenerateOptions {
     pub block_size: usize,
     pub prefill_chunk: usize,
+    /// What the generation's KV cache stores.
+    pub kv_dtype: KvCacheDtype,
 }
 
 impl Default for GenerateOptions {
@@ -58,6 +60,7 @@ impl Default for GenerateOptions {
         Self {
             block_size: 16,
             prefill_chunk: 2048,
+            kv_dtype: KvCacheDtype::F32,
         }
     }
 }
@@ -112,7 +115,7 @@ pub fn generate(
     let total = prompt.len() + max_new;
     let layout = model.kv_layout(opts.block_size);
     let blocks = total.div_ceil(opts.block_size).max(1) * KvGroups::of(&layout).num_groups();
-    let mut kv = KvCache::new(layout, blocks);
+    let mut kv = KvCache::with_dtype(layout, blocks, opts.kv_dtype);
     let allocator = kv.allocator()?;
     let mut table = BlockTable::new(&allocator);
 

@@ -100,6 +100,7 @@ fn generation_error(case: &str, ckpt: &Checkpoint, g: &Golden, block_size: usize
         block_size,
         // Chunked prefill: the prompt runs as several forward calls.
         prefill_chunk: 5,
+        ..GenerateOptions::default()
     };
     let out = generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
     let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();

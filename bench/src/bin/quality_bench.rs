@@ -33,7 +33,10 @@ use tandem_engine::kernels::log_softmax;
 use tandem_engine::quant::eval::score_with;
 use tandem_engine::quant::Int4Config;
 use tandem_engine::sampling::argmax;
-use tandem_engine::{Checkpoint, KvCacheDtype, Model};
+use tandem_engine::tokenizer::Tokenizer;
+use tandem_engine::{
+    generate, GenerateOptions, GenerateRequest, KvCacheDtype, Model, SamplingParams,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Perplexity and answers of every precision mode against transformers (JSON)")]
@@ -211,7 +214,8 @@ fn score_windows(model: &Model, m: Mode, chunk: usize, windows: &[Window]) -> Re
     Ok(s)
 }
 
-/// Greedy answer token ids, stopping at EOS.
+/// Greedy answer token ids through a cache of the mode's dtype, up to the
+/// EOS (not included).
 fn answer(
     model: &Model,
     m: Mode,
@@ -219,32 +223,21 @@ fn answer(
     steps: usize,
     eos: Option<u32>,
 ) -> Result<Vec<u32>> {
-    use tandem_engine::{BlockTable, KvCache, SeqInput};
-    let layout = model.kv_layout(16);
-    let groups = tandem_engine::KvGroups::of(&layout).num_groups();
-    let mut kv = KvCache::with_dtype(layout, (prompt.len() + steps).div_ceil(16) * groups, m.kv);
-    let mut table = BlockTable::new(&kv.allocator()?);
-    let mut out = Vec::new();
-    let mut feed = prompt.to_vec();
-    let mut pos = 0;
-    for _ in 0..steps {
-        table.append(feed.len())?;
-        let logits = model.forward(
-            &[SeqInput {
-                tokens: &feed,
-                start_pos: pos,
-                blocks: table.blocks(),
-                all_logits: false,
-            }],
-            &mut kv,
-        )?;
-        pos += feed.len();
-        let next = argmax(logits.last(0));
-        if Some(next) == eos {
-            break;
-        }
-        out.push(next);
-        feed = vec![next];
+    let req = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_tokens: steps,
+        sampling: SamplingParams::default(),
+        stop_token_ids: vec![],
+        ignore_eos: false,
+    };
+    let opts = GenerateOptions {
+        kv_dtype: m.kv,
+        ..GenerateOptions::default()
+    };
+    let eos: Vec<u32> = eos.into_iter().collect();
+    let mut out = generate(model, &eos, &req, opts, |_| Ok(()))?.output_ids;
+    if out.last().is_some_and(|t| eos.contains(t)) {
+        out.pop();
     }
     Ok(out)
 }
@@ -274,7 +267,12 @@ fn main() -> Result<()> {
             })
             .collect::<Result<_>>()?
     };
-    let tokenizer = Checkpoint::open(&args.model)?.tokenizer;
+    // The tokenizer alone: each mode loads its own model.
+    let tok_path = args.model.join("tokenizer.json");
+    let tokenizer = match tok_path.is_file() {
+        true => Some(Tokenizer::from_file(&tok_path)?),
+        false => None,
+    };
     let mut rows = Vec::new();
     let mut f32_ppl = None;
     for m in modes {

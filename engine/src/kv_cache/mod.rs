@@ -418,16 +418,8 @@ impl KvCache {
         let n = self.layout.block_elems();
         let (s, d) = (copy.src as usize, copy.dst as usize);
         match &mut self.storage {
-            Storage::F32 { k, v } => {
-                for layer in k.iter_mut().chain(v.iter_mut()) {
-                    layer.copy_within(s * n..(s + 1) * n, d * n);
-                }
-            }
-            Storage::Half { k, v, .. } => {
-                for layer in k.iter_mut().chain(v.iter_mut()) {
-                    layer.copy_within(s * n..(s + 1) * n, d * n);
-                }
-            }
+            Storage::F32 { k, v } => copy_in_pools(k, v, s * n..(s + 1) * n, d * n),
+            Storage::Half { k, v, .. } => copy_in_pools(k, v, s * n..(s + 1) * n, d * n),
             Storage::Q8 { k, v, .. } => {
                 for pool in k.iter_mut().chain(v.iter_mut()) {
                     pool.copy_block(s, d, n);
@@ -530,6 +522,18 @@ impl KvCache {
                 }
             }
         }
+    }
+}
+
+/// Copies `src` to `dst` in every K and V pool of plain elements.
+fn copy_in_pools<T: Copy>(
+    k: &mut [Vec<T>],
+    v: &mut [Vec<T>],
+    src: std::ops::Range<usize>,
+    dst: usize,
+) {
+    for pool in k.iter_mut().chain(v.iter_mut()) {
+        pool.copy_within(src.clone(), dst);
     }
 }
 

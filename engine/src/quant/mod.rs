@@ -14,11 +14,11 @@
 //! integers, so their checkpoints convert into it exactly ([`hf`]; their
 //! scales are f16, as stored here). [`Int4Matrix::quantize`] makes it from a
 //! dense matrix at load: round to nearest over each group's min..max, the
-//! zero point placing the grid's ends on the group's min and max to a
-//! sixteenth of a step (an integer zero point moves the grid by up to half
-//! a step, clipping one end). The fraction is also what makes a GGUF
-//! `Q4_1` block (`w = d·q + min`, groups of 32) re-encode almost exactly at
-//! g32. Per group that is 2 bytes of f16 scale and 1 byte of zero point:
+//! zero point either the fraction that places the grid's ends on the
+//! group's min and max to a sixteenth of a step, or the integer that keeps
+//! 0.0 on the grid, whichever errs less for that group. The fraction is
+//! what makes a GGUF `Q4_1` block (`w = d·q + min`, groups of 32)
+//! re-encode almost exactly at g32. Per group that is 2 bytes of f16 scale and 1 byte of zero point:
 //! decode reads every byte of the weights every step, so the side data is
 //! kept small. The zero-point term of a dot
 //! product is `Σ_g m_g · Σ_{i∈g} x_i`, one multiply per group against the
@@ -183,7 +183,7 @@ impl Int4Matrix {
     }
 
     /// Quantizes a dense matrix group by group: asymmetric round to nearest
-    /// over each group's min..max, the zero point in sixteenths.
+    /// over each group's min..max, the zero point chosen by [`best_zero`].
     pub fn quantize(w: &Matrix, config: Int4Config) -> Result<Self> {
         Int4Config::new(config.group_size)?;
         let g = config.group_for(w.cols).ok_or_else(|| {
@@ -387,19 +387,25 @@ mod tests {
         }
     }
 
+    /// One row quantized in groups of 32, and dequantized back.
+    fn g32_round_trip(row: &[f32]) -> (Int4Matrix, Vec<f32>) {
+        let w = Matrix {
+            rows: 1,
+            cols: row.len(),
+            data: WeightData::F32(row.to_vec().into()),
+        };
+        let q = Int4Matrix::quantize(&w, Int4Config::new(32).expect("g")).expect("q");
+        let mut back = vec![0f32; row.len()];
+        q.row_to_f32(0, &mut back);
+        (q, back)
+    }
+
     #[test]
     fn a_q4_1_block_re_encodes_to_a_sixteenth_of_its_step() {
         // GGUF Q4_1: w = d·q + min, with min not a multiple of d.
         let (d, min) = (0.0123f32, -0.0871f32);
         let v: Vec<f32> = (0..64).map(|i| d * ((i * 7 % 16) as f32) + min).collect();
-        let w = Matrix {
-            rows: 1,
-            cols: 64,
-            data: WeightData::F32(v.clone().into()),
-        };
-        let q = Int4Matrix::quantize(&w, Int4Config::new(32).expect("g")).expect("q");
-        let mut back = vec![0f32; 64];
-        q.row_to_f32(0, &mut back);
+        let (_, back) = g32_round_trip(&v);
         for (a, b) in v.iter().zip(&back) {
             assert!((a - b).abs() <= d / 32.0 + 1e-5, "{a} vs {b}");
         }
@@ -412,14 +418,7 @@ mod tests {
         let mut v = vec![0.0f32; 64];
         v[3] = 1.0;
         v[9] = -0.37;
-        let w = Matrix {
-            rows: 1,
-            cols: 64,
-            data: WeightData::F32(v.clone().into()),
-        };
-        let q = Int4Matrix::quantize(&w, Int4Config::new(32).expect("g")).expect("q");
-        let mut back = vec![0f32; 64];
-        q.row_to_f32(0, &mut back);
+        let (q, back) = g32_round_trip(&v);
         assert_eq!(q.zero_rows(0, 1)[0] % 16, 0, "an integer zero point");
         assert!(back
             .iter()
