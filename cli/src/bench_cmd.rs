@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
-use tandem_loadgen::{Arrival, LengthDist, SharedPrefix, Slo, Summary, WorkloadSpec};
+use tandem_loadgen::{Arrival, LengthDist, SharedPrefix, Slo, WorkloadSpec};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -75,9 +75,6 @@ pub struct WorkloadArgs {
     /// Cancel and fail a request that runs longer (s).
     #[arg(long, default_value_t = 600.0)]
     request_timeout_s: f64,
-    /// No progress line.
-    #[arg(long)]
-    no_progress: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -96,6 +93,10 @@ pub struct ServeBenchArgs {
     /// Write the config, summary and per-request records here as JSON.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write the TTFT, TPOT, ITL and E2E latency CDFs as PNGs into this
+    /// directory.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -188,7 +189,8 @@ impl WorkloadArgs {
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             temperature: self.temperature,
             seed: self.seed,
-            progress: !self.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            observer: crate::bench_report::LiveBench::new(self.slo())
+                .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn tandem_loadgen::RunObserver>),
         })
     }
 
@@ -225,8 +227,13 @@ fn serve(args: &ServeBenchArgs) -> Result<()> {
         let channel = tandem_loadgen::connect(&args.router).await?;
         Ok::<_, anyhow::Error>(tandem_loadgen::run(channel, items, &opts).await)
     })?;
+    // The bar goes before the table is printed.
+    drop(opts);
     let summary = tandem_loadgen::summarize(&records, w.slo());
-    print_summary(&summary);
+    let ok = records.iter().filter(|r| r.ok());
+    let input: u64 = ok.clone().map(|r| u64::from(r.input_tokens)).sum();
+    let output: u64 = ok.map(|r| u64::from(r.output_tokens)).sum();
+    crate::bench_report::print_summary(&summary, input, output);
     if let Some(first) = records.iter().find_map(|r| r.error.as_deref()) {
         eprintln!("first error: {first}");
     }
@@ -242,6 +249,10 @@ fn serve(args: &ServeBenchArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
+    }
+    if let Some(dir) = &args.plot {
+        let files = crate::bench_report::plot_cdfs(dir, &records)?;
+        println!("wrote {}", files.join(", "));
     }
     Ok(())
 }
@@ -277,22 +288,10 @@ fn sweep(args: &SweepArgs) -> Result<()> {
                     .await,
             )
         })?;
-        for p in &s.points {
-            println!(
-                "{name} @ {:.2} req/s: attainment {:.1}%, TTFT p99 {:.1} ms, TPOT p99 {:.2} ms, {} failed",
-                p.rate,
-                p.summary.slo_attainment * 100.0,
-                p.summary.ttft.p99 * 1e3,
-                p.summary.tpot.p99 * 1e3,
-                p.summary.failed
-            );
-        }
-        match s.goodput {
-            Some(g) => println!("{name}: goodput {g:.2} req/s"),
-            None => println!("{name}: no rate met the SLOs"),
-        }
+        crate::progress::suspend(|| print_sweep(name, &s));
         sweeps.push(s);
     }
+    drop(opts);
     std::fs::create_dir_all(&args.out_dir)
         .with_context(|| format!("creating {}", args.out_dir.display()))?;
     let path = args.out_dir.join("sweep.json");
@@ -312,38 +311,20 @@ fn sweep(args: &SweepArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_summary(s: &Summary) {
-    println!(
-        "requests: {} completed, {} failed in {:.2} s",
-        s.completed, s.failed, s.duration_s
-    );
-    println!(
-        "throughput: {:.2} req/s, {:.1} output tok/s, {:.1} input tok/s",
-        s.request_throughput, s.output_token_throughput, s.input_token_throughput
-    );
-    println!(
-        "{:<6} {:>10} {:>10} {:>10} {:>10}",
-        "ms", "mean", "p50", "p90", "p99"
-    );
-    for (name, st) in [
-        ("TTFT", s.ttft),
-        ("TPOT", s.tpot),
-        ("ITL", s.itl),
-        ("E2E", s.e2e),
-    ] {
+/// One configuration's sweep, a line per rate and its goodput.
+fn print_sweep(name: &str, s: &tandem_loadgen::sweep::Sweep) {
+    for p in &s.points {
         println!(
-            "{name:<6} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
-            st.mean * 1e3,
-            st.p50 * 1e3,
-            st.p90 * 1e3,
-            st.p99 * 1e3
+            "{name} @ {:.2} req/s: attainment {:.1}%, TTFT p99 {:.1} ms, TPOT p99 {:.2} ms, {} failed",
+            p.rate,
+            p.summary.slo_attainment * 100.0,
+            p.summary.ttft.p99 * 1e3,
+            p.summary.tpot.p99 * 1e3,
+            p.summary.failed
         );
     }
-    if s.slo.ttft_s.is_some() || s.slo.tpot_s.is_some() {
-        println!(
-            "SLO attainment {:.1}%, goodput {:.2} req/s",
-            s.slo_attainment * 100.0,
-            s.goodput
-        );
+    match s.goodput {
+        Some(g) => println!("{name}: goodput {g:.2} req/s"),
+        None => println!("{name}: no rate met the SLOs"),
     }
 }

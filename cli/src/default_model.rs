@@ -121,7 +121,8 @@ const DRAFT: Builtin = Builtin {
     files: builtin_files!("shakespeare-draft"),
 };
 
-fn cache_dir() -> Result<PathBuf> {
+/// The user's tandem cache directory (also where `chat` keeps its history).
+pub(crate) fn cache_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("TANDEM_CACHE_DIR") {
         return Ok(PathBuf::from(dir));
     }

@@ -5,11 +5,13 @@
 //! Subcommands: `up` (a local cluster), `serve` (the colocated server: one
 //! process, the public gRPC API), `prefill-worker`, `decode-worker` and
 //! `router` (the cluster's processes), `generate` (run one prompt through a
-//! model), `gen-model` (write a deterministic random checkpoint), `plan` (KV
+//! model), `chat` (talk to a model from the terminal), `gen-model` (write a deterministic random checkpoint), `plan` (KV
 //! pool and concurrency for a memory budget) and `bench serve`, and
 //! `certs` (a development CA and certificates for `--tls-*`).
 
 mod bench_cmd;
+mod bench_report;
+mod chat;
 mod default_model;
 mod engine_args;
 mod generate_cmd;
@@ -17,11 +19,13 @@ mod http_args;
 mod membership;
 mod parallel_args;
 mod plan_cmd;
+pub mod progress;
 mod remote;
 pub mod security_args;
 mod serve_cmd;
 mod speculative_args;
 pub mod telemetry_args;
+mod try_it;
 mod up_cmd;
 mod worker_cmd;
 
@@ -57,6 +61,9 @@ pub enum Command {
     Router(worker_cmd::RouterArgs),
     /// Generate a continuation of one prompt.
     Generate(generate_cmd::GenerateArgs),
+    /// Chat with a model from the terminal: in-process, or through a
+    /// running router (gRPC or HTTP).
+    Chat(chat::ChatArgs),
     /// Write a deterministic random-weight checkpoint in Hugging Face format.
     GenModel(default_model::GenModelArgs),
     /// Size the KV pool and the concurrency for a memory budget.
@@ -94,6 +101,7 @@ pub fn run(command: Command, telemetry: &telemetry_args::TelemetryArgs) -> Resul
         Command::DecodeWorker(args) => worker_cmd::run_decode(args),
         Command::Router(args) => worker_cmd::run_router(args),
         Command::Generate(args) => generate_cmd::run(args),
+        Command::Chat(args) => chat::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),

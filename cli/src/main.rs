@@ -12,6 +12,7 @@ fn main() {
         std::env::set_var(name, value);
     }
     let cli = Cli::parse();
+    tandem_cli::progress::init(cli.telemetry.log_format, cli.telemetry.no_progress);
     // Logs go to stderr (text or JSON); RUST_LOG sets the level (default:
     // info). Spans are exported when an OTLP endpoint is given.
     let telemetry = match tandem_telemetry::init(&cli.telemetry.config(cli.command.service_name()))

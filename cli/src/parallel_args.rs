@@ -142,6 +142,8 @@ pub fn start_leader(
                 .args(["--threads", &args.threads(par).to_string()])
                 .arg("--model")
                 .arg(dir)
+                // The leader draws the load's progress; its ranks do not.
+                .arg("--no-progress")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .spawn()

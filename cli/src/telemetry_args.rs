@@ -19,6 +19,10 @@ pub struct TelemetryArgs {
     /// `http://127.0.0.1:4317`). Off when unset.
     #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// No progress bars (they are drawn only when stderr is a terminal and
+    /// logs are text anyway).
+    #[arg(long, global = true)]
+    pub no_progress: bool,
 }
 
 impl TelemetryArgs {
@@ -27,12 +31,18 @@ impl TelemetryArgs {
         let mut c = TelemetryConfig::new(service_name);
         c.log_format = self.log_format;
         c.otlp_endpoint = self.otlp_endpoint.clone().filter(|e| !e.is_empty());
+        c.log_writer = crate::progress::log_writer;
         c
     }
 
-    /// The same flags for a child process.
+    /// The same flags for a child process, which draws no progress bars
+    /// (its parent shows its own).
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec!["--log-format".to_string(), self.log_format.to_string()];
+        let mut a = vec![
+            "--log-format".to_string(),
+            self.log_format.to_string(),
+            "--no-progress".to_string(),
+        ];
         if let Some(e) = &self.otlp_endpoint {
             a.extend(["--otlp-endpoint".to_string(), e.clone()]);
         }

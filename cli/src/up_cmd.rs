@@ -376,9 +376,23 @@ fn spawn(
         // and the child then exits too.
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        // Under a progress bar the children's log lines come through `up`,
+        // which lifts the bar off for each; otherwise they go straight out.
+        .stderr(match crate::progress::enabled() {
+            true => Stdio::piped(),
+            false => Stdio::inherit(),
+        })
         .spawn()
         .with_context(|| format!("starting tandem {}", args.join(" ")))?;
+    if let Some(stderr) = child.stderr.take() {
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                crate::progress::suspend(|| eprintln!("{line}"));
+            }
+        });
+    }
+    let spinner = crate::progress::spinner(&format!("starting {}", args[0]));
+    let started = std::time::Instant::now();
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
     let pid = child.id();
     children.0.push(child);
@@ -420,6 +434,12 @@ fn spawn(
         } else if let Some(a) = line.strip_prefix("metrics listening on ") {
             metrics = Some(a.to_string());
         } else if let Some(a) = line.strip_prefix("listening on ") {
+            // A ready line that stays, above the next process's spinner.
+            spinner.finish_and_clear();
+            if crate::progress::enabled() {
+                let took = started.elapsed().as_secs_f64();
+                crate::progress::suspend(|| eprintln!("{} ready on {a} ({took:.1} s)", args[0]));
+            }
             return Ok(Spawned {
                 addr: a.to_string(),
                 pid,
@@ -613,6 +633,25 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         eprintln!("OpenAI-compatible HTTP API on http://{h}/v1");
         println!("http listening on {h}");
     }
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        std::path::Path::new(&model)
+            .file_name()
+            .map_or_else(|| "tandem".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let exe = std::env::args().next().unwrap_or_else(|| "tandem".into());
+    let tls_dir = tls.as_ref().map(|t| t.certs.dir.display().to_string());
+    eprint!(
+        "{}",
+        crate::try_it::render(&crate::try_it::Cluster {
+            exe: &exe,
+            grpc: &addr,
+            http: http.as_deref(),
+            model_dir: args.model.as_ref().map(|_| model.as_str()),
+            model_name: &model_name,
+            tls_dir: tls_dir.as_deref(),
+            api_key: !args.api_keys.api_keys.is_empty() || args.api_keys.api_keys_file.is_some(),
+        })
+    );
     println!("listening on {addr}");
     // Wait for Ctrl-C / SIGTERM or for the router to die; a worker that
     // dies is reported and left out (the router stops sending to it). The

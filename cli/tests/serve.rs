@@ -277,6 +277,8 @@ fn bench_serve_measures_a_running_server() {
         "--out",
     ])
     .arg(&out)
+    .arg("--plot")
+    .arg(tmp.path().join("plots"))
     .output()
     .expect("bench runs");
     assert!(
@@ -284,6 +286,22 @@ fn bench_serve_measures_a_running_server() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    // The summary table in the anchors' shape, and the CDFs.
+    let table = String::from_utf8_lossy(&run.stdout);
+    assert!(table.contains("Serving Benchmark Result"), "{table}");
+    let successful = table
+        .lines()
+        .find_map(|l| l.strip_prefix("Successful requests:"))
+        .map(str::trim);
+    assert_eq!(successful, Some("12"), "{table}");
+    assert!(table.contains("P99 TPOT (ms):"), "{table}");
+    for png in ["ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png", "e2e_cdf.png"] {
+        let bytes = std::fs::read(tmp.path().join("plots").join(png)).expect(png);
+        assert!(bytes.starts_with(b"\x89PNG"), "{png}");
+    }
+    // No progress bar in a pipe.
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!stderr.contains('\r'), "{stderr:?}");
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(&out).expect("report")).expect("json");
     let s = &report["summary"];

@@ -23,6 +23,7 @@ pub mod generate;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod progress;
 pub mod quant;
 pub mod sampling;
 pub mod serving;

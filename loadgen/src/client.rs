@@ -25,8 +25,22 @@ pub struct RunOptions {
     /// Sampling temperature (`None`: the server's default).
     pub temperature: Option<f32>,
     pub seed: u64,
-    /// Print a progress line to stderr every second.
-    pub progress: bool,
+    /// Told of every request as it ends (a progress bar); `None` for none.
+    pub observer: Option<Arc<dyn RunObserver>>,
+}
+
+/// Watches a run as it goes: the command line draws a progress bar with
+/// live TTFT / TPOT / throughput from these calls.
+pub trait RunObserver: Send + Sync + std::fmt::Debug {
+    /// The next runs are `label`'s (a sweep names each rate's run).
+    fn phase(&self, label: &str) {
+        let _ = label;
+    }
+    /// A run of at most `total` requests begins.
+    fn started(&self, total: usize);
+    /// One request ended (completed or failed); called from the task that
+    /// sent it.
+    fn finished(&self, record: &RequestRecord);
 }
 
 /// Connects to `addr` (`host:port`).
@@ -43,21 +57,9 @@ pub async fn connect(addr: &str) -> Result<Channel, LoadgenError> {
 /// in sending order.
 pub async fn run(channel: Channel, items: Vec<WorkItem>, opts: &RunOptions) -> Vec<RequestRecord> {
     let start = Instant::now();
-    let done = Arc::new(AtomicUsize::new(0));
-    let total = items.len();
-    let progress = opts.progress.then(|| {
-        let done = done.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let d = done.load(Ordering::Relaxed);
-                eprint!(
-                    "\r  {d}/{total} requests done, {:.0} s",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        })
-    });
+    if let Some(o) = &opts.observer {
+        o.started(items.len());
+    }
     let deadline = opts.max_duration.map(|d| start + d);
     let items = Arc::new(items);
     let mut records: Vec<(usize, RequestRecord)> = Vec::new();
@@ -70,11 +72,9 @@ pub async fn run(channel: Channel, items: Vec<WorkItem>, opts: &RunOptions) -> V
                     break;
                 }
                 tokio::time::sleep_until(at.into()).await;
-                let (channel, items, done, opts) =
-                    (channel.clone(), items.clone(), done.clone(), opts.clone());
+                let (channel, items, opts) = (channel.clone(), items.clone(), opts.clone());
                 tasks.push(tokio::spawn(async move {
                     let r = one(channel, &items[i], start, &opts).await;
-                    done.fetch_add(1, Ordering::Relaxed);
                     (i, r)
                 }));
             }
@@ -91,13 +91,8 @@ pub async fn run(channel: Channel, items: Vec<WorkItem>, opts: &RunOptions) -> V
             let next = Arc::new(AtomicUsize::new(0));
             let workers: Vec<_> = (0..n.max(1))
                 .map(|_| {
-                    let (channel, items, done, next, opts) = (
-                        channel.clone(),
-                        items.clone(),
-                        done.clone(),
-                        next.clone(),
-                        opts.clone(),
-                    );
+                    let (channel, items, next, opts) =
+                        (channel.clone(), items.clone(), next.clone(), opts.clone());
                     tokio::spawn(async move {
                         let mut out = Vec::new();
                         loop {
@@ -107,7 +102,6 @@ pub async fn run(channel: Channel, items: Vec<WorkItem>, opts: &RunOptions) -> V
                             let i = next.fetch_add(1, Ordering::Relaxed);
                             let Some(item) = items.get(i) else { break };
                             out.push((i, one(channel.clone(), item, start, &opts).await));
-                            done.fetch_add(1, Ordering::Relaxed);
                         }
                         out
                     })
@@ -119,10 +113,6 @@ pub async fn run(channel: Channel, items: Vec<WorkItem>, opts: &RunOptions) -> V
                 }
             }
         }
-    }
-    if let Some(p) = progress {
-        p.abort();
-        eprintln!("\r  {}/{total} requests done", done.load(Ordering::Relaxed));
     }
     records.sort_by_key(|(i, _)| *i);
     records.into_iter().map(|(_, r)| r).collect()
@@ -191,5 +181,8 @@ async fn one(
         Ok(Err(status)) => Some(format!("{:?}: {}", status.code(), status.message())),
         Err(_) => Some(format!("timed out after {:?}", opts.request_timeout)),
     };
+    if let Some(o) = &opts.observer {
+        o.finished(&rec);
+    }
     rec
 }

@@ -20,7 +20,7 @@ pub mod sweep;
 pub mod workload;
 
 pub use arrival::Arrival;
-pub use client::{connect, run, RunOptions};
+pub use client::{connect, run, RunObserver, RunOptions};
 pub use metrics::{summarize, RequestRecord, Slo, Stats, Summary};
 pub use workload::{LengthDist, SharedPrefix, WorkItem, WorkloadSpec};
 

@@ -75,7 +75,7 @@ pub async fn sweep(
     // Warm up (connections, the server's first allocations) off the record.
     let warmup = RunOptions {
         arrival: Arrival::Concurrency(2),
-        progress: false,
+        observer: None,
         ..opts.clone()
     };
     let mut first = workload(usize::MAX);
@@ -87,6 +87,9 @@ pub async fn sweep(
             arrival: Arrival::Rate { rate, burstiness },
             ..opts.clone()
         };
+        if let Some(obs) = &o.observer {
+            obs.phase(&format!("{name} @ {rate:.2} req/s"));
+        }
         let records = run(channel.clone(), workload(i), &o).await;
         points.push(SweepPoint::new(rate, &records, slo));
     }

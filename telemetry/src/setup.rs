@@ -68,6 +68,13 @@ pub struct TelemetryConfig {
     pub otlp_endpoint: Option<String>,
     /// How long finished spans wait before a batch leaves.
     pub export_delay: Duration,
+    /// Where log lines are written: stderr, or a writer that keeps them
+    /// clear of a progress bar drawn there (the command line's).
+    pub log_writer: fn() -> Box<dyn std::io::Write>,
+}
+
+fn stderr_writer() -> Box<dyn std::io::Write> {
+    Box::new(std::io::stderr())
 }
 
 impl TelemetryConfig {
@@ -79,6 +86,7 @@ impl TelemetryConfig {
             log_filter: None,
             otlp_endpoint: None,
             export_delay: Duration::from_millis(500),
+            log_writer: stderr_writer,
         }
     }
 }
@@ -199,12 +207,12 @@ pub fn init(config: &TelemetryConfig) -> Result<Telemetry, TelemetryError> {
     let filter = filter(config)?;
     let logs = match config.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
+            .with_writer(config.log_writer)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
-            .with_writer(std::io::stderr)
+            .with_writer(config.log_writer)
             .with_current_span(true)
             .with_span_list(true)
             .boxed(),

@@ -199,7 +199,7 @@ fn main() -> Result<()> {
         request_timeout: Duration::from_secs(300),
         temperature: None,
         seed: 0,
-        progress: false,
+        observer: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

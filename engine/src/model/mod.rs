@@ -281,11 +281,17 @@ impl Model {
             quant,
             names: &names,
         };
+        let task = crate::progress::Task::begin("loading layers", shard.layers.len() as u64);
         let layers = shard
             .layers
             .clone()
-            .map(|i| source.layer(i, &splits))
+            .map(|i| {
+                let layer = source.layer(i, &splits);
+                task.step();
+                layer
+            })
             .collect::<Result<Vec<_>>>()?;
+        drop(task);
         let final_norm = norm_vector(c, &ws, &names.final_norm(), h)?;
         // Some tied checkpoints still carry a copy of the head; use it if so.
         let head_name = names.lm_head();
@@ -400,6 +406,8 @@ impl Model {
     /// step, so it is quantized too, unlike AWQ/GPTQ checkpoints, which keep
     /// it dense (and load so). Layers already INT4 are kept.
     pub fn quantize_int4(&mut self, config: Int4Config) -> Result<()> {
+        let steps = self.layers.len() + usize::from(self.shard.computes_logits());
+        let task = crate::progress::Task::begin("quantizing to INT4", steps as u64);
         for (i, l) in self.layers.iter_mut().enumerate() {
             let attention = [
                 ("q_proj", &mut l.q),
@@ -411,9 +419,11 @@ impl Model {
             for (name, lin) in attention.chain(l.mlp.linears_mut()) {
                 lin.quantize(config, &format!("layer {i} {name}"))?;
             }
+            task.step();
         }
         if self.shard.computes_logits() {
             self.lm_head_int4 = Some(Int4Matrix::quantize(self.head(), config)?);
+            task.step();
         }
         Ok(())
     }
