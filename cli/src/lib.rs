@@ -25,7 +25,6 @@ pub mod security_args;
 mod serve_cmd;
 mod speculative_args;
 pub mod telemetry_args;
-mod try_it;
 mod up_cmd;
 mod worker_cmd;
 

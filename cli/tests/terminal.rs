@@ -249,8 +249,9 @@ fn chat_in_a_terminal_against_a_running_cluster() {
     tmux.line("/bye");
 }
 
-/// `generate` loads a model under a progress bar on a terminal, and writes
-/// no bar (no carriage returns, no escape sequences) into a pipe.
+/// `generate` loads a model under a progress bar on a terminal, not with
+/// `--log-format json`, and writes no bar (no carriage returns, no escape
+/// sequences) into a pipe.
 #[test]
 fn progress_on_a_terminal_and_not_in_a_pipe() {
     let cache = cache();
@@ -260,15 +261,19 @@ fn progress_on_a_terminal_and_not_in_a_pipe() {
         tandem().display()
     );
     let tmux = Tmux::new("progress");
-    tmux.start(&format!("{generate}; echo generate-done"));
-    let screen = tmux.wait_for("the end", |s| s.contains("generate-done"));
+    tmux.start(&format!(
+        "{generate}; echo text-done; {generate} --log-format json; echo json-done"
+    ));
+    let screen = tmux.wait_for("the end", |s| s.contains("json-done"));
+    let (text, json) = screen.split_once("text-done").expect("in order");
     assert!(
-        screen.contains("loading layers"),
+        text.contains("loading layers"),
         "a bar on the terminal:\n{screen}"
     );
+    assert!(text.contains("6/6"), "the bar counts the layers:\n{screen}");
     assert!(
-        screen.contains("6/6"),
-        "the bar counts the layers:\n{screen}"
+        !json.contains("loading layers"),
+        "no bar among JSON logs:\n{screen}"
     );
 
     let piped = Command::new("sh")

@@ -221,7 +221,14 @@ pub fn run(args: ChatArgs) -> Result<()> {
                         print_stats(&stats);
                     }
                     Ok(None) => eprintln!("\n(cancelled)"),
-                    Err(e) => eprintln!("\nerror: {e:#}"),
+                    Err(e) => {
+                        let e = format!("{e:#}");
+                        eprintln!("\nerror: {e}");
+                        // The conversation outgrew the model's context.
+                        if e.contains("max_model_len") || e.contains("context") {
+                            eprintln!("(/reset starts over; /max-tokens N asks for less)");
+                        }
+                    }
                 }
             }
             Command::System(text) => {
@@ -264,7 +271,7 @@ async fn answer(
     use futures_util::FutureExt;
     use std::io::Write;
     // Forget a Ctrl-C that came while no answer was running.
-    while interrupts.recv().now_or_never().is_some() {}
+    while let Some(Some(())) = interrupts.recv().now_or_never() {}
     let mut text = String::new();
     let mut stdout = std::io::stdout();
     let mut show = |piece: &str| {

@@ -26,6 +26,9 @@
 //! and `--api-keys-file` go to the router (the keys through its
 //! environment, not its command line).
 
+mod announce;
+mod try_it;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -481,116 +484,66 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         tracing::info!("tandem up: starting etcd");
         start_etcd()?
     };
-    let tls = if args.tls {
-        Some(TlsDir::create(args.tls_dir.as_ref())?)
-    } else {
-        None
-    };
+    let tls = args
+        .tls
+        .then(|| TlsDir::create(args.tls_dir.as_ref()))
+        .transpose()?;
     let cluster_name = format!("up-{}", std::process::id());
-    let membership: Vec<String> = match &etcd {
-        Some(e) => vec![
-            "--etcd".into(),
-            e.endpoint.clone(),
-            "--cluster".into(),
-            cluster_name.clone(),
-            "--lease-ttl-s".into(),
-            args.lease_ttl_s.to_string(),
-        ],
-        None => Vec::new(),
-    };
+    let membership: Vec<String> = etcd.as_ref().map_or_else(Vec::new, |e| {
+        let ttl = args.lease_ttl_s.to_string();
+        [&e.endpoint, &cluster_name, &ttl]
+            .iter()
+            .zip(["--etcd", "--cluster", "--lease-ttl-s"])
+            .flat_map(|(v, flag)| [flag.to_string(), v.to_string()])
+            .collect()
+    });
     let mut children = Children(Vec::new());
     // Every child: the same logs and trace export, and a metrics port.
     let mut common = telemetry.to_args();
     if !args.no_metrics {
         common.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
     }
-    let worker = |role: &str| -> Vec<String> {
-        let mut a = vec![
-            role.to_string(),
-            "--model".into(),
-            model.clone(),
-            "--kv-cache-memory".into(),
-            args.kv_cache_memory.clone(),
-            "--kv-transport".into(),
-            args.kv_transport.to_string(),
-        ];
-        a.extend(membership.iter().cloned());
-        a.extend(common.iter().cloned());
-        if let Some(t) = &tls {
-            a.extend(t.args(role.trim_end_matches("-worker")));
-        }
-        a.extend(args.worker_args.iter().cloned());
-        a
-    };
+    let worker = |role: &str| worker_args(role, &args, &model, &membership, &common, tls.as_ref());
     // (role, gRPC address, metrics address) of every process.
     let mut metrics: Vec<(&str, String, String)> = Vec::new();
-    let mut decodes = Vec::new();
-    for _ in 0..args.decode {
-        let mut a = worker("decode-worker");
-        a.extend([
-            "--remote-prefill-threshold".into(),
-            args.remote_prefill_threshold.to_string(),
-        ]);
-        a.extend(args.decode_args.iter().cloned());
-        let d = spawn(&mut children, &stop, &a, &secret)?;
-        if let Some(m) = d.metrics {
-            metrics.push(("decode-worker", d.addr.clone(), m));
-        }
-        decodes.push((d.addr, d.pid));
-    }
-    let mut prefills = Vec::new();
-    for _ in 0..args.prefill {
-        let mut a = worker("prefill-worker");
-        a.extend(args.prefill_args.iter().cloned());
-        let p = spawn(&mut children, &stop, &a, &secret)?;
-        if let Some(m) = p.metrics {
-            metrics.push(("prefill-worker", p.addr.clone(), m));
-        }
-        prefills.push((p.addr, p.pid));
-    }
-    let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
-    let prefill_addrs: Vec<String> = prefills.iter().map(|p| p.0.clone()).collect();
-    let mut router = vec![
-        "router".to_string(),
-        "--addr".into(),
-        args.addr.clone(),
-        "--model".into(),
-        model.clone(),
-        "--decode-policy".into(),
-        args.decode_policy.clone(),
+    let mut decode = worker("decode-worker");
+    decode.extend([
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
-    ];
-    router.extend(common.iter().cloned());
-    if args.debug_routing_headers {
-        router.push("--debug-routing-headers".into());
-    }
-    if let Some(t) = &tls {
-        router.extend(t.args("router"));
-    }
-    if let Some(f) = &args.api_keys.api_keys_file {
-        router.extend(["--api-keys-file".into(), f.display().to_string()]);
-    }
+    ]);
+    decode.extend(args.decode_args.iter().cloned());
+    let mut pool = Pool {
+        children: &mut children,
+        stop: &stop,
+        env: &secret,
+        metrics: &mut metrics,
+    };
+    let decodes = pool.start("decode-worker", &decode, args.decode)?;
+    let mut prefill = worker("prefill-worker");
+    prefill.extend(args.prefill_args.iter().cloned());
+    let prefills = pool.start("prefill-worker", &prefill, args.prefill)?;
+    let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
+    let prefill_addrs: Vec<String> = prefills.iter().map(|p| p.0.clone()).collect();
+    let router = router_args(
+        &args,
+        &model,
+        &common,
+        match etcd.is_some() {
+            true => Membership::Etcd(&membership),
+            false => Membership::Static {
+                decode: &decode_addrs,
+                prefill: &prefill_addrs,
+            },
+        },
+        tls.as_ref(),
+    );
     // The router presents the worker plane's credential, derived from the
-    // same token.
+    // same token; API keys go through its environment, not its argv.
     let mut router_env = secret.to_vec();
-    if !args.api_keys.api_keys.is_empty() {
-        router_env.push(("TANDEM_API_KEYS", args.api_keys.api_keys.join(",")));
-    }
-    if !args.no_http {
-        router.extend(["--http-addr".into(), args.http_addr.clone()]);
-        if let Some(name) = &args.served_model_name {
-            router.extend(["--served-model-name".into(), name.clone()]);
-        }
-    }
-    if etcd.is_some() {
-        router.extend(membership.iter().cloned());
-    } else {
-        router.extend(["--decode".into(), decode_addrs.join(",")]);
-        if !prefills.is_empty() {
-            router.extend(["--prefill".into(), prefill_addrs.join(",")]);
-        }
-    }
+    router_env.extend(
+        (!args.api_keys.api_keys.is_empty())
+            .then(|| ("TANDEM_API_KEYS", args.api_keys.api_keys.join(","))),
+    );
     let Spawned {
         addr,
         http,
@@ -600,65 +553,144 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     if let Some(m) = router_metrics {
         metrics.push(("router", addr.clone(), m));
     }
-    if let Some(e) = &etcd {
-        println!("etcd {} {cluster_name} {}", e.endpoint, e.child.id());
-    }
-    if let Some(t) = &tls {
-        eprintln!(
-            "mutual TLS: clients need {0}/ca.pem and a certificate from it, e.g. {0}/client.pem with {0}/client.key",
-            t.certs.dir.display()
-        );
-        println!("tls {}", t.certs.dir.display());
-    }
-    eprintln!(
-        "tandem cluster: {} decode ({}), {} prefill ({}); router on {addr}",
-        decodes.len(),
-        decode_addrs.join(", "),
-        prefills.len(),
-        prefill_addrs.join(", ")
-    );
-    // Scripts and tests read these: the workers, then the router last.
-    for (d, pid) in &decodes {
-        println!("decode worker {d} {pid}");
-    }
-    for (p, pid) in &prefills {
-        println!("prefill worker {p} {pid}");
-    }
-    for (role, grpc, m) in &metrics {
-        eprintln!("{role} {grpc}: Prometheus metrics on http://{m}/metrics");
-        println!("metrics {role} {grpc} {m}");
-    }
-
-    if let Some(h) = &http {
-        eprintln!("OpenAI-compatible HTTP API on http://{h}/v1");
-        println!("http listening on {h}");
-    }
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        std::path::Path::new(&model)
-            .file_name()
-            .map_or_else(|| "tandem".into(), |n| n.to_string_lossy().into_owned())
+    announce::announce(&announce::Announcement {
+        etcd: etcd
+            .as_ref()
+            .map(|e| (e.endpoint.as_str(), cluster_name.as_str(), e.child.id())),
+        args: &args,
+        model: &model,
+        tls: tls.as_ref(),
+        decodes: &decodes,
+        prefills: &prefills,
+        metrics: &metrics,
+        addr: &addr,
+        http: http.as_deref(),
     });
-    let exe = std::env::args().next().unwrap_or_else(|| "tandem".into());
-    let tls_dir = tls.as_ref().map(|t| t.certs.dir.display().to_string());
-    eprint!(
-        "{}",
-        crate::try_it::render(&crate::try_it::Cluster {
-            exe: &exe,
-            grpc: &addr,
-            http: http.as_deref(),
-            model_dir: args.model.as_ref().map(|_| model.as_str()),
-            model_name: &model_name,
-            tls_dir: tls_dir.as_deref(),
-            api_key: !args.api_keys.api_keys.is_empty() || args.api_keys.api_keys_file.is_some(),
-        })
-    );
-    println!("listening on {addr}");
-    // Wait for Ctrl-C / SIGTERM or for the router to die; a worker that
-    // dies is reported and left out (the router stops sending to it). The
-    // children are killed on the way out.
+    watch(&mut children, &stop)
+}
+
+/// A worker's command line: `role` on the cluster's model, membership,
+/// logs and certificates, then `--worker-arg`s.
+fn worker_args(
+    role: &str,
+    args: &UpArgs,
+    model: &str,
+    membership: &[String],
+    common: &[String],
+    tls: Option<&TlsDir>,
+) -> Vec<String> {
+    let mut a = vec![
+        role.to_string(),
+        "--model".into(),
+        model.to_string(),
+        "--kv-cache-memory".into(),
+        args.kv_cache_memory.clone(),
+        "--kv-transport".into(),
+        args.kv_transport.to_string(),
+    ];
+    a.extend(membership.iter().cloned());
+    a.extend(common.iter().cloned());
+    if let Some(t) = tls {
+        a.extend(t.args(role.trim_end_matches("-worker")));
+    }
+    a.extend(args.worker_args.iter().cloned());
+    a
+}
+
+/// Where started processes go, and what they share.
+struct Pool<'a> {
+    children: &'a mut Children,
+    stop: &'a StopFlag,
+    env: &'a [(&'a str, String)],
+    metrics: &'a mut Vec<(&'static str, String, String)>,
+}
+
+impl Pool<'_> {
+    /// Starts `count` processes of `command`, one after another; their
+    /// (gRPC address, pid).
+    fn start(
+        &mut self,
+        role: &'static str,
+        command: &[String],
+        count: usize,
+    ) -> Result<Vec<(String, u32)>> {
+        let mut started = Vec::with_capacity(count);
+        for _ in 0..count {
+            let p = spawn(self.children, self.stop, command, self.env)?;
+            if let Some(m) = p.metrics {
+                self.metrics.push((role, p.addr.clone(), m));
+            }
+            started.push((p.addr, p.pid));
+        }
+        Ok(started)
+    }
+}
+
+/// How the router learns of the workers.
+enum Membership<'a> {
+    /// It watches the same etcd (these flags).
+    Etcd(&'a [String]),
+    /// Fixed lists of addresses.
+    Static {
+        decode: &'a [String],
+        prefill: &'a [String],
+    },
+}
+
+/// The router's command line.
+fn router_args(
+    args: &UpArgs,
+    model: &str,
+    common: &[String],
+    membership: Membership<'_>,
+    tls: Option<&TlsDir>,
+) -> Vec<String> {
+    let mut router = vec![
+        "router".to_string(),
+        "--addr".into(),
+        args.addr.clone(),
+        "--model".into(),
+        model.to_string(),
+        "--decode-policy".into(),
+        args.decode_policy.clone(),
+        "--remote-prefill-threshold".into(),
+        args.remote_prefill_threshold.to_string(),
+    ];
+    router.extend(common.iter().cloned());
+    if args.debug_routing_headers {
+        router.push("--debug-routing-headers".into());
+    }
+    if let Some(t) = tls {
+        router.extend(t.args("router"));
+    }
+    if let Some(f) = &args.api_keys.api_keys_file {
+        router.extend(["--api-keys-file".into(), f.display().to_string()]);
+    }
+    if !args.no_http {
+        router.extend(["--http-addr".into(), args.http_addr.clone()]);
+        if let Some(name) = &args.served_model_name {
+            router.extend(["--served-model-name".into(), name.clone()]);
+        }
+    }
+    match membership {
+        Membership::Etcd(flags) => router.extend(flags.iter().cloned()),
+        Membership::Static { decode, prefill } => {
+            router.extend(["--decode".into(), decode.join(",")]);
+            if !prefill.is_empty() {
+                router.extend(["--prefill".into(), prefill.join(",")]);
+            }
+        }
+    }
+    router
+}
+
+/// Waits for Ctrl-C / SIGTERM or for the router (the last child) to die;
+/// a worker that dies is reported and left out (the router stops sending
+/// to it). The children are killed on the way out ([`Children`]' drop).
+fn watch(children: &mut Children, stop: &StopFlag) -> Result<()> {
     let router_at = children.0.len() - 1;
     let mut reported = vec![false; children.0.len()];
-    while !stopping(&stop) {
+    while !stopping(stop) {
         for (i, c) in children.0.iter_mut().enumerate() {
             if let Some(status) = c.try_wait()? {
                 if i == router_at {
