@@ -99,8 +99,8 @@ impl Write for LogLine {
     }
 }
 
-/// The engine's load-time tasks as bars, one at a time; a finished bar
-/// stays on screen with its count and time.
+/// The engine's load-time tasks as bars, one at a time; a finished one
+/// leaves a line with its count and time.
 struct EngineBars {
     bars: MultiProgress,
     current: Mutex<Option<ProgressBar>>,
@@ -132,7 +132,17 @@ impl tandem_engine::progress::ProgressSink for EngineBars {
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
-            pb.finish();
+            // A line printed above the bars stays; a finished bar left in
+            // place would be wiped by the next log line's redraw.
+            let line = format!(
+                "{:>18} {}/{} in {:.1} s",
+                pb.prefix(),
+                pb.position(),
+                pb.length().unwrap_or(0),
+                pb.elapsed().as_secs_f64()
+            );
+            pb.finish_and_clear();
+            let _ = self.bars.println(line);
         }
     }
 }
