@@ -249,44 +249,58 @@ fn chat_in_a_terminal_against_a_running_cluster() {
     tmux.line("/bye");
 }
 
-/// `generate` loads a model under a progress bar on a terminal, not with
-/// `--log-format json`, and writes no bar (no carriage returns, no escape
-/// sequences) into a pipe.
+/// `serve --quantize int4` loads and quantizes under progress bars on a
+/// terminal, whose lines stay on screen below the log lines that follow; not
+/// with `--log-format json`; and writes no bar (no carriage returns, no
+/// escape sequences) into a pipe.
 #[test]
 fn progress_on_a_terminal_and_not_in_a_pipe() {
     let cache = cache();
     let cache_dir = cache.path().to_str().expect("utf8");
-    let generate = format!(
-        "TANDEM_CACHE_DIR={cache_dir} {} generate --prompt-ids 1,2,3 --max-tokens 2",
+    let serve = format!(
+        "TANDEM_CACHE_DIR={cache_dir} {} serve --addr 127.0.0.1:0 --quantize int4",
         tandem().display()
     );
+    let listening = |s: &str| s.matches("listening on").count();
     let tmux = Tmux::new("progress");
     tmux.start(&format!(
-        "{generate}; echo text-done; {generate} --log-format json; echo json-done"
+        "{serve}; echo text-done; {serve} --log-format json; echo json-done"
     ));
+    tmux.wait_for("the server", |s| listening(s) == 1);
+    tmux.keys(&["C-c"]);
+    tmux.wait_for("the second server", |s| listening(s) == 2);
+    tmux.keys(&["C-c"]);
     let screen = tmux.wait_for("the end", |s| s.contains("json-done"));
     let (text, json) = screen.split_once("text-done").expect("in order");
+    for line in ["loading layers 6/6", "quantizing to INT4 7/7"] {
+        assert!(text.contains(line), "{line:?} on the terminal:\n{screen}");
+    }
     assert!(
-        text.contains("loading layers"),
-        "a bar on the terminal:\n{screen}"
+        text.contains("model loaded"),
+        "logs after the bars:\n{screen}"
     );
-    assert!(text.contains("6/6"), "the bar counts the layers:\n{screen}");
     assert!(
         !json.contains("loading layers"),
         "no bar among JSON logs:\n{screen}"
     );
 
-    let piped = Command::new("sh")
-        .args(["-c", &generate])
+    let mut child = Command::new(tandem())
+        .args(["serve", "--addr", "127.0.0.1:0", "--quantize", "int4"])
+        .env("TANDEM_CACHE_DIR", cache_dir)
         .stdin(Stdio::null())
-        .output()
-        .expect("generate runs");
-    assert!(
-        piped.status.success(),
-        "{}",
-        String::from_utf8_lossy(&piped.stderr)
-    );
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let up = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+        .map_while(Result::ok)
+        .any(|l| l.starts_with("listening on"));
+    let _ = child.kill();
+    let piped = child.wait_with_output().expect("serve ends");
     let stderr = String::from_utf8_lossy(&piped.stderr);
+    assert!(up, "serve listened:\n{stderr}");
+    assert!(stderr.contains("model loaded"), "{stderr}");
     assert!(
         !stderr.contains("loading layers"),
         "no bar in a pipe:\n{stderr}"
