@@ -30,6 +30,8 @@ struct Live {
     failed: usize,
     met: usize,
     done: usize,
+    /// When the message was last redrawn (its medians sort every sample).
+    refreshed: Option<Instant>,
 }
 
 impl Live {
@@ -42,6 +44,7 @@ impl Live {
             failed: 0,
             met: 0,
             done: 0,
+            refreshed: None,
         }
     }
 
@@ -113,7 +116,14 @@ impl RunObserver for LiveBench {
         if r.meets(&self.slo) {
             live.met += 1;
         }
-        self.bar.set_message(live.message(&self.slo));
+        // Medians sort every sample: redraw them at most 4 times a second.
+        let stale = live
+            .refreshed
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_millis(250));
+        if stale {
+            live.refreshed = Some(Instant::now());
+            self.bar.set_message(live.message(&self.slo));
+        }
         self.bar.inc(1);
     }
 }
