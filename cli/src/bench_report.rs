@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use tandem_loadgen::plot::{cdf, line_chart, Chart, Series};
-use tandem_loadgen::{RequestRecord, RunObserver, Slo, Summary};
+use tandem_loadgen::{RequestRecord, RunObserver, Slo, Stats, Summary};
 
 /// A progress bar fed by the load generator as requests end.
 #[derive(Debug)]
@@ -49,13 +49,9 @@ impl Live {
     }
 
     fn message(&self, slo: &Slo) -> String {
-        let ms = |v: &[f64]| {
-            let mut v = v.to_vec();
-            v.sort_by(f64::total_cmp);
-            match v.is_empty() {
-                true => "-".to_string(),
-                false => format!("{:.1}", tandem_loadgen::metrics::percentile(&v, 50.0) * 1e3),
-            }
+        let ms = |v: &[f64]| match Stats::of(v.iter().copied()) {
+            s if s.count == 0 => "-".to_string(),
+            s => format!("{:.1}", s.p50 * 1e3),
         };
         let secs = self.started.elapsed().as_secs_f64().max(1e-3);
         let mut m = format!(

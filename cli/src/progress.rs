@@ -28,9 +28,8 @@ pub fn init(log_format: LogFormat, no_progress: bool) {
     if !on {
         return;
     }
-    let bars = BARS.get_or_init(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr()));
+    BARS.get_or_init(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr()));
     let sink = EngineBars {
-        bars: bars.clone(),
         current: Mutex::new(None),
     };
     // A second init keeps the first sink: the same bars either way.
@@ -70,6 +69,16 @@ pub fn spinner(message: &str) -> ProgressBar {
     pb
 }
 
+/// Takes `pb` off the screen and, when bars are drawn, prints `line` above
+/// the others in its place: a finished bar left in place would be wiped by
+/// the next log line's redraw.
+pub fn finish_with_line(pb: &ProgressBar, line: impl FnOnce() -> String) {
+    pb.finish_and_clear();
+    if let Some(bars) = BARS.get() {
+        let _ = bars.println(line());
+    }
+}
+
 /// Runs `f` (which prints) with the bars lifted off the screen.
 pub fn suspend<R>(f: impl FnOnce() -> R) -> R {
     match BARS.get() {
@@ -87,10 +96,7 @@ struct LogLine;
 
 impl Write for LogLine {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match BARS.get() {
-            Some(bars) => bars.suspend(|| std::io::stderr().write_all(buf))?,
-            None => std::io::stderr().write_all(buf)?,
-        }
+        suspend(|| std::io::stderr().write_all(buf))?;
         Ok(buf.len())
     }
 
@@ -102,19 +108,12 @@ impl Write for LogLine {
 /// The engine's load-time tasks as bars, one at a time; a finished one
 /// leaves a line with its count and time.
 struct EngineBars {
-    bars: MultiProgress,
     current: Mutex<Option<ProgressBar>>,
 }
 
 impl tandem_engine::progress::ProgressSink for EngineBars {
     fn begin(&self, what: &str, total: u64) {
-        let style = ProgressStyle::with_template(
-            "{prefix:>18.bold} [{bar:30.green/blue}] {pos}/{len} {elapsed}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-        let pb = self.bars.add(ProgressBar::new(total).with_style(style));
-        pb.set_prefix(what.to_string());
+        let pb = bar(total, what);
         pb.tick();
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(pb);
     }
@@ -126,23 +125,21 @@ impl tandem_engine::progress::ProgressSink for EngineBars {
     }
 
     fn finish(&self) {
-        if let Some(pb) = self
+        let current = self
             .current
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            // A line printed above the bars stays; a finished bar left in
-            // place would be wiped by the next log line's redraw.
-            let line = format!(
-                "{:>18} {}/{} in {:.1} s",
-                pb.prefix(),
-                pb.position(),
-                pb.length().unwrap_or(0),
-                pb.elapsed().as_secs_f64()
-            );
-            pb.finish_and_clear();
-            let _ = self.bars.println(line);
+            .take();
+        if let Some(pb) = current {
+            finish_with_line(&pb, || {
+                format!(
+                    "{:>18} {}/{} in {:.1} s",
+                    pb.prefix(),
+                    pb.position(),
+                    pb.length().unwrap_or(0),
+                    pb.elapsed().as_secs_f64()
+                )
+            });
         }
     }
 }

@@ -8,16 +8,47 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
+use tonic::metadata::{Ascii, MetadataValue};
 
 use crate::generate_cmd::GenerateArgs;
 
-pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
-    let tls = args.tls.load()?;
+/// The endpoint of `server` (`host:port`, or a URL whose scheme is
+/// dropped), over mTLS when `tls` names certificates; with its `host:port`.
+pub(crate) fn endpoint(
+    tls: &crate::security_args::TlsArgs,
+    server: &str,
+) -> Result<(tonic::transport::Endpoint, String)> {
     let host_port = server
         .split_once("://")
         .map_or(server, |(_, rest)| rest)
         .trim_end_matches('/');
-    let endpoint = tandem_security::tls::endpoint(tls.as_ref(), host_port)?;
+    let endpoint = tandem_security::tls::endpoint(tls.load()?.as_ref(), host_port)?;
+    Ok((endpoint, host_port.to_string()))
+}
+
+/// `authorization: Bearer KEY` as a metadata value.
+pub(crate) fn bearer(key: &str) -> Result<MetadataValue<Ascii>> {
+    format!("Bearer {key}")
+        .parse()
+        .context("the API key must be printable ASCII")
+}
+
+/// The finish reason of a `Finished` message's first choice, as the
+/// OpenAI API names it.
+pub(crate) fn finish_reason(f: &v1::Finished) -> &'static str {
+    f.choices
+        .first()
+        .and_then(|c| v1::FinishReason::try_from(c.finish_reason).ok())
+        .map_or("unknown", |r| match r {
+            v1::FinishReason::Stop => "stop",
+            v1::FinishReason::Length => "length",
+            v1::FinishReason::Abort => "abort",
+            v1::FinishReason::Unspecified => "unknown",
+        })
+}
+
+pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
+    let (endpoint, _) = endpoint(&args.tls, server)?;
     let url = endpoint.uri().to_string();
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: ids.clone() }),
@@ -44,10 +75,7 @@ pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
     };
     let mut req = tonic::Request::new(req);
     if let Some(key) = &args.api_key {
-        let value = format!("Bearer {key}")
-            .parse()
-            .context("the API key must be printable ASCII")?;
-        req.metadata_mut().insert("authorization", value);
+        req.metadata_mut().insert("authorization", bearer(key)?);
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -86,16 +114,7 @@ pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
             }
         }
         let f = finished.context("the stream ended without a Finished message")?;
-        let reason = f
-            .choices
-            .first()
-            .and_then(|c| v1::FinishReason::try_from(c.finish_reason).ok())
-            .map_or("unknown", |r| match r {
-                v1::FinishReason::Stop => "stop",
-                v1::FinishReason::Length => "length",
-                v1::FinishReason::Abort => "abort",
-                v1::FinishReason::Unspecified => "unknown",
-            });
+        let reason = finish_reason(&f);
         let usage = f.usage.unwrap_or_default();
         let t = f.timings.unwrap_or_default();
         if args.json {

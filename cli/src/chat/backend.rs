@@ -82,11 +82,10 @@ impl Backend {
     }
 }
 
-/// The checkpoint's chat template and tokenizer: what turns messages into
-/// prompt tokens on this side.
+/// The checkpoint's chat template: what turns messages into prompt tokens
+/// on this side (with the checkpoint's tokenizer).
 struct Prompter {
     template: ChatTemplate,
-    tokenizer: Tokenizer,
 }
 
 impl Prompter {
@@ -97,17 +96,13 @@ impl Prompter {
                 dir.display()
             )
         })?;
-        let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
-        Ok(Self {
-            template,
-            tokenizer,
-        })
+        Ok(Self { template })
     }
 
     /// The prompt tokens of `messages` with the assistant's turn opened.
-    fn prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
+    fn prompt(&self, tokenizer: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
         let text = self.template.render(messages, true)?;
-        Ok(self.tokenizer.encode_plain(&text)?)
+        Ok(tokenizer.encode_plain(&text)?)
     }
 }
 
@@ -134,6 +129,8 @@ impl Drop for StopOnDrop {
 
 impl Local {
     fn new(ckpt: Checkpoint, dir: &Path) -> Result<Self> {
+        // Chat is text: refuse a checkpoint without a tokenizer up front.
+        ckpt.tokenizer()?;
         Ok(Self {
             prompter: Prompter::from_dir(dir)?,
             ckpt: Arc::new(ckpt),
@@ -147,7 +144,7 @@ impl Local {
         settings: &Settings,
         show: &mut dyn FnMut(&str),
     ) -> Result<TurnStats> {
-        let prompt_ids = self.prompter.prompt(messages)?;
+        let prompt_ids = self.prompter.prompt(self.ckpt.tokenizer()?, messages)?;
         let req = GenerateRequest {
             prompt_ids,
             max_tokens: settings.max_tokens as usize,
@@ -165,17 +162,15 @@ impl Local {
         let start = Instant::now();
         let prompt_tokens = req.prompt_ids.len() as u64;
         let job = tokio::task::spawn_blocking(move || {
-            let tok = ckpt.tokenizer.as_ref();
+            let tok = ckpt.tokenizer()?;
             let mut decoder = StreamDecoder::after_prompt(&req.prompt_ids);
             let opts = GenerateOptions::default();
             tandem_engine::generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |s| {
                 if stop.load(Ordering::Relaxed) {
                     return Err(EngineError::Stopped("cancelled at the terminal".into()));
                 }
-                if let Some(tok) = tok {
-                    // A closed receiver means the answer was dropped.
-                    let _ = tx.send(decoder.push(tok, s.token)?);
-                }
+                // A closed receiver means the answer was dropped.
+                let _ = tx.send(decoder.push(tok, s.token)?);
                 Ok(())
             })
         });
@@ -199,6 +194,7 @@ impl Local {
 pub struct Grpc {
     client: GenerationClient<tonic::transport::Channel>,
     prompter: Prompter,
+    tokenizer: Tokenizer,
     api_key: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     addr: String,
     name: String,
@@ -206,30 +202,23 @@ pub struct Grpc {
 
 impl Grpc {
     async fn connect(addr: &str, dir: &Path, args: &ChatArgs) -> Result<Self> {
-        let tls = args.tls.load()?;
-        let host_port = addr
-            .split_once("://")
-            .map_or(addr, |(_, rest)| rest)
-            .trim_end_matches('/');
-        let endpoint = tandem_security::tls::endpoint(tls.as_ref(), host_port)?
-            .connect_timeout(CONNECT_TIMEOUT);
+        let (endpoint, host_port) = crate::remote::endpoint(&args.tls, addr)?;
+        let endpoint = endpoint.connect_timeout(CONNECT_TIMEOUT);
         let channel = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
             .await
             .map_err(|_| anyhow!("connecting to {addr}: no answer in {CONNECT_TIMEOUT:?}"))?
             .with_context(|| format!("connecting to {addr}"))?;
-        let api_key = match &args.api_key {
-            Some(k) => Some(
-                format!("Bearer {k}")
-                    .parse()
-                    .context("the API key must be printable ASCII")?,
-            ),
-            None => None,
-        };
+        let api_key = args
+            .api_key
+            .as_deref()
+            .map(crate::remote::bearer)
+            .transpose()?;
         Ok(Self {
             client: GenerationClient::new(channel),
             prompter: Prompter::from_dir(dir)?,
+            tokenizer: Tokenizer::from_file(&dir.join("tokenizer.json"))?,
             api_key,
-            addr: host_port.to_string(),
+            addr: host_port,
             name: model_name(dir),
         })
     }
@@ -240,7 +229,7 @@ impl Grpc {
         settings: &Settings,
         show: &mut dyn FnMut(&str),
     ) -> Result<TurnStats> {
-        let ids = self.prompter.prompt(messages)?;
+        let ids = self.prompter.prompt(&self.tokenizer, messages)?;
         let mut req = tonic::Request::new(v1::GenerateRequest {
             prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
             sampling: Some(v1::SamplingParams {
@@ -273,15 +262,10 @@ impl Grpc {
                     show(&d.text);
                 }
                 Some(v1::generate_response::Event::Finished(f)) => {
+                    stats.finish_reason = crate::remote::finish_reason(&f).to_string();
                     let usage = f.usage.unwrap_or_default();
                     stats.prompt_tokens = usage.prompt_tokens.into();
                     stats.completion_tokens = usage.completion_tokens.into();
-                    stats.finish_reason = f
-                        .choices
-                        .first()
-                        .and_then(|c| v1::FinishReason::try_from(c.finish_reason).ok())
-                        .map_or("unknown", finish_name)
-                        .to_string();
                 }
                 _ => {}
             }
@@ -291,14 +275,5 @@ impl Grpc {
         }
         stats.elapsed = start.elapsed();
         Ok(stats)
-    }
-}
-
-fn finish_name(r: v1::FinishReason) -> &'static str {
-    match r {
-        v1::FinishReason::Stop => "stop",
-        v1::FinishReason::Length => "length",
-        v1::FinishReason::Abort => "abort",
-        v1::FinishReason::Unspecified => "unknown",
     }
 }

@@ -437,12 +437,10 @@ fn spawn(
         } else if let Some(a) = line.strip_prefix("metrics listening on ") {
             metrics = Some(a.to_string());
         } else if let Some(a) = line.strip_prefix("listening on ") {
-            // A ready line that stays, above the next process's spinner.
-            spinner.finish_and_clear();
-            if crate::progress::enabled() {
+            crate::progress::finish_with_line(&spinner, || {
                 let took = started.elapsed().as_secs_f64();
-                crate::progress::suspend(|| eprintln!("{} ready on {a} ({took:.1} s)", args[0]));
-            }
+                format!("{} ready on {a} ({took:.1} s)", args[0])
+            });
             return Ok(Spawned {
                 addr: a.to_string(),
                 pid,
