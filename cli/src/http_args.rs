@@ -2,11 +2,12 @@
 //! `serve`): its flags and its start.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use tandem_openai::tools::ToolSyntax;
 use tandem_openai::{Backend, ChatTemplate, OpenAi};
 
 #[derive(Args, Debug, Clone)]
@@ -26,6 +27,39 @@ pub struct HttpArgs {
     /// keep-alive connection to start its next request) before it is closed.
     #[arg(long, default_value_t = tandem_openai::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
     pub http_header_timeout_ms: u64,
+    /// A Jinja chat template file used instead of the checkpoint's (its
+    /// special tokens still come from the checkpoint).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// How the model writes tool calls (default: recognised from the chat
+    /// template; `none` refuses `tools`).
+    #[arg(long, value_enum)]
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// Split `<think>…</think>` into `reasoning_content` (default: when the
+    /// chat template uses `<think>`).
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<ReasoningParser>,
+}
+
+/// `--tool-call-parser` (vLLM's names).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallParser {
+    /// `<tool_call>{…}</tool_call>` (Hermes, Qwen).
+    Hermes,
+    /// Bare `{"name", "parameters"}` objects (Llama 3.x).
+    #[value(name = "llama3_json")]
+    Llama3Json,
+    /// `[TOOL_CALLS] [{…}]`.
+    Mistral,
+    None,
+}
+
+/// `--reasoning-parser`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningParser {
+    /// `<think>…</think>` (Qwen3, DeepSeek-R1).
+    Think,
+    None,
 }
 
 impl HttpArgs {
@@ -46,7 +80,14 @@ impl HttpArgs {
             tandem_engine::tokenizer::Tokenizer::from_file(&tok_path)
                 .with_context(|| format!("the HTTP API needs {}", tok_path.display()))?,
         );
-        let chat = match ChatTemplate::from_model_dir(model_dir) {
+        let source = match &self.chat_template {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --chat-template {}", path.display()))?,
+            ),
+            None => None,
+        };
+        let chat = match ChatTemplate::from_model_dir_with(model_dir, source.as_deref()) {
             Ok(Some(t)) => Some(t),
             Ok(None) => {
                 tracing::warn!("the model has no chat template; /v1/chat/completions is off");
@@ -63,7 +104,19 @@ impl HttpArgs {
                 |n| n.to_string_lossy().into_owned(),
             )
         });
-        let api = OpenAi::builder(tokenizer)
+        let mut builder = OpenAi::builder(tokenizer);
+        if let Some(p) = self.tool_call_parser {
+            builder = builder.tool_syntax(match p {
+                ToolCallParser::Hermes => Some(ToolSyntax::Hermes),
+                ToolCallParser::Llama3Json => Some(ToolSyntax::Llama3Json),
+                ToolCallParser::Mistral => Some(ToolSyntax::Mistral),
+                ToolCallParser::None => None,
+            });
+        }
+        if let Some(p) = self.reasoning_parser {
+            builder = builder.reasoning(p == ReasoningParser::Think);
+        }
+        let api = builder
             .model_name(name)
             .chat_template(chat)
             .api_keys(api_keys)

@@ -123,10 +123,7 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
         .expect("generated models have a chat template");
     let rendered = template
         .render(
-            &[tandem_openai::chat::Message {
-                role: "user".into(),
-                content: USER_MESSAGE.into(),
-            }],
+            &[tandem_openai::chat::Message::text("user", USER_MESSAGE)],
             true,
         )
         .expect("renders");

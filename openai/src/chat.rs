@@ -6,6 +6,14 @@
 //! The rendered text already spells out the template's special tokens, so
 //! it is tokenized without adding any (as vLLM and transformers'
 //! `apply_chat_template` do).
+//!
+//! Tools reach the template as transformers passes them: `tools` is the
+//! list of `{"type": "function", "function": {...}}` objects, an assistant
+//! turn's calls are `message.tool_calls`, a tool's answer is a `tool`
+//! message with `tool_call_id`. `tojson` is transformers' (Python's
+//! `json.dumps` with `ensure_ascii=False`: `", "` and `": "` separators,
+//! keys in the given order), not minijinja's HTML-safe one, so a tool
+//! schema is spelled in the prompt the way the model saw it in training.
 
 use std::path::Path;
 
@@ -21,17 +29,44 @@ pub enum ChatTemplateError {
     Template(#[from] minijinja::Error),
 }
 
-/// One chat message, its content already flattened to text.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One chat message, its content already flattened to text. The optional
+/// fields are absent from the template's view (Jinja `is defined` is
+/// false) when `None`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, in OpenAI's shape
+    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant turn's reasoning, for templates that replay it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+impl Message {
+    /// A plain text message.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// A compiled chat template and the special tokens it may refer to.
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -52,9 +87,11 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
@@ -65,6 +102,16 @@ impl ChatTemplate {
     /// `default` is taken), else a `chat_template.jinja` file. `None` when
     /// the checkpoint has neither.
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, ChatTemplateError> {
+        Self::from_model_dir_with(dir, None)
+    }
+
+    /// As [`ChatTemplate::from_model_dir`], with `source` (a template a
+    /// user supplied, vLLM's `--chat-template`) in place of the
+    /// checkpoint's; the special tokens still come from the checkpoint.
+    pub fn from_model_dir_with(
+        dir: &Path,
+        source: Option<&str>,
+    ) -> Result<Option<Self>, ChatTemplateError> {
         let path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match std::fs::read_to_string(&path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| ChatTemplateError::Config {
@@ -79,15 +126,9 @@ impl ChatTemplate {
                 })
             }
         };
-        let source = match &config["chat_template"] {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Array(named) => named
-                .iter()
-                .find(|t| t["name"] == "default")
-                .or_else(|| named.first())
-                .and_then(|t| t["template"].as_str())
-                .map(str::to_string),
-            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        let source = match (source, &config["chat_template"]) {
+            (Some(s), _) => Some(s.to_string()),
+            (None, checkpoint) => Self::checkpoint_source(dir, checkpoint),
         };
         let Some(source) = source else {
             return Ok(None);
@@ -100,6 +141,25 @@ impl ChatTemplate {
         .map(Some)
     }
 
+    fn checkpoint_source(dir: &Path, config: &serde_json::Value) -> Option<String> {
+        match config {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or_else(|| named.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        }
+    }
+
+    /// The template's Jinja source (tool-call and reasoning syntax are
+    /// recognised from it).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Renders `messages`, ending with the assistant's turn opened when
     /// `add_generation_prompt` is set.
     pub fn render(
@@ -107,13 +167,83 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with `tools` (OpenAI's function tool objects)
+    /// defined for the template when given.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let template = self.env.get_template(TEMPLATE_NAME)?;
         Ok(template.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
         })?)
+    }
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn python_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// Python's `json.dumps` layout: `", "`/`": "` separators inline, `","` and
+/// newlines with an indent; non-ASCII characters kept as they are.
+fn write_python_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+    use serde_json::Value;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(width) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', width * level));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                write_python_json(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(item, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        // Scalars and empty containers: serde_json's spelling is Python's
+        // (`[]`, `{}`, `true`, `null`, strings with `\"` escapes).
+        other => out.push_str(&other.to_string()),
     }
 }
 
@@ -135,10 +265,25 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> Message {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
+        Message::text(role, content)
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}",
+            "",
+            "",
+        )
+        .expect("compiles");
+        let tools = [serde_json::json!({"name": "f", "parameters": {"b": [1, "é<"], "a": {}}})];
+        let text = t
+            .render_with_tools(&[], Some(&tools), false)
+            .expect("renders");
+        assert_eq!(
+            text,
+            "[{\"name\": \"f\", \"parameters\": {\"b\": [1, \"é<\"], \"a\": {}}}]|{\n  \"name\": \"f\",\n  \"parameters\": {\n    \"b\": [\n      1,\n      \"é<\"\n    ],\n    \"a\": {}\n  }\n}"
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
 //! with the status code OpenAI uses for the same failure.
 
+use std::borrow::Cow;
+
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -12,8 +14,9 @@ use tonic::Code;
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
-    /// The request parameter at fault, if one is.
-    pub param: Option<&'static str>,
+    /// The request parameter at fault, if one is (a path such as
+    /// `messages.2.content.0.tool_use_id` where the field is nested).
+    pub param: Option<Cow<'static, str>>,
     /// OpenAI's machine-readable code, e.g. `model_not_found`.
     pub code: Option<&'static str>,
     /// Seconds to wait before retrying (a 429 from a full engine queue):
@@ -34,9 +37,9 @@ impl ApiError {
     }
 
     /// 400 about one parameter.
-    pub fn bad_param(param: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad_param(param: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
         Self {
-            param: Some(param),
+            param: Some(param.into()),
             ..Self::bad_request(message)
         }
     }
@@ -54,7 +57,7 @@ impl ApiError {
         Self {
             status: StatusCode::NOT_FOUND,
             message: format!("The model `{model}` does not exist."),
-            param: Some("model"),
+            param: Some(Cow::Borrowed("model")),
             code: Some("model_not_found"),
             retry_after: None,
         }
@@ -115,6 +118,46 @@ impl ApiError {
                 "code": self.code,
             }
         })
+    }
+}
+
+impl ApiError {
+    /// Anthropic's `error.type` for this status.
+    pub fn anthropic_kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            400..=499 => "invalid_request_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The body in Anthropic's shape: `{"type": "error", "error": {"type",
+    /// "message"}}`, the field at fault leading the message.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let message = match &self.param {
+            Some(p) => format!("{p}: {}", self.message),
+            None => self.message.clone(),
+        };
+        json!({
+            "type": "error",
+            "error": {"type": self.anthropic_kind(), "message": message},
+        })
+    }
+
+    /// The response in Anthropic's shape (the Messages API).
+    pub fn into_anthropic_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.anthropic_body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 

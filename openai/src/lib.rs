@@ -32,11 +32,14 @@
 //! tokenizer, never the engine's scheduler or the cluster: anything that
 //! serves `tandem.v1.Generation` can sit behind it.
 
+mod anthropic;
 pub mod chat;
+mod chat_output;
 mod error;
 pub mod params;
 mod response;
 mod serve;
+pub mod tools;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -71,6 +74,8 @@ pub use tandem_telemetry::http::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT};
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 use params::{ChatRequest, CompletionRequest, Plan};
 use response::{Chunker, Collector, Endpoint, Header};
+use tools::parse::{OutputFormat, ReasoningMarkers};
+use tools::ToolSyntax;
 
 /// The backend's token stream.
 pub type GenerateStream =
@@ -101,6 +106,10 @@ struct Inner {
     backend: Arc<dyn Backend>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<ChatTemplate>,
+    /// How this model writes tool calls (`None`: tools are refused).
+    tool_syntax: Option<ToolSyntax>,
+    /// Whether `<think>…</think>` is split into `reasoning_content`.
+    reasoning: bool,
     model: String,
     created: u64,
     next_id: AtomicU64,
@@ -123,6 +132,8 @@ impl std::fmt::Debug for OpenAi {
 pub struct OpenAiBuilder {
     tokenizer: Arc<Tokenizer>,
     chat: Option<ChatTemplate>,
+    tool_syntax: Option<Option<ToolSyntax>>,
+    reasoning: Option<bool>,
     model: String,
     api_keys: ApiKeys,
     max_body_bytes: usize,
@@ -162,12 +173,33 @@ impl OpenAiBuilder {
         self
     }
 
+    /// The syntax tool calls are parsed in, `None` to refuse tools
+    /// (default: recognised from the chat template's source).
+    pub fn tool_syntax(mut self, syntax: Option<ToolSyntax>) -> Self {
+        self.tool_syntax = Some(syntax);
+        self
+    }
+
+    /// Whether `<think>…</think>` is split into `reasoning_content`
+    /// (default: when the chat template mentions `<think>`).
+    pub fn reasoning(mut self, on: bool) -> Self {
+        self.reasoning = Some(on);
+        self
+    }
+
     pub fn build(self, backend: Arc<dyn Backend>) -> OpenAi {
+        let source = self.chat.as_ref().map_or("", ChatTemplate::source);
+        let tool_syntax = self
+            .tool_syntax
+            .unwrap_or_else(|| ToolSyntax::detect(source));
+        let reasoning = self.reasoning.unwrap_or_else(|| source.contains("<think>"));
         OpenAi {
             inner: Arc::new(Inner {
                 backend,
                 tokenizer: self.tokenizer,
                 chat: self.chat,
+                tool_syntax,
+                reasoning,
                 model: self.model,
                 created: unix_now(),
                 next_id: AtomicU64::new(0),
@@ -191,6 +223,8 @@ impl OpenAi {
         OpenAiBuilder {
             tokenizer,
             chat: None,
+            tool_syntax: None,
+            reasoning: None,
             model: "tandem".to_string(),
             api_keys: ApiKeys::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
@@ -209,6 +243,8 @@ impl OpenAi {
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
+            .route("/v1/messages", post(anthropic::messages))
+            .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
             // Everything above wants a key; everything below is open.
             .route_layer(axum::middleware::from_fn_with_state(
                 self.inner.api_keys.clone(),
@@ -248,21 +284,29 @@ impl Inner {
         }
     }
 
-    fn header(&self, endpoint: Endpoint) -> Header {
-        let prefix = match endpoint {
-            Endpoint::Completions => "cmpl",
-            Endpoint::Chat => "chatcmpl",
-        };
+    /// A fresh response id: `prefix`, then the server's start time, the
+    /// clock's nanoseconds and a counter, in hex.
+    fn next_request_id(&self, prefix: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
+        let sep = if prefix == "msg" { '_' } else { '-' };
+        format!("{prefix}{sep}{:x}{nanos:08x}{n:06x}", self.created)
+    }
+
+    fn header(&self, endpoint: Endpoint, output: OutputFormat) -> Header {
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        };
         Header {
-            id: format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.created),
+            id: self.next_request_id(prefix),
             created: unix_now(),
             model: self.model.clone(),
             endpoint,
             tokenizer: self.tokenizer.clone(),
+            output,
         }
     }
 
@@ -298,17 +342,30 @@ type IndexedStream =
     Pin<Box<dyn Stream<Item = (usize, Result<v1::GenerateResponse, tonic::Status>)> + Send>>;
 
 /// Refuses a `/v1/*` call without a valid API key (401), before its body
-/// is read.
+/// is read. The key comes as `Authorization: Bearer KEY` or, as Anthropic's
+/// clients send it, `x-api-key: KEY`; the Messages API answers in
+/// Anthropic's error shape.
 async fn require_api_key(State(keys): State<ApiKeys>, request: Request, next: Next) -> Response {
-    let header = request
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .map(|v| v.as_bytes());
-    match keys.check_bearer(header) {
+    let headers = request.headers();
+    let bearer = match (
+        headers.get(axum::http::header::AUTHORIZATION),
+        headers.get("x-api-key"),
+    ) {
+        (Some(auth), _) => Some(auth.as_bytes().to_vec()),
+        (None, Some(key)) => Some([b"Bearer ".as_slice(), key.as_bytes()].concat()),
+        (None, None) => None,
+    };
+    match keys.check_bearer(bearer.as_deref()) {
         Ok(()) => next.run(request).await,
         Err(e) => {
-            tracing::debug!(reason = %e, path = %request.uri().path(), "refused: API key");
-            ApiError::unauthorized(&e).into_response()
+            let path = request.uri().path();
+            tracing::debug!(reason = %e, path = %path, "refused: API key");
+            let error = ApiError::unauthorized(&e);
+            if path.starts_with("/v1/messages") {
+                error.into_anthropic_response()
+            } else {
+                error.into_response()
+            }
         }
     }
 }
@@ -369,7 +426,16 @@ async fn completions(
         Ok::<_, ApiError>((plan, prompts))
     };
     match run.await {
-        Ok((plan, prompts)) => respond(&api, Endpoint::Completions, plan, prompts).await,
+        Ok((plan, prompts)) => {
+            respond(
+                &api,
+                Endpoint::Completions,
+                OutputFormat::default(),
+                plan,
+                prompts,
+            )
+            .await
+        }
         Err(e) => e.into_response(),
     }
 }
@@ -386,20 +452,17 @@ async fn chat_completions(
         let body = body_bytes(&api, body)?;
         let req: ChatRequest = parse(&body)?;
         api.check_model(req.common.model.as_deref())?;
-        let plan = req.plan()?;
+        let mut plan = req.plan()?;
         let messages = req.messages()?;
-        let template = api.chat.as_ref().ok_or_else(|| {
-            ApiError::bad_request("this model has no chat template; use /v1/completions")
-        })?;
-        let text = template
-            .render(&messages, req.add_generation_prompt.unwrap_or(true))
-            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
-        let ids = api
-            .tokenizer
-            .encode_plain(&text)
-            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+        let tools = req.tool_set()?;
+        let (ids, output) = api.chat_prompt(
+            &messages,
+            tools.as_ref(),
+            req.add_generation_prompt.unwrap_or(true),
+            &mut plan,
+        )?;
         let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
-        Ok::<_, ApiError>((plan, vec![prompt]))
+        Ok::<_, ApiError>((plan, vec![prompt], output))
     };
     let prepared = tokio::task::spawn_blocking(run).await.unwrap_or_else(|e| {
         Err(ApiError::internal(format!(
@@ -407,18 +470,71 @@ async fn chat_completions(
         )))
     });
     match prepared {
-        Ok((plan, prompts)) => respond(&api, Endpoint::Chat, plan, prompts).await,
+        Ok((plan, prompts, output)) => respond(&api, Endpoint::Chat, output, plan, prompts).await,
         Err(e) => e.into_response(),
+    }
+}
+
+impl Inner {
+    /// Renders and tokenizes a conversation; with tools, constrains the
+    /// plan's output to calls as `tool_choice` asks (a 400 on `tools` when
+    /// this model has no tool-call syntax, on `response_format` when both
+    /// constrain the output). Returns the prompt's ids and what its output
+    /// is parsed for.
+    fn chat_prompt(
+        &self,
+        messages: &[chat::Message],
+        tools: Option<&tools::ToolSet>,
+        add_generation_prompt: bool,
+        plan: &mut Plan,
+    ) -> Result<(Vec<u32>, OutputFormat), ApiError> {
+        let template = self.chat.as_ref().ok_or_else(|| {
+            ApiError::bad_request("this model has no chat template; use /v1/completions")
+        })?;
+        let mut output = OutputFormat::default();
+        let template_tools = tools.map(tools::ToolSet::template_tools);
+        if let Some(set) = tools.filter(|s| s.may_call()) {
+            let syntax = self.tool_syntax.ok_or_else(|| {
+                ApiError::bad_param(
+                    "tools",
+                    "this model's chat template shows no tool-call syntax; start the server with --tool-call-parser",
+                )
+            })?;
+            output.tools = Some(syntax);
+            if let Some(lark) = tools::grammar::grammar(set, syntax) {
+                if plan.template.response_format.is_some() {
+                    return Err(ApiError::bad_param(
+                        "response_format",
+                        "response_format cannot be combined with tool_choice other than none",
+                    ));
+                }
+                plan.template.response_format = Some(v1::ResponseFormat {
+                    format: Some(v1::response_format::Format::Grammar(lark)),
+                });
+            }
+        }
+        let text = template
+            .render_with_tools(messages, template_tools.as_deref(), add_generation_prompt)
+            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+        if self.reasoning {
+            output.reasoning = Some(ReasoningMarkers::think(&text));
+        }
+        let ids = self
+            .tokenizer
+            .encode_plain(&text)
+            .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+        Ok((ids, output))
     }
 }
 
 async fn respond(
     api: &Inner,
     endpoint: Endpoint,
+    output: OutputFormat,
     plan: Plan,
     prompts: Vec<v1::generate_request::Prompt>,
 ) -> Response {
-    let header = api.header(endpoint);
+    let header = api.header(endpoint, output);
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
     let mut events = match api.start(&header.id, &plan, prompts).await {

@@ -129,6 +129,13 @@ pub struct ContentPart {
 pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls: `{"id", "type": "function", "function":
+    /// {"name", "arguments"}}`.
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+    pub reasoning_content: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -137,6 +144,8 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<serde_json::Value>>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     /// Default true: end the prompt with the assistant's turn opened.
     pub add_generation_prompt: Option<bool>,
     #[serde(flatten)]
@@ -413,9 +422,6 @@ impl ChatRequest {
     /// The plan, with chat's `logprobs` (a flag) and `top_logprobs` checked.
     pub fn plan(&self) -> Result<Plan, ApiError> {
         let mut plan = self.common.plan()?;
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::bad_param("tools", "tools are not supported"));
-        }
         let top = match self.top_logprobs {
             None => 0,
             Some(k) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&k) => k as u32,
@@ -439,7 +445,17 @@ impl ChatRequest {
         Ok(plan)
     }
 
-    /// The messages with their content flattened to text.
+    /// The request's tools, checked (`None` without tools).
+    pub fn tool_set(&self) -> Result<Option<crate::tools::ToolSet>, ApiError> {
+        crate::tools::ToolSet::from_openai(
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
+        )
+    }
+
+    /// The messages with their content flattened to text. A `tool`
+    /// message must answer a call an earlier assistant turn made.
     pub fn messages(&self) -> Result<Vec<crate::chat::Message>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad_param(
@@ -447,43 +463,94 @@ impl ChatRequest {
                 "messages must hold at least one message",
             ));
         }
-        self.messages
-            .iter()
-            .map(|m| {
-                if !matches!(
-                    m.role.as_str(),
-                    "system" | "developer" | "user" | "assistant" | "tool"
-                ) {
+        let mut call_ids: Vec<&str> = Vec::new();
+        let mut out = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let field = |f: &str| format!("messages[{i}].{f}");
+            if !matches!(
+                m.role.as_str(),
+                "system" | "developer" | "user" | "assistant" | "tool"
+            ) {
+                return Err(ApiError::bad_param(
+                    field("role"),
+                    format!("unknown message role `{}`", m.role),
+                ));
+            }
+            let content = flatten_content(m.content.as_ref(), || field("content"))?;
+            if let Some(calls) = &m.tool_calls {
+                if m.role != "assistant" {
                     return Err(ApiError::bad_param(
-                        "messages",
-                        format!("unknown message role `{}`", m.role),
+                        field("tool_calls"),
+                        "only assistant messages carry tool_calls",
                     ));
                 }
-                let content = match &m.content {
-                    None => String::new(),
-                    Some(Content::Text(t)) => t.clone(),
-                    Some(Content::Parts(parts)) => {
-                        let mut text = String::new();
-                        for p in parts {
-                            match (p.kind.as_str(), &p.text) {
-                                ("text", Some(t)) => text.push_str(t),
-                                (kind, _) => {
-                                    return Err(ApiError::bad_param(
-                                        "messages",
-                                        format!("content part type `{kind}` is not supported"),
-                                    ))
-                                }
-                            }
-                        }
-                        text
+                for (j, call) in calls.iter().enumerate() {
+                    let f = &call["function"];
+                    if !(call["id"].is_string()
+                        && f["name"].is_string()
+                        && f["arguments"].is_string())
+                    {
+                        return Err(ApiError::bad_param(
+                            field(&format!("tool_calls[{j}]")),
+                            "a tool call is {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}} with string values",
+                        ));
                     }
-                };
-                Ok(crate::chat::Message {
-                    role: m.role.clone(),
-                    content,
-                })
-            })
-            .collect()
+                    call_ids.extend(call["id"].as_str());
+                }
+            }
+            if m.role == "tool" {
+                match m.tool_call_id.as_deref() {
+                    Some(id) if call_ids.contains(&id) => {}
+                    Some(id) => {
+                        return Err(ApiError::bad_param(
+                            field("tool_call_id"),
+                            format!("`{id}` answers no tool call of an earlier assistant message"),
+                        ))
+                    }
+                    None => {
+                        return Err(ApiError::bad_param(
+                            field("tool_call_id"),
+                            "a tool message needs tool_call_id",
+                        ))
+                    }
+                }
+            }
+            out.push(crate::chat::Message {
+                role: m.role.clone(),
+                content,
+                tool_calls: m.tool_calls.clone(),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
+                reasoning_content: m.reasoning_content.clone(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Message content as text: a string, or the concatenation of `text` parts.
+fn flatten_content(
+    content: Option<&Content>,
+    field: impl Fn() -> String,
+) -> Result<String, ApiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::bad_param(
+                            field(),
+                            format!("content part type `{kind}` is not supported"),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
     }
 }
 
@@ -591,7 +658,7 @@ mod tests {
         ] {
             let err = common(json).plan().expect_err(json);
             assert_eq!(err.status.as_u16(), 400, "{json}");
-            assert_eq!(err.param, Some(param), "{json}");
+            assert_eq!(err.param.as_deref(), Some(param), "{json}");
         }
     }
 
@@ -605,8 +672,14 @@ mod tests {
         assert_eq!(r.prompts().expect("valid").len(), 2);
         let r: CompletionRequest =
             serde_json::from_str(r#"{"prompt": "", "logprobs": 21}"#).expect("parses");
-        assert_eq!(r.plan().expect_err("too many").param, Some("logprobs"));
-        assert_eq!(r.prompts().expect_err("empty").param, Some("prompt"));
+        assert_eq!(
+            r.plan().expect_err("too many").param.as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(
+            r.prompts().expect_err("empty").param.as_deref(),
+            Some("prompt")
+        );
     }
 
     #[test]
@@ -623,7 +696,7 @@ mod tests {
         )
         .expect("parses");
         assert_eq!(
-            r.plan().expect_err("needs logprobs").param,
+            r.plan().expect_err("needs logprobs").param.as_deref(),
             Some("top_logprobs")
         );
         assert!(r.messages().is_err());

@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
 
+use crate::chat_output::ChatOutput;
 use crate::error::ApiError;
+use crate::tools::parse::OutputFormat;
 
 /// Which endpoint a response is for: the JSON shapes differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,9 +30,11 @@ pub struct Header {
     pub model: String,
     pub endpoint: Endpoint,
     pub tokenizer: Arc<Tokenizer>,
+    /// What chat output is parsed for (reasoning, tool calls).
+    pub output: OutputFormat,
 }
 
-fn finish_reason(code: i32) -> Option<&'static str> {
+pub(crate) fn finish_reason(code: i32) -> Option<&'static str> {
     match v1::FinishReason::try_from(code) {
         Ok(v1::FinishReason::Stop) => Some("stop"),
         Ok(v1::FinishReason::Length) => Some("length"),
@@ -80,6 +84,14 @@ impl Header {
             "created": self.created,
             "model": self.model,
             "choices": choices,
+        })
+    }
+
+    /// The parser of chat choice `index`'s output (`None` for completions).
+    fn chat_output(&self, index: usize) -> Option<ChatOutput> {
+        (self.endpoint == Endpoint::Chat).then(|| {
+            let tag = self.id.rsplit('-').next().unwrap_or_default();
+            ChatOutput::new(&self.output, format!("call_{tag}_{index}_"))
         })
     }
 
@@ -147,6 +159,9 @@ impl Header {
 #[derive(Debug, Default)]
 struct Choice {
     text: String,
+    /// Chat: the parsed output.
+    chat: Option<ChatOutput>,
+    ended: bool,
     logprobs: Vec<v1::TokenLogprob>,
     finish_reason: Option<&'static str>,
 }
@@ -165,10 +180,15 @@ impl Collector {
     pub fn new(header: Header, prompts: usize, n: u32, want_logprobs: bool) -> Self {
         let n = n as usize;
         Self {
-            header,
             n,
             want_logprobs,
-            choices: (0..prompts * n).map(|_| Choice::default()).collect(),
+            choices: (0..prompts * n)
+                .map(|i| Choice {
+                    chat: header.chat_output(i),
+                    ..Choice::default()
+                })
+                .collect(),
+            header,
             usage: UsageSum::default(),
         }
     }
@@ -184,9 +204,16 @@ impl Collector {
                         d.index, self.n
                     )))
                 })?;
-                choice.text.push_str(&d.text);
+                let finish = finish_reason(d.finish_reason);
+                match &mut choice.chat {
+                    Some(chat) => {
+                        chat.push(&d.text, finish.is_some());
+                        choice.ended |= finish.is_some();
+                    }
+                    None => choice.text.push_str(&d.text),
+                }
                 choice.logprobs.extend(d.logprobs);
-                if let Some(r) = finish_reason(d.finish_reason) {
+                if let Some(r) = finish {
                     choice.finish_reason = Some(r);
                 }
             }
@@ -208,7 +235,12 @@ impl Collector {
     }
 
     /// The response body.
-    pub fn finish(self) -> Value {
+    pub fn finish(mut self) -> Value {
+        for c in &mut self.choices {
+            if let (Some(chat), false) = (&mut c.chat, c.ended) {
+                chat.push("", true);
+            }
+        }
         let choices = self
             .choices
             .iter()
@@ -226,12 +258,21 @@ impl Collector {
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                     }),
-                    Endpoint::Chat => json!({
-                        "index": index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }),
+                    Endpoint::Chat => {
+                        let (message, finish) = match &c.chat {
+                            Some(chat) => (chat.message(), chat.finish_reason(c.finish_reason)),
+                            None => (
+                                json!({"role": "assistant", "content": c.text}),
+                                c.finish_reason,
+                            ),
+                        };
+                        json!({
+                            "index": index,
+                            "message": message,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                        })
+                    }
                 }
             })
             .collect();
@@ -249,16 +290,20 @@ pub struct Chunker {
     want_logprobs: bool,
     /// Text offset per choice (completions' logprobs).
     offsets: Vec<usize>,
+    /// Chat: each choice's parsed output.
+    chat: Vec<ChatOutput>,
     usage: UsageSum,
 }
 
 impl Chunker {
     pub fn new(header: Header, prompts: usize, n: u32, want_logprobs: bool) -> Self {
+        let choices = prompts * n as usize;
         Self {
+            chat: (0..choices).filter_map(|i| header.chat_output(i)).collect(),
             header,
             n: n as usize,
             want_logprobs,
-            offsets: vec![0; prompts * n as usize],
+            offsets: vec![0; choices],
             usage: UsageSum::default(),
         }
     }
@@ -289,7 +334,16 @@ impl Chunker {
         match msg.event? {
             v1::generate_response::Event::Delta(d) => {
                 let index = prompt * self.n + d.index as usize;
-                let finish = finish_reason(d.finish_reason);
+                let mut finish = finish_reason(d.finish_reason);
+                let mut delta = None;
+                if let Some(chat) = self.chat.get_mut(index) {
+                    let pieces = chat.push(&d.text, finish.is_some());
+                    delta = chat.delta(&pieces);
+                    finish = chat.finish_reason(finish);
+                    if delta.is_none() && finish.is_none() && !self.want_logprobs {
+                        return None; // held back: maybe a marker
+                    }
+                }
                 if d.text.is_empty() && finish.is_none() && !self.want_logprobs {
                     return None; // a held-back partial character or stop string
                 }
@@ -306,7 +360,7 @@ impl Chunker {
                     }),
                     Endpoint::Chat => json!({
                         "index": index,
-                        "delta": {"content": d.text},
+                        "delta": delta.map_or_else(|| json!({}), Value::Object),
                         "logprobs": logprobs,
                         "finish_reason": finish,
                     }),

@@ -51,6 +51,10 @@ pub const REQUIREMENTS: &[&str] = &[
     "protobuf==7.36.2",
     // The official OpenAI SDK, for the HTTP API's tests.
     "openai==3.57.0",
+    // The official Anthropic SDK (the Messages API) and a JSON-schema
+    // validator for tool-call arguments, for the agent API's tests.
+    "anthropic==2.17.0",
+    "jsonschema==4.26.0",
 ];
 
 /// Written last into a venv; its presence means the venv is complete.

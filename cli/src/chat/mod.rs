@@ -110,10 +110,7 @@ impl Session {
 }
 
 fn message(role: &str, content: &str) -> Message {
-    Message {
-        role: role.into(),
-        content: content.into(),
-    }
+    Message::text(role, content)
 }
 
 /// What a line typed at the prompt asks for.

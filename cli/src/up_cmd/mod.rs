@@ -73,6 +73,10 @@ pub struct UpArgs {
     /// `--decode-arg=--speculative=ngram`.
     #[arg(long = "decode-arg", allow_hyphen_values = true)]
     decode_args: Vec<String>,
+    /// Extra flags for the router, e.g. `--router-arg=--chat-template=FILE`
+    /// or `--router-arg=--tool-call-parser=hermes`.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
     /// Extra flags for prefill workers only, e.g. `--prefill-arg=--tp=2`
     /// (each pool has its own parallelism).
     #[arg(long = "prefill-arg", allow_hyphen_values = true)]
@@ -670,6 +674,7 @@ fn router_args(
             router.extend(["--served-model-name".into(), name.clone()]);
         }
     }
+    router.extend(args.router_args.iter().cloned());
     match membership {
         Membership::Etcd(flags) => router.extend(flags.iter().cloned()),
         Membership::Static { decode, prefill } => {

@@ -1,0 +1,178 @@
+//! Anthropic's Messages API on the same server: `POST /v1/messages` and
+//! `POST /v1/messages/count_tokens`.
+//!
+//! A request is translated ([`request`]) into the chat messages, tools and
+//! plan of the OpenAI side and rendered with the same chat template, so a
+//! conversation costs the same tokens either way. The answer is built from
+//! the same output pieces ([`crate::chat_output`]): text, `thinking` and
+//! `tool_use` content blocks, `stop_reason` (`end_turn`, `max_tokens`,
+//! `stop_sequence` with the sequence that matched, `tool_use`), usage.
+//! Streamed, it is Anthropic's event sequence ([`reply`]): `message_start`,
+//! per block `content_block_start` / `content_block_delta` (`text_delta`,
+//! `thinking_delta`, `input_json_delta`) / `content_block_stop`, then
+//! `message_delta` and `message_stop`. Errors have Anthropic's shape with
+//! the field at fault named. Clients authenticate with `x-api-key` (or a
+//! bearer token), checked against the same keys.
+
+mod reply;
+pub mod request;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{stream, StreamExt};
+use serde_json::json;
+use tandem_proto::v1;
+
+use crate::error::ApiError;
+use crate::{body_bytes, parse, Inner};
+use reply::{Blocks, Reply};
+use request::MessagesRequest;
+
+/// What a prepared request runs: its plan, prompt ids and reply skeleton.
+struct Prepared {
+    plan: crate::params::Plan,
+    ids: Vec<u32>,
+    reply: Reply,
+}
+
+fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+    let body = body_bytes(api, body)?;
+    let req: MessagesRequest = parse(&body)?;
+    api.check_model(req.model.as_deref())?;
+    let mut plan = req.plan()?;
+    let messages = req.messages()?;
+    let tools = req.tool_set()?;
+    let (ids, output) = api.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
+    let id = api.next_request_id("msg");
+    let reply = Reply::new(
+        id,
+        api.model.clone(),
+        &output,
+        ids.len(),
+        req.stop_sequences.unwrap_or_default(),
+    );
+    Ok(Prepared { plan, ids, reply })
+}
+
+/// `POST /v1/messages`.
+pub(crate) async fn messages(
+    State(api): State<Arc<Inner>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    // Rendering and tokenizing a long conversation: the blocking pool.
+    let inner = api.clone();
+    let prepared = tokio::task::spawn_blocking(move || prepare(&inner, body))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::internal(format!(
+                "preparing the prompt failed: {e}"
+            )))
+        });
+    let Prepared {
+        plan,
+        ids,
+        mut reply,
+    } = match prepared {
+        Ok(p) => p,
+        Err(e) => return e.into_anthropic_response(),
+    };
+    let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
+    let mut events = match api.start(&reply.id, &plan, vec![prompt]).await {
+        Ok(s) => s,
+        Err(e) => return e.into_anthropic_response(),
+    };
+    tracing::debug!(id = %reply.id, stream = plan.stream, "anthropic request");
+    if !plan.stream {
+        while let Some((_, item)) = events.next().await {
+            match item {
+                Ok(msg) => {
+                    reply.add(msg);
+                }
+                Err(status) => return ApiError::from(status).into_anthropic_response(),
+            }
+        }
+        reply.close();
+        return Json(reply.message()).into_response();
+    }
+    let opening = vec![sse(
+        "message_start",
+        json!({"type": "message_start", "message": reply.skeleton()}),
+    )];
+    let state = (events, reply, Blocks::default(), false);
+    let body = stream::iter(opening).chain(
+        stream::unfold(
+            state,
+            |(mut events, mut reply, mut blocks, done)| async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    match events.next().await {
+                        Some((_, Ok(msg))) => {
+                            let pieces = reply.add(msg);
+                            let out = blocks.events(&reply, &pieces);
+                            if !out.is_empty() {
+                                return Some((out, (events, reply, blocks, false)));
+                            }
+                        }
+                        Some((_, Err(status))) => {
+                            let e = ApiError::from(status);
+                            let out = vec![sse("error", e.anthropic_body())];
+                            return Some((out, (events, reply, blocks, true)));
+                        }
+                        None => {
+                            let pieces = reply.close();
+                            let mut out = blocks.events(&reply, &pieces);
+                            out.extend(blocks.finish(&reply));
+                            return Some((out, (events, reply, blocks, true)));
+                        }
+                    }
+                }
+            },
+        )
+        .flat_map(stream::iter),
+    );
+    Sse::new(body.map(Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// One server-sent event of the Messages stream.
+fn sse(name: &str, data: serde_json::Value) -> Event {
+    Event::default().event(name).data(data.to_string())
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as rendered for
+/// `/v1/messages`.
+pub(crate) async fn count_tokens(
+    State(api): State<Arc<Inner>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let inner = api.clone();
+    let counted = tokio::task::spawn_blocking(move || {
+        let body = body_bytes(&inner, body)?;
+        let mut req: MessagesRequest = parse(&body)?;
+        inner.check_model(req.model.as_deref())?;
+        // count_tokens takes no max_tokens; the plan wants one.
+        req.max_tokens.get_or_insert(1);
+        let mut plan = req.plan()?;
+        let messages = req.messages()?;
+        let tools = req.tool_set()?;
+        let (ids, _) = inner.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
+        Ok::<_, ApiError>(ids.len())
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::internal(format!("counting failed: {e}"))));
+    match counted {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
+        Err(e) => e.into_anthropic_response(),
+    }
+}

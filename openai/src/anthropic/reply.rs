@@ -1,0 +1,256 @@
+//! A Messages answer as it accumulates ([`Reply`]) and its stream of
+//! content-block events ([`Blocks`]).
+
+use axum::response::sse::Event;
+use serde_json::{json, Value};
+use tandem_proto::v1;
+
+use super::sse;
+use crate::chat_output::ChatOutput;
+use crate::tools::parse::{OutputFormat, Piece};
+
+/// One request's answer so far.
+#[derive(Debug)]
+pub struct Reply {
+    pub id: String,
+    model: String,
+    output: ChatOutput,
+    input_tokens: usize,
+    output_tokens: u32,
+    cached_tokens: u32,
+    stop_sequences: Vec<String>,
+    /// The engine's finish reason (OpenAI's words).
+    finish: Option<&'static str>,
+    matched_stop: Option<String>,
+    ended: bool,
+}
+
+impl Reply {
+    pub fn new(
+        id: String,
+        model: String,
+        format: &OutputFormat,
+        input_tokens: usize,
+        stop_sequences: Vec<String>,
+    ) -> Self {
+        let tag = id.trim_start_matches("msg_").to_string();
+        Self {
+            id,
+            model,
+            output: ChatOutput::new(format, format!("toolu_{tag}_")),
+            input_tokens,
+            output_tokens: 0,
+            cached_tokens: 0,
+            stop_sequences,
+            finish: None,
+            matched_stop: None,
+            ended: false,
+        }
+    }
+
+    /// Folds in one backend event; returns the output pieces it completed.
+    pub fn add(&mut self, msg: v1::GenerateResponse) -> Vec<Piece> {
+        match msg.event {
+            Some(v1::generate_response::Event::Delta(d)) => {
+                let finish = crate::response::finish_reason(d.finish_reason);
+                if finish.is_some() {
+                    self.finish = finish;
+                    self.ended = true;
+                }
+                self.output.push(&d.text, finish.is_some())
+            }
+            Some(v1::generate_response::Event::Finished(f)) => {
+                if let Some(u) = &f.usage {
+                    self.output_tokens = u.completion_tokens;
+                    self.cached_tokens = u.cached_tokens;
+                }
+                if let Some(c) = f.choices.first() {
+                    if !c.matched_stop.is_empty() {
+                        self.matched_stop = Some(c.matched_stop.clone());
+                    }
+                    self.finish = self
+                        .finish
+                        .or_else(|| crate::response::finish_reason(c.finish_reason));
+                }
+                Vec::new()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// What was held back, once the backend is done.
+    pub fn close(&mut self) -> Vec<Piece> {
+        if self.ended {
+            return Vec::new();
+        }
+        self.ended = true;
+        self.output.push("", true)
+    }
+
+    /// `stop_reason` and `stop_sequence`.
+    fn stop(&self) -> (&'static str, Option<&str>) {
+        match self.finish {
+            Some("length") => ("max_tokens", None),
+            _ if self.output.completed_calls() > 0 => ("tool_use", None),
+            _ => match self
+                .matched_stop
+                .as_deref()
+                .filter(|m| self.stop_sequences.iter().any(|s| s == m))
+            {
+                Some(seq) => ("stop_sequence", Some(seq)),
+                None => ("end_turn", None),
+            },
+        }
+    }
+
+    fn usage(&self) -> Value {
+        json!({
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cache_read_input_tokens": self.cached_tokens,
+        })
+    }
+
+    /// The message as `message_start` announces it: no content yet.
+    pub fn skeleton(&self) -> Value {
+        json!({
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        })
+    }
+
+    /// The whole message (the unstreamed answer).
+    pub fn message(&self) -> Value {
+        let mut content = Vec::new();
+        if !self.output.reasoning.is_empty() {
+            content.push(
+                json!({"type": "thinking", "thinking": self.output.reasoning, "signature": ""}),
+            );
+        }
+        if !self.output.content.is_empty() {
+            content.push(json!({"type": "text", "text": self.output.content}));
+        }
+        for c in &self.output.calls {
+            content.push(json!({"type": "tool_use", "id": c.id, "name": c.name,
+                                "input": tool_input(&c.arguments)}));
+        }
+        let (reason, sequence) = self.stop();
+        let mut m = self.skeleton();
+        m["content"] = Value::Array(content);
+        m["stop_reason"] = json!(reason);
+        m["stop_sequence"] = json!(sequence);
+        m["usage"] = self.usage();
+        m
+    }
+}
+
+/// A call's input object; a call cut off mid-arguments (max_tokens) has
+/// whatever parsed, else `{}`.
+fn tool_input(arguments: &str) -> Value {
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({}),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Text,
+    Thinking,
+    /// Tool call `i` of the output.
+    ToolUse(usize),
+}
+
+/// The content blocks of a stream: which one is open, and its index.
+#[derive(Debug, Default)]
+pub struct Blocks {
+    open: Option<(usize, Block)>,
+    next: usize,
+}
+
+impl Blocks {
+    /// Opens `block` unless it is the open one (closing that first).
+    fn enter(&mut self, block: Block, start: Value, out: &mut Vec<Event>) -> usize {
+        if let Some((index, open)) = self.open {
+            if open == block {
+                return index;
+            }
+            out.push(stop_event(index));
+        }
+        let index = self.next;
+        self.next += 1;
+        self.open = Some((index, block));
+        out.push(sse(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": start}),
+        ));
+        index
+    }
+
+    /// The events for `pieces`.
+    pub fn events(&mut self, reply: &Reply, pieces: &[Piece]) -> Vec<Event> {
+        let mut out = Vec::new();
+        for p in pieces {
+            let (index, delta) = match p {
+                Piece::Content(t) => {
+                    let i = self.enter(Block::Text, json!({"type": "text", "text": ""}), &mut out);
+                    (i, json!({"type": "text_delta", "text": t}))
+                }
+                Piece::Reasoning(t) => {
+                    let start = json!({"type": "thinking", "thinking": "", "signature": ""});
+                    let i = self.enter(Block::Thinking, start, &mut out);
+                    (i, json!({"type": "thinking_delta", "thinking": t}))
+                }
+                Piece::CallStart { index, name } => {
+                    let start = json!({"type": "tool_use", "id": reply.output.call_id(*index),
+                                       "name": name, "input": {}});
+                    self.enter(Block::ToolUse(*index), start, &mut out);
+                    continue;
+                }
+                Piece::CallArguments { index, fragment } => {
+                    let Some((i, Block::ToolUse(open))) = self.open else {
+                        continue;
+                    };
+                    if open != *index {
+                        continue;
+                    }
+                    (
+                        i,
+                        json!({"type": "input_json_delta", "partial_json": fragment}),
+                    )
+                }
+            };
+            out.push(sse(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index, "delta": delta}),
+            ));
+        }
+        out
+    }
+
+    /// The closing events: the open block's stop, `message_delta` with the
+    /// stop reason and usage, `message_stop`.
+    pub fn finish(&mut self, reply: &Reply) -> Vec<Event> {
+        let mut out = Vec::new();
+        if let Some((index, _)) = self.open.take() {
+            out.push(stop_event(index));
+        }
+        let (reason, sequence) = reply.stop();
+        out.push(sse(
+            "message_delta",
+            json!({"type": "message_delta",
+                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                   "usage": {"output_tokens": reply.output_tokens}}),
+        ));
+        out.push(sse("message_stop", json!({"type": "message_stop"})));
+        out
+    }
+}
+
+fn stop_event(index: usize) -> Event {
+    sse(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": index}),
+    )
+}
