@@ -150,6 +150,52 @@ fn openai_and_anthropic_sdks_call_tools_through_a_cluster() {
         assert_eq!(c["error"]["type"], "invalid_request_error", "{c}");
     }
 
+    // Responses: function_call items that validate, streams whose deltas
+    // reassemble and whose final response equals the unstreamed one.
+    let c = case(&results, "responses_required");
+    assert_eq!(c["valid"], c["runs"], "{c}");
+    for name in ["responses_text", "responses_tools"] {
+        let c = case(&results, name);
+        assert_eq!(c["streamed"], c["whole"], "{c}");
+        assert_eq!(c["stream_status"], c["status"], "{c}");
+        for tokens in ["input_tokens", "output_tokens"] {
+            assert_eq!(c["stream_usage"][tokens], c["usage"][tokens], "{c}");
+        }
+        assert!(
+            c["reassembled"]
+                .as_array()
+                .is_some_and(|r| !r.is_empty() && r.iter().all(|x| x == true)),
+            "{c}"
+        );
+        let events = c["events"].as_array().expect("events");
+        assert_eq!(events.first(), Some(&json!("response.created")), "{c}");
+    }
+    let c = case(&results, "responses_text");
+    assert_eq!(c["status"], "incomplete", "24 tokens run out: {c}");
+    assert!(
+        c["output_text"].as_str().is_some_and(|t| !t.is_empty()),
+        "{c}"
+    );
+    let c = case(&results, "responses_tools");
+    assert_eq!(c["status"], "completed", "{c}");
+    assert_eq!(c["whole"][0]["type"], "function_call", "{c}");
+    let c = case(&results, "responses_round_trip");
+    assert!(
+        c["input_tokens"].as_u64() > c["first_input_tokens"].as_u64(),
+        "{c}"
+    );
+    for (name, param) in [
+        ("responses_stored", "previous_response_id"),
+        ("responses_orphan_output", "input[0].call_id"),
+    ] {
+        let c = case(&results, name);
+        assert_eq!(
+            (c["status"].as_u64(), c["error"]["param"].as_str()),
+            (Some(400), Some(param)),
+            "{c}"
+        );
+    }
+
     // Anthropic: tool_use blocks that validate, the stream equal to the
     // unstreamed answer, a tool_result round trip.
     let c = case(&results, "anthropic_tools");

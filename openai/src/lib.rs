@@ -38,6 +38,7 @@ mod chat_output;
 mod error;
 pub mod params;
 mod response;
+mod responses;
 mod serve;
 pub mod tools;
 
@@ -243,6 +244,7 @@ impl OpenAi {
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
+            .route("/v1/responses", post(responses::create))
             .route("/v1/messages", post(anthropic::messages))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
             // Everything above wants a key; everything below is open.
@@ -291,7 +293,13 @@ impl Inner {
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let sep = if prefix == "msg" { '_' } else { '-' };
+        // Chat and completion ids are `chatcmpl-…`; Responses' and
+        // Anthropic's are `resp_…` and `msg_…`.
+        let sep = if matches!(prefix, "msg" | "resp") {
+            '_'
+        } else {
+            '-'
+        };
         format!("{prefix}{sep}{:x}{nanos:08x}{n:06x}", self.created)
     }
 

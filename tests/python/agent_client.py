@@ -179,6 +179,63 @@ def openai_cases(client, model, runs):
         response_format={"type": "json_object"}))
 
 
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"]} for t in OPENAI_TOOLS]
+
+
+def without_ids(items):
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def responses_cases(client, model, runs):
+    valid = 0
+    for seed in range(runs):
+        r = client.responses.create(model=model, input=ASK, tools=RESPONSES_TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=160, temperature=1,
+                                    extra_body={"seed": seed})
+        calls = [o for o in r.output if o.type == "function_call"]
+        if len(calls) == 1 and valid_call(calls[0].name, calls[0].arguments):
+            valid += 1
+    emit("responses_required", runs=runs, valid=valid)
+
+    for name, args in [
+        ("text", dict(input="Tell me about foxes.", instructions="Be terse.", max_output_tokens=24)),
+        ("tools", dict(input=ASK, tools=RESPONSES_TOOLS, tool_choice="required", max_output_tokens=160)),
+    ]:
+        whole = client.responses.create(model=model, temperature=0, **args)
+        events, deltas, final = [], {}, None
+        for event in client.responses.create(model=model, temperature=0, stream=True, **args):
+            events.append(event.type)
+            if event.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                deltas[event.output_index] = deltas.get(event.output_index, "") + event.delta
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+        items = final.model_dump()["output"]
+        reassembled = [deltas.get(i, "") == (item.get("arguments") if item["type"] == "function_call"
+                                             else item["content"][0]["text"])
+                       for i, item in enumerate(items)]
+        emit("responses_" + name, whole=without_ids(whole.model_dump()["output"]),
+             streamed=without_ids(items), status=whole.status, stream_status=final.status,
+             output_text=whole.output_text, events=events, reassembled=reassembled,
+             usage=whole.usage.model_dump(), stream_usage=final.usage.model_dump())
+        if name == "tools":
+            call = [o for o in whole.output if o.type == "function_call"][0]
+            again = client.responses.create(model=model, temperature=0, max_output_tokens=8, tools=RESPONSES_TOOLS,
+                                            tool_choice="none", input=ASK + [
+                                                {"type": "function_call", "call_id": call.call_id,
+                                                 "name": call.name, "arguments": call.arguments},
+                                                {"type": "function_call_output", "call_id": call.call_id,
+                                                 "output": "-3C"}])
+            emit("responses_round_trip", status=again.status, types=[o.type for o in again.output],
+                 input_tokens=again.usage.input_tokens, first_input_tokens=whole.usage.input_tokens)
+
+    openai_error("responses_stored", lambda: client.responses.create(
+        model=model, input="hi", previous_response_id="resp_123"))
+    openai_error("responses_orphan_output", lambda: client.responses.create(
+        model=model, input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]))
+
+
 def tool_use_blocks(message):
     return [b for b in message.content if b.type == "tool_use"]
 
@@ -260,6 +317,7 @@ def main():
     a = ap.parse_args()
     oa = openai.OpenAI(base_url=f"{a.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     openai_cases(oa, a.model, a.runs)
+    responses_cases(oa, a.model, min(a.runs, 10))
     an = anthropic.Anthropic(base_url=a.base_url, api_key="unused", max_retries=0, timeout=120)
     anthropic_cases(an, a.model, min(a.runs, 10))
 

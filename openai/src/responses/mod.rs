@@ -1,0 +1,157 @@
+//! OpenAI's Responses API, stateless: `POST /v1/responses`.
+//!
+//! The request ([`request`]) becomes the same chat messages, tools and plan
+//! as a chat completion and is rendered with the same template; the answer
+//! is built from the same output pieces ([`crate::chat_output`]) as output
+//! items: `reasoning`, a `message` with `output_text`, `function_call`s.
+//! Streamed ([`reply`]), it is the Responses event sequence:
+//! `response.created`, `response.in_progress`, per item
+//! `response.output_item.added`, its deltas (`response.output_text.delta`,
+//! `response.reasoning_text.delta`, `response.function_call_arguments.delta`)
+//! and `…done` events, then `response.completed` (or
+//! `response.incomplete` at `max_output_tokens`) carrying the whole
+//! response, every event numbered. Nothing is stored: there is no
+//! `previous_response_id` and no `GET /v1/responses/{id}`.
+
+mod reply;
+pub mod request;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{stream, StreamExt};
+use serde_json::{json, Value};
+use tandem_proto::v1;
+
+use crate::error::ApiError;
+use crate::tools::ToolChoice;
+use crate::{body_bytes, parse, unix_now, Inner};
+use reply::{Echo, Items, Reply};
+use request::ResponsesRequest;
+
+struct Prepared {
+    plan: crate::params::Plan,
+    ids: Vec<u32>,
+    reply: Reply,
+}
+
+fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+    let body = body_bytes(api, body)?;
+    let req: ResponsesRequest = parse(&body)?;
+    api.check_model(req.model.as_deref())?;
+    let mut plan = req.plan()?;
+    let messages = req.messages()?;
+    let tools = req.tool_set()?;
+    let (ids, output) = api.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
+    let echo = Echo {
+        instructions: req.instructions.clone(),
+        tools: req.tools.clone().unwrap_or_default(),
+        tool_choice: match tools.as_ref().map(|t| &t.choice) {
+            None | Some(ToolChoice::Auto) => json!("auto"),
+            Some(ToolChoice::None) => json!("none"),
+            Some(ToolChoice::Required) => json!("required"),
+            Some(ToolChoice::Named(name)) => json!({"type": "function", "name": name}),
+        },
+        parallel_tool_calls: tools.as_ref().is_none_or(|t| t.parallel),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        max_output_tokens: plan.template.max_tokens,
+    };
+    let reply = Reply::new(
+        api.next_request_id("resp"),
+        unix_now(),
+        api.model.clone(),
+        echo,
+        &output,
+        ids.len(),
+    );
+    Ok(Prepared { plan, ids, reply })
+}
+
+/// `POST /v1/responses`.
+pub(crate) async fn create(
+    State(api): State<Arc<Inner>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let inner = api.clone();
+    let prepared = tokio::task::spawn_blocking(move || prepare(&inner, body))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::internal(format!(
+                "preparing the prompt failed: {e}"
+            )))
+        });
+    let Prepared {
+        plan,
+        ids,
+        mut reply,
+    } = match prepared {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
+    let mut events = match api.start(&reply.id, &plan, vec![prompt]).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    tracing::debug!(id = %reply.id, stream = plan.stream, "responses request");
+    if !plan.stream {
+        while let Some((_, item)) = events.next().await {
+            match item {
+                Ok(msg) => {
+                    reply.add(msg);
+                }
+                Err(status) => return ApiError::from(status).into_response(),
+            }
+        }
+        reply.close();
+        return Json(reply.response(true)).into_response();
+    }
+    let mut items = Items::default();
+    let opening = items.opening(&reply);
+    let state = (events, reply, items, false);
+    let body = stream::iter(opening).chain(
+        stream::unfold(
+            state,
+            |(mut events, mut reply, mut items, done)| async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    match events.next().await {
+                        Some((_, Ok(msg))) => {
+                            let pieces = reply.add(msg);
+                            let out = items.events(&reply, &pieces);
+                            if !out.is_empty() {
+                                return Some((out, (events, reply, items, false)));
+                            }
+                        }
+                        Some((_, Err(status))) => {
+                            let e = ApiError::from(status);
+                            let body: Value = e.body()["error"].clone();
+                            let out = vec![items.event("error", body)];
+                            return Some((out, (events, reply, items, true)));
+                        }
+                        None => {
+                            let pieces = reply.close();
+                            let mut out = items.events(&reply, &pieces);
+                            out.extend(items.finish(&reply));
+                            return Some((out, (events, reply, items, true)));
+                        }
+                    }
+                }
+            },
+        )
+        .flat_map(stream::iter),
+    );
+    Sse::new(body.map(Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
