@@ -150,10 +150,68 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
         !used_prefill.is_empty(),
         "long prompts were prefilled remotely"
     );
+    // Parallel sampling goes through remote prefill too, and its seeded
+    // choices are the colocated server's.
+    for (i, (prompt, _)) in work
+        .iter()
+        .filter(|(p, _)| p.len() >= 64)
+        .take(3)
+        .enumerate()
+    {
+        let seed = 40 + i as u64;
+        // Not the prompt the workload sent: uncached everywhere.
+        let prompt: Vec<u32> = prompt.iter().map(|t| (t + 7) % 256).collect();
+        let (want, _) = rt.block_on(sampled(&serve.addr, prompt.clone(), 3, seed));
+        let (got, prefill) = rt.block_on(sampled(&cluster.addr, prompt.clone(), 3, seed));
+        assert!(prefill.is_some(), "n = 3 was prefilled remotely");
+        assert_eq!(got, want, "n = 3, {} prompt tokens", prompt.len());
+        assert_eq!(got.len(), 3);
+    }
     // Every block came back on every worker.
     rt.block_on(async {
         all_blocks_free(&cluster).await;
     });
+}
+
+/// `n` choices sampled at temperature 1 with `seed`: each choice's tokens,
+/// and the prefill worker the router named (if any).
+async fn sampled(
+    addr: &str,
+    prompt: Vec<u32>,
+    n: u32,
+    seed: u64,
+) -> (Vec<Vec<u32>>, Option<String>) {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(1.0),
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        max_tokens: Some(12),
+        n,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let resp = c.generate(req).await.expect("call");
+    let prefill = resp
+        .metadata()
+        .get(ROUTED_PREFILL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut stream = resp.into_inner();
+    let mut choices = vec![Vec::new(); n as usize];
+    while let Some(msg) = stream.message().await.expect("stream") {
+        if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+            choices[d.index as usize].extend(d.token_ids);
+        }
+    }
+    (choices, prefill)
 }
 
 #[test]

@@ -211,3 +211,28 @@ fn auto_is_free_until_the_marker_and_constrained_after() {
     assert!(grammar(&tools(json!("none"), true), ToolSyntax::Hermes).is_none());
     assert!(grammar(&tools(json!("auto"), true), ToolSyntax::Llama3Json).is_none());
 }
+
+#[test]
+fn open_objects_are_closed_so_calls_end() {
+    let f = fixture();
+    let list = [json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"a": {"enum": ["x", "y"]},
+                                          "b": {"type": "object", "properties": {"c": {"type": "boolean"}}}}}}})];
+    let set = ToolSet::from_openai(Some(&list), Some(&json!("required")), Some(false))
+        .expect("valid")
+        .expect("tools");
+    let g = compile(&f, &set, ToolSyntax::Hermes);
+    let mut rng = Rng(5);
+    for _ in 0..20 {
+        let Some(text) = walk(&f, &g, &mut rng) else {
+            continue;
+        };
+        let (_, calls) = parse(ToolSyntax::Hermes, &text);
+        let args: Value = serde_json::from_str(&calls[0].1).expect(&text);
+        let keys: Vec<&String> = args.as_object().expect("object").keys().collect();
+        assert!(keys.iter().all(|k| *k == "a" || *k == "b"), "{text}");
+        if let Some(b) = args.get("b") {
+            assert!(b.as_object().expect("object").keys().all(|k| k == "c"), "{text}");
+        }
+    }
+}

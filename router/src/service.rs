@@ -291,11 +291,10 @@ impl RouterService {
         routing.record("uncached_tokens", uncached);
 
         // Conditional disaggregation: remote only for a long uncached part
-        // and an unsaturated prefill pool, and for one choice (the engine
-        // forks `n > 1` choices from a local prefill).
-        let (prefill, placement_reason) = if req.n > 1 {
-            (None, "parallel_sampling")
-        } else if uncached < self.remote_prefill_threshold.max(1) {
+        // and an unsaturated prefill pool. `n > 1` choices go remote too:
+        // the decode engine forks them off choice 0 once the prefilled
+        // prompt's last token is computed, as after a local prefill.
+        let (prefill, placement_reason) = if uncached < self.remote_prefill_threshold.max(1) {
             (None, "below_threshold")
         } else {
             let all = self.cluster.healthy(Role::Prefill);

@@ -175,9 +175,11 @@ pub(crate) fn validate(
             limits.max_num_seqs, req.n
         )));
     }
-    if !matches!(req.prefill, PrefillMode::Local) && req.n != 1 {
+    // A remotely prefilled request may fork choices (after its last prompt
+    // token is computed here); an export computes the prompt only.
+    if matches!(req.prefill, PrefillMode::Export { .. }) && req.n != 1 {
         return Err(invalid(format!(
-            "n must be 1 for disaggregated prefill, got {}",
+            "n must be 1 for a prefill-only request, got {}",
             req.n
         )));
     }

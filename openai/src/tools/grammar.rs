@@ -26,9 +26,12 @@ fn lit(s: &str) -> String {
     Value::String(s.to_string()).to_string()
 }
 
-/// The arguments' schema with llguidance told to write compact JSON.
+/// The arguments' schema with llguidance told to write compact JSON, and
+/// objects that list their properties closed to others (see
+/// [`close_objects`]).
 fn compact(schema: &Value) -> Value {
     let mut schema = schema.clone();
+    close_objects(&mut schema, 0);
     if let Value::Object(o) = &mut schema {
         o.insert(
             "x-guidance".into(),
@@ -36,6 +39,40 @@ fn compact(schema: &Value) -> Value {
         );
     }
     schema
+}
+
+/// An object schema that lists `properties` but says nothing of others
+/// allows any others (JSON schema's default): the model could invent keys
+/// without end. A function takes the parameters it declares, so the
+/// grammar closes such objects (`additionalProperties: false`), as
+/// OpenAI's strict mode asks of every schema. The output still validates
+/// against the schema as given.
+fn close_objects(schema: &mut Value, depth: usize) {
+    let Value::Object(o) = schema else {
+        return;
+    };
+    if depth > 64 {
+        return;
+    }
+    if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    if let Some(Value::Object(props)) = o.get_mut("properties") {
+        for v in props.values_mut() {
+            close_objects(v, depth + 1);
+        }
+    }
+    if let Some(items) = o.get_mut("items") {
+        close_objects(items, depth + 1);
+    }
+    // Not `allOf`: closing each part would refuse the others' properties.
+    for key in ["anyOf", "oneOf"] {
+        if let Some(Value::Array(list)) = o.get_mut(key) {
+            for v in list {
+                close_objects(v, depth + 1);
+            }
+        }
+    }
 }
 
 /// The grammar for `set`'s calls in `syntax`; `None` when the output is
