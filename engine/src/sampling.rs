@@ -402,6 +402,17 @@ pub fn argmax(z: &[f32]) -> u32 {
     best as u32
 }
 
+/// `token`'s logprob under the raw distribution of `logits`, with the `top`
+/// most likely tokens (prompt scoring).
+pub fn score_token(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let lp = raw_logprobs(logits);
+    TokenLogprob {
+        token,
+        logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top: top_n(&lp, top),
+    }
+}
+
 fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
     let mut lp = logits.to_vec();
     log_softmax(&mut lp);

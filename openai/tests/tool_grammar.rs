@@ -215,9 +215,11 @@ fn auto_is_free_until_the_marker_and_constrained_after() {
 #[test]
 fn open_objects_are_closed_so_calls_end() {
     let f = fixture();
-    let list = [json!({"type": "function", "function": {"name": "f", "parameters":
+    let list = [
+        json!({"type": "function", "function": {"name": "f", "parameters":
         {"type": "object", "properties": {"a": {"enum": ["x", "y"]},
-                                          "b": {"type": "object", "properties": {"c": {"type": "boolean"}}}}}}})];
+                                          "b": {"type": "object", "properties": {"c": {"type": "boolean"}}}}}}}),
+    ];
     let set = ToolSet::from_openai(Some(&list), Some(&json!("required")), Some(false))
         .expect("valid")
         .expect("tools");
@@ -232,7 +234,10 @@ fn open_objects_are_closed_so_calls_end() {
         let keys: Vec<&String> = args.as_object().expect("object").keys().collect();
         assert!(keys.iter().all(|k| *k == "a" || *k == "b"), "{text}");
         if let Some(b) = args.get("b") {
-            assert!(b.as_object().expect("object").keys().all(|k| k == "c"), "{text}");
+            assert!(
+                b.as_object().expect("object").keys().all(|k| k == "c"),
+                "{text}"
+            );
         }
     }
 }

@@ -305,3 +305,78 @@ fn builtin_models_match_transformers() {
         }
     }
 }
+
+/// Prompt scoring through the serving engine (`prompt_logprobs`, chunked
+/// prefill of 5 tokens, prefix caching on and primed with the same prompt):
+/// scoring prompt + reference tokens must give transformers' logprob of
+/// each reference token and its top tokens' logprobs.
+fn prompt_score_error(case: &str) -> f32 {
+    use tandem_engine::serving::{
+        EngineConfig, EngineCore, KvPoolSize, Prompt, PromptLogprobs, Request, RequestEvent,
+    };
+    let (ckpt, g) = load(case);
+    let mut ids = g.prompt_ids.clone();
+    ids.extend(g.steps.iter().take(12).map(|s| s.token));
+    let config = EngineConfig {
+        block_size: 4,
+        kv_pool: KvPoolSize::Blocks(256),
+        max_prefill_chunk: Some(5),
+        enable_prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    let mut core =
+        EngineCore::new(ckpt.model, None, ckpt.eos_token_ids.clone(), &config).expect("engine");
+    let mut run = |id: u64, top: Option<usize>| {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut req = Request::new(Prompt::Tokens(ids.clone()), 1);
+        req.prompt_logprobs = top.map(PromptLogprobs::top);
+        core.add_request(id, req, tx).expect("valid");
+        while core.has_work() {
+            core.step();
+        }
+        let mut scores = None;
+        while let Ok(ev) = rx.try_recv() {
+            if let RequestEvent::PromptLogprobs(lps) = ev {
+                assert!(scores.is_none(), "{case}: scores sent once");
+                scores = Some(lps);
+            }
+        }
+        scores
+    };
+    assert!(run(1, None).is_none());
+    // The prompt is cached now; scoring computes it again all the same.
+    let scores = run(2, Some(8)).expect("scores");
+    assert_eq!(scores.len(), ids.len() - 1, "{case}");
+    let mut worst = 0.0f32;
+    for (i, s) in g.steps.iter().take(12).enumerate() {
+        let score = &scores[g.prompt_ids.len() - 1 + i];
+        assert_eq!(score.token, s.token, "{case}");
+        let mut diffs = vec![(score.logprob - s.logprob).abs()];
+        assert_eq!(score.top[0].0, s.top[0].0, "{case} step {i}: the top token");
+        for &(t, want) in &s.top {
+            if let Some(&(_, got)) = score.top.iter().find(|(u, _)| *u == t) {
+                diffs.push((got - want).abs());
+            }
+        }
+        for d in diffs {
+            assert!(d < TOLERANCE, "{case} step {i}: |Δ| {d}");
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+#[test]
+fn prompt_logprobs_of_the_serving_engine_match_transformers() {
+    for case in [
+        "llama_gqa_f32",
+        "qwen3_gqa_f32",
+        "gemma3_gqa_f32",
+        "mixtral_top2_f32",
+        "gptoss_sinks_f32",
+        "mistral_window_f32",
+    ] {
+        let worst = prompt_score_error(case);
+        eprintln!("{case}: prompt logprobs max |Δ| {worst:.2e}");
+    }
+}

@@ -6,6 +6,7 @@
 //! can check the block books after every step.
 
 mod forward;
+mod prompt_scores;
 mod speculation;
 
 use std::collections::HashMap;
@@ -187,6 +188,8 @@ struct Group {
     live: Vec<SeqId>,
     /// Speculative decoding over all its choices.
     speculation: SpecCounts,
+    /// Prompt scores, when asked for (`prompt_scores`).
+    score: Option<prompt_scores::PromptScore>,
     /// The caller's span for the request ...
     span: tracing::Span,
     /// ... and the child span of its current phase: `queue` until
@@ -477,8 +480,12 @@ impl EngineCore {
         let prompt_len = req.prompt_ids.len();
         let span = req.span;
         let phase = child_span(&span, || tracing::info_span!(parent: &span, "queue"));
+        let score = req
+            .prompt_logprobs
+            .map(|p| prompt_scores::PromptScore::new(p, &req.prompt_ids));
         let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text);
         seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
+        seq.scores_prompt = score.is_some();
         match req.prefill {
             PrefillMode::Local => {}
             PrefillMode::Remote { min_uncached } => seq.remote_min_uncached = Some(min_uncached),
@@ -512,6 +519,7 @@ impl EngineCore {
                 choices: Vec::new(),
                 live: vec![seq_id],
                 speculation: SpecCounts::default(),
+                score,
                 span,
                 phase,
             },
@@ -617,6 +625,19 @@ impl EngineCore {
             )),
             other => other,
         };
+        if outcome.is_ok() {
+            // A scoring request waits for the prefill worker's scores too
+            // (`remote_prompt_logprobs`), so they precede its first token.
+            let group = self.scheduler.seq(transfer).map(|s| s.group);
+            let score = group
+                .and_then(|g| self.groups.get_mut(&g))
+                .and_then(|g| g.score.as_mut())
+                .filter(|s| s.pending());
+            if let Some(score) = score {
+                score.transfer_done = true;
+                return;
+            }
+        }
         if let Err(e) = &outcome {
             // Logged in the request's span, so the line names its id.
             let span = self
@@ -666,11 +687,20 @@ impl EngineCore {
             let Some(s) = self.scheduler.seq(*seq) else {
                 continue;
             };
+            let prompt_logprobs = self
+                .groups
+                .get(&s.group)
+                .and_then(|g| g.score.as_ref())
+                .map(|score| super::request::PromptLogprobs {
+                    top: score.top(),
+                    next_token: s.tokens.last().copied(),
+                });
             let ev = RequestEvent::RemotePrefill(RemotePrefill {
                 transfer: *seq,
                 tokens: s.tokens[..s.tokens.len() - 1].to_vec(),
                 cached_tokens: s.num_computed,
                 blocks: blocks.clone(),
+                prompt_logprobs,
             });
             let group = s.group;
             let gone = self
@@ -784,6 +814,7 @@ impl EngineCore {
     /// 2 threads: batch-1 decode 1.1x (bf16) to 1.4x (INT4) faster. Large
     /// steps (the GEMM path) stay here: they ran 7–15% slower on the pool.
     fn sample_and_emit(&mut self, plan: &StepPlan, logits: &crate::model::Logits) {
+        self.score_prompts(plan, logits);
         let bs = self.scheduler.block_size();
         for (i, s) in plan.scheduled.iter().enumerate() {
             let Some(seq) = self.scheduler.seq(s.seq) else {

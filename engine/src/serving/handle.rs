@@ -51,6 +51,10 @@ enum Command {
         transfer: u64,
         outcome: std::result::Result<(), String>,
     },
+    RemotePromptLogprobs {
+        transfer: u64,
+        logprobs: Vec<crate::sampling::TokenLogprob>,
+    },
     SubscribeKv(tokio::sync::mpsc::Sender<KvFeed>),
 }
 
@@ -100,6 +104,13 @@ impl std::fmt::Debug for Command {
             } => write!(f, "WriteKv({transfer}, layer {layer}, block {block})"),
             Self::FinishRemote { transfer, outcome } => {
                 write!(f, "FinishRemote({transfer}, {outcome:?})")
+            }
+            Self::RemotePromptLogprobs { transfer, logprobs } => {
+                write!(
+                    f,
+                    "RemotePromptLogprobs({transfer}, {} scores)",
+                    logprobs.len()
+                )
             }
             Self::SubscribeKv(_) => write!(f, "SubscribeKv"),
         }
@@ -228,6 +239,18 @@ impl EngineHandle {
             .send(Command::FinishRemote { transfer, outcome });
     }
 
+    /// A prefill worker's prompt scores for remote prefill `transfer` (a
+    /// request with `prompt_logprobs`), before it is finished.
+    pub fn remote_prompt_logprobs(
+        &self,
+        transfer: u64,
+        logprobs: Vec<crate::sampling::TokenLogprob>,
+    ) {
+        let _ = self
+            .commands
+            .send(Command::RemotePromptLogprobs { transfer, logprobs });
+    }
+
     /// Follows the prefix cache: a snapshot first, then numbered changes;
     /// refused past [`MAX_KV_SUBSCRIBERS`](super::MAX_KV_SUBSCRIBERS) at
     /// once (see `kv_feed`).
@@ -319,6 +342,9 @@ fn handle(core: &mut EngineCore, cmd: Command) -> bool {
         }
         Command::FinishRemote { transfer, outcome } => {
             core.finish_remote_prefill(transfer, outcome)
+        }
+        Command::RemotePromptLogprobs { transfer, logprobs } => {
+            core.remote_prompt_logprobs(transfer, logprobs)
         }
         Command::SubscribeKv(sink) => core.subscribe_kv_events(sink),
     }

@@ -45,8 +45,8 @@ pub use kv_feed::{
 };
 pub use request::{
     ChoiceSummary, ExportedBlock, FailureScope, KvExport, Limits, PrefillMode, Prompt,
-    RemotePrefill, Request, RequestEvent, RequestFailure, RequestSummary, Timings, TokenDelta,
-    Usage, MAX_LOGPROBS,
+    PromptLogprobs, RemotePrefill, Request, RequestEvent, RequestFailure, RequestSummary, Timings,
+    TokenDelta, Usage, MAX_LOGPROBS,
 };
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_structured::ResponseFormat;

@@ -90,6 +90,10 @@ pub struct Request {
     /// Constrains the output to a JSON schema, regex, choice or grammar
     /// (compiled at validation; see [`tandem_structured`]).
     pub response_format: Option<ResponseFormat>,
+    /// Score the prompt: the logprob of each prompt token after the first
+    /// (see [`PromptLogprobs`]), sent as [`RequestEvent::PromptLogprobs`]
+    /// before the first token.
+    pub prompt_logprobs: Option<PromptLogprobs>,
     /// The caller's span for this request: the engine's spans for its
     /// phases (`queue`, `prefill` with one `prefill_chunk` per step,
     /// `decode`) are its children. `Span::none()` (the default) records
@@ -111,7 +115,31 @@ impl Request {
             ignore_eos: false,
             prefill: PrefillMode::Local,
             response_format: None,
+            prompt_logprobs: None,
             span: tracing::Span::none(),
+        }
+    }
+}
+
+/// What prompt scoring asks for. The prompt is then computed whole, never
+/// from the prefix cache (cached positions have no logits), with logits
+/// for every position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLogprobs {
+    /// Top alternatives per prompt token (at most [`MAX_LOGPROBS`]).
+    pub top: usize,
+    /// The token that follows the prompt, scored by its last position: a
+    /// prefill worker's prompt lacks the last token, which the decode side
+    /// computes, but its logprob comes from the prefill worker's last row.
+    pub next_token: Option<u32>,
+}
+
+impl PromptLogprobs {
+    /// Scores of a whole prompt with `top` alternatives each.
+    pub fn top(top: usize) -> Self {
+        Self {
+            top,
+            next_token: None,
         }
     }
 }
@@ -146,6 +174,7 @@ pub(crate) struct ValidRequest {
     pub prefill: PrefillMode,
     /// The compiled `response_format`.
     pub grammar: Option<Arc<CompiledGrammar>>,
+    pub prompt_logprobs: Option<PromptLogprobs>,
     pub span: tracing::Span,
 }
 
@@ -167,6 +196,21 @@ pub(crate) fn validate(
             return Err(invalid(format!(
                 "logprobs must be at most {MAX_LOGPROBS}, got {n}"
             )));
+        }
+    }
+    if let Some(p) = &req.prompt_logprobs {
+        if p.top > MAX_LOGPROBS {
+            return Err(invalid(format!(
+                "prompt_logprobs must be at most {MAX_LOGPROBS}, got {}",
+                p.top
+            )));
+        }
+        if p.next_token
+            .is_some_and(|t| t as usize >= limits.vocab_size)
+        {
+            return Err(invalid(
+                "prompt_logprobs: the next token is outside the vocabulary".into(),
+            ));
         }
     }
     if req.n == 0 || req.n > limits.max_num_seqs {
@@ -288,6 +332,7 @@ pub(crate) fn validate(
         ignore_eos: req.ignore_eos,
         prefill: req.prefill,
         grammar,
+        prompt_logprobs: req.prompt_logprobs,
         span: req.span,
     })
 }
@@ -300,6 +345,10 @@ pub enum RequestEvent {
     /// The prompt's K/V is to be computed elsewhere (see
     /// [`PrefillMode::Remote`]).
     RemotePrefill(RemotePrefill),
+    /// The logprobs of the prompt's tokens after the first, in order (a
+    /// request with [`Request::prompt_logprobs`]); sent once, before the
+    /// first token.
+    PromptLogprobs(Vec<TokenLogprob>),
     /// The last event: every choice is done.
     Finished(RequestSummary),
     /// The engine failed the request; nothing follows.
@@ -355,6 +404,10 @@ pub struct RemotePrefill {
     /// Destination block ids for logical blocks `cached_tokens / block_size ..`,
     /// one per layer group per logical block (see [`crate::BlockTable`]).
     pub blocks: Vec<u32>,
+    /// The request scores its prompt: the prefill worker computes the
+    /// prompt logprobs (`next_token` is the prompt's last token) and they
+    /// come back through `remote_prompt_logprobs`.
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// New tokens of one choice.

@@ -90,6 +90,9 @@ pub(crate) struct Sequence {
     pub draft: Draft,
     /// This choice's draft-length controller.
     pub adaptive: AdaptiveK,
+    /// The request scores its prompt: no prefix-cache hits at admission,
+    /// logits for every prompt row.
+    pub scores_prompt: bool,
 }
 
 /// Where a prefill-only sequence's blocks go.
@@ -126,6 +129,7 @@ impl Sequence {
             constraint: None,
             draft: Draft::default(),
             adaptive: AdaptiveK::default(),
+            scores_prompt: false,
         }
     }
 
@@ -354,6 +358,8 @@ impl Scheduler {
             constraint: p.constraint.as_ref().map(|c| Box::new(c.fork())),
             draft: Draft::default(),
             adaptive: AdaptiveK::default(),
+            // Forks come after the prompt: nothing left to score.
+            scores_prompt: false,
         };
         self.seqs.insert(id, child);
         self.running.push(id);
@@ -465,7 +471,7 @@ impl Scheduler {
             };
             // At least the last token is always computed: its logits are
             // the point.
-            let cacheable = if self.cfg.enable_prefix_caching {
+            let cacheable = if self.cfg.enable_prefix_caching && !seq.scores_prompt {
                 &seq.hashes[..seq.hashes.len().min((seq.tokens.len() - 1) / bs)]
             } else {
                 &[]

@@ -152,7 +152,8 @@ impl EngineCore {
                     seq.tokens
                         .get(seq.num_computed..seq.num_computed + s.num_tokens)
                         .unwrap_or_default(),
-                    false,
+                    // Prompt scoring wants every prompt row.
+                    seq.scores_prompt && seq.num_computed < seq.prompt_len,
                 ),
             };
             // The scheduler cuts drafts to the tokens it planned; anything
