@@ -110,7 +110,8 @@ pub fn run(args: &GenerateArgs, server: &str) -> Result<()> {
                     }
                 }
                 Some(v1::generate_response::Event::Finished(f)) => finished = Some(f),
-                None => {}
+                // `generate` never asks for prompt scores.
+                Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
             }
         }
         let f = finished.context("the stream ended without a Finished message")?;

@@ -167,10 +167,71 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
         assert_eq!(got, want, "n = 3, {} prompt tokens", prompt.len());
         assert_eq!(got.len(), 3);
     }
+    // Prompt logprobs through remote prefill are the colocated server's;
+    // asked again (the prompt now cached), they are whole again.
+    for (prompt, _) in work.iter().filter(|(p, _)| p.len() >= 64).take(2) {
+        let prompt: Vec<u32> = prompt.iter().map(|t| (t + 11) % 256).collect();
+        let (want, _) = rt.block_on(scored(&serve.addr, prompt.clone()));
+        for attempt in 0..2 {
+            let (got, prefill) = rt.block_on(scored(&cluster.addr, prompt.clone()));
+            assert_eq!(
+                prefill.is_some(),
+                attempt == 0,
+                "remote the first time only"
+            );
+            assert_eq!(got.len(), prompt.len() - 1);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.token_id, prompt[i + 1]);
+                assert_eq!(g.token_id, w.token_id);
+                assert!(
+                    (g.logprob - w.logprob).abs() < 1e-4,
+                    "position {i}: {g:?} vs {w:?}"
+                );
+                let ids =
+                    |l: &v1::TokenLogprob| l.top.iter().map(|t| t.token_id).collect::<Vec<_>>();
+                assert_eq!(ids(g), ids(w), "position {i}");
+            }
+        }
+    }
     // Every block came back on every worker.
     rt.block_on(async {
         all_blocks_free(&cluster).await;
     });
+}
+
+/// The prompt logprobs (3 alternatives) of `prompt`, and the prefill
+/// worker the router named (if any); checks they precede the first token.
+async fn scored(addr: &str, prompt: Vec<u32>) -> (Vec<v1::TokenLogprob>, Option<String>) {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        max_tokens: Some(2),
+        prompt_logprobs: Some(3),
+        ..Default::default()
+    };
+    let resp = c.generate(req).await.expect("call");
+    let prefill = resp
+        .metadata()
+        .get(ROUTED_PREFILL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut stream = resp.into_inner();
+    let (mut scores, mut tokens_first) = (None, false);
+    while let Some(msg) = stream.message().await.expect("stream") {
+        match msg.event {
+            Some(v1::generate_response::Event::PromptLogprobs(p)) => {
+                assert!(scores.is_none() && !tokens_first, "once, before any token");
+                scores = Some(p.logprobs);
+            }
+            Some(v1::generate_response::Event::Delta(_)) => tokens_first |= scores.is_none(),
+            _ => {}
+        }
+    }
+    (scores.expect("prompt scores"), prefill)
 }
 
 /// `n` choices sampled at temperature 1 with `seed`: each choice's tokens,
@@ -350,7 +411,7 @@ fn a_killed_decode_workers_request_migrates_and_the_worker_is_dropped() {
                 match msg.event {
                     Some(v1::generate_response::Event::Delta(d)) => tokens += d.token_ids.len(),
                     Some(v1::generate_response::Event::Finished(f)) => usage = f.usage,
-                    None => {}
+                    Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
                 }
             }
             usage

@@ -1125,7 +1125,7 @@ fn cpu_overlay_runs_as_local_processes_and_serves_a_request() {
             match msg.event {
                 Some(v1::generate_response::Event::Delta(d)) => tokens += d.token_ids.len(),
                 Some(v1::generate_response::Event::Finished(_)) => finished = true,
-                None => {}
+                Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
             }
         }
         assert!(finished);

@@ -389,7 +389,7 @@ fn a_frozen_decode_worker_mid_stream_costs_a_bounded_wait_then_the_stream_moves(
                 match msg.event {
                     Some(v1::generate_response::Event::Delta(d)) => tokens.extend(d.token_ids),
                     Some(v1::generate_response::Event::Finished(_)) => finished = true,
-                    None => {}
+                    Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
                 }
             }
             Ok::<_, tonic::Status>(finished)

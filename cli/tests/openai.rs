@@ -180,6 +180,68 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     let c = case(&results, "chat_logprobs");
     assert_eq!(c["top"], serde_json::json!([3, 3, 3, 3]));
 
+    // Echo: the prompt leads the text, its tokens the logprobs (the first
+    // without one); prompt_logprobs: `null`, then one entry per prompt
+    // token, naming that token.
+    let prompt_ids = tokenizer.encode(PROMPT).expect("encodes");
+    let c = case(&results, "echo");
+    assert!(
+        c["text"].as_str().is_some_and(|t| t.starts_with(PROMPT)),
+        "{c}"
+    );
+    assert_eq!(
+        c["tokens"].as_array().map(Vec::len),
+        Some(prompt_ids.len() + 4),
+        "{c}"
+    );
+    assert!(
+        c["token_logprobs"][0].is_null() && c["top"][0].is_null(),
+        "{c}"
+    );
+    assert!(
+        c["token_logprobs"][1].as_f64().is_some_and(|x| x <= 0.0),
+        "{c}"
+    );
+    let offsets: Vec<u64> = c["text_offset"]
+        .as_array()
+        .expect("offsets")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[0] == 0,
+        "{c}"
+    );
+    let c = case(&results, "echo_stream");
+    assert_eq!(c["first"], PROMPT, "{c}");
+    assert!(
+        c["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with(PROMPT) && t.len() > PROMPT.len()),
+        "{c}"
+    );
+    let check_scores = |scores: &Value, ids: &[u32], top: usize| {
+        let scores = scores.as_array().expect("a list");
+        assert_eq!(scores.len(), ids.len(), "one per prompt token");
+        assert!(scores[0].is_null());
+        for (entry, id) in scores[1..].iter().zip(&ids[1..]) {
+            let entry = entry.as_object().expect("an entry");
+            let own = &entry[&id.to_string()];
+            assert!(
+                own["logprob"].as_f64().is_some_and(|x| x <= 0.0),
+                "{entry:?}"
+            );
+            assert!((1..=top + 1).contains(&entry.len()), "{entry:?}");
+        }
+    };
+    check_scores(&case(&results, "prompt_logprobs")["scores"], &prompt_ids, 1);
+    let c = case(&results, "chat_prompt_logprobs");
+    check_scores(&c["scores"], &chat_ids, 0);
+    assert_eq!(
+        c["streamed"], c["scores"],
+        "streamed scores are the unstreamed ones"
+    );
+
     let c = case(&results, "stop");
     let (full, stop) = (
         c["full"].as_str().expect("full"),

@@ -69,6 +69,7 @@ impl wv1::prefill_server::Prefill for Peer {
         Ok(tonic::Response::new(wv1::PrefillReply {
             cached_tokens: 0,
             blocks_sent: u32::try_from(req.dst_blocks.len()).unwrap_or(u32::MAX),
+            prompt_logprobs: Vec::new(),
         }))
     }
 }
@@ -205,7 +206,7 @@ async fn run(
                 Some(v1::generate_response::Event::Finished(f)) => {
                     cached = f.usage.map_or(0, |u| u.cached_tokens);
                 }
-                None => {}
+                Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
             }
         }
         (tokens, cached)

@@ -403,6 +403,11 @@ impl RemotePrefiller for GrpcPrefiller {
             transfer_endpoint: self.transfer_endpoint.clone(),
             transfer_id: ticket,
             layout: Some(layout::to_proto(&self.layout)),
+            prompt_logprobs: prefill.prompt_logprobs.map(|p| p.top as u32),
+            last_token: prefill
+                .prompt_logprobs
+                .and_then(|p| p.next_token)
+                .unwrap_or_default(),
         };
         let limit = self.deadline.for_tokens(req.tokens.len());
         let mut call = tonic::Request::new(req);
@@ -424,7 +429,18 @@ impl RemotePrefiller for GrpcPrefiller {
             // failure before or without a transfer is reported here. A
             // second finish for one transfer is ignored by the engine.
             match client.prefill(call).await {
-                Ok(_) => {
+                Ok(reply) => {
+                    // A scoring request's prompt logprobs: handed over
+                    // before the finish below, which the engine ignores
+                    // once the transfer and the scores are in.
+                    let scores = reply.into_inner().prompt_logprobs;
+                    if !scores.is_empty() {
+                        let scores = scores
+                            .into_iter()
+                            .map(tandem_server::logprob_from_proto)
+                            .collect();
+                        engine.remote_prompt_logprobs(transfer, scores);
+                    }
                     metrics.remote_prefills.with(&["ok"]).inc();
                     metrics
                         .remote_prefill_duration

@@ -95,7 +95,7 @@ impl Driver {
                     }
                     RequestEvent::Finished(s) => o.summary = Some(s),
                     RequestEvent::Error(e) => o.error = Some(e.message),
-                    RequestEvent::RemotePrefill(_) => {}
+                    RequestEvent::RemotePrefill(_) | RequestEvent::PromptLogprobs(_) => {}
                 }
             }
         }

@@ -87,6 +87,7 @@ impl Driver {
                     RequestEvent::Finished(s) => o.summary = Some(s),
                     RequestEvent::Error(e) => panic!("request {id} failed: {e}"),
                     RequestEvent::RemotePrefill(rp) => panic!("unexpected {rp:?}"),
+                    RequestEvent::PromptLogprobs(_) => panic!("unexpected prompt scores"),
                 }
             }
         }

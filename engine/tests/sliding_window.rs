@@ -180,6 +180,7 @@ impl Driver {
                     }
                     RequestEvent::Error(e) => panic!("request {id} failed: {e}"),
                     RequestEvent::RemotePrefill(rp) => panic!("unexpected {rp:?}"),
+                    RequestEvent::PromptLogprobs(_) => panic!("unexpected prompt scores"),
                 }
             }
         }

@@ -74,7 +74,7 @@ pub use tandem_telemetry::http::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT};
 /// context windows we serve can hold.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 use params::{ChatRequest, CompletionRequest, Plan};
-use response::{Chunker, Collector, Endpoint, Header};
+use response::{Chunker, Collector, EchoPrompt, Endpoint, Header};
 use tools::parse::{OutputFormat, ReasoningMarkers};
 use tools::ToolSyntax;
 
@@ -303,7 +303,13 @@ impl Inner {
         format!("{prefix}{sep}{:x}{nanos:08x}{n:06x}", self.created)
     }
 
-    fn header(&self, endpoint: Endpoint, output: OutputFormat) -> Header {
+    fn header(
+        &self,
+        endpoint: Endpoint,
+        output: OutputFormat,
+        echo: Option<Vec<EchoPrompt>>,
+        report_prompt_logprobs: bool,
+    ) -> Header {
         let prefix = match endpoint {
             Endpoint::Completions => "cmpl",
             Endpoint::Chat => "chatcmpl",
@@ -315,6 +321,8 @@ impl Inner {
             endpoint,
             tokenizer: self.tokenizer.clone(),
             output,
+            echo,
+            report_prompt_logprobs,
         }
     }
 
@@ -429,20 +437,19 @@ async fn completions(
         let req: CompletionRequest = parse(&body)?;
         api.check_model(req.common.model.as_deref())?;
         let plan = req.plan()?;
-        let prompts = req.prompts()?;
+        let mut prompts = req.prompts()?;
         check_choices(prompts.len(), plan.n)?;
-        Ok::<_, ApiError>((plan, prompts))
+        let echo = if plan.echo {
+            Some(api.echo_prompts(&mut prompts)?)
+        } else {
+            None
+        };
+        Ok::<_, ApiError>((plan, prompts, echo))
     };
     match run.await {
-        Ok((plan, prompts)) => {
-            respond(
-                &api,
-                Endpoint::Completions,
-                OutputFormat::default(),
-                plan,
-                prompts,
-            )
-            .await
+        Ok((plan, prompts, echo)) => {
+            let output = OutputFormat::default();
+            respond(&api, Endpoint::Completions, output, echo, plan, prompts).await
         }
         Err(e) => e.into_response(),
     }
@@ -478,12 +485,44 @@ async fn chat_completions(
         )))
     });
     match prepared {
-        Ok((plan, prompts, output)) => respond(&api, Endpoint::Chat, output, plan, prompts).await,
+        Ok((plan, prompts, output)) => {
+            respond(&api, Endpoint::Chat, output, None, plan, prompts).await
+        }
         Err(e) => e.into_response(),
     }
 }
 
 impl Inner {
+    /// What `echo` repeats of each prompt. Text prompts are tokenized here
+    /// (as the backend would, with special tokens) and sent as ids, so the
+    /// echoed tokens are known.
+    fn echo_prompts(
+        &self,
+        prompts: &mut [v1::generate_request::Prompt],
+    ) -> Result<Vec<EchoPrompt>, ApiError> {
+        use v1::generate_request::Prompt;
+        let bad = |e: tandem_engine::EngineError| ApiError::bad_param("prompt", e.to_string());
+        prompts
+            .iter_mut()
+            .map(|p| {
+                let echo = match p {
+                    Prompt::Text(text) => EchoPrompt {
+                        ids: self.tokenizer.encode(text).map_err(bad)?,
+                        text: text.clone(),
+                    },
+                    Prompt::TokenIds(ids) => EchoPrompt {
+                        text: self.tokenizer.decode(&ids.ids).map_err(bad)?,
+                        ids: ids.ids.clone(),
+                    },
+                };
+                *p = Prompt::TokenIds(v1::TokenIds {
+                    ids: echo.ids.clone(),
+                });
+                Ok(echo)
+            })
+            .collect()
+    }
+
     /// Renders and tokenizes a conversation; with tools, constrains the
     /// plan's output to calls as `tool_choice` asks (a 400 on `tools` when
     /// this model has no tool-call syntax, on `response_format` when both
@@ -539,10 +578,11 @@ async fn respond(
     api: &Inner,
     endpoint: Endpoint,
     output: OutputFormat,
+    echo: Option<Vec<EchoPrompt>>,
     plan: Plan,
     prompts: Vec<v1::generate_request::Prompt>,
 ) -> Response {
-    let header = api.header(endpoint, output);
+    let header = api.header(endpoint, output, echo, plan.report_prompt_logprobs);
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
     let mut events = match api.start(&header.id, &plan, prompts).await {

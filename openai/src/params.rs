@@ -82,6 +82,9 @@ pub struct CommonParams {
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's prompt scoring: each prompt token's logprob (after the
+    /// first) with this many top alternatives, in `choices[].prompt_logprobs`.
+    pub prompt_logprobs: Option<i64>,
     /// Structured output, OpenAI's way.
     pub response_format: Option<ResponseFormatIn>,
     /// Structured output, vLLM's way (regex, choice, grammar too).
@@ -159,6 +162,11 @@ pub struct Plan {
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
+    /// Completions' `echo`: the prompt leads each choice's text (and, with
+    /// `logprobs`, its tokens lead the logprobs).
+    pub echo: bool,
+    /// `prompt_logprobs` was asked for (reported per choice).
+    pub report_prompt_logprobs: bool,
 }
 
 fn in_range(
@@ -328,7 +336,19 @@ impl CommonParams {
                 "stream_options is only allowed when stream is true",
             ));
         }
+        let prompt_logprobs = match self.prompt_logprobs {
+            None => None,
+            Some(k) if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&k) => Some(k as u32),
+            Some(k) => {
+                return Err(ApiError::bad_param(
+                    "prompt_logprobs",
+                    format!("prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+                ))
+            }
+        };
         Ok(Plan {
+            echo: false,
+            report_prompt_logprobs: prompt_logprobs.is_some(),
             template: v1::GenerateRequest {
                 request_id: String::new(),
                 prompt: None,
@@ -350,6 +370,7 @@ impl CommonParams {
                 ignore_eos: self.ignore_eos.unwrap_or(false),
                 logprobs: None,
                 response_format: self.response_format()?,
+                prompt_logprobs,
             },
             n,
             stream,
@@ -365,9 +386,7 @@ impl CompletionRequest {
     /// The plan, with completions' `logprobs` (an integer) checked.
     pub fn plan(&self) -> Result<Plan, ApiError> {
         let mut plan = self.common.plan()?;
-        if self.echo == Some(true) {
-            return Err(ApiError::bad_param("echo", "echo is not supported"));
-        }
+        plan.echo = self.echo == Some(true);
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::bad_param("suffix", "suffix is not supported"));
         }
@@ -389,6 +408,12 @@ impl CompletionRequest {
                 ))
             }
         };
+        // Echoed tokens carry logprobs too: the prompt is scored with (at
+        // least) as many alternatives.
+        if let (true, Some(k)) = (plan.echo, plan.template.logprobs) {
+            let p = &mut plan.template.prompt_logprobs;
+            *p = Some(p.map_or(k, |q| q.max(k)));
+        }
         Ok(plan)
     }
 

@@ -32,6 +32,17 @@ pub struct Header {
     pub tokenizer: Arc<Tokenizer>,
     /// What chat output is parsed for (reasoning, tool calls).
     pub output: OutputFormat,
+    /// Completions' `echo`: each prompt's text and token ids.
+    pub echo: Option<Vec<EchoPrompt>>,
+    /// Choices report `prompt_logprobs` (vLLM's field).
+    pub report_prompt_logprobs: bool,
+}
+
+/// A prompt as `echo` repeats it.
+#[derive(Debug, Clone)]
+pub struct EchoPrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
 }
 
 pub(crate) fn finish_reason(code: i32) -> Option<&'static str> {
@@ -85,6 +96,60 @@ impl Header {
             "model": self.model,
             "choices": choices,
         })
+    }
+
+    /// vLLM's `prompt_logprobs`: `null` for the first prompt token, then
+    /// per token `{"<id>": {"logprob", "rank", "decoded_token"}}` for the
+    /// token and its top alternatives (`rank` is 1-based among them, `null`
+    /// for a token outside them).
+    fn prompt_logprobs(&self, scores: &[v1::TokenLogprob]) -> Value {
+        let mut out = vec![Value::Null];
+        for s in scores {
+            let mut entry = serde_json::Map::new();
+            let rank = |id: u32| s.top.iter().position(|t| t.token_id == id).map(|r| r + 1);
+            entry.insert(
+                s.token_id.to_string(),
+                json!({"logprob": s.logprob, "rank": rank(s.token_id), "decoded_token": self.token(s.token_id)}),
+            );
+            for t in &s.top {
+                entry.entry(t.token_id.to_string()).or_insert_with(|| {
+                    json!({"logprob": t.logprob, "rank": rank(t.token_id), "decoded_token": self.token(t.token_id)})
+                });
+            }
+            out.push(Value::Object(entry));
+        }
+        Value::Array(out)
+    }
+
+    /// Completions' logprobs of an echoed prompt: its first token has
+    /// none. `offset` advances past the prompt's text.
+    fn echo_logprobs(
+        &self,
+        prompt: &EchoPrompt,
+        scores: &[v1::TokenLogprob],
+        offset: &mut usize,
+    ) -> Value {
+        let mut body = self.logprobs(scores, &mut 0);
+        let first = prompt
+            .ids
+            .first()
+            .map(|&t| self.token(t))
+            .unwrap_or_default();
+        let shift = first.len();
+        let arrays = ["tokens", "token_logprobs", "top_logprobs", "text_offset"];
+        let firsts = [json!(first), Value::Null, Value::Null, json!(*offset)];
+        for (key, head) in arrays.iter().zip(firsts) {
+            if let Some(Value::Array(items)) = body.get_mut(*key) {
+                if *key == "text_offset" {
+                    for v in items.iter_mut() {
+                        *v = json!(v.as_u64().unwrap_or(0) as usize + *offset + shift);
+                    }
+                }
+                items.insert(0, head);
+            }
+        }
+        *offset += prompt.text.len();
+        body
     }
 
     /// The parser of chat choice `index`'s output (`None` for completions).
@@ -173,6 +238,8 @@ pub struct Collector {
     n: usize,
     want_logprobs: bool,
     choices: Vec<Choice>,
+    /// Each prompt's scores, once they arrive.
+    prompt_scores: Vec<Vec<v1::TokenLogprob>>,
     usage: UsageSum,
 }
 
@@ -188,6 +255,7 @@ impl Collector {
                     ..Choice::default()
                 })
                 .collect(),
+            prompt_scores: vec![Vec::new(); prompts],
             header,
             usage: UsageSum::default(),
         }
@@ -215,6 +283,11 @@ impl Collector {
                 choice.logprobs.extend(d.logprobs);
                 if let Some(r) = finish {
                     choice.finish_reason = Some(r);
+                }
+            }
+            Some(v1::generate_response::Event::PromptLogprobs(p)) => {
+                if let Some(slot) = self.prompt_scores.get_mut(prompt) {
+                    *slot = p.logprobs;
                 }
             }
             Some(v1::generate_response::Event::Finished(f)) => {
@@ -246,15 +319,23 @@ impl Collector {
             .iter()
             .enumerate()
             .map(|(index, c)| {
+                let scores = &self.prompt_scores[index / self.n.max(1)];
+                let echo = self.header.echo.as_ref().map(|e| &e[index / self.n.max(1)]);
+                let mut offset = 0;
+                let echoed = match (echo, self.want_logprobs) {
+                    (Some(e), true) => Some(self.header.echo_logprobs(e, scores, &mut offset)),
+                    _ => None,
+                };
                 let logprobs = if self.want_logprobs {
-                    self.header.logprobs(&c.logprobs, &mut 0)
+                    let own = self.header.logprobs(&c.logprobs, &mut offset);
+                    echoed.map_or(own.clone(), |e| concat_logprobs(e, own))
                 } else {
                     Value::Null
                 };
-                match self.header.endpoint {
+                let mut choice = match self.header.endpoint {
                     Endpoint::Completions => json!({
                         "index": index,
-                        "text": c.text,
+                        "text": echo.map_or(String::new(), |e| e.text.clone()) + &c.text,
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                     }),
@@ -273,13 +354,28 @@ impl Collector {
                             "finish_reason": finish,
                         })
                     }
+                };
+                if self.header.report_prompt_logprobs {
+                    choice["prompt_logprobs"] = self.header.prompt_logprobs(scores);
                 }
+                choice
             })
             .collect();
         let mut body = self.header.wrap(false, choices);
         body["usage"] = self.usage.json();
         body
     }
+}
+
+/// Completions logprobs `a` then `b` (each `tokens`, `token_logprobs`,
+/// `top_logprobs`, `text_offset` arrays).
+fn concat_logprobs(mut a: Value, b: Value) -> Value {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(Value::Array(x)), Value::Array(y)) = (a.get_mut(key), &b[key]) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    a
 }
 
 /// Turns events into stream chunks as they arrive.
@@ -312,7 +408,17 @@ impl Chunker {
     /// of every choice.
     pub fn opening(&self) -> Vec<Value> {
         if self.header.endpoint != Endpoint::Chat {
-            return Vec::new();
+            // An echo without logprobs needs no scores: it goes first.
+            let Some(echo) = self.header.echo.as_ref().filter(|_| !self.want_logprobs) else {
+                return Vec::new();
+            };
+            return (0..self.offsets.len())
+                .map(|index| {
+                    let text = &echo[index / self.n.max(1)].text;
+                    let choice = json!({"index": index, "text": text, "logprobs": null, "finish_reason": null});
+                    self.header.wrap(true, vec![choice])
+                })
+                .collect();
         }
         (0..self.offsets.len())
             .map(|index| {
@@ -367,6 +473,9 @@ impl Chunker {
                 };
                 Some(self.header.wrap(true, vec![choice]))
             }
+            v1::generate_response::Event::PromptLogprobs(p) => {
+                self.scores_chunk(prompt, &p.logprobs)
+            }
             v1::generate_response::Event::Finished(f) => {
                 if let Some(u) = &f.usage {
                     self.usage.add(u);
@@ -374,6 +483,41 @@ impl Chunker {
                 None
             }
         }
+    }
+
+    /// The chunk for prompt `prompt`'s scores: every one of its choices
+    /// with `prompt_logprobs`, and an echo that waited for its logprobs.
+    fn scores_chunk(&mut self, prompt: usize, scores: &[v1::TokenLogprob]) -> Option<Value> {
+        let echo = self
+            .header
+            .echo
+            .as_ref()
+            .filter(|_| self.want_logprobs)
+            .and_then(|e| e.get(prompt));
+        if echo.is_none() && !self.header.report_prompt_logprobs {
+            return None;
+        }
+        let mut choices = Vec::new();
+        for index in prompt * self.n..(prompt + 1) * self.n {
+            let mut choice = match (self.header.endpoint, echo) {
+                (Endpoint::Completions, Some(e)) => {
+                    let offset = self.offsets.get_mut(index)?;
+                    let logprobs = self.header.echo_logprobs(e, scores, offset);
+                    json!({"index": index, "text": e.text, "logprobs": logprobs, "finish_reason": null})
+                }
+                (Endpoint::Completions, None) => {
+                    json!({"index": index, "text": "", "logprobs": null, "finish_reason": null})
+                }
+                (Endpoint::Chat, _) => {
+                    json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": null})
+                }
+            };
+            if self.header.report_prompt_logprobs {
+                choice["prompt_logprobs"] = self.header.prompt_logprobs(scores);
+            }
+            choices.push(choice);
+        }
+        Some(self.header.wrap(true, choices))
     }
 
     /// The usage chunk sent last when `stream_options.include_usage` is set.

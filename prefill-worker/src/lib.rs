@@ -28,7 +28,8 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 use tandem_engine::serving::{
-    EngineHandle, ExportedBlock, KvExport, PrefillMode, Prompt, Request, RequestEvent,
+    EngineHandle, ExportedBlock, KvExport, PrefillMode, Prompt, PromptLogprobs, Request,
+    RequestEvent,
 };
 use tandem_engine::{KvGroups, FREED};
 use tandem_kv_transfer::{BlockWrite, KvLayoutDescriptor, Session, TransferId, Transport};
@@ -378,9 +379,17 @@ impl PrefillService {
             sink: exporter,
             from_block,
         };
+        // The client asked for prompt logprobs: score the prompt here, the
+        // decode worker's last token included (this prefill's last row).
+        req.prompt_logprobs = r.prompt_logprobs.map(|top| PromptLogprobs {
+            top: top as usize,
+            next_token: Some(r.last_token),
+        });
         let mut events = self.engine.submit(req).map_err(status_from_engine)?;
+        let mut scores = Vec::new();
         let cached = loop {
             match events.next().await {
+                Some(RequestEvent::PromptLogprobs(lps)) => scores = lps,
                 Some(RequestEvent::Finished(s)) => break s.usage.cached_tokens,
                 Some(RequestEvent::Error(e)) => return Err(tandem_server::status_from_failure(e)),
                 Some(_) => {}
@@ -417,6 +426,10 @@ impl PrefillService {
         let blocks_sent =
             u32::try_from(sent / self.layout.num_layers.max(1) as usize).unwrap_or(u32::MAX);
         Ok(Response::new(wv1::PrefillReply {
+            prompt_logprobs: scores
+                .into_iter()
+                .map(tandem_server::logprob_to_proto)
+                .collect(),
             cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
             blocks_sent,
         }))

@@ -84,6 +84,11 @@ impl Resume {
         let Some(v1::generate_request::Prompt::TokenIds(ids)) = &mut req.prompt else {
             return None;
         };
+        // Prompt scores come before the first token: with tokens generated
+        // the client has them, and the longer prompt must not be scored.
+        if !self.generated.is_empty() {
+            req.prompt_logprobs = None;
+        }
         ids.ids.extend_from_slice(&self.generated);
         if let Some(max) = req.max_tokens {
             let left = max.checked_sub(self.generated.len() as u32)?;

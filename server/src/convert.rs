@@ -55,6 +55,9 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         ignore_eos: req.ignore_eos,
         prefill: PrefillMode::Local,
         response_format: req.response_format.map(format_from_proto).transpose()?,
+        prompt_logprobs: req
+            .prompt_logprobs
+            .map(|n| tandem_engine::serving::PromptLogprobs::top(n as usize)),
         span: tracing::Span::none(),
     })
 }
@@ -89,7 +92,8 @@ fn finish_to_proto(f: Option<FinishReason>) -> i32 {
     r as i32
 }
 
-fn logprob_to_proto(lp: TokenLogprob) -> v1::TokenLogprob {
+/// An engine logprob report on the wire.
+pub fn logprob_to_proto(lp: TokenLogprob) -> v1::TokenLogprob {
     v1::TokenLogprob {
         token_id: lp.token,
         logprob: lp.logprob,
@@ -97,6 +101,19 @@ fn logprob_to_proto(lp: TokenLogprob) -> v1::TokenLogprob {
             .top
             .into_iter()
             .map(|(token_id, logprob)| v1::TopLogprob { token_id, logprob })
+            .collect(),
+    }
+}
+
+/// A logprob report from the wire (a prefill worker's prompt scores).
+pub fn logprob_from_proto(lp: v1::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token: lp.token_id,
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .into_iter()
+            .map(|t| (t.token_id, t.logprob))
             .collect(),
     }
 }
@@ -156,6 +173,11 @@ pub fn event_to_proto(
     let event = match ev {
         RequestEvent::Delta(d) => v1::generate_response::Event::Delta(delta_to_proto(d)),
         RequestEvent::Finished(s) => v1::generate_response::Event::Finished(summary_to_proto(s)),
+        RequestEvent::PromptLogprobs(lps) => {
+            v1::generate_response::Event::PromptLogprobs(v1::PromptLogprobs {
+                logprobs: lps.into_iter().map(logprob_to_proto).collect(),
+            })
+        }
         RequestEvent::Error(e) => return Err(e),
         // Only requests that ask for remote prefill see this, and this
         // service never asks.

@@ -28,7 +28,9 @@ use tandem_proto::v1;
 use tokio::net::TcpListener;
 use tonic::service::RoutesBuilder;
 
-pub use convert::{event_to_proto, request_from_proto, BadRequest};
+pub use convert::{
+    event_to_proto, logprob_from_proto, logprob_to_proto, request_from_proto, BadRequest,
+};
 pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use service::{
     status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,

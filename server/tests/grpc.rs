@@ -95,6 +95,7 @@ async fn streams_tokens_then_one_finished_message() {
                 ids.extend(d.token_ids);
             }
             v1::generate_response::Event::Finished(f) => finished = Some(f),
+            v1::generate_response::Event::PromptLogprobs(_) => panic!("no prompt scores asked"),
         }
     }
     let f = finished.expect("a Finished message");
@@ -351,6 +352,7 @@ async fn n_choices_stream_by_index() {
                 per_choice[d.index as usize] += d.token_ids.len()
             }
             v1::generate_response::Event::Finished(f) => finished = Some(f),
+            v1::generate_response::Event::PromptLogprobs(_) => panic!("no prompt scores asked"),
         }
     }
     assert_eq!(per_choice, [5, 5, 5]);

@@ -89,6 +89,30 @@ def main():
     emit("chat_logprobs", tokens=[c.token for c in content], logprobs=[c.logprob for c in content],
          top=[len(c.top_logprobs) for c in content])
 
+    # Prompt scoring: echo (with logprobs, the prompt's tokens first) and
+    # vLLM's prompt_logprobs, on both endpoints, streamed and not.
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    emit("echo", text=r.choices[0].text, tokens=lp.tokens, token_logprobs=lp.token_logprobs,
+         top=[None if t is None else len(t) for t in lp.top_logprobs], text_offset=lp.text_offset)
+    chunks = list(client.completions.create(model=a.model, prompt=a.prompt, max_tokens=4,
+                                            temperature=0, echo=True, stream=True))
+    emit("echo_stream", text="".join(c.choices[0].text for c in chunks if c.choices),
+         first=chunks[0].choices[0].text)
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    emit("prompt_logprobs", scores=r.choices[0].model_dump()["prompt_logprobs"])
+    r = client.chat.completions.create(model=a.model, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    streamed = None
+    for chunk in client.chat.completions.create(model=a.model, messages=messages, max_tokens=2,
+                                                temperature=0, stream=True,
+                                                extra_body={"prompt_logprobs": 0}):
+        for c in chunk.choices:
+            streamed = c.model_dump().get("prompt_logprobs") or streamed
+    emit("chat_prompt_logprobs", scores=r.choices[0].model_dump()["prompt_logprobs"], streamed=streamed)
+
     # A stop string cuts the text before it.
     full = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens,
                                      temperature=0).choices[0].text

@@ -322,7 +322,7 @@ pub async fn greedy(
                 finished = true;
                 out.drafted = f.speculation.map_or(0, |s| s.drafted_tokens);
             }
-            None => {}
+            Some(v1::generate_response::Event::PromptLogprobs(_)) | None => {}
         }
     }
     if !finished {

@@ -116,6 +116,7 @@ fn finish(mut s: RequestStream) -> Result<(RequestSummary, Vec<f64>)> {
             RequestEvent::Finished(sum) => return Ok((sum, gaps)),
             RequestEvent::Error(e) => bail!("request failed: {e}"),
             RequestEvent::RemotePrefill(_) => bail!("unexpected remote prefill"),
+            RequestEvent::PromptLogprobs(_) => bail!("unexpected prompt scores"),
         }
     }
     Err(anyhow!("stream ended without a summary"))

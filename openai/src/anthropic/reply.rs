@@ -74,7 +74,7 @@ impl Reply {
                 }
                 Vec::new()
             }
-            None => Vec::new(),
+            Some(v1::generate_response::Event::PromptLogprobs(_)) | None => Vec::new(),
         }
     }
 
