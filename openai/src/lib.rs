@@ -40,6 +40,7 @@ pub mod params;
 mod response;
 mod responses;
 mod serve;
+mod single;
 pub mod tools;
 
 use std::convert::Infallible;

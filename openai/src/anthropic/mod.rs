@@ -17,23 +17,19 @@
 mod reply;
 pub mod request;
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::{stream, StreamExt};
 use serde_json::json;
-use tandem_proto::v1;
 
 use crate::error::ApiError;
 use crate::{body_bytes, parse, Inner};
-use reply::{Blocks, Reply};
+use reply::{Messages, Reply};
 use request::MessagesRequest;
 
 /// What a prepared request runs: its plan, prompt ids and reply skeleton.
@@ -76,73 +72,13 @@ pub(crate) async fn messages(
                 "preparing the prompt failed: {e}"
             )))
         });
-    let Prepared {
-        plan,
-        ids,
-        mut reply,
-    } = match prepared {
-        Ok(p) => p,
-        Err(e) => return e.into_anthropic_response(),
-    };
-    let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
-    let mut events = match api.start(&reply.id, &plan, vec![prompt]).await {
-        Ok(s) => s,
-        Err(e) => return e.into_anthropic_response(),
-    };
-    tracing::debug!(id = %reply.id, stream = plan.stream, "anthropic request");
-    if !plan.stream {
-        while let Some((_, item)) = events.next().await {
-            match item {
-                Ok(msg) => {
-                    reply.add(msg);
-                }
-                Err(status) => return ApiError::from(status).into_anthropic_response(),
-            }
+    match prepared {
+        Ok(Prepared { plan, ids, reply }) => {
+            let id = reply.id.clone();
+            crate::single::respond(&api, &id, &plan, ids, Messages::new(reply)).await
         }
-        reply.close();
-        return Json(reply.message()).into_response();
+        Err(e) => e.into_anthropic_response(),
     }
-    let opening = vec![sse(
-        "message_start",
-        json!({"type": "message_start", "message": reply.skeleton()}),
-    )];
-    let state = (events, reply, Blocks::default(), false);
-    let body = stream::iter(opening).chain(
-        stream::unfold(
-            state,
-            |(mut events, mut reply, mut blocks, done)| async move {
-                if done {
-                    return None;
-                }
-                loop {
-                    match events.next().await {
-                        Some((_, Ok(msg))) => {
-                            let pieces = reply.add(msg);
-                            let out = blocks.events(&reply, &pieces);
-                            if !out.is_empty() {
-                                return Some((out, (events, reply, blocks, false)));
-                            }
-                        }
-                        Some((_, Err(status))) => {
-                            let e = ApiError::from(status);
-                            let out = vec![sse("error", e.anthropic_body())];
-                            return Some((out, (events, reply, blocks, true)));
-                        }
-                        None => {
-                            let pieces = reply.close();
-                            let mut out = blocks.events(&reply, &pieces);
-                            out.extend(blocks.finish(&reply));
-                            return Some((out, (events, reply, blocks, true)));
-                        }
-                    }
-                }
-            },
-        )
-        .flat_map(stream::iter),
-    );
-    Sse::new(body.map(Ok::<_, Infallible>))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
 }
 
 /// One server-sent event of the Messages stream.

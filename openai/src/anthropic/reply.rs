@@ -2,11 +2,13 @@
 //! content-block events ([`Blocks`]).
 
 use axum::response::sse::Event;
+use axum::response::Response;
 use serde_json::{json, Value};
-use tandem_proto::v1;
 
 use super::sse;
 use crate::chat_output::ChatOutput;
+use crate::error::ApiError;
+use crate::single::{Answer, Dialect};
 use crate::tools::parse::{OutputFormat, Piece};
 
 /// One request's answer so far.
@@ -14,15 +16,9 @@ use crate::tools::parse::{OutputFormat, Piece};
 pub struct Reply {
     pub id: String,
     model: String,
-    output: ChatOutput,
+    answer: Answer,
     input_tokens: usize,
-    output_tokens: u32,
-    cached_tokens: u32,
     stop_sequences: Vec<String>,
-    /// The engine's finish reason (OpenAI's words).
-    finish: Option<&'static str>,
-    matched_stop: Option<String>,
-    ended: bool,
 }
 
 impl Reply {
@@ -37,62 +33,19 @@ impl Reply {
         Self {
             id,
             model,
-            output: ChatOutput::new(format, format!("toolu_{tag}_")),
+            answer: Answer::new(ChatOutput::new(format, format!("toolu_{tag}_"))),
             input_tokens,
-            output_tokens: 0,
-            cached_tokens: 0,
             stop_sequences,
-            finish: None,
-            matched_stop: None,
-            ended: false,
         }
-    }
-
-    /// Folds in one backend event; returns the output pieces it completed.
-    pub fn add(&mut self, msg: v1::GenerateResponse) -> Vec<Piece> {
-        match msg.event {
-            Some(v1::generate_response::Event::Delta(d)) => {
-                let finish = crate::response::finish_reason(d.finish_reason);
-                if finish.is_some() {
-                    self.finish = finish;
-                    self.ended = true;
-                }
-                self.output.push(&d.text, finish.is_some())
-            }
-            Some(v1::generate_response::Event::Finished(f)) => {
-                if let Some(u) = &f.usage {
-                    self.output_tokens = u.completion_tokens;
-                    self.cached_tokens = u.cached_tokens;
-                }
-                if let Some(c) = f.choices.first() {
-                    if !c.matched_stop.is_empty() {
-                        self.matched_stop = Some(c.matched_stop.clone());
-                    }
-                    self.finish = self
-                        .finish
-                        .or_else(|| crate::response::finish_reason(c.finish_reason));
-                }
-                Vec::new()
-            }
-            Some(v1::generate_response::Event::PromptLogprobs(_)) | None => Vec::new(),
-        }
-    }
-
-    /// What was held back, once the backend is done.
-    pub fn close(&mut self) -> Vec<Piece> {
-        if self.ended {
-            return Vec::new();
-        }
-        self.ended = true;
-        self.output.push("", true)
     }
 
     /// `stop_reason` and `stop_sequence`.
     fn stop(&self) -> (&'static str, Option<&str>) {
-        match self.finish {
+        let a = &self.answer;
+        match a.finish {
             Some("length") => ("max_tokens", None),
-            _ if self.output.completed_calls() > 0 => ("tool_use", None),
-            _ => match self
+            _ if a.output.completed_calls() > 0 => ("tool_use", None),
+            _ => match a
                 .matched_stop
                 .as_deref()
                 .filter(|m| self.stop_sequences.iter().any(|s| s == m))
@@ -106,8 +59,8 @@ impl Reply {
     fn usage(&self) -> Value {
         json!({
             "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "cache_read_input_tokens": self.cached_tokens,
+            "output_tokens": self.answer.output_tokens,
+            "cache_read_input_tokens": self.answer.cached_tokens,
         })
     }
 
@@ -123,15 +76,15 @@ impl Reply {
     /// The whole message (the unstreamed answer).
     pub fn message(&self) -> Value {
         let mut content = Vec::new();
-        if !self.output.reasoning.is_empty() {
+        if !self.answer.output.reasoning.is_empty() {
             content.push(
-                json!({"type": "thinking", "thinking": self.output.reasoning, "signature": ""}),
+                json!({"type": "thinking", "thinking": self.answer.output.reasoning, "signature": ""}),
             );
         }
-        if !self.output.content.is_empty() {
-            content.push(json!({"type": "text", "text": self.output.content}));
+        if !self.answer.output.content.is_empty() {
+            content.push(json!({"type": "text", "text": self.answer.output.content}));
         }
-        for c in &self.output.calls {
+        for c in &self.answer.output.calls {
             content.push(json!({"type": "tool_use", "id": c.id, "name": c.name,
                                 "input": tool_input(&c.arguments)}));
         }
@@ -203,7 +156,7 @@ impl Blocks {
                     (i, json!({"type": "thinking_delta", "thinking": t}))
                 }
                 Piece::CallStart { index, name } => {
-                    let start = json!({"type": "tool_use", "id": reply.output.call_id(*index),
+                    let start = json!({"type": "tool_use", "id": reply.answer.output.call_id(*index),
                                        "name": name, "input": {}});
                     self.enter(Block::ToolUse(*index), start, &mut out);
                     continue;
@@ -241,7 +194,7 @@ impl Blocks {
             "message_delta",
             json!({"type": "message_delta",
                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                   "usage": {"output_tokens": reply.output_tokens}}),
+                   "usage": {"output_tokens": reply.answer.output_tokens}}),
         ));
         out.push(sse("message_stop", json!({"type": "message_stop"})));
         out
@@ -253,4 +206,52 @@ fn stop_event(index: usize) -> Event {
         "content_block_stop",
         json!({"type": "content_block_stop", "index": index}),
     )
+}
+
+/// A Messages answer with its stream's block state: the Messages
+/// [`Dialect`].
+#[derive(Debug)]
+pub struct Messages {
+    pub reply: Reply,
+    blocks: Blocks,
+}
+
+impl Messages {
+    pub fn new(reply: Reply) -> Self {
+        Self {
+            reply,
+            blocks: Blocks::default(),
+        }
+    }
+}
+
+impl Dialect for Messages {
+    fn answer(&mut self) -> &mut Answer {
+        &mut self.reply.answer
+    }
+
+    fn body(&self) -> Value {
+        self.reply.message()
+    }
+
+    fn opening(&mut self) -> Vec<Event> {
+        let start = json!({"type": "message_start", "message": self.reply.skeleton()});
+        vec![sse("message_start", start)]
+    }
+
+    fn events(&mut self, pieces: &[Piece]) -> Vec<Event> {
+        self.blocks.events(&self.reply, pieces)
+    }
+
+    fn finish(&mut self) -> Vec<Event> {
+        self.blocks.finish(&self.reply)
+    }
+
+    fn error_event(&mut self, e: &ApiError) -> Event {
+        sse("error", e.anthropic_body())
+    }
+
+    fn error_response(e: ApiError) -> Response {
+        e.into_anthropic_response()
+    }
 }

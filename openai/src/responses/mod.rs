@@ -16,24 +16,18 @@
 mod reply;
 pub mod request;
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
-use futures_util::{stream, StreamExt};
-use serde_json::{json, Value};
-use tandem_proto::v1;
+use serde_json::json;
 
 use crate::error::ApiError;
 use crate::tools::ToolChoice;
 use crate::{body_bytes, parse, unix_now, Inner};
-use reply::{Echo, Items, Reply};
+use reply::{Echo, Reply, ResponsesAnswer};
 use request::ResponsesRequest;
 
 struct Prepared {
@@ -88,70 +82,11 @@ pub(crate) async fn create(
                 "preparing the prompt failed: {e}"
             )))
         });
-    let Prepared {
-        plan,
-        ids,
-        mut reply,
-    } = match prepared {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
-    let mut events = match api.start(&reply.id, &plan, vec![prompt]).await {
-        Ok(s) => s,
-        Err(e) => return e.into_response(),
-    };
-    tracing::debug!(id = %reply.id, stream = plan.stream, "responses request");
-    if !plan.stream {
-        while let Some((_, item)) = events.next().await {
-            match item {
-                Ok(msg) => {
-                    reply.add(msg);
-                }
-                Err(status) => return ApiError::from(status).into_response(),
-            }
+    match prepared {
+        Ok(Prepared { plan, ids, reply }) => {
+            let id = reply.id.clone();
+            crate::single::respond(&api, &id, &plan, ids, ResponsesAnswer::new(reply)).await
         }
-        reply.close();
-        return Json(reply.response(true)).into_response();
+        Err(e) => e.into_response(),
     }
-    let mut items = Items::default();
-    let opening = items.opening(&reply);
-    let state = (events, reply, items, false);
-    let body = stream::iter(opening).chain(
-        stream::unfold(
-            state,
-            |(mut events, mut reply, mut items, done)| async move {
-                if done {
-                    return None;
-                }
-                loop {
-                    match events.next().await {
-                        Some((_, Ok(msg))) => {
-                            let pieces = reply.add(msg);
-                            let out = items.events(&reply, &pieces);
-                            if !out.is_empty() {
-                                return Some((out, (events, reply, items, false)));
-                            }
-                        }
-                        Some((_, Err(status))) => {
-                            let e = ApiError::from(status);
-                            let body: Value = e.body()["error"].clone();
-                            let out = vec![items.event("error", body)];
-                            return Some((out, (events, reply, items, true)));
-                        }
-                        None => {
-                            let pieces = reply.close();
-                            let mut out = items.events(&reply, &pieces);
-                            out.extend(items.finish(&reply));
-                            return Some((out, (events, reply, items, true)));
-                        }
-                    }
-                }
-            },
-        )
-        .flat_map(stream::iter),
-    );
-    Sse::new(body.map(Ok::<_, Infallible>))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
 }

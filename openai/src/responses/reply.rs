@@ -4,10 +4,12 @@
 //! final `response` object gives it.
 
 use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
-use tandem_proto::v1;
 
 use crate::chat_output::ChatOutput;
+use crate::error::ApiError;
+use crate::single::{Answer, Dialect};
 use crate::tools::parse::{OutputFormat, Piece};
 
 /// What the response object echoes of its request.
@@ -30,12 +32,8 @@ pub struct Reply {
     created_at: u64,
     model: String,
     echo: Echo,
-    output: ChatOutput,
+    answer: Answer,
     input_tokens: usize,
-    output_tokens: u32,
-    cached_tokens: u32,
-    finish: Option<&'static str>,
-    ended: bool,
 }
 
 impl Reply {
@@ -49,49 +47,14 @@ impl Reply {
     ) -> Self {
         let tag = id.trim_start_matches("resp_").to_string();
         Self {
-            output: ChatOutput::new(format, format!("call_{tag}_")),
+            answer: Answer::new(ChatOutput::new(format, format!("call_{tag}_"))),
             id,
             tag,
             created_at,
             model,
             echo,
             input_tokens,
-            output_tokens: 0,
-            cached_tokens: 0,
-            finish: None,
-            ended: false,
         }
-    }
-
-    /// Folds in one backend event; returns the output pieces it completed.
-    pub fn add(&mut self, msg: v1::GenerateResponse) -> Vec<Piece> {
-        match msg.event {
-            Some(v1::generate_response::Event::Delta(d)) => {
-                let finish = crate::response::finish_reason(d.finish_reason);
-                if finish.is_some() {
-                    self.finish = finish;
-                    self.ended = true;
-                }
-                self.output.push(&d.text, finish.is_some())
-            }
-            Some(v1::generate_response::Event::Finished(f)) => {
-                if let Some(u) = &f.usage {
-                    self.output_tokens = u.completion_tokens;
-                    self.cached_tokens = u.cached_tokens;
-                }
-                Vec::new()
-            }
-            Some(v1::generate_response::Event::PromptLogprobs(_)) | None => Vec::new(),
-        }
-    }
-
-    /// What was held back, once the backend is done.
-    pub fn close(&mut self) -> Vec<Piece> {
-        if self.ended {
-            return Vec::new();
-        }
-        self.ended = true;
-        self.output.push("", true)
     }
 
     fn reasoning_id(&self) -> String {
@@ -124,7 +87,7 @@ impl Reply {
 
     fn call_item(&self, index: usize, name: &str, arguments: &str, status: &str) -> Value {
         json!({"type": "function_call", "id": self.call_item_id(index),
-               "call_id": self.output.call_id(index), "name": name, "arguments": arguments,
+               "call_id": self.answer.output.call_id(index), "name": name, "arguments": arguments,
                "status": status})
     }
 
@@ -132,17 +95,17 @@ impl Reply {
     pub fn response(&self, done: bool) -> Value {
         let mut output = Vec::new();
         if done {
-            if !self.output.reasoning.is_empty() {
-                output.push(self.reasoning_item(&self.output.reasoning));
+            if !self.answer.output.reasoning.is_empty() {
+                output.push(self.reasoning_item(&self.answer.output.reasoning));
             }
-            if !self.output.content.is_empty() || self.output.calls.is_empty() {
-                output.push(self.message_item(Some(&self.output.content), "completed"));
+            if !self.answer.output.content.is_empty() || self.answer.output.calls.is_empty() {
+                output.push(self.message_item(Some(&self.answer.output.content), "completed"));
             }
-            for (i, c) in self.output.calls.iter().enumerate() {
+            for (i, c) in self.answer.output.calls.iter().enumerate() {
                 output.push(self.call_item(i, &c.name, &c.arguments, "completed"));
             }
         }
-        let incomplete = done && self.finish == Some("length");
+        let incomplete = done && self.answer.finish == Some("length");
         let status = match (done, incomplete) {
             (false, _) => "in_progress",
             (true, true) => "incomplete",
@@ -166,10 +129,10 @@ impl Reply {
     fn usage(&self) -> Value {
         json!({
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
-            "output_tokens": self.output_tokens,
+            "input_tokens_details": {"cached_tokens": self.answer.cached_tokens},
+            "output_tokens": self.answer.output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.input_tokens as u64 + u64::from(self.output_tokens),
+            "total_tokens": self.input_tokens as u64 + u64::from(self.answer.output_tokens),
         })
     }
 }
@@ -340,5 +303,51 @@ impl Items {
         };
         out.push(self.event(kind, json!({"response": response})));
         out
+    }
+}
+
+/// A response with its stream's item state: the Responses [`Dialect`].
+#[derive(Debug)]
+pub struct ResponsesAnswer {
+    pub reply: Reply,
+    items: Items,
+}
+
+impl ResponsesAnswer {
+    pub fn new(reply: Reply) -> Self {
+        Self {
+            reply,
+            items: Items::default(),
+        }
+    }
+}
+
+impl Dialect for ResponsesAnswer {
+    fn answer(&mut self) -> &mut Answer {
+        &mut self.reply.answer
+    }
+
+    fn body(&self) -> Value {
+        self.reply.response(true)
+    }
+
+    fn opening(&mut self) -> Vec<Event> {
+        self.items.opening(&self.reply)
+    }
+
+    fn events(&mut self, pieces: &[Piece]) -> Vec<Event> {
+        self.items.events(&self.reply, pieces)
+    }
+
+    fn finish(&mut self) -> Vec<Event> {
+        self.items.finish(&self.reply)
+    }
+
+    fn error_event(&mut self, e: &ApiError) -> Event {
+        self.items.event("error", e.body()["error"].clone())
+    }
+
+    fn error_response(e: ApiError) -> Response {
+        e.into_response()
     }
 }
