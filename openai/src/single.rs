@@ -5,6 +5,7 @@
 //! body or as its event stream.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -87,6 +88,8 @@ impl Answer {
 
 /// An endpoint's wire format for an [`Answer`].
 pub(crate) trait Dialect: Send + 'static {
+    /// The response's id (also the backend request's).
+    fn id(&self) -> &str;
     fn answer(&mut self) -> &mut Answer;
     /// The unstreamed body.
     fn body(&self) -> Value;
@@ -102,20 +105,36 @@ pub(crate) trait Dialect: Send + 'static {
     fn error_response(e: ApiError) -> Response;
 }
 
-/// Runs `ids` with `plan` and answers in `dialect`, streamed or not.
-pub(crate) async fn respond<D: Dialect>(
-    api: &Inner,
-    id: &str,
-    plan: &Plan,
-    ids: Vec<u32>,
-    mut dialect: D,
+/// Prepares a request on the blocking pool (parsing, rendering and
+/// tokenizing a long conversation take milliseconds of CPU), then runs
+/// its prompt and answers in its dialect.
+pub(crate) async fn prepare_and_respond<D: Dialect>(
+    api: Arc<Inner>,
+    prepare: impl FnOnce(&Inner) -> Result<(Plan, Vec<u32>, D), ApiError> + Send + 'static,
 ) -> Response {
+    let inner = api.clone();
+    let prepared = tokio::task::spawn_blocking(move || prepare(&inner))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::internal(format!(
+                "preparing the prompt failed: {e}"
+            )))
+        });
+    match prepared {
+        Ok((plan, ids, dialect)) => respond(&api, &plan, ids, dialect).await,
+        Err(e) => D::error_response(e),
+    }
+}
+
+/// Runs `ids` with `plan` and answers in `dialect`, streamed or not.
+async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialect: D) -> Response {
     let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
-    let mut events = match api.start(id, plan, vec![prompt]).await {
+    let id = dialect.id().to_string();
+    let mut events = match api.start(&id, plan, vec![prompt]).await {
         Ok(s) => s,
         Err(e) => return D::error_response(e),
     };
-    tracing::debug!(id, stream = plan.stream, "single-choice request");
+    tracing::debug!(%id, stream = plan.stream, "single-choice request");
     if !plan.stream {
         while let Some((_, item)) = events.next().await {
             match item {

@@ -28,18 +28,15 @@ use axum::Json;
 use serde_json::json;
 
 use crate::error::ApiError;
+use crate::params::Plan;
 use crate::{body_bytes, parse, Inner};
 use reply::{Messages, Reply};
 use request::MessagesRequest;
 
-/// What a prepared request runs: its plan, prompt ids and reply skeleton.
-struct Prepared {
-    plan: crate::params::Plan,
-    ids: Vec<u32>,
-    reply: Reply,
-}
-
-fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+fn prepare(
+    api: &Inner,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Plan, Vec<u32>, Messages), ApiError> {
     let body = body_bytes(api, body)?;
     let req: MessagesRequest = parse(&body)?;
     api.check_model(req.model.as_deref())?;
@@ -47,15 +44,14 @@ fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared,
     let messages = req.messages()?;
     let tools = req.tool_set()?;
     let (ids, output) = api.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
-    let id = api.next_request_id("msg");
     let reply = Reply::new(
-        id,
+        api.next_request_id("msg"),
         api.model.clone(),
         &output,
         ids.len(),
         req.stop_sequences.unwrap_or_default(),
     );
-    Ok(Prepared { plan, ids, reply })
+    Ok((plan, ids, Messages::new(reply)))
 }
 
 /// `POST /v1/messages`.
@@ -63,22 +59,7 @@ pub(crate) async fn messages(
     State(api): State<Arc<Inner>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    // Rendering and tokenizing a long conversation: the blocking pool.
-    let inner = api.clone();
-    let prepared = tokio::task::spawn_blocking(move || prepare(&inner, body))
-        .await
-        .unwrap_or_else(|e| {
-            Err(ApiError::internal(format!(
-                "preparing the prompt failed: {e}"
-            )))
-        });
-    match prepared {
-        Ok(Prepared { plan, ids, reply }) => {
-            let id = reply.id.clone();
-            crate::single::respond(&api, &id, &plan, ids, Messages::new(reply)).await
-        }
-        Err(e) => e.into_anthropic_response(),
-    }
+    crate::single::prepare_and_respond(api, move |api| prepare(api, body)).await
 }
 
 /// One server-sent event of the Messages stream.

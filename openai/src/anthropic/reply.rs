@@ -226,6 +226,10 @@ impl Messages {
 }
 
 impl Dialect for Messages {
+    fn id(&self) -> &str {
+        &self.reply.id
+    }
+
     fn answer(&mut self) -> &mut Answer {
         &mut self.reply.answer
     }

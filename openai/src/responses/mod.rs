@@ -21,22 +21,20 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::json;
 
 use crate::error::ApiError;
+use crate::params::Plan;
 use crate::tools::ToolChoice;
 use crate::{body_bytes, parse, unix_now, Inner};
 use reply::{Echo, Reply, ResponsesAnswer};
 use request::ResponsesRequest;
 
-struct Prepared {
-    plan: crate::params::Plan,
-    ids: Vec<u32>,
-    reply: Reply,
-}
-
-fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+fn prepare(
+    api: &Inner,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Plan, Vec<u32>, ResponsesAnswer), ApiError> {
     let body = body_bytes(api, body)?;
     let req: ResponsesRequest = parse(&body)?;
     api.check_model(req.model.as_deref())?;
@@ -66,7 +64,7 @@ fn prepare(api: &Inner, body: Result<Bytes, BytesRejection>) -> Result<Prepared,
         &output,
         ids.len(),
     );
-    Ok(Prepared { plan, ids, reply })
+    Ok((plan, ids, ResponsesAnswer::new(reply)))
 }
 
 /// `POST /v1/responses`.
@@ -74,19 +72,5 @@ pub(crate) async fn create(
     State(api): State<Arc<Inner>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let inner = api.clone();
-    let prepared = tokio::task::spawn_blocking(move || prepare(&inner, body))
-        .await
-        .unwrap_or_else(|e| {
-            Err(ApiError::internal(format!(
-                "preparing the prompt failed: {e}"
-            )))
-        });
-    match prepared {
-        Ok(Prepared { plan, ids, reply }) => {
-            let id = reply.id.clone();
-            crate::single::respond(&api, &id, &plan, ids, ResponsesAnswer::new(reply)).await
-        }
-        Err(e) => e.into_response(),
-    }
+    crate::single::prepare_and_respond(api, move |api| prepare(api, body)).await
 }

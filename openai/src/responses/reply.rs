@@ -323,6 +323,10 @@ impl ResponsesAnswer {
 }
 
 impl Dialect for ResponsesAnswer {
+    fn id(&self) -> &str {
+        &self.reply.id
+    }
+
     fn answer(&mut self) -> &mut Answer {
         &mut self.reply.answer
     }

@@ -110,31 +110,7 @@ impl ResponsesRequest {
                 &format!("tools[{i}].parameters"),
             )?);
         }
-        let choice = match &self.tool_choice {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(match s.as_str() {
-                "none" => ToolChoice::None,
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => {
-                    return Err(ApiError::bad_param(
-                        "tool_choice",
-                        format!(
-                            "tool_choice must be none, auto, required or a function, got `{other}`"
-                        ),
-                    ))
-                }
-            }),
-            Some(c) => match (c["type"].as_str(), c["name"].as_str()) {
-                (Some("function"), Some(name)) => Some(ToolChoice::Named(name.to_string())),
-                _ => {
-                    return Err(ApiError::bad_param(
-                        "tool_choice",
-                        "a named tool_choice is {\"type\": \"function\", \"name\": …}",
-                    ))
-                }
-            },
-        };
+        let choice = ToolChoice::from_openai(self.tool_choice.as_ref())?;
         ToolSet::new(
             parsed,
             choice,

@@ -51,6 +51,42 @@ pub enum ToolChoice {
     Named(String),
 }
 
+impl ToolChoice {
+    /// OpenAI's `tool_choice`: `none`, `auto`, `required`, or a named
+    /// function — `{"type": "function", "function": {"name"}}` (chat) or
+    /// `{"type": "function", "name"}` (Responses). `None` when absent.
+    pub fn from_openai(choice: Option<&Value>) -> Result<Option<Self>, ApiError> {
+        match choice {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => Ok(Some(Self::None)),
+                "auto" => Ok(Some(Self::Auto)),
+                "required" => Ok(Some(Self::Required)),
+                other => Err(ApiError::bad_param(
+                    "tool_choice",
+                    format!(
+                        "tool_choice must be none, auto, required or a function, got `{other}`"
+                    ),
+                )),
+            },
+            Some(obj @ Value::Object(_)) => {
+                let name = obj["function"]["name"].as_str().or(obj["name"].as_str());
+                match (obj["type"].as_str(), name) {
+                    (Some("function"), Some(name)) => Ok(Some(Self::Named(name.to_string()))),
+                    _ => Err(ApiError::bad_param(
+                        "tool_choice",
+                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    )),
+                }
+            }
+            Some(_) => Err(ApiError::bad_param(
+                "tool_choice",
+                "tool_choice must be a string or an object",
+            )),
+        }
+    }
+}
+
 /// How a model family writes its calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolSyntax {
@@ -118,37 +154,7 @@ impl ToolSet {
             .enumerate()
             .map(|(i, t)| openai_tool(i, t))
             .collect::<Result<Vec<_>, _>>()?;
-        let choice = match choice {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(match s.as_str() {
-                "none" => ToolChoice::None,
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => {
-                    return Err(ApiError::bad_param(
-                        "tool_choice",
-                        format!(
-                            "tool_choice must be none, auto, required or a function, got `{other}`"
-                        ),
-                    ))
-                }
-            }),
-            Some(obj @ Value::Object(_)) => {
-                let name = obj["function"]["name"].as_str().ok_or_else(|| {
-                    ApiError::bad_param(
-                        "tool_choice.function.name",
-                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}",
-                    )
-                })?;
-                Some(ToolChoice::Named(name.to_string()))
-            }
-            Some(_) => {
-                return Err(ApiError::bad_param(
-                    "tool_choice",
-                    "tool_choice must be a string or an object",
-                ))
-            }
-        };
+        let choice = ToolChoice::from_openai(choice)?;
         Self::new(tools, choice, parallel.unwrap_or(true), "tool_choice")
     }
 
