@@ -174,11 +174,10 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
         let (want, _) = rt.block_on(scored(&serve.addr, prompt.clone()));
         for attempt in 0..2 {
             let (got, prefill) = rt.block_on(scored(&cluster.addr, prompt.clone()));
-            assert_eq!(
-                prefill.is_some(),
-                attempt == 0,
-                "remote the first time only"
-            );
+            // The second time the prompt may be cached at the decode
+            // worker the router picks: local then, and scored whole all the
+            // same.
+            assert!(attempt > 0 || prefill.is_some(), "prefilled remotely");
             assert_eq!(got.len(), prompt.len() - 1);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.token_id, prompt[i + 1]);
@@ -202,9 +201,6 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
 /// The prompt logprobs (3 alternatives) of `prompt`, and the prefill
 /// worker the router named (if any); checks they precede the first token.
 async fn scored(addr: &str, prompt: Vec<u32>) -> (Vec<v1::TokenLogprob>, Option<String>) {
-    let mut c = GenerationClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connects");
     let req = v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
             ids: prompt,
@@ -213,13 +209,7 @@ async fn scored(addr: &str, prompt: Vec<u32>) -> (Vec<v1::TokenLogprob>, Option<
         prompt_logprobs: Some(3),
         ..Default::default()
     };
-    let resp = c.generate(req).await.expect("call");
-    let prefill = resp
-        .metadata()
-        .get(ROUTED_PREFILL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let mut stream = resp.into_inner();
+    let (mut stream, prefill) = routed_call(addr, req).await;
     let (mut scores, mut tokens_first) = (None, false);
     while let Some(msg) = stream.message().await.expect("stream") {
         match msg.event {
@@ -234,6 +224,24 @@ async fn scored(addr: &str, prompt: Vec<u32>) -> (Vec<v1::TokenLogprob>, Option<
     (scores.expect("prompt scores"), prefill)
 }
 
+/// Calls the router: the response stream and the prefill worker the
+/// router named (if any).
+async fn routed_call(
+    addr: &str,
+    req: v1::GenerateRequest,
+) -> (tonic::Streaming<v1::GenerateResponse>, Option<String>) {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let resp = c.generate(req).await.expect("call");
+    let prefill = resp
+        .metadata()
+        .get(ROUTED_PREFILL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    (resp.into_inner(), prefill)
+}
+
 /// `n` choices sampled at temperature 1 with `seed`: each choice's tokens,
 /// and the prefill worker the router named (if any).
 async fn sampled(
@@ -242,9 +250,6 @@ async fn sampled(
     n: u32,
     seed: u64,
 ) -> (Vec<Vec<u32>>, Option<String>) {
-    let mut c = GenerationClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connects");
     let req = v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
             ids: prompt,
@@ -259,13 +264,7 @@ async fn sampled(
         ignore_eos: true,
         ..Default::default()
     };
-    let resp = c.generate(req).await.expect("call");
-    let prefill = resp
-        .metadata()
-        .get(ROUTED_PREFILL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let mut stream = resp.into_inner();
+    let (mut stream, prefill) = routed_call(addr, req).await;
     let mut choices = vec![Vec::new(); n as usize];
     while let Some(msg) = stream.message().await.expect("stream") {
         if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
