@@ -1,5 +1,12 @@
 //! The OpenAI-compatible HTTP API: `POST /v1/completions`,
-//! `POST /v1/chat/completions`, `GET /v1/models` and `GET /health`.
+//! `POST /v1/chat/completions`, `POST /v1/responses`, `GET /v1/models` and
+//! `GET /health`, plus Anthropic's `POST /v1/messages` and
+//! `POST /v1/messages/count_tokens` (module `anthropic`).
+//!
+//! Chat, Responses and Messages render the conversation with the same chat
+//! template and parse the output the same way ([`tools`]: tool calls
+//! constrained by their schemas, `<think>` reasoning), so every endpoint's
+//! stream reassembles into its unstreamed answer.
 //!
 //! It is a translator in front of any [`Backend`], a `tandem.v1.Generation`
 //! service called in-process: the router's (which routes over a cluster) or
