@@ -26,6 +26,8 @@ pub struct ChatOutput {
     pub calls: Vec<Call>,
     /// Call ids are this plus the call's index.
     id_prefix: String,
+    /// The choice's last text went in (the parser is flushed).
+    ended: bool,
 }
 
 impl ChatOutput {
@@ -36,6 +38,7 @@ impl ChatOutput {
             reasoning: String::new(),
             calls: Vec::new(),
             id_prefix,
+            ended: false,
         }
     }
 
@@ -45,6 +48,7 @@ impl ChatOutput {
         let mut pieces = self.parser.push(text);
         if end {
             pieces.extend(self.parser.finish());
+            self.ended = true;
         }
         for p in &pieces {
             match p {
@@ -63,6 +67,15 @@ impl ChatOutput {
             }
         }
         pieces
+    }
+
+    /// What was held back, when the backend ended without marking the
+    /// choice's last delta (nothing once it has).
+    pub fn close(&mut self) -> Vec<Piece> {
+        if self.ended {
+            return Vec::new();
+        }
+        self.push("", true)
     }
 
     /// The id of call `index`.

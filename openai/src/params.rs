@@ -553,6 +553,33 @@ impl ChatRequest {
     }
 }
 
+/// The text of a list of content parts (`{"type", "text"}` objects, as the
+/// Anthropic and Responses APIs send them) whose type is one of `kinds`;
+/// any other part is a 400 naming `part_field(j)`.
+pub(crate) fn join_text_parts(
+    parts: &[serde_json::Value],
+    kinds: &[&str],
+    part_field: impl Fn(usize) -> String,
+) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for (j, p) in parts.iter().enumerate() {
+        match (p["type"].as_str(), p["text"].as_str()) {
+            (Some(kind), Some(t)) if kinds.contains(&kind) => text.push_str(t),
+            (kind, _) => {
+                return Err(ApiError::bad_param(
+                    part_field(j),
+                    format!(
+                        "expected a text part ({}), got {}",
+                        kinds.join(", "),
+                        kind.unwrap_or("no type")
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(text)
+}
+
 /// Message content as text: a string, or the concatenation of `text` parts.
 fn flatten_content(
     content: Option<&Content>,

@@ -226,7 +226,6 @@ struct Choice {
     text: String,
     /// Chat: the parsed output.
     chat: Option<ChatOutput>,
-    ended: bool,
     logprobs: Vec<v1::TokenLogprob>,
     finish_reason: Option<&'static str>,
 }
@@ -276,7 +275,6 @@ impl Collector {
                 match &mut choice.chat {
                     Some(chat) => {
                         chat.push(&d.text, finish.is_some());
-                        choice.ended |= finish.is_some();
                     }
                     None => choice.text.push_str(&d.text),
                 }
@@ -309,10 +307,8 @@ impl Collector {
 
     /// The response body.
     pub fn finish(mut self) -> Value {
-        for c in &mut self.choices {
-            if let (Some(chat), false) = (&mut c.chat, c.ended) {
-                chat.push("", true);
-            }
+        for chat in self.choices.iter_mut().filter_map(|c| c.chat.as_mut()) {
+            chat.close();
         }
         let choices = self
             .choices
@@ -328,7 +324,10 @@ impl Collector {
                 };
                 let logprobs = if self.want_logprobs {
                     let own = self.header.logprobs(&c.logprobs, &mut offset);
-                    echoed.map_or(own.clone(), |e| concat_logprobs(e, own))
+                    match echoed {
+                        Some(e) => concat_logprobs(e, own),
+                        None => own,
+                    }
                 } else {
                     Value::Null
                 };

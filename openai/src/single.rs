@@ -31,7 +31,6 @@ pub(crate) struct Answer {
     pub finish: Option<&'static str>,
     /// The stop string that ended it, if one did.
     pub matched_stop: Option<String>,
-    ended: bool,
 }
 
 impl Answer {
@@ -42,7 +41,6 @@ impl Answer {
             cached_tokens: 0,
             finish: None,
             matched_stop: None,
-            ended: false,
         }
     }
 
@@ -53,7 +51,6 @@ impl Answer {
                 let finish = crate::response::finish_reason(d.finish_reason);
                 if finish.is_some() {
                     self.finish = finish;
-                    self.ended = true;
                 }
                 self.output.push(&d.text, finish.is_some())
             }
@@ -78,11 +75,7 @@ impl Answer {
 
     /// What was held back, once the backend is done.
     pub fn close(&mut self) -> Vec<Piece> {
-        if self.ended {
-            return Vec::new();
-        }
-        self.ended = true;
-        self.output.push("", true)
+        self.output.close()
     }
 }
 

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::chat::Message;
 use crate::error::ApiError;
-use crate::params::{CommonParams, Plan, Stop};
+use crate::params::{join_text_parts, CommonParams, Plan, Stop};
 use crate::tools::{self, ToolChoice, ToolSet};
 
 /// `system`: text, or a list of text blocks.
@@ -182,19 +182,7 @@ impl MessagesRequest {
 
 /// The text of a list of `text` blocks.
 fn text_of(blocks: &[Value], at: &str) -> Result<String, ApiError> {
-    let mut text = String::new();
-    for (j, b) in blocks.iter().enumerate() {
-        match (b["type"].as_str(), b["text"].as_str()) {
-            (Some("text"), Some(t)) => text.push_str(t),
-            (kind, _) => {
-                return Err(ApiError::bad_param(
-                    format!("{at}.{j}.type"),
-                    format!("expected a text block, got {}", kind.unwrap_or("no type")),
-                ))
-            }
-        }
-    }
-    Ok(text)
+    join_text_parts(blocks, &["text"], |j| format!("{at}.{j}.type"))
 }
 
 fn user_turn(

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::chat::Message;
 use crate::error::ApiError;
-use crate::params::{CommonParams, Plan, ResponseFormatIn};
+use crate::params::{join_text_parts, CommonParams, Plan, ResponseFormatIn};
 use crate::tools::{self, ToolChoice, ToolSet};
 
 /// `input`: text, or a list of items.
@@ -215,22 +215,9 @@ fn text_content(v: &Value, at: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(parts) => {
-            let mut text = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                match (p["type"].as_str(), p["text"].as_str()) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => text.push_str(t),
-                    (kind, _) => {
-                        return Err(ApiError::bad_param(
-                            format!("{at}[{j}].type"),
-                            format!(
-                                "content part {} is not supported",
-                                kind.unwrap_or("(no type)")
-                            ),
-                        ))
-                    }
-                }
-            }
-            Ok(text)
+            join_text_parts(parts, &["input_text", "output_text", "text"], |j| {
+                format!("{at}[{j}].type")
+            })
         }
         _ => Err(ApiError::bad_param(
             at.to_string(),
