@@ -7,15 +7,21 @@ use std::path::PathBuf;
 
 const INCLUDES: &[&str] = &["proto"];
 
-/// (proto files, descriptor set file name)
+/// (proto files, descriptor set file name). The worker API imports
+/// `generate.proto`, and compiling it writes `tandem.v1.rs` with that file's
+/// messages only: the public package comes last, so its module holds all of
+/// `tandem.v1`.
 const PACKAGES: &[(&[&str], &str)] = &[
-    (
-        &["proto/tandem/v1/generate.proto"],
-        "tandem_v1_descriptor.bin",
-    ),
     (
         &["proto/tandem/worker/v1/worker.proto"],
         "tandem_worker_v1_descriptor.bin",
+    ),
+    (
+        &[
+            "proto/tandem/v1/generate.proto",
+            "proto/tandem/v1/chat.proto",
+        ],
+        "tandem_v1_descriptor.bin",
     ),
 ];
 

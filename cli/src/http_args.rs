@@ -63,22 +63,25 @@ pub enum ReasoningParser {
 }
 
 impl HttpArgs {
-    /// Binds the HTTP port and starts serving `backend` on it (until a
-    /// shutdown signal); prints `http listening on ADDR`. Nothing when no
-    /// `--http-addr` was given. `/v1/*` wants one of `api_keys` (when any).
-    pub async fn start(
+    /// The OpenAI translator over `backend`: the chat template, tool-call
+    /// syntax and reasoning markers these flags pick, `api_keys` and the
+    /// connection limits. It serves HTTP ([`Self::serve`]) and the gRPC
+    /// `Chat` service. `None` when the checkpoint has no tokenizer (an
+    /// error with `--http-addr`).
+    pub fn api(
         &self,
         model_dir: &Path,
         backend: Arc<dyn Backend>,
         api_keys: tandem_openai::ApiKeys,
-    ) -> Result<()> {
-        let Some(addr) = self.http_addr else {
-            return Ok(());
-        };
+    ) -> Result<Option<OpenAi>> {
         let tok_path = model_dir.join("tokenizer.json");
+        if self.http_addr.is_none() && !tok_path.exists() {
+            tracing::info!("no tokenizer.json: no chat API");
+            return Ok(None);
+        }
         let tokenizer = Arc::new(
             tandem_engine::tokenizer::Tokenizer::from_file(&tok_path)
-                .with_context(|| format!("the HTTP API needs {}", tok_path.display()))?,
+                .with_context(|| format!("the chat API needs {}", tok_path.display()))?,
         );
         let source = match &self.chat_template {
             Some(path) => Some(
@@ -127,6 +130,18 @@ impl HttpArgs {
                 ),
             })
             .build(backend);
+        Ok(Some(api))
+    }
+
+    /// Binds the HTTP port and starts serving `api` on it (until a shutdown
+    /// signal); prints `http listening on ADDR`. Nothing when no
+    /// `--http-addr` was given. `/v1/*` wants one of the API keys (when
+    /// any).
+    pub async fn serve(&self, api: Option<&OpenAi>) -> Result<()> {
+        let (Some(addr), Some(api)) = (self.http_addr, api) else {
+            return Ok(());
+        };
+        let api = api.clone();
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding the HTTP API on {addr}"))?;

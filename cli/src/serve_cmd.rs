@@ -47,13 +47,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .with_metrics(tandem_server::ServingMetrics::register(&registry)),
         );
         args.metrics.start(&registry).await?;
-        args.http
-            .start(&engine.model_dir, service.clone(), api_keys.clone())
-            .await?;
+        let api = args
+            .http
+            .api(&engine.model_dir, service.clone(), api_keys.clone())?;
+        args.http.serve(api.as_ref()).await?;
         let signal = shutdown_signal();
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.
         println!("listening on {}", bound.local_addr());
-        let mut services = crate::worker_cmd::public_generation(service, &api_keys);
+        let mut services = crate::worker_cmd::public_services(service, api.as_ref(), &api_keys);
         services.with_tls(tls.as_ref().map(|t| t.server()));
         let engine_handle = engine.handle.clone();
         let stop = async move {

@@ -490,28 +490,40 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;
-        args.http
-            .start(&dir, service.clone(), api_keys.clone())
-            .await?;
+        let api = args.http.api(&dir, service.clone(), api_keys.clone())?;
+        args.http.serve(api.as_ref()).await?;
         let signal = shutdown_signal();
         println!("listening on {}", bound.local_addr());
-        let mut services = public_generation(service, &api_keys);
+        let mut services = public_services(service, api.as_ref(), &api_keys);
         services.with_tls(tls.as_ref().map(|t| t.server()));
         tandem_server::serve_services(bound, services, signal).await?;
         Ok(())
     })
 }
 
-/// The public `Generation` service (the router's or `tandem serve`'s):
-/// messages bounded by [`tandem_server::MAX_GRPC_MESSAGE_BYTES`], and every
-/// call checked against `api_keys` (`UNAUTHENTICATED` without a valid
-/// `authorization: Bearer KEY`; no keys, no check). Health and reflection,
-/// added by `serve_services`, stay open.
-pub(crate) fn public_generation<S: v1::generation_server::Generation>(
+/// The public services (the router's or `tandem serve`'s): `Generation`
+/// over `service`, and `Chat` over `api` when the model has a tokenizer.
+/// Messages are bounded by [`tandem_server::MAX_GRPC_MESSAGE_BYTES`], and
+/// every call is checked against `api_keys` (`UNAUTHENTICATED` without a
+/// valid `authorization: Bearer KEY`; no keys, no check). Health and
+/// reflection, added by `serve_services`, stay open.
+pub(crate) fn public_services<S: v1::generation_server::Generation>(
     service: Arc<S>,
+    api: Option<&tandem_openai::OpenAi>,
     api_keys: &tandem_security::ApiKeys,
 ) -> Services {
-    Services::guarded_generation(service, api_keys.interceptor())
+    let mut services = Services::guarded_generation(service, api_keys.interceptor());
+    if let Some(api) = api {
+        let chat = v1::chat_server::ChatServer::new(api.chat_service())
+            .max_decoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(tandem_server::MAX_GRPC_MESSAGE_BYTES);
+        services.add(
+            tonic::service::interceptor::InterceptedService::new(chat, api_keys.interceptor()),
+            v1::CHAT_SERVICE,
+            v1::FILE_DESCRIPTOR_SET,
+        );
+    }
+    services
 }
 
 #[cfg(test)]

@@ -6,7 +6,10 @@
 //! validate, streamed calls equal to unstreamed ones, tool results fed
 //! back, reasoning split out, Anthropic's Messages API with its stream,
 //! stop sequences and token counts, and bad input refused with the field
-//! named.
+//! named; then the same over gRPC (`tandem.v1.Chat`, `grpc_chat`).
+
+#[path = "agents/grpc_chat.rs"]
+mod grpc_chat;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -288,5 +291,7 @@ fn openai_and_anthropic_sdks_call_tools_through_a_cluster() {
         assert!(message.starts_with(field), "{field}: {c}");
     }
 
-    tandem_tests::cluster::runtime().block_on(all_blocks_free(&cluster));
+    let rt = tandem_tests::cluster::runtime();
+    rt.block_on(grpc_chat::check(&cluster.addr, &results));
+    rt.block_on(all_blocks_free(&cluster));
 }

@@ -192,10 +192,47 @@ fn two_prefill_two_decode_workers_match_the_colocated_server() {
             }
         }
     }
+    // Beam search goes through remote prefill too: the same hypotheses,
+    // in the same order, as the colocated server's.
+    for (prompt, _) in work.iter().filter(|(p, _)| p.len() >= 64).take(2) {
+        let prompt: Vec<u32> = prompt.iter().map(|t| (t + 13) % 256).collect();
+        let (want, _) = rt.block_on(beams(&serve.addr, prompt.clone()));
+        let (got, prefill) = rt.block_on(beams(&cluster.addr, prompt.clone()));
+        assert!(prefill.is_some(), "beam search was prefilled remotely");
+        assert_eq!(got, want, "beams, {} prompt tokens", prompt.len());
+        assert_eq!(got.len(), 2);
+    }
     // Every block came back on every worker.
     rt.block_on(async {
         all_blocks_free(&cluster).await;
     });
+}
+
+/// The 2 best of 4 beams for `prompt` (one delta each, at the end), and
+/// the prefill worker the router named (if any).
+async fn beams(addr: &str, prompt: Vec<u32>) -> (Vec<Vec<u32>>, Option<String>) {
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        max_tokens: Some(10),
+        n: 2,
+        ignore_eos: true,
+        beam_search: Some(v1::BeamSearch {
+            width: 4,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (mut stream, prefill) = routed_call(addr, req).await;
+    let mut choices = vec![Vec::new(); 2];
+    while let Some(msg) = stream.message().await.expect("stream") {
+        if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+            assert!(d.finish_reason != 0, "one delta per hypothesis, at the end");
+            choices[d.index as usize].extend(d.token_ids);
+        }
+    }
+    (choices, prefill)
 }
 
 /// The prompt logprobs (3 alternatives) of `prompt`, and the prefill

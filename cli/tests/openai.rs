@@ -79,6 +79,35 @@ async fn grpc_greedy(addr: &str, prompt: v1::generate_request::Prompt) -> String
     text
 }
 
+/// The texts of the 2 best of 3 beams for `prompt` over gRPC.
+async fn grpc_beams(addr: &str, prompt: &str) -> Vec<String> {
+    let mut c = GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let mut stream = c
+        .generate(v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text(prompt.into())),
+            max_tokens: Some(6),
+            n: 2,
+            ignore_eos: true,
+            beam_search: Some(v1::BeamSearch {
+                width: 3,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut texts = vec![String::new(); 2];
+    while let Some(msg) = stream.message().await.expect("message") {
+        if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
+            texts[d.index as usize].push_str(&d.text);
+        }
+    }
+    texts
+}
+
 fn case<'a>(results: &'a [Value], name: &str) -> &'a Value {
     results
         .iter()
@@ -270,7 +299,28 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     );
     assert_eq!(c["finish_reason"], "stop", "{c}");
 
+    // Beam search: the gRPC path's hypotheses, best first, streamed or not.
+    let want = rt.block_on(grpc_beams(&cluster.addr, PROMPT));
+    let c = case(&results, "beams");
+    assert_eq!(c["indices"], serde_json::json!([0, 1]), "{c}");
+    assert_eq!(c["texts"], serde_json::json!(want), "{c}");
+    assert_eq!(c["streamed"], c["texts"], "{c}");
+    let sums: Vec<f64> = c["sums"]
+        .as_array()
+        .expect("sums")
+        .iter()
+        .filter_map(Value::as_f64)
+        .collect();
+    // Equal lengths: the better hypothesis has the larger summed logprob.
+    assert!(sums.len() == 2 && sums[0] >= sums[1], "{c}");
+    assert_eq!(case(&results, "bad_best_of")["error"]["param"], "best_of");
+    assert!(case(&results, "beam_temperature")["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("temperature")));
+
     for (name, status) in [
+        ("bad_best_of", 400),
+        ("beam_temperature", 400),
         ("bad_schema", 400),
         ("unknown_model", 404),
         ("bad_temperature", 400),

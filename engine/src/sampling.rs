@@ -405,15 +405,23 @@ pub fn argmax(z: &[f32]) -> u32 {
 /// `token`'s logprob under the raw distribution of `logits`, with the `top`
 /// most likely tokens (prompt scoring).
 pub fn score_token(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
-    let lp = raw_logprobs(logits);
+    report_token(&raw_logprobs(logits), token, top)
+}
+
+/// `token`'s report from a row of logprobs already normalised (beam
+/// search keeps them for its scores).
+pub(crate) fn report_token(logprobs: &[f32], token: u32, top: usize) -> TokenLogprob {
     TokenLogprob {
         token,
-        logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-        top: top_n(&lp, top),
+        logprob: logprobs
+            .get(token as usize)
+            .copied()
+            .unwrap_or(f32::NEG_INFINITY),
+        top: top_n(logprobs, top),
     }
 }
 
-fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
+pub(crate) fn raw_logprobs(logits: &[f32]) -> Vec<f32> {
     let mut lp = logits.to_vec();
     log_softmax(&mut lp);
     lp

@@ -43,6 +43,7 @@ mod anthropic;
 pub mod chat;
 mod chat_output;
 mod error;
+mod grpc_chat;
 pub mod params;
 mod response;
 mod responses;
@@ -74,6 +75,7 @@ use tandem_proto::v1;
 
 pub use chat::ChatTemplate;
 pub use error::ApiError;
+pub use grpc_chat::ChatService;
 pub use serve::{DEFAULT_LIMITS, DEFAULT_MAX_CONNECTIONS};
 pub use tandem_security::ApiKeys;
 pub use tandem_telemetry::http::{ConnectionLimits, DEFAULT_HEADER_TIMEOUT};

@@ -89,6 +89,15 @@ pub struct CommonParams {
     pub response_format: Option<ResponseFormatIn>,
     /// Structured output, vLLM's way (regex, choice, grammar too).
     pub structured_outputs: Option<StructuredOutputsIn>,
+    /// Beam search (vLLM's): the `n` best of `best_of` beams (default `n`).
+    pub use_beam_search: Option<bool>,
+    /// Beams kept with `use_beam_search`; without it, must equal `n`.
+    pub best_of: Option<i64>,
+    /// Beam search: a hypothesis scores `sum / len ^ length_penalty`.
+    pub length_penalty: Option<f32>,
+    /// Beam search: `false` (default), `true` or `"never"`, as in
+    /// transformers.
+    pub early_stopping: Option<serde_json::Value>,
 }
 
 /// `prompt` of `/v1/completions`: text, texts, token ids, or lists of them.
@@ -107,7 +116,6 @@ pub struct CompletionRequest {
     /// Top alternatives per token (0: only the chosen token's logprob).
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
-    pub best_of: Option<i64>,
     pub suffix: Option<String>,
     #[serde(flatten)]
     pub common: CommonParams,
@@ -346,6 +354,7 @@ impl CommonParams {
                 ))
             }
         };
+        let beam_search = self.beam_search(n)?;
         Ok(Plan {
             echo: false,
             report_prompt_logprobs: prompt_logprobs.is_some(),
@@ -371,6 +380,7 @@ impl CommonParams {
                 logprobs: None,
                 response_format: self.response_format()?,
                 prompt_logprobs,
+                beam_search,
             },
             n,
             stream,
@@ -382,6 +392,72 @@ impl CommonParams {
     }
 }
 
+impl CommonParams {
+    /// `use_beam_search` with its `best_of`, `length_penalty` and
+    /// `early_stopping`; the engine checks that the sampling settings
+    /// allow it.
+    fn beam_search(&self, n: u32) -> Result<Option<v1::BeamSearch>, ApiError> {
+        let best_of = match self.best_of {
+            None => n,
+            Some(b) if (1..=i64::from(MAX_N)).contains(&b) => b as u32,
+            Some(b) => {
+                return Err(ApiError::bad_param(
+                    "best_of",
+                    format!("best_of must be between 1 and {MAX_N}, got {b}"),
+                ))
+            }
+        };
+        if self.use_beam_search != Some(true) {
+            if best_of != n {
+                return Err(ApiError::bad_param(
+                    "best_of",
+                    "best_of other than n needs use_beam_search (sampled best_of is not supported)",
+                ));
+            }
+            for (set, param) in [
+                (self.length_penalty.is_some(), "length_penalty"),
+                (self.early_stopping.is_some(), "early_stopping"),
+            ] {
+                if set {
+                    return Err(ApiError::bad_param(
+                        param,
+                        format!("{param} needs use_beam_search"),
+                    ));
+                }
+            }
+            return Ok(None);
+        }
+        if best_of < n {
+            return Err(ApiError::bad_param(
+                "best_of",
+                format!("best_of ({best_of}) must be at least n ({n})"),
+            ));
+        }
+        let early_stopping = match &self.early_stopping {
+            None | Some(serde_json::Value::Bool(false)) => v1::EarlyStopping::Heuristic,
+            Some(serde_json::Value::Bool(true)) => v1::EarlyStopping::WhenFull,
+            Some(serde_json::Value::String(s)) if s == "never" => v1::EarlyStopping::Never,
+            Some(other) => {
+                return Err(ApiError::bad_param(
+                    "early_stopping",
+                    format!("early_stopping must be true, false or \"never\", got {other}"),
+                ))
+            }
+        };
+        if self.length_penalty.is_some_and(|l| !l.is_finite()) {
+            return Err(ApiError::bad_param(
+                "length_penalty",
+                "length_penalty must be a finite number",
+            ));
+        }
+        Ok(Some(v1::BeamSearch {
+            width: best_of,
+            length_penalty: self.length_penalty,
+            early_stopping: early_stopping as i32,
+        }))
+    }
+}
+
 impl CompletionRequest {
     /// The plan, with completions' `logprobs` (an integer) checked.
     pub fn plan(&self) -> Result<Plan, ApiError> {
@@ -389,14 +465,6 @@ impl CompletionRequest {
         plan.echo = self.echo == Some(true);
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::bad_param("suffix", "suffix is not supported"));
-        }
-        if let Some(b) = self.best_of {
-            if b != i64::from(plan.n) {
-                return Err(ApiError::bad_param(
-                    "best_of",
-                    "best_of must equal n (beam-style best_of is not supported)",
-                ));
-            }
         }
         plan.template.logprobs = match self.logprobs {
             None => None,
@@ -632,6 +700,49 @@ mod tests {
         assert_eq!(p.template.max_tokens, Some(7));
         assert_eq!(p.template.stop, vec!["x".to_string()]);
         assert_eq!((p.n, p.stream, p.include_usage), (3, true, true));
+    }
+
+    #[test]
+    fn maps_beam_search_and_refuses_what_it_cannot_do() {
+        let p = common(
+            r#"{"use_beam_search": true, "n": 2, "best_of": 4, "length_penalty": 0.5,
+                "early_stopping": "never"}"#,
+        )
+        .plan()
+        .expect("valid");
+        let b = p.template.beam_search.expect("beam search");
+        assert_eq!((b.width, b.length_penalty), (4, Some(0.5)));
+        assert_eq!(b.early_stopping, v1::EarlyStopping::Never as i32);
+        let b = common(r#"{"use_beam_search": true, "n": 3}"#)
+            .plan()
+            .expect("valid")
+            .template
+            .beam_search
+            .expect("beam search");
+        assert_eq!((b.width, b.early_stopping), (3, 0), "best_of defaults to n");
+        assert_eq!(
+            common(r#"{"n": 2, "best_of": 2}"#)
+                .plan()
+                .expect("valid")
+                .template
+                .beam_search,
+            None
+        );
+        for (body, param) in [
+            (r#"{"best_of": 3}"#, "best_of"),
+            (
+                r#"{"use_beam_search": true, "n": 3, "best_of": 2}"#,
+                "best_of",
+            ),
+            (
+                r#"{"use_beam_search": true, "early_stopping": "soon"}"#,
+                "early_stopping",
+            ),
+            (r#"{"length_penalty": 2.0}"#, "length_penalty"),
+        ] {
+            let err = common(body).plan().expect_err(body);
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {err}");
+        }
     }
 
     #[test]

@@ -39,6 +39,9 @@ pub mod v1 {
 
     /// The fully qualified name of the generation service.
     pub const GENERATION_SERVICE: &str = "tandem.v1.Generation";
+
+    /// The fully qualified name of the chat service.
+    pub const CHAT_SERVICE: &str = "tandem.v1.Chat";
 }
 
 /// The worker-internal API.

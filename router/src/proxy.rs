@@ -15,7 +15,9 @@
 //! prompts when it has the tokenizer), no `response_format` (the grammar's
 //! state lives in the failed worker), no stop strings (text held back for a
 //! possible match would be lost) and no presence/frequency penalty (those
-//! count generated tokens, which become prompt tokens). Greedy requests
+//! count generated tokens, which become prompt tokens), no beam search
+//! (beams live in the failed worker and nothing of them has streamed: a
+//! continuation would search from one hypothesis). Greedy requests
 //! continue with the same tokens; a seeded sampled request continues as a
 //! valid sample but not the one it would have drawn.
 
@@ -63,6 +65,7 @@ impl Resume {
                 Some(v1::generate_request::Prompt::TokenIds(_))
             )
             && request.response_format.is_none()
+            && request.beam_search.is_none()
             && request.stop.is_empty()
             && sampling.presence_penalty == 0.0
             && sampling.frequency_penalty == 0.0;

@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use tandem_engine::serving::{
-    ChoiceSummary, PrefillMode, Prompt, Request, RequestEvent, RequestFailure, RequestSummary,
-    ResponseFormat, TokenDelta,
+    BeamSearch, ChoiceSummary, EarlyStopping, PrefillMode, Prompt, Request, RequestEvent,
+    RequestFailure, RequestSummary, ResponseFormat, TokenDelta,
 };
 use tandem_engine::{FinishReason, SamplingParams, TokenLogprob};
 use tandem_proto::v1;
@@ -33,8 +33,12 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         }
     };
     let s = req.sampling.unwrap_or_default();
+    let beam = req.beam_search.map(|b| beam_from_proto(b, req.n));
     let sampling = SamplingParams {
-        temperature: s.temperature.unwrap_or(1.0),
+        // Beam search does not sample: its default temperature is 0.
+        temperature: s
+            .temperature
+            .unwrap_or(if beam.is_some() { 0.0 } else { 1.0 }),
         top_k: s.top_k as usize,
         top_p: s.top_p.unwrap_or(1.0),
         min_p: s.min_p,
@@ -58,8 +62,24 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
         prompt_logprobs: req
             .prompt_logprobs
             .map(|n| tandem_engine::serving::PromptLogprobs::top(n as usize)),
+        beam,
         span: tracing::Span::none(),
     })
+}
+
+/// The engine's beam search for a `BeamSearch` (width 0 means `n`).
+fn beam_from_proto(b: v1::BeamSearch, n: u32) -> BeamSearch {
+    let early_stopping = match v1::EarlyStopping::try_from(b.early_stopping) {
+        Ok(v1::EarlyStopping::WhenFull) => EarlyStopping::WhenFull,
+        Ok(v1::EarlyStopping::Never) => EarlyStopping::Never,
+        Ok(v1::EarlyStopping::Heuristic) | Err(_) => EarlyStopping::Heuristic,
+    };
+    let width = if b.width == 0 { n.max(1) } else { b.width };
+    BeamSearch {
+        width: width as usize,
+        length_penalty: b.length_penalty.unwrap_or(1.0),
+        early_stopping,
+    }
 }
 
 /// The engine's format for a `ResponseFormat` (compiled, and checked, by the
@@ -196,6 +216,31 @@ pub fn event_to_proto(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn beam_search_defaults_to_n_beams_and_temperature_zero() {
+        let req = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text("x".into())),
+            n: 2,
+            beam_search: Some(v1::BeamSearch {
+                early_stopping: v1::EarlyStopping::WhenFull as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let r = request_from_proto(req).expect("valid");
+        let beam = r.beam.expect("beam search");
+        assert_eq!(beam.width, 2);
+        assert_eq!(beam.length_penalty, 1.0);
+        assert_eq!(beam.early_stopping, EarlyStopping::WhenFull);
+        assert_eq!(r.sampling.temperature, 0.0);
+        let plain = request_from_proto(v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text("x".into())),
+            ..Default::default()
+        })
+        .expect("valid");
+        assert_eq!((plain.beam, plain.sampling.temperature), (None, 1.0));
+    }
 
     #[test]
     fn absent_fields_take_the_api_defaults() {

@@ -139,6 +139,23 @@ def main():
         model=a.model, messages=messages,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}))
 
+    # Beam search (vLLM's use_beam_search): the 2 best of 3 beams, each
+    # choice whole at the end, streamed or not.
+    beam = {"use_beam_search": True, "best_of": 3, "ignore_eos": True}
+    r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=6, temperature=0, n=2,
+                                  logprobs=0, extra_body=beam)
+    streamed = ["", ""]
+    for chunk in client.completions.create(model=a.model, prompt=a.prompt, max_tokens=6, n=2,
+                                           stream=True, extra_body=beam):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    emit("beams", texts=[c.text for c in r.choices], indices=[c.index for c in r.choices],
+         sums=[sum(c.logprobs.token_logprobs) for c in r.choices], streamed=streamed)
+    error_case("bad_best_of", lambda: client.completions.create(
+        model=a.model, prompt=a.prompt, n=1, extra_body={"best_of": 2}))
+    error_case("beam_temperature", lambda: client.completions.create(
+        model=a.model, prompt=a.prompt, temperature=0.5, extra_body={"use_beam_search": True}))
+
     # Errors: the SDK raises typed errors from OpenAI-shaped bodies.
     error_case("unknown_model", lambda: client.completions.create(model="no-such-model", prompt="x"))
     error_case("bad_temperature", lambda: client.chat.completions.create(

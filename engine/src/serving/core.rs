@@ -5,6 +5,7 @@
 //! ([`super::EngineHandle`]) drives it, and tests drive it directly so they
 //! can check the block books after every step.
 
+mod beams;
 mod forward;
 mod prompt_scores;
 mod speculation;
@@ -190,6 +191,8 @@ struct Group {
     speculation: SpecCounts,
     /// Prompt scores, when asked for (`prompt_scores`).
     score: Option<prompt_scores::PromptScore>,
+    /// Beam search, when asked for (`beams`): then `live` are its beams.
+    beam: Option<beams::BeamState>,
     /// The caller's span for the request ...
     span: tracing::Span,
     /// ... and the child span of its current phase: `queue` until
@@ -471,12 +474,15 @@ impl EngineCore {
                 return;
             }
         };
+        // Beams are decoded when the search ends.
         let text = self
             .tokenizer
             .as_ref()
+            .filter(|_| req.beam.is_none())
             .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
         let seq_id = self.next_seq;
         self.next_seq += 1;
+        let beam = self.beam_state(&req, seq_id);
         let prompt_len = req.prompt_ids.len();
         let span = req.span;
         let phase = child_span(&span, || tracing::info_span!(parent: &span, "queue"));
@@ -509,7 +515,8 @@ impl EngineCore {
                 ignore_eos: req.ignore_eos,
                 prompt_len,
                 sampling: req.sampling,
-                forked: req.n == 1,
+                // Beams fork by their own rule.
+                forked: req.n == 1 || beam.is_some(),
                 arrival: Instant::now(),
                 first_scheduled: None,
                 first_token: None,
@@ -520,6 +527,7 @@ impl EngineCore {
                 live: vec![seq_id],
                 speculation: SpecCounts::default(),
                 score,
+                beam,
                 span,
                 phase,
             },
@@ -538,6 +546,11 @@ impl EngineCore {
             return;
         };
         group.forked = true; // no choice will fork off an aborted request
+        if group.beam.is_some() {
+            self.beam_abort(id);
+            self.refresh_gauges();
+            return;
+        }
         for seq in group.live.clone() {
             self.finish_seq(seq, FinishReason::Abort, None);
         }
@@ -836,6 +849,10 @@ impl EngineCore {
             }
             let group_id = seq.group;
             let row = logits.last(i);
+            if self.groups.get(&group_id).is_some_and(|g| g.beam.is_some()) {
+                self.beam_row(s.seq, row);
+                continue;
+            }
             // Parallel sampling: the other choices fork off choice 0 once its
             // prompt is computed, sharing every block.
             let mut choices = vec![s.seq];

@@ -44,9 +44,9 @@ pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
 };
 pub use request::{
-    ChoiceSummary, ExportedBlock, FailureScope, KvExport, Limits, PrefillMode, Prompt,
-    PromptLogprobs, RemotePrefill, Request, RequestEvent, RequestFailure, RequestSummary, Timings,
-    TokenDelta, Usage, MAX_LOGPROBS,
+    BeamSearch, ChoiceSummary, EarlyStopping, ExportedBlock, FailureScope, KvExport, Limits,
+    PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent, RequestFailure,
+    RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_structured::ResponseFormat;

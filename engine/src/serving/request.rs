@@ -94,6 +94,9 @@ pub struct Request {
     /// (see [`PromptLogprobs`]), sent as [`RequestEvent::PromptLogprobs`]
     /// before the first token.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// Beam search instead of sampling: the `n` best of `width` beams come
+    /// back, each as one delta when the search ends (see [`BeamSearch`]).
+    pub beam: Option<BeamSearch>,
     /// The caller's span for this request: the engine's spans for its
     /// phases (`queue`, `prefill` with one `prefill_chunk` per step,
     /// `decode`) are its children. `Span::none()` (the default) records
@@ -116,9 +119,52 @@ impl Request {
             prefill: PrefillMode::Local,
             response_format: None,
             prompt_logprobs: None,
+            beam: None,
             span: tracing::Span::none(),
         }
     }
+}
+
+/// Beam search, as transformers' `generate(num_beams=width,
+/// do_sample=False)` does it: every step keeps the `width` best
+/// continuations by summed raw logprob; a continuation ending in a stop
+/// token (end-of-sequence or `stop_token_ids`) joins the finished
+/// hypotheses, scored `sum / generated_len ^ length_penalty`. The beams
+/// share their common prefix's KV blocks (copy-on-write).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BeamSearch {
+    /// Beams kept per step (vLLM's `best_of` / `beam_width`); at least `n`.
+    pub width: usize,
+    /// Exponent of the generated length that divides a finished
+    /// hypothesis' summed logprob (> 0 favours longer ones).
+    pub length_penalty: f32,
+    pub early_stopping: EarlyStopping,
+}
+
+impl BeamSearch {
+    /// `width` beams, transformers' defaults otherwise.
+    pub fn new(width: usize) -> Self {
+        Self {
+            width,
+            length_penalty: 1.0,
+            early_stopping: EarlyStopping::Heuristic,
+        }
+    }
+}
+
+/// When beam search stops before `max_tokens` (transformers'
+/// `early_stopping`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EarlyStopping {
+    /// `False`: when the best running beam, scored at its current length,
+    /// can no longer beat the worst of `width` finished hypotheses.
+    #[default]
+    Heuristic,
+    /// `True`: as soon as `width` hypotheses have finished.
+    WhenFull,
+    /// `"never"`: only when no running beam could beat them at any length
+    /// up to `max_tokens` (canonical beam search).
+    Never,
 }
 
 /// What prompt scoring asks for. The prompt is then computed whole, never
@@ -175,6 +221,7 @@ pub(crate) struct ValidRequest {
     /// The compiled `response_format`.
     pub grammar: Option<Arc<CompiledGrammar>>,
     pub prompt_logprobs: Option<PromptLogprobs>,
+    pub beam: Option<BeamSearch>,
     pub span: tracing::Span,
 }
 
@@ -226,6 +273,9 @@ pub(crate) fn validate(
             "n must be 1 for a prefill-only request, got {}",
             req.n
         )));
+    }
+    if let Some(beam) = &req.beam {
+        check_beam(beam, &req, limits)?;
     }
     if req.max_tokens == Some(0) {
         return Err(invalid("max_tokens must be at least 1, got 0".into()));
@@ -333,8 +383,43 @@ pub(crate) fn validate(
         prefill: req.prefill,
         grammar,
         prompt_logprobs: req.prompt_logprobs,
+        beam: req.beam,
         span: req.span,
     })
+}
+
+/// Beam search scores raw logprobs and ends beams at tokens: what would
+/// change that (or cannot follow several beams) is refused, by field.
+fn check_beam(beam: &BeamSearch, req: &Request, limits: &Limits) -> Result<()> {
+    if beam.width < req.n || beam.width > limits.max_num_seqs {
+        return Err(invalid(format!(
+            "best_of: beam search needs n ({}) <= best_of <= {} (max_num_seqs), got {}",
+            req.n, limits.max_num_seqs, beam.width
+        )));
+    }
+    if !beam.length_penalty.is_finite() {
+        return Err(invalid("length_penalty must be finite".into()));
+    }
+    let s = &req.sampling;
+    let refused = [
+        (s.temperature != 0.0, "temperature"),
+        (s.top_k != 0, "top_k"),
+        (s.top_p != 1.0, "top_p"),
+        (s.min_p != 0.0, "min_p"),
+        (s.repetition_penalty != 1.0, "repetition_penalty"),
+        (s.presence_penalty != 0.0, "presence_penalty"),
+        (s.frequency_penalty != 0.0, "frequency_penalty"),
+        (!req.stop.is_empty(), "stop"),
+        (req.response_format.is_some(), "response_format"),
+        (matches!(req.prefill, PrefillMode::Export { .. }), "prefill"),
+    ];
+    if let Some((_, field)) = refused.iter().find(|(bad, _)| *bad) {
+        return Err(invalid(format!(
+            "{field}: not supported with beam search, which ranks beams by the model's raw \
+             logprobs and ends them at stop tokens (use stop_token_ids)"
+        )));
+    }
+    Ok(())
 }
 
 /// One event on a request's stream.

@@ -329,23 +329,27 @@ impl Scheduler {
         self.waiting.push_back(id);
     }
 
-    /// Adds a running copy of running sequence `parent` sharing its blocks
-    /// (parallel sampling); returns false if the parent is not running.
+    /// Adds a copy of `parent` (parallel sampling, beam search): beside a
+    /// running parent it runs at once, sharing the parent's blocks
+    /// copy-on-write; a preempted parent's copy waits behind the queue and
+    /// is computed again. Returns false if the parent is neither (parked
+    /// for a remote prefill, or unknown).
     pub fn fork(&mut self, parent: SeqId, id: SeqId, index: u32, sampler: Sampler) -> bool {
         let Some(p) = self.seqs.get(&parent) else {
             return false;
         };
-        let Some(table) = p.table.as_ref() else {
+        let resident = p.table.is_some() && self.running.contains(&parent);
+        if !resident && !self.waiting.contains(&parent) {
             return false;
-        };
+        }
         let child = Sequence {
             group: p.group,
             index,
             tokens: p.tokens.clone(),
             prompt_len: p.prompt_len,
-            num_computed: p.num_computed,
+            num_computed: if resident { p.num_computed } else { 0 },
             hashes: p.hashes.clone(),
-            table: Some(table.fork()),
+            table: p.table.as_ref().filter(|_| resident).map(BlockTable::fork),
             sampler,
             text: p
                 .text
@@ -362,7 +366,11 @@ impl Scheduler {
             scores_prompt: false,
         };
         self.seqs.insert(id, child);
-        self.running.push(id);
+        if resident {
+            self.running.push(id);
+        } else {
+            self.waiting.push_back(id);
+        }
         true
     }
 
@@ -384,6 +392,27 @@ impl Scheduler {
         self.waiting.push_front(id);
         self.preemptions += 1;
         plan.preempted.push(id);
+    }
+
+    /// Preempts the newest idle running sequence (a beam waiting for its
+    /// siblings' rows: all its tokens computed, nothing to run) to the back
+    /// of the queue, so that idle sequences never keep the queue's front
+    /// out; returns false if none is idle.
+    fn preempt_idle(&mut self, plan: &mut StepPlan) -> bool {
+        let idle = self.running.iter().rposition(|id| {
+            self.seqs
+                .get(id)
+                .is_some_and(|s| s.export.is_none() && s.num_computed == s.tokens.len())
+        });
+        let Some(pos) = idle else {
+            return false;
+        };
+        let id = self.running[pos];
+        self.preempt(id, plan);
+        // Behind the others: its row is kept, it is in no hurry.
+        self.waiting.retain(|&s| s != id);
+        self.waiting.push_back(id);
+        true
     }
 
     /// Plans the next step.
@@ -461,10 +490,16 @@ impl Scheduler {
     fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
         let bs = self.block_size();
         let groups = self.allocator.groups().num_groups();
-        while budget > 0 && self.running.len() + self.parked.len() < self.cfg.max_num_seqs {
+        while budget > 0 {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            if self.running.len() + self.parked.len() >= self.cfg.max_num_seqs {
+                if self.preempt_idle(plan) {
+                    continue;
+                }
+                break;
+            }
             let Some(seq) = self.seqs.get(&id) else {
                 self.waiting.pop_front();
                 continue;
@@ -488,6 +523,9 @@ impl Scheduler {
             {
                 let need = (remote_end.div_ceil(bs) - hits) * groups;
                 if need + hits_free > self.allocator.num_free() {
+                    if self.preempt_idle(plan) {
+                        continue;
+                    }
                     break;
                 }
                 let hashes = cacheable[..hits].to_vec();
@@ -512,6 +550,9 @@ impl Scheduler {
                 .min(self.cfg.max_prefill_chunk);
             let need = ((cached + n).div_ceil(bs) - hits) * groups;
             if need + hits_free > self.allocator.num_free() {
+                if self.preempt_idle(plan) {
+                    continue;
+                }
                 break; // first come, first served: wait for blocks
             }
             let mut table = BlockTable::from_cached_prefix(&self.allocator, &cacheable[..hits]);

@@ -88,6 +88,9 @@ impl EngineCore {
             let Some(group) = self.groups.get(&seq.group) else {
                 continue;
             };
+            if group.beam.is_some() {
+                continue; // beams take one token per step, by their own rule
+            }
             // The step emits up to k + 1 tokens and writes K/V up to
             // position len - 1 + k.
             let produced = seq.tokens.len() - seq.prompt_len;
