@@ -9,7 +9,8 @@
 //! same content, reasoning and tool calls as `/v1/chat/completions` does,
 //! and its deltas concatenate into them. Generation settings travel as a
 //! `GenerateRequest` without a prompt; prompt logprobs, `n`, beam search
-//! and the rest behave as on `Generate`.
+//! and the rest behave as on `Generate`, and so does the call's deadline
+//! (`grpc-timeout`, handed to the backend).
 
 use std::pin::Pin;
 
@@ -49,6 +50,8 @@ impl v1::chat_server::Chat for ChatService {
         request: Request<v1::ChatRequest>,
     ) -> Result<Response<Self::ChatStream>, Status> {
         let api = self.api.inner.clone();
+        // The caller's deadline goes on to the backend, which honours it.
+        let timeout = tandem_proto::deadline::grpc_timeout(request.metadata());
         let req = request.into_inner();
         // Rendering and tokenizing a long conversation take milliseconds of
         // CPU: on the blocking pool.
@@ -59,7 +62,7 @@ impl v1::chat_server::Chat for ChatService {
             .map_err(status_of)?;
         let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
         let events = api
-            .start(&id, &plan, vec![prompt])
+            .start(&id, &plan, vec![prompt], timeout)
             .await
             .map_err(status_of)?;
         let mut replies = Replies {

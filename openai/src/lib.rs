@@ -92,17 +92,30 @@ use tools::ToolSyntax;
 pub type GenerateStream =
     Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, tonic::Status>> + Send>>;
 
-/// What the API calls: one `Generate` per prompt.
+/// What the API calls: one `Generate` per prompt, within the caller's
+/// `timeout` when it has one (a gRPC `Chat` call's deadline; the
+/// backend ends the stream with `DEADLINE_EXCEEDED` past it).
 #[async_trait::async_trait]
 pub trait Backend: Send + Sync + 'static {
-    async fn generate(&self, req: v1::GenerateRequest) -> Result<GenerateStream, tonic::Status>;
+    async fn generate(
+        &self,
+        req: v1::GenerateRequest,
+        timeout: Option<Duration>,
+    ) -> Result<GenerateStream, tonic::Status>;
 }
 
 #[async_trait::async_trait]
 impl<S: v1::generation_server::Generation> Backend for S {
-    async fn generate(&self, req: v1::GenerateRequest) -> Result<GenerateStream, tonic::Status> {
-        let response =
-            v1::generation_server::Generation::generate(self, tonic::Request::new(req)).await?;
+    async fn generate(
+        &self,
+        req: v1::GenerateRequest,
+        timeout: Option<Duration>,
+    ) -> Result<GenerateStream, tonic::Status> {
+        let mut request = tonic::Request::new(req);
+        if let Some(t) = timeout {
+            request.set_timeout(t);
+        }
+        let response = v1::generation_server::Generation::generate(self, request).await?;
         Ok(Box::pin(response.into_inner()))
     }
 }
@@ -336,13 +349,14 @@ impl Inner {
         }
     }
 
-    /// Starts one backend call per prompt. A failure of any cancels the
-    /// others (their streams are dropped).
+    /// Starts one backend call per prompt (within `timeout`, if any). A
+    /// failure of any cancels the others (their streams are dropped).
     async fn start(
         &self,
         id: &str,
         plan: &Plan,
         prompts: Vec<v1::generate_request::Prompt>,
+        timeout: Option<Duration>,
     ) -> Result<SelectAll<IndexedStream>, ApiError> {
         let many = prompts.len() > 1;
         let calls = prompts.into_iter().enumerate().map(|(i, prompt)| {
@@ -355,7 +369,7 @@ impl Inner {
             req.prompt = Some(prompt);
             let backend = self.backend.clone();
             async move {
-                let s = backend.generate(req).await?;
+                let s = backend.generate(req, timeout).await?;
                 Ok::<IndexedStream, tonic::Status>(Box::pin(s.map(move |r| (i, r))))
             }
         });
@@ -595,7 +609,7 @@ async fn respond(
     let header = api.header(endpoint, output, echo, plan.report_prompt_logprobs);
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
-    let mut events = match api.start(&header.id, &plan, prompts).await {
+    let mut events = match api.start(&header.id, &plan, prompts, None).await {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };

@@ -123,7 +123,7 @@ pub(crate) async fn prepare_and_respond<D: Dialect>(
 async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialect: D) -> Response {
     let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
     let id = dialect.id().to_string();
-    let mut events = match api.start(&id, plan, vec![prompt]).await {
+    let mut events = match api.start(&id, plan, vec![prompt], None).await {
         Ok(s) => s,
         Err(e) => return D::error_response(e),
     };

@@ -216,6 +216,36 @@ pub async fn check(addr: &str, results: &[Value]) {
     );
     assert!(again.prompt_tokens > first.prompt_tokens, "{again:?}");
 
+    // The call's deadline reaches the backend: a long reply is cut off.
+    let mut client = ChatClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects");
+    let mut call = tonic::Request::new(v1::ChatRequest {
+        messages: vec![user(ASK)],
+        generation: Some(v1::GenerateRequest {
+            max_tokens: Some(1500),
+            ignore_eos: true,
+            ..sampled(3, 1500)
+        }),
+        ..Default::default()
+    });
+    call.set_timeout(std::time::Duration::from_millis(300));
+    let outcome = match client.chat(call).await {
+        Ok(resp) => {
+            let mut stream = resp.into_inner();
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break Ok(()),
+                    Err(status) => break Err(status),
+                }
+            }
+        }
+        Err(status) => Err(status),
+    };
+    let err = outcome.expect_err("1500 tokens take longer than 300 ms");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+
     // Bad input: INVALID_ARGUMENT, the field first.
     let mut unknown_id = history;
     unknown_id[2].tool_call_id = "call_nobody".into();

@@ -6,22 +6,25 @@
 //! can check the block books after every step.
 
 mod beams;
+mod config;
+mod emit;
 mod forward;
 mod prompt_scores;
 mod speculation;
+mod stats;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::mpsc::{Sender, UnboundedSender};
 
 use crate::backend::{ComputeBackend, CpuBackend};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, PrefixCacheStats, SlidingLayers};
+use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, SlidingLayers};
 use crate::model::Model;
-use crate::sampling::{Sampled, Sampler};
+use crate::sampling::Sampler;
 use crate::speculative::SpecCounts;
 use crate::tokenizer::Tokenizer;
 
@@ -29,140 +32,13 @@ use super::constrained::{Grammars, MaskJob, MaskWorkers};
 use super::kv_feed::{KvFeed, KvFeedPublisher};
 use super::output::TextOutput;
 use super::request::{
-    ChoiceSummary, Limits, PrefillMode, RemotePrefill, RequestEvent, RequestFailure,
-    RequestSummary, Timings, TokenDelta, Usage, ValidRequest,
+    ChoiceSummary, Limits, PrefillMode, RemotePrefill, RequestEvent, RequestFailure, ValidRequest,
 };
 use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
 use speculation::Speculation;
 
-/// How big the KV pool is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvPoolSize {
-    /// This many blocks.
-    Blocks(usize),
-    /// As many blocks as fit in this many bytes.
-    Bytes(usize),
-}
-
-/// Serving-engine settings.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Tokens per KV block.
-    pub block_size: usize,
-    pub kv_pool: KvPoolSize,
-    /// Most tokens computed in one step (decodes plus prefill chunks).
-    pub max_num_batched_tokens: usize,
-    /// Most sequences running at once.
-    pub max_num_seqs: usize,
-    /// Longest prefill chunk of one sequence per step; defaults to the budget.
-    pub max_prefill_chunk: Option<usize>,
-    /// Context limit; defaults to the model's context
-    /// ([`crate::ModelConfig::max_context`]).
-    pub max_model_len: Option<usize>,
-    pub enable_prefix_caching: bool,
-    /// Bit-identical tokens whatever the batch (slower prefill).
-    pub batch_invariant: bool,
-    /// Most requests waiting for admission; more are refused with
-    /// [`EngineError::Overloaded`] (`None`: unbounded). Enforced by
-    /// [`super::EngineHandle::submit`].
-    pub max_queued_requests: Option<usize>,
-    /// Quantize the linear layers' weights to INT4 at start-up (CPU
-    /// backend; see [`crate::quant`]).
-    pub weight_quantization: Option<crate::quant::Int4Config>,
-    /// What the KV pool stores (CPU backend): f32, 16-bit floats (twice
-    /// the blocks in the same bytes), or 8-bit codes with per-row scales
-    /// (nearly four times).
-    pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
-    /// Keep every block of sliding-window layers (CPU backend): one layer
-    /// group, nothing freed out of the window (vLLM's
-    /// `--disable-hybrid-kv-cache-manager`). Costs memory on Gemma-style
-    /// models; tokens are the same either way.
-    pub keep_windowed_blocks: bool,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            block_size: 16,
-            kv_pool: KvPoolSize::Bytes(1 << 30),
-            max_num_batched_tokens: 2048,
-            max_num_seqs: 256,
-            max_prefill_chunk: None,
-            max_model_len: None,
-            enable_prefix_caching: true,
-            batch_invariant: false,
-            max_queued_requests: Some(1024),
-            weight_quantization: None,
-            kv_cache_dtype: crate::kv_cache::KvCacheDtype::F32,
-            keep_windowed_blocks: false,
-        }
-    }
-}
-
-/// Counters and gauges of a running engine.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineStats {
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub max_model_len: usize,
-    pub free_blocks: usize,
-    pub cached_blocks: usize,
-    pub running: usize,
-    pub waiting: usize,
-    /// Waiting for a remote prefill.
-    pub parked: usize,
-    pub steps: u64,
-    pub preemptions: u64,
-    /// Tokens run through the model (prefill and decode).
-    pub computed_tokens: u64,
-    pub prefix: PrefixCacheStats,
-    /// Summed over steps: tokens held by live block tables ...
-    pub kv_token_steps: u64,
-    /// ... slots of the blocks they hold ...
-    pub kv_slot_steps: u64,
-    /// ... and sequences holding blocks.
-    pub kv_seq_steps: u64,
-    /// Constrained decoding: steps that computed token masks ...
-    pub mask_steps: u64,
-    /// ... the masks computed ...
-    pub masks_computed: u64,
-    /// ... their summed wall time per step (from the first mask's start to
-    /// the last one's end) ...
-    pub mask_time: Duration,
-    /// ... the part the engine waited for after the forward pass (the rest
-    /// was hidden behind it) ...
-    pub mask_exposed: Duration,
-    /// ... and the wall time of the latest step's masks (`None` when that
-    /// step computed none).
-    pub last_step_mask_time: Option<Duration>,
-    /// Speculative decoding: drafted and accepted tokens, verifications ...
-    pub speculation: SpecCounts,
-    /// ... and the KV blocks the drafter holds in its own pool.
-    pub draft_blocks: usize,
-    /// Mixture of experts: tokens routed to each expert since start, per
-    /// sparse layer (`(layer, per expert)`), so hot experts show.
-    pub routed_tokens: Vec<(usize, Vec<u64>)>,
-}
-
-impl EngineStats {
-    /// Share of allocated KV slots holding no token, averaged over steps.
-    pub fn paged_fragmentation(&self) -> f64 {
-        if self.kv_slot_steps == 0 {
-            return 0.0;
-        }
-        1.0 - self.kv_token_steps as f64 / self.kv_slot_steps as f64
-    }
-
-    /// The same for a cache that gives every sequence `max_model_len` slots
-    /// up front.
-    pub fn contiguous_waste(&self) -> f64 {
-        let slots = self.kv_seq_steps as f64 * self.max_model_len as f64;
-        if slots == 0.0 {
-            return 0.0;
-        }
-        1.0 - self.kv_token_steps as f64 / slots
-    }
-}
+pub use config::{EngineConfig, KvPoolSize};
+pub use stats::EngineStats;
 
 /// One request: its choices' shared bookkeeping.
 #[derive(Debug)]
@@ -818,263 +694,6 @@ impl EngineCore {
                 RequestFailure::request(format!("response_format: {msg}")),
             );
         }
-    }
-
-    /// Runs the step's forward pass; a small step on a CPU backend runs on
-    /// a thread of rayon's pool: one hand-off per step instead of one per
-    /// parallel row kernel (about a hundred in a decode step, each waking
-    /// this thread from a sleep when it ends). Measured on the ~100M model,
-    /// 2 threads: batch-1 decode 1.1x (bf16) to 1.4x (INT4) faster. Large
-    /// steps (the GEMM path) stay here: they ran 7–15% slower on the pool.
-    fn sample_and_emit(&mut self, plan: &StepPlan, logits: &crate::model::Logits) {
-        self.score_prompts(plan, logits);
-        let bs = self.scheduler.block_size();
-        for (i, s) in plan.scheduled.iter().enumerate() {
-            let Some(seq) = self.scheduler.seq(s.seq) else {
-                continue;
-            };
-            if seq.num_computed < seq.tokens.len() {
-                continue; // mid-prefill: nothing to sample yet
-            }
-            if seq.export.is_some() {
-                // Prefill-only: its blocks are all sent; nothing to sample.
-                let group = seq.group;
-                self.finish_seq(s.seq, FinishReason::Length, None);
-                self.maybe_close(group);
-                continue;
-            }
-            if !seq.draft.is_empty() {
-                self.emit_verified(s.seq, logits.seq(i), logits.vocab());
-                continue;
-            }
-            let group_id = seq.group;
-            let row = logits.last(i);
-            if self.groups.get(&group_id).is_some_and(|g| g.beam.is_some()) {
-                self.beam_row(s.seq, row);
-                continue;
-            }
-            // Parallel sampling: the other choices fork off choice 0 once its
-            // prompt is computed, sharing every block.
-            let mut choices = vec![s.seq];
-            if let Some(g) = self.groups.get_mut(&group_id) {
-                if !g.forked {
-                    g.forked = true;
-                    for index in 1..g.n as u32 {
-                        let mut params = g.sampling.clone();
-                        params.seed = params.seed.map(|x| x.wrapping_add(u64::from(index)));
-                        let Some(parent) = self.scheduler.seq(s.seq) else {
-                            break;
-                        };
-                        let Ok(sampler) = Sampler::new(params, &parent.tokens[..parent.prompt_len])
-                        else {
-                            break;
-                        };
-                        let id = self.next_seq;
-                        self.next_seq += 1;
-                        if self.scheduler.fork(s.seq, id, index, sampler) {
-                            g.live.push(id);
-                            choices.push(id);
-                        }
-                    }
-                }
-            }
-            for seq_id in choices {
-                let Some(seq) = self.scheduler.seq_mut(seq_id) else {
-                    continue;
-                };
-                let (sampled, grammar_done) = match seq.constraint.as_deref_mut() {
-                    None => (seq.sampler.sample(row), false),
-                    Some(c) => {
-                        // Normally computed during the forward pass; a
-                        // sequence that skipped it (a fresh fork) does it now.
-                        let step = c.compute_mask().and_then(|_| {
-                            let sampled = seq.sampler.sample_masked(row, c.mask());
-                            c.commit(sampled.token).map(|k| (sampled, k.stopped))
-                        });
-                        match step {
-                            Ok(v) => v,
-                            Err(e) => {
-                                let group = seq.group;
-                                self.fail_group(
-                                    group,
-                                    RequestFailure::request(format!("response_format: {e}")),
-                                );
-                                continue;
-                            }
-                        }
-                    }
-                };
-                seq.push_token(sampled.token, bs);
-                self.emit_token(seq_id, sampled, grammar_done);
-            }
-        }
-    }
-
-    /// Streams one new token of one choice and ends the choice if a stop
-    /// condition holds (`grammar_done`: its grammar is complete and nothing
-    /// may follow).
-    fn emit_token(&mut self, seq_id: SeqId, sampled: Sampled, grammar_done: bool) {
-        let tokenizer = self.tokenizer.clone();
-        let Some(seq) = self.scheduler.seq_mut(seq_id) else {
-            return;
-        };
-        let (group_id, index) = (seq.group, seq.index);
-        let Some(g) = self.groups.get_mut(&group_id) else {
-            return;
-        };
-        let now = Instant::now();
-        if g.first_token.is_none() {
-            g.first_token = Some(now);
-            let span = &g.span;
-            g.phase = child_span(span, || tracing::info_span!(parent: span, "decode"));
-        }
-        if index == 0 {
-            g.last_token = Some(now);
-            g.tokens_of_first += 1;
-        }
-        let token = sampled.token;
-        let mut text = String::new();
-        let mut finish = None;
-        if let (Some(out), Some(tok)) = (seq.text.as_mut(), tokenizer.as_deref()) {
-            match out.push(tok, token) {
-                Ok(u) => {
-                    text = u.delta;
-                    if let Some(stop) = u.matched_stop {
-                        finish = Some((FinishReason::Stop, Some(stop)));
-                    }
-                }
-                Err(e) => {
-                    self.fail_group(group_id, RequestFailure::request(e.to_string()));
-                    return;
-                }
-            }
-        }
-        if finish.is_none() {
-            let produced = seq.tokens.len() - seq.prompt_len;
-            // A constrained choice samples end-of-sequence only where its
-            // grammar is complete, so it ends there even with `ignore_eos`.
-            let constrained = seq.constraint.is_some();
-            if g.stop_token_ids.contains(&token) {
-                finish = Some((FinishReason::Stop, Some(token.to_string())));
-            } else if grammar_done || ((!g.ignore_eos || constrained) && self.eos.contains(&token))
-            {
-                finish = Some((FinishReason::Stop, None));
-            } else if produced >= g.max_tokens || seq.tokens.len() >= self.limits.max_model_len {
-                finish = Some((FinishReason::Length, None));
-            }
-            if finish.is_some() {
-                if let Some(out) = seq.text.as_mut() {
-                    text.push_str(&out.flush());
-                }
-            }
-        }
-        let delta = TokenDelta {
-            index,
-            token_ids: vec![token],
-            text,
-            logprobs: sampled.logprob.into_iter().collect(),
-            finish_reason: None,
-        };
-        match finish {
-            Some((reason, stop)) => {
-                // The finishing delta carries the reason.
-                self.finish_seq(seq_id, reason, stop);
-                if let Some(g) = self.groups.get(&group_id) {
-                    let _ = g.sink.send(RequestEvent::Delta(TokenDelta {
-                        finish_reason: Some(reason),
-                        ..delta
-                    }));
-                }
-                self.maybe_close(group_id);
-            }
-            None => {
-                if g.sink.send(RequestEvent::Delta(delta)).is_err() {
-                    // The client went away: stop spending compute on it.
-                    self.abort(group_id);
-                }
-            }
-        }
-    }
-
-    /// Ends one choice: frees its blocks and records its summary. An
-    /// aborted choice gets its finishing delta here (others carry the reason
-    /// on their last token's delta).
-    fn finish_seq(&mut self, seq_id: SeqId, reason: FinishReason, matched_stop: Option<String>) {
-        // An aborted remote prefill frees its blocks at once: a late write
-        // names a transfer that no longer exists and is refused.
-        let Some(seq) = self.scheduler.remove(seq_id) else {
-            return;
-        };
-        self.release_draft_state(seq_id);
-        let Some(g) = self.groups.get_mut(&seq.group) else {
-            return;
-        };
-        g.live.retain(|&s| s != seq_id);
-        if seq.export.is_some() {
-            return; // a prefill-only request has no choices
-        }
-        g.choices.push(ChoiceSummary {
-            index: seq.index,
-            finish_reason: reason,
-            matched_stop,
-            completion_tokens: seq.output().len(),
-        });
-        if reason == FinishReason::Abort {
-            let _ = g.sink.send(RequestEvent::Delta(TokenDelta {
-                index: seq.index,
-                token_ids: Vec::new(),
-                text: String::new(),
-                logprobs: Vec::new(),
-                finish_reason: Some(reason),
-            }));
-        }
-    }
-
-    /// Sends the summary once every choice is done.
-    fn maybe_close(&mut self, group_id: u64) {
-        let done = self
-            .groups
-            .get(&group_id)
-            .is_some_and(|g| g.live.is_empty() && g.forked);
-        if !done {
-            return;
-        }
-        let Some(mut g) = self.groups.remove(&group_id) else {
-            return;
-        };
-        g.choices.sort_by_key(|c| c.index);
-        let span = g.span.clone();
-        let end = Instant::now();
-        let tpot = match (g.first_token, g.last_token) {
-            (Some(a), Some(b)) if g.tokens_of_first > 1 => {
-                Some((b - a) / (g.tokens_of_first as u32 - 1))
-            }
-            _ => None,
-        };
-        let summary = RequestSummary {
-            usage: Usage {
-                prompt_tokens: g.prompt_len,
-                cached_tokens: g.cached_tokens,
-                completion_tokens: g.choices.iter().map(|c| c.completion_tokens).sum(),
-            },
-            choices: g.choices,
-            speculation: g.speculation,
-            timings: Timings {
-                queue: g.first_scheduled.map_or(end - g.arrival, |t| t - g.arrival),
-                ttft: g.first_token.map(|t| t - g.arrival),
-                tpot,
-                e2e: end - g.arrival,
-            },
-        };
-        tracing::debug!(
-            parent: &span,
-            request_id = %g.request_id,
-            prompt_tokens = summary.usage.prompt_tokens,
-            cached_tokens = summary.usage.cached_tokens,
-            completion_tokens = summary.usage.completion_tokens,
-            "request finished"
-        );
-        let _ = g.sink.send(RequestEvent::Finished(summary));
     }
 
     /// Fails every request with a sequence in this step.

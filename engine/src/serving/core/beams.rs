@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 
 use crate::generate::FinishReason;
-use crate::sampling::{raw_logprobs, report_token, Sampler, TokenLogprob};
+use crate::sampling::{raw_logprobs, report_token, top_k_logits, Sampler, TokenLogprob};
 
 use super::super::output::TextOutput;
 use super::super::request::{BeamSearch, ChoiceSummary, EarlyStopping, RequestEvent, TokenDelta};
@@ -100,6 +100,8 @@ impl BeamState {
     }
 
     /// The best `keep` continuations over every live beam, best first.
+    /// Each beam's best `keep` tokens (one pass over its row) hold every
+    /// continuation of the overall best `keep` that starts from it.
     fn candidates(&self, keep: usize) -> Vec<Candidate> {
         let mut all: Vec<Candidate> = Vec::new();
         // Ordered by sequence id so that equal scores break the same way
@@ -110,24 +112,18 @@ impl BeamState {
             let (Some(row), Some(beam)) = (self.rows.get(&parent), self.beams.get(&parent)) else {
                 continue;
             };
-            for (token, &lp) in row.iter().enumerate() {
-                let score = beam.score + lp;
-                if score.is_nan() || score == f32::NEG_INFINITY {
-                    continue;
-                }
-                all.push(Candidate {
-                    parent,
-                    token: token as u32,
-                    score,
-                });
-            }
+            all.extend(
+                top_k_logits(row, keep)
+                    .into_iter()
+                    .map(|(token, lp)| Candidate {
+                        parent,
+                        token,
+                        score: beam.score + lp,
+                    }),
+            );
         }
-        let by_score = |a: &Candidate, b: &Candidate| b.score.total_cmp(&a.score);
-        if all.len() > keep {
-            all.select_nth_unstable_by(keep - 1, by_score);
-            all.truncate(keep);
-        }
-        all.sort_by(by_score);
+        all.sort_by(|a, b| b.score.total_cmp(&a.score));
+        all.truncate(keep);
         all
     }
 

@@ -90,6 +90,12 @@ impl<'a> LayerExport<'a> {
 }
 
 impl EngineCore {
+    /// Runs the step's forward pass; a small step on a CPU backend runs on
+    /// a thread of rayon's pool: one hand-off per step instead of one per
+    /// parallel row kernel (about a hundred in a decode step, each waking
+    /// this thread from a sleep when it ends). Measured on the ~100M model,
+    /// 2 threads: batch-1 decode 1.1x (bf16) to 1.4x (INT4) faster. Large
+    /// steps (the GEMM path) stay here: they ran 7–15% slower on the pool.
     pub(super) fn forward_placed(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
         let rows: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
         if self.backend.uses_cpu_pool()
