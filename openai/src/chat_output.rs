@@ -17,6 +17,24 @@ pub struct Call {
     pub arguments: String,
 }
 
+/// What some pieces add (see [`ChatOutput::gather`]).
+#[derive(Debug, Default)]
+pub struct Gathered {
+    pub content: String,
+    pub reasoning: String,
+    pub calls: Vec<CallDelta>,
+}
+
+/// One call's part of a delta.
+#[derive(Debug)]
+pub struct CallDelta {
+    pub index: usize,
+    /// `(id, name)` when the call starts here.
+    pub start: Option<(String, String)>,
+    /// Argument fragments, joined.
+    pub arguments: String,
+}
+
 /// One choice's parsed output.
 #[derive(Debug)]
 pub struct ChatOutput {
@@ -97,44 +115,61 @@ impl ChatOutput {
         }
     }
 
-    /// The fields of an OpenAI chat delta for `pieces` (`content`,
-    /// `reasoning_content`, `tool_calls`); `None` when they say nothing.
-    pub fn delta(&self, pieces: &[Piece]) -> Option<Map<String, Value>> {
-        let (mut content, mut reasoning) = (String::new(), String::new());
-        let mut calls: Vec<Value> = Vec::new();
+    /// What `pieces` add, gathered: their text, their reasoning, and one
+    /// entry per call they touch (a call's start carries its id and name;
+    /// consecutive argument fragments of one call are joined). The OpenAI
+    /// delta and gRPC's `ChatDelta` are both written from it.
+    pub fn gather(&self, pieces: &[Piece]) -> Gathered {
+        let mut g = Gathered::default();
         for p in pieces {
             match p {
-                Piece::Content(t) => content.push_str(t),
-                Piece::Reasoning(t) => reasoning.push_str(t),
-                Piece::CallStart { index, name } => calls.push(json!({
-                    "index": index,
-                    "id": self.call_id(*index),
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                })),
+                Piece::Content(t) => g.content.push_str(t),
+                Piece::Reasoning(t) => g.reasoning.push_str(t),
+                Piece::CallStart { index, name } => g.calls.push(CallDelta {
+                    index: *index,
+                    start: Some((self.call_id(*index), name.clone())),
+                    arguments: String::new(),
+                }),
                 Piece::CallArguments { index, fragment } => {
-                    match calls.last_mut().filter(|c| c["index"] == *index) {
-                        Some(c) => {
-                            let so_far = c["function"]["arguments"].as_str().unwrap_or_default();
-                            c["function"]["arguments"] =
-                                Value::String(format!("{so_far}{fragment}"));
-                        }
-                        None => calls.push(json!({
-                            "index": index,
-                            "function": {"arguments": fragment},
-                        })),
+                    match g.calls.last_mut().filter(|c| c.index == *index) {
+                        Some(c) => c.arguments.push_str(fragment),
+                        None => g.calls.push(CallDelta {
+                            index: *index,
+                            start: None,
+                            arguments: fragment.clone(),
+                        }),
                     }
                 }
             }
         }
+        g
+    }
+
+    /// The fields of an OpenAI chat delta for `pieces` (`content`,
+    /// `reasoning_content`, `tool_calls`); `None` when they say nothing.
+    pub fn delta(&self, pieces: &[Piece]) -> Option<Map<String, Value>> {
+        let g = self.gather(pieces);
         let mut delta = Map::new();
-        if !reasoning.is_empty() {
-            delta.insert("reasoning_content".into(), Value::String(reasoning));
+        if !g.reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), Value::String(g.reasoning));
         }
-        if !content.is_empty() {
-            delta.insert("content".into(), Value::String(content));
+        if !g.content.is_empty() {
+            delta.insert("content".into(), Value::String(g.content));
         }
-        if !calls.is_empty() {
+        if !g.calls.is_empty() {
+            let calls = g
+                .calls
+                .into_iter()
+                .map(|c| match c.start {
+                    Some((id, name)) => json!({
+                        "index": c.index,
+                        "id": id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": c.arguments},
+                    }),
+                    None => json!({"index": c.index, "function": {"arguments": c.arguments}}),
+                })
+                .collect();
             delta.insert("tool_calls".into(), Value::Array(calls));
         }
         (!delta.is_empty()).then_some(delta)

@@ -281,32 +281,24 @@ impl Replies {
 
 /// A delta with `pieces`' content, reasoning and call pieces.
 fn chat_delta(out: &ChatOutput, index: u32, pieces: &[Piece]) -> v1::ChatDelta {
-    let mut delta = v1::ChatDelta {
+    let g = out.gather(pieces);
+    v1::ChatDelta {
         index,
-        ..Default::default()
-    };
-    for p in pieces {
-        match p {
-            Piece::Content(t) => delta.content.push_str(t),
-            Piece::Reasoning(t) => delta.reasoning_content.push_str(t),
-            Piece::CallStart { index, name } => delta.tool_calls.push(v1::ToolCallDelta {
-                index: *index as u32,
-                id: out.call_id(*index),
-                name: name.clone(),
-                arguments: String::new(),
-            }),
-            Piece::CallArguments { index, fragment } => {
-                let i = *index as u32;
-                match delta.tool_calls.last_mut().filter(|c| c.index == i) {
-                    Some(c) => c.arguments.push_str(fragment),
-                    None => delta.tool_calls.push(v1::ToolCallDelta {
-                        index: i,
-                        arguments: fragment.clone(),
-                        ..Default::default()
-                    }),
+        content: g.content,
+        reasoning_content: g.reasoning,
+        tool_calls: g
+            .calls
+            .into_iter()
+            .map(|c| {
+                let (id, name) = c.start.unwrap_or_default();
+                v1::ToolCallDelta {
+                    index: c.index as u32,
+                    id,
+                    name,
+                    arguments: c.arguments,
                 }
-            }
-        }
+            })
+            .collect(),
+        ..Default::default()
     }
-    delta
 }

@@ -127,6 +127,17 @@ impl BeamState {
         all
     }
 
+    /// The beam `c` makes of its parent: its score, and the parent's
+    /// reports plus the new token's (when reports are asked for).
+    fn extend(&self, c: &Candidate) -> Beam {
+        let mut beam = self.beams.get(&c.parent).cloned().unwrap_or_default();
+        beam.score = c.score;
+        if let (Some(top), Some(row)) = (self.report, self.rows.get(&c.parent)) {
+            beam.logprobs.push(report_token(row, c.token, top));
+        }
+        beam
+    }
+
     /// Adds a finished hypothesis, keeping the best `width`.
     fn finish(&mut self, h: Hypothesis) {
         let at = self.finished.partition_point(|f| f.score >= h.score);
@@ -212,14 +223,7 @@ impl EngineCore {
             };
             let mut output = seq.output().to_vec();
             output.push(c.token);
-            let mut logprobs = state
-                .beams
-                .get(&c.parent)
-                .map(|b| b.logprobs.clone())
-                .unwrap_or_default();
-            if let (Some(top), Some(row)) = (state.report, state.rows.get(&c.parent)) {
-                logprobs.push(report_token(row, c.token, top));
-            }
+            let logprobs = state.extend(c).logprobs;
             let norm = (len as f64).powf(f64::from(state.params.length_penalty)) as f32;
             state.finish(Hypothesis {
                 score: c.score / norm,
@@ -258,11 +262,7 @@ impl EngineCore {
         // Forks first: they copy the parent before it takes its own token.
         let mut extended: Vec<(SeqId, u32)> = Vec::new();
         for c in next {
-            let mut beam = state.beams.get(&c.parent).cloned().unwrap_or_default();
-            beam.score = c.score;
-            if let (Some(top), Some(row)) = (state.report, state.rows.get(&c.parent)) {
-                beam.logprobs.push(report_token(row, c.token, top));
-            }
+            let beam = state.extend(c);
             let id = if extended.iter().any(|&(p, _)| p == c.parent) {
                 // Beams never sample: the sampler only carries the settings.
                 let Ok(sampler) = Sampler::new(params.clone(), &state.prompt) else {
@@ -356,11 +356,8 @@ impl EngineCore {
                 index,
                 token_ids: h.output,
                 text,
-                logprobs: if state.report.is_some() {
-                    h.logprobs
-                } else {
-                    Vec::new()
-                },
+                // Empty unless reports were asked for.
+                logprobs: h.logprobs,
                 finish_reason: Some(reason),
             }));
         }
