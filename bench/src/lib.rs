@@ -7,6 +7,67 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
+use tandem_engine::lora::LoraAdapter;
+use tandem_engine::{BlockAllocator, BlockTable, KvCache, Model, SeqInput};
+
+/// Decode throughput (tokens/s, the median step after one warm-up) of
+/// `batch` sequences with `context` tokens cached each, over `steps` steps;
+/// row `i` runs under `adapters[i % len]` (none when empty).
+pub fn decode_tok_s(
+    model: &Model,
+    adapters: &[LoraAdapter],
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<f64> {
+    let bs = 16;
+    let vocab = model.config().vocab_size;
+    let lora = |s: usize| (!adapters.is_empty()).then(|| &adapters[s % adapters.len()]);
+    let per_seq = (context + steps + 2).div_ceil(bs);
+    let pool = BlockAllocator::new(per_seq * batch, bs)?;
+    let mut kv = KvCache::new(model.kv_layout(bs), per_seq * batch);
+    let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::new(&pool)).collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|s| {
+            let token = |i: usize| ((s * 131 + i * 17) % vocab) as u32;
+            (0..context).map(token).collect()
+        })
+        .collect();
+    for t in &mut tables {
+        t.append(context)?;
+    }
+    let inputs: Vec<SeqInput> = (0..batch)
+        .map(|s| SeqInput {
+            tokens: &prompts[s],
+            start_pos: 0,
+            blocks: tables[s].blocks(),
+            all_logits: false,
+            lora: lora(s),
+        })
+        .collect();
+    model.forward(&inputs, &mut kv)?;
+    let next: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 7 + 3) % vocab) as u32]).collect();
+    let mut secs = Vec::new();
+    for step in 0..=steps {
+        for t in &mut tables {
+            t.append(1)?;
+        }
+        let inputs: Vec<SeqInput> = (0..batch)
+            .map(|s| SeqInput {
+                tokens: &next[s],
+                start_pos: context + step,
+                blocks: tables[s].blocks(),
+                all_logits: false,
+                lora: lora(s),
+            })
+            .collect();
+        let t0 = Instant::now();
+        model.forward(&inputs, &mut kv)?;
+        secs.push(t0.elapsed().as_secs_f64());
+    }
+    // The first step warms up.
+    Ok(batch as f64 / median(&secs[1..]))
+}
 
 /// Measured read bandwidth in bytes/s: every thread streams its share of a
 /// buffer far larger than the caches, best of `reps` passes.

@@ -48,14 +48,46 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
 /// (which must hold the hashes of its first `hashes.len()` blocks). Lets a
 /// growing sequence hash each block once.
 pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, tokens: &[u32], block_size: usize) {
+    extend_block_hashes_from(hashes, ROOT, tokens, block_size);
+}
+
+/// Hashes of every full block of `tokens` in a chain that starts at `root`
+/// instead of [`ROOT`] (see [`adapter_root`]).
+pub fn block_hashes_from(root: BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    extend_block_hashes_from(&mut out, root, tokens, block_size);
+    out
+}
+
+/// As [`extend_block_hashes`] for a chain that starts at `root`.
+pub fn extend_block_hashes_from(
+    hashes: &mut Vec<BlockHash>,
+    root: BlockHash,
+    tokens: &[u32],
+    block_size: usize,
+) {
     if block_size == 0 {
         return;
     }
     let full = tokens.len() / block_size;
-    let mut parent = hashes.last().copied().unwrap_or(ROOT);
+    let mut parent = hashes.last().copied().unwrap_or(root);
     for i in hashes.len()..full {
         parent = hash_block(parent, &tokens[i * block_size..(i + 1) * block_size]);
         hashes.push(parent);
+    }
+}
+
+/// The root of the chains computed under a LoRA adapter whose weights
+/// digest to `digest`: the same tokens under two adapters (or under one and
+/// the base model) never share a hash, so a prefix cache never serves one's
+/// KV to the other. The digest is of the weights, not the name, so an
+/// adapter reloaded with other weights under the same name starts afresh.
+pub fn adapter_root(digest: u64) -> BlockHash {
+    let mut bytes = *b"lora\0\0\0\0\0\0\0\0";
+    bytes[4..].copy_from_slice(&digest.to_le_bytes());
+    match xxh3_64_with_seed(&bytes, SEED) {
+        ROOT => 1,
+        h => h,
     }
 }
 
@@ -94,6 +126,22 @@ mod tests {
             extend_block_hashes(&mut h, &toks[..end], 8);
             assert_eq!(h, block_hashes(&toks[..end], 8));
         }
+    }
+
+    #[test]
+    fn an_adapter_root_separates_the_chains() {
+        let toks: Vec<u32> = (0..32).collect();
+        let (a, b) = (adapter_root(1), adapter_root(2));
+        assert_ne!(a, ROOT);
+        let base = block_hashes(&toks, 16);
+        let under_a = block_hashes_from(a, &toks, 16);
+        assert_ne!(base[0], under_a[0]);
+        assert_ne!(under_a[0], block_hashes_from(b, &toks, 16)[0]);
+        assert_eq!(block_hashes_from(ROOT, &toks, 16), base);
+        let mut grown = Vec::new();
+        extend_block_hashes_from(&mut grown, a, &toks[..20], 16);
+        extend_block_hashes_from(&mut grown, a, &toks, 16);
+        assert_eq!(grown, under_a);
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub struct EngineArgs {
     speculative: crate::speculative_args::SpeculativeArgs,
     #[command(flatten)]
     parallel: crate::parallel_args::ParallelArgs,
+    #[command(flatten)]
+    lora: crate::lora_args::LoraArgs,
 }
 
 /// Where the model runs.
@@ -153,9 +155,19 @@ pub struct StartedEngine {
     pub model_name: String,
     /// The checkpoint directory.
     pub model_dir: std::path::PathBuf,
+    /// Its LoRA adapters (CPU, unsharded engines).
+    pub lora: Option<std::sync::Arc<tandem_engine::lora::LoraRegistry>>,
     /// The other ranks of a `--tp`/`--pp` worker, when this process started
     /// them: held for its `Drop`, which stops them with this process.
     pub _ranks: Option<crate::parallel_args::RankProcesses>,
+}
+
+impl StartedEngine {
+    /// Its adapters for the HTTP API (listed, loaded, unloaded).
+    pub fn adapters(&self) -> Option<std::sync::Arc<dyn tandem_openai::Adapters>> {
+        let reg = self.lora.clone()?;
+        Some(std::sync::Arc::new(crate::lora_args::EngineAdapters(reg)))
+    }
 }
 
 /// Loads the model (default: the built-in one) and starts its engine thread.
@@ -196,6 +208,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     let kv_layout = core.kv_layout();
     let builtin = crate::default_model::is_default_model(&dir);
     args.speculative.apply(&mut core, &dir, builtin)?;
+    let lora = args.lora.apply(&mut core)?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
     let model_name = dir.file_name().map_or_else(
         || dir.display().to_string(),
@@ -206,6 +219,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         kv_layout,
         model_name,
         model_dir: dir,
+        lora,
         _ranks: ranks,
     })
 }

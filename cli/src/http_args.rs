@@ -73,6 +73,7 @@ impl HttpArgs {
         model_dir: &Path,
         backend: Arc<dyn Backend>,
         api_keys: tandem_openai::ApiKeys,
+        adapters: Option<Arc<dyn tandem_openai::Adapters>>,
     ) -> Result<Option<OpenAi>> {
         let tok_path = model_dir.join("tokenizer.json");
         if self.http_addr.is_none() && !tok_path.exists() {
@@ -115,6 +116,9 @@ impl HttpArgs {
                 ToolCallParser::Mistral => Some(ToolSyntax::Mistral),
                 ToolCallParser::None => None,
             });
+        }
+        if let Some(a) = adapters {
+            builder = builder.adapters(a);
         }
         if let Some(p) = self.reasoning_parser {
             builder = builder.reasoning(p == ReasoningParser::Think);

@@ -47,9 +47,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .with_metrics(tandem_server::ServingMetrics::register(&registry)),
         );
         args.metrics.start(&registry).await?;
-        let api = args
-            .http
-            .api(&engine.model_dir, service.clone(), api_keys.clone())?;
+        let api = args.http.api(
+            &engine.model_dir,
+            service.clone(),
+            api_keys.clone(),
+            engine.adapters(),
+        )?;
         args.http.serve(api.as_ref()).await?;
         let signal = shutdown_signal();
         // Tests and scripts read the bound port (e.g. of 127.0.0.1:0) here.

@@ -475,6 +475,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         cluster.wait_probed(Duration::from_secs(10)).await;
         let registry = tandem_telemetry::Registry::new();
         tandem_router::register_cluster(&registry, cluster.clone());
+        let adapters: Arc<dyn tandem_openai::Adapters> =
+            Arc::new(crate::lora_args::ClusterAdapters(cluster.clone()));
         let service = Arc::new(
             RouterService::new(
                 cluster,
@@ -490,7 +492,9 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;
-        let api = args.http.api(&dir, service.clone(), api_keys.clone())?;
+        let api = args
+            .http
+            .api(&dir, service.clone(), api_keys.clone(), Some(adapters))?;
         args.http.serve(api.as_ref()).await?;
         let signal = shutdown_signal();
         println!("listening on {}", bound.local_addr());

@@ -2,8 +2,6 @@
 //! every hop, with a development CA) and API keys on the router's gRPC and
 //! HTTP APIs; `tandem serve` for the request size limits.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
 
@@ -86,33 +84,7 @@ async fn call(endpoint: Endpoint, key: Option<&str>) -> Result<Served, tonic::St
 
 /// A raw HTTP/1.1 exchange: the status code and the body.
 fn http(addr: &str, method: &str, path: &str, auth: Option<&str>, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connects");
-    s.set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
-    s.set_write_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
-    let auth = auth.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .expect("sends");
-    // A server refusing a body may stop reading it and close: a failed
-    // write is not the test's concern, the answer is.
-    let _ = s.write_all(body.as_bytes());
-    let mut response = String::new();
-    // What arrived before a reset is kept.
-    let _ = s.read_to_string(&mut response);
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status line in {response:?}"));
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, b)| b.to_string());
-    (status, body)
+    tandem_tests::cluster::http(addr, method, path, auth, body)
 }
 
 /// `tandem up --tls` with the API key in the environment (never argv), and

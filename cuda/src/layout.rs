@@ -188,12 +188,14 @@ mod tests {
                 start_pos: 0,
                 blocks: &[7, 2],
                 all_logits: false,
+                lora: None,
             },
             SeqInput {
                 tokens: &[42],
                 start_pos: 6,
                 blocks: &[1, 3],
                 all_logits: false,
+                lora: None,
             },
         ];
         let l = StepLayout::build(&batch, SHAPE, None).expect("valid batch");
@@ -219,6 +221,7 @@ mod tests {
             start_pos: 2,
             blocks: &[0, 1],
             all_logits: true,
+            lora: None,
         }];
         let l = StepLayout::build(&batch, SHAPE, None).expect("valid batch");
         assert_eq!(l.logit_rows, vec![0, 1, 2]);
@@ -233,12 +236,14 @@ mod tests {
                 start_pos: 0,
                 blocks: &[4],
                 all_logits: false,
+                lora: None,
             },
             SeqInput {
                 tokens: &[9],
                 start_pos: 5,
                 blocks: &[5, 6],
                 all_logits: false,
+                lora: None,
             },
         ];
         let l = StepLayout::build(&batch, SHAPE, Some(4)).expect("valid batch");
@@ -260,6 +265,7 @@ mod tests {
             start_pos: 0,
             blocks: &[0],
             all_logits: false,
+            lora: None,
         }];
         let err = StepLayout::build(&short, SHAPE, None).expect_err("table too short");
         assert!(
@@ -271,6 +277,7 @@ mod tests {
             start_pos: 0,
             blocks: &[10],
             all_logits: false,
+            lora: None,
         }];
         let err = StepLayout::build(&outside, SHAPE, None).expect_err("block outside");
         assert!(err.to_string().contains("outside the pool"), "{err}");
@@ -279,6 +286,7 @@ mod tests {
             start_pos: 0,
             blocks: &[0],
             all_logits: false,
+            lora: None,
         }];
         let err = StepLayout::build(&prefill, SHAPE, Some(4)).expect_err("prefill cannot pad");
         assert!(err.to_string().contains("decode batch"), "{err}");

@@ -408,6 +408,12 @@ impl RemotePrefiller for GrpcPrefiller {
                 .prompt_logprobs
                 .and_then(|p| p.next_token)
                 .unwrap_or_default(),
+            lora: prefill
+                .lora
+                .as_ref()
+                .map(|l| l.name.clone())
+                .unwrap_or_default(),
+            lora_hash_root: prefill.lora.as_ref().map_or(0, |l| l.hash_root),
         };
         let limit = self.deadline.for_tokens(req.tokens.len());
         let mut call = tonic::Request::new(req);
@@ -550,6 +556,7 @@ pub async fn run(
         transfer_endpoint: endpoint.clone(),
         num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
         max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
+        adapters: tandem_server::worker_adapters(&engine),
     };
     let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
     let prefiller = Arc::new(

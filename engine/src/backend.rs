@@ -93,6 +93,12 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
         None
     }
 
+    /// Whether [`SeqInput::lora`] adapters are applied (else a batch must
+    /// carry none).
+    fn runs_lora(&self) -> bool {
+        false
+    }
+
     /// Tokens routed to each expert since load, per sparse layer this
     /// backend counts: `(layer, tokens per expert)` (none for a dense model).
     fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {
@@ -141,6 +147,10 @@ impl CpuBackend {
 impl ComputeBackend for CpuBackend {
     fn device(&self) -> &'static str {
         "cpu"
+    }
+
+    fn runs_lora(&self) -> bool {
+        self.model.shard().is_full()
     }
 
     fn config(&self) -> &ModelConfig {

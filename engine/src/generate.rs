@@ -139,6 +139,7 @@ pub fn generate(
                 start_pos: pos,
                 blocks: table.blocks(),
                 all_logits: false,
+                lora: None,
             }],
             &mut kv,
         )?;
@@ -181,6 +182,7 @@ pub fn generate(
                 start_pos: pos,
                 blocks: table.blocks(),
                 all_logits: false,
+                lora: None,
             }],
             &mut kv,
         )?);

@@ -22,6 +22,7 @@ pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod kv_cache;
+pub mod lora;
 pub mod model;
 pub mod progress;
 pub mod quant;

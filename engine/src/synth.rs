@@ -16,6 +16,7 @@ use safetensors::Dtype;
 use serde_json::{json, Value};
 
 use crate::error::{EngineError, Result};
+use crate::lora::normal;
 use crate::sampling::Rng;
 use crate::weights::DType;
 
@@ -386,13 +387,6 @@ fn mlp_tensors(prefix: &str, h: usize, i: usize) -> [(String, Vec<usize>, bool);
         (format!("{prefix}.up_proj.weight"), vec![i, h], false),
         (format!("{prefix}.down_proj.weight"), vec![h, i], false),
     ]
-}
-
-/// A standard normal draw (Box–Muller).
-fn normal(rng: &mut Rng) -> f32 {
-    let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
-    let u2 = rng.next_f64();
-    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
 }
 
 /// GPT-2's reversible byte → printable-char map used by byte-level BPE.

@@ -33,6 +33,7 @@ fn mixed_prefill_chunk_and_decodes_match_separate_runs() {
             start_pos: 0,
             blocks: t.blocks(),
             all_logits: false,
+            lora: None,
         };
         model.forward(&[first], &mut kv).expect("first part");
         t.append(toks.len() - split).expect("blocks");
@@ -41,6 +42,7 @@ fn mixed_prefill_chunk_and_decodes_match_separate_runs() {
             start_pos: split,
             blocks: t.blocks(),
             all_logits: true,
+            lora: None,
         };
         model
             .forward(&[rest], &mut kv)
@@ -71,18 +73,21 @@ fn mixed_prefill_chunk_and_decodes_match_separate_runs() {
                     start_pos: 0,
                     blocks: ta.blocks(),
                     all_logits: false,
+                    lora: None,
                 },
                 SeqInput {
                     tokens: &b[..8],
                     start_pos: 0,
                     blocks: tb.blocks(),
                     all_logits: false,
+                    lora: None,
                 },
                 SeqInput {
                     tokens: &c[..13],
                     start_pos: 0,
                     blocks: tc.blocks(),
                     all_logits: false,
+                    lora: None,
                 },
             ],
             &mut kv,
@@ -99,18 +104,21 @@ fn mixed_prefill_chunk_and_decodes_match_separate_runs() {
                     start_pos: 8,
                     blocks: tb.blocks(),
                     all_logits: true,
+                    lora: None,
                 },
                 SeqInput {
                     tokens: &a[10..],
                     start_pos: 10,
                     blocks: ta.blocks(),
                     all_logits: true,
+                    lora: None,
                 },
                 SeqInput {
                     tokens: &c[13..],
                     start_pos: 13,
                     blocks: tc.blocks(),
                     all_logits: true,
+                    lora: None,
                 },
             ],
             &mut kv,
@@ -146,6 +154,7 @@ fn forward_rejects_bad_batches_without_panicking() {
                     start_pos: start,
                     blocks,
                     all_logits: false,
+                    lora: None,
                 }],
                 kv,
             )

@@ -44,6 +44,7 @@ fn greedy(
                     start_pos,
                     blocks: &blocks,
                     all_logits: false,
+                    lora: None,
                 }],
                 kv,
             )

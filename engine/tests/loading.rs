@@ -19,6 +19,7 @@ fn last_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
                 start_pos: 0,
                 blocks: table.blocks(),
                 all_logits: false,
+                lora: None,
             }],
             &mut kv,
         )

@@ -256,6 +256,7 @@ fn logits_of(model: &Model, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
             start_pos: 0,
             blocks: t.blocks(),
             all_logits: false,
+            lora: None,
         })
         .collect();
     let logits = model.forward(&batch, &mut kv).expect("forward");

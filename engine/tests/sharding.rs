@@ -139,6 +139,7 @@ fn run_split(dir: &std::path::Path, tp: usize, pp: usize, ep: usize) -> Vec<Vec<
                                 start_pos: *start,
                                 blocks: t.blocks(),
                                 all_logits: *start == 0,
+                                lora: None,
                             })
                             .collect();
                         let logits = model

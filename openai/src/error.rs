@@ -44,6 +44,23 @@ impl ApiError {
         }
     }
 
+    /// 501: this server does not do that (it names what does).
+    pub fn not_implemented(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_IMPLEMENTED,
+            ..Self::bad_request(message)
+        }
+    }
+
+    /// 429: every slot is busy; retry later.
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            retry_after: Some(1),
+            ..Self::bad_request(message)
+        }
+    }
+
     /// 500: this server failed, not the request.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {

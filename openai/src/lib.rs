@@ -39,6 +39,7 @@
 //! tokenizer, never the engine's scheduler or the cluster: anything that
 //! serves `tandem.v1.Generation` can sit behind it.
 
+mod adapters;
 mod anthropic;
 pub mod chat;
 mod chat_output;
@@ -73,6 +74,7 @@ use serde_json::{json, Value};
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
 
+pub use adapters::Adapters;
 pub use chat::ChatTemplate;
 pub use error::ApiError;
 pub use grpc_chat::ChatService;
@@ -140,6 +142,8 @@ struct Inner {
     api_keys: ApiKeys,
     max_body_bytes: usize,
     connections: ConnectionLimits,
+    /// LoRA adapters `model` may name (`None`: the base model only).
+    adapters: Option<Arc<dyn Adapters>>,
 }
 
 impl std::fmt::Debug for OpenAi {
@@ -162,9 +166,23 @@ pub struct OpenAiBuilder {
     api_keys: ApiKeys,
     max_body_bytes: usize,
     connections: ConnectionLimits,
+    adapters: Option<Arc<dyn Adapters>>,
+}
+
+impl std::fmt::Debug for dyn Adapters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
 }
 
 impl OpenAiBuilder {
+    /// The LoRA adapters `model` may name, listed by `/v1/models` and
+    /// managed by the admin routes (see [`Adapters`]).
+    pub fn adapters(mut self, adapters: Arc<dyn Adapters>) -> Self {
+        self.adapters = Some(adapters);
+        self
+    }
+
     /// Connection bounds of [`OpenAi::serve`] (default
     /// [`DEFAULT_LIMITS`]).
     pub fn connection_limits(mut self, limits: ConnectionLimits) -> Self {
@@ -230,6 +248,7 @@ impl OpenAiBuilder {
                 api_keys: self.api_keys,
                 max_body_bytes: self.max_body_bytes,
                 connections: self.connections,
+                adapters: self.adapters,
             }),
         }
     }
@@ -253,6 +272,7 @@ impl OpenAi {
             api_keys: ApiKeys::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             connections: DEFAULT_LIMITS,
+            adapters: None,
         }
     }
 
@@ -270,6 +290,8 @@ impl OpenAi {
             .route("/v1/responses", post(responses::create))
             .route("/v1/messages", post(anthropic::messages))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+            .route("/v1/load_lora_adapter", post(adapters::load))
+            .route("/v1/unload_lora_adapter", post(adapters::unload))
             // Everything above wants a key; everything below is open.
             .route_layer(axum::middleware::from_fn_with_state(
                 self.inner.api_keys.clone(),
@@ -302,10 +324,25 @@ impl OpenAi {
 }
 
 impl Inner {
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The name responses give as `model`: the adapter's, or the base
+    /// model's for `lora` empty.
+    fn served_name<'a>(&'a self, lora: &'a str) -> &'a str {
+        match lora.is_empty() {
+            true => &self.model,
+            false => lora,
+        }
+    }
+
+    /// The LoRA adapter `model` names: empty for the base model (or no
+    /// `model`), else one of the adapters served.
+    fn check_model(&self, model: Option<&str>) -> Result<String, ApiError> {
         match model {
-            Some(m) if m != self.model => Err(ApiError::model_not_found(m)),
-            _ => Ok(()),
+            None => Ok(String::new()),
+            Some(m) if m == self.model => Ok(String::new()),
+            Some(m) => match &self.adapters {
+                Some(a) if a.names().iter().any(|n| n == m) => Ok(m.to_string()),
+                _ => Err(ApiError::model_not_found(m)),
+            },
         }
     }
 
@@ -459,8 +496,9 @@ async fn completions(
     let run = async {
         let body = body_bytes(&api, body)?;
         let req: CompletionRequest = parse(&body)?;
-        api.check_model(req.common.model.as_deref())?;
-        let plan = req.plan()?;
+        let lora = api.check_model(req.common.model.as_deref())?;
+        let mut plan = req.plan()?;
+        plan.template.lora = lora;
         let mut prompts = req.prompts()?;
         check_choices(prompts.len(), plan.n)?;
         let echo = if plan.echo {
@@ -490,8 +528,9 @@ async fn chat_completions(
         let api = inner;
         let body = body_bytes(&api, body)?;
         let req: ChatRequest = parse(&body)?;
-        api.check_model(req.common.model.as_deref())?;
+        let lora = api.check_model(req.common.model.as_deref())?;
         let mut plan = req.plan()?;
+        plan.template.lora = lora;
         let messages = req.messages()?;
         let tools = req.tool_set()?;
         let (ids, output) = api.chat_prompt(
@@ -606,7 +645,8 @@ async fn respond(
     plan: Plan,
     prompts: Vec<v1::generate_request::Prompt>,
 ) -> Response {
-    let header = api.header(endpoint, output, echo, plan.report_prompt_logprobs);
+    let mut header = api.header(endpoint, output, echo, plan.report_prompt_logprobs);
+    header.model = api.served_name(&plan.template.lora).to_string();
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
     let mut events = match api.start(&header.id, &plan, prompts, None).await {
@@ -690,15 +730,24 @@ async fn next_events(mut s: StreamState) -> Option<(Vec<Event>, StreamState)> {
 }
 
 async fn models(State(api): State<Arc<Inner>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": api.model,
+    let base = json!({
+        "id": api.model,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "tandem",
+    });
+    let adapters = api.adapters.as_ref().map(|a| a.names()).unwrap_or_default();
+    let adapters = adapters.into_iter().map(|name| {
+        json!({
+            "id": name,
             "object": "model",
             "created": api.created,
             "owned_by": "tandem",
-        }],
-    }))
+            "parent": api.model,
+        })
+    });
+    let data: Vec<Value> = std::iter::once(base).chain(adapters).collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn health() -> Json<Value> {

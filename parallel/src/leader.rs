@@ -511,6 +511,7 @@ mod tests {
                 start_pos: 0,
                 blocks: &[],
                 all_logits: false,
+                lora: None,
             })
             .collect();
         assert_eq!(split(&batch, 2), vec![0..3, 3..6]);

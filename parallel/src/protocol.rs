@@ -30,6 +30,7 @@ impl OwnedSeq {
             start_pos: self.start_pos,
             blocks: &self.blocks,
             all_logits: self.all_logits,
+            lora: None,
         }
     }
 }

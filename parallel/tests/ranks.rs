@@ -98,6 +98,7 @@ fn greedy(backend: &mut dyn ComputeBackend, steps: usize) -> (Vec<Vec<f32>>, Vec
                 start_pos: c,
                 blocks: t.blocks(),
                 all_logits: false,
+                lora: None,
             })
             .collect();
         let first_blocks: Vec<u32> = tables[0].blocks().to_vec();
@@ -208,6 +209,7 @@ fn whole_blocks_written_into_a_split_pool_decode_the_same() {
         start_pos: 0,
         blocks: table.blocks(),
         all_logits: false,
+        lora: None,
     };
     let logits = whole
         .forward(&[prefill], &mut |layer, kv: &dyn KvBlocks| {
@@ -223,6 +225,7 @@ fn whole_blocks_written_into_a_split_pool_decode_the_same() {
         start_pos: p.len(),
         blocks: table.blocks(),
         all_logits: false,
+        lora: None,
     };
     let want = whole.forward(&[step], &mut |_, _| {}).expect("decode");
     for (tp, pp) in [(2, 1), (2, 2)] {
@@ -281,6 +284,7 @@ fn a_lost_rank_fails_the_backend_for_good() {
         start_pos: 0,
         blocks: table.blocks(),
         all_logits: false,
+        lora: None,
     };
     let t = Instant::now();
     let err = leader

@@ -303,6 +303,28 @@ impl PrefillService {
         result
     }
 
+    /// The adapter a prefill runs under, refused unless this worker's copy
+    /// is the decode worker's (equal hash roots: the same weights).
+    fn check_lora(&self, r: &wv1::PrefillRequest) -> Result<Option<String>, Status> {
+        if r.lora.is_empty() {
+            return Ok(None);
+        }
+        let reg = self.engine.lora().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "lora: this prefill worker serves no adapters (asked for `{}`)",
+                r.lora
+            ))
+        })?;
+        let adapter = reg.resolve(&r.lora).map_err(status_from_engine)?;
+        if adapter.hash_root() != r.lora_hash_root {
+            return Err(Status::failed_precondition(format!(
+                "lora: adapter `{}` here differs from the decode worker's (other weights)",
+                r.lora
+            )));
+        }
+        Ok(Some(r.lora.clone()))
+    }
+
     async fn prefill_inner(
         &self,
         r: wv1::PrefillRequest,
@@ -326,6 +348,7 @@ impl PrefillService {
                 r.dst_blocks.len()
             )));
         }
+        let lora = self.check_lora(&r)?;
         let session = self.session(&r.transfer_endpoint).await?;
         let transfer = TransferId(r.transfer_id);
         let mut guard = AbortOnDrop {
@@ -374,6 +397,7 @@ impl PrefillService {
         let mut req = Request::new(Prompt::Tokens(r.tokens), 1);
         req.request_id = r.request_id;
         req.max_tokens = None;
+        req.lora = lora;
         req.span = span;
         req.prefill = PrefillMode::Export {
             sink: exporter,
@@ -488,6 +512,7 @@ pub async fn run(
         transfer_endpoint: String::new(),
         num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
         max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
+        adapters: tandem_server::worker_adapters(&engine),
     };
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::default();

@@ -25,6 +25,7 @@
 //! **Architecture Invariant:** the router never runs the model; it shares
 //! only the block-hash function (and the tokenizer) with the engine.
 
+pub mod adapters;
 pub mod index;
 pub mod metrics;
 pub mod policy;

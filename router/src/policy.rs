@@ -21,6 +21,9 @@ pub struct Candidate {
     pub active_requests: usize,
     /// KV blocks in use (worker-reported, plus the router's in-flight estimate).
     pub active_blocks: usize,
+    /// The request's LoRA adapter is known there but not resident: the
+    /// worker reads it from disk first.
+    pub adapter_cold: bool,
 }
 
 /// A pick and why (a metric label and a span field, so a small fixed set).
@@ -159,6 +162,9 @@ impl RoutingPolicy for Random {
 #[derive(Debug)]
 pub struct KvPolicy {
     pub overlap_weight: f64,
+    /// What loading a non-resident LoRA adapter costs, in blocks of prompt
+    /// to compute (a worker with the adapter resident is preferred).
+    pub cold_adapter_cost: f64,
     pub abs_threshold: usize,
     pub rel_threshold: f64,
     rotation: AtomicU64,
@@ -168,6 +174,7 @@ impl Default for KvPolicy {
     fn default() -> Self {
         Self {
             overlap_weight: 1.0,
+            cold_adapter_cost: 16.0,
             abs_threshold: 8,
             rel_threshold: 2.0,
             rotation: AtomicU64::new(0),
@@ -191,7 +198,12 @@ impl RoutingPolicy for KvPolicy {
         }
         let cost = |x: &Candidate| {
             let new_blocks = prompt_blocks.saturating_sub(x.matched_blocks) as f64;
-            self.overlap_weight * new_blocks + x.active_blocks as f64
+            let cold = if x.adapter_cold {
+                self.cold_adapter_cost
+            } else {
+                0.0
+            };
+            self.overlap_weight * new_blocks + x.active_blocks as f64 + cold
         };
         let key = |x: &Candidate| (cost(x), x.active_requests);
         let best = c
@@ -227,7 +239,24 @@ mod tests {
             matched_blocks: matched,
             active_requests: reqs,
             active_blocks: blocks,
+            adapter_cold: false,
         }
+    }
+
+    #[test]
+    fn kv_prefers_a_worker_with_the_adapter_resident() {
+        let p = KvPolicy::default();
+        let cold = Candidate {
+            adapter_cold: true,
+            ..cand(0, 0, 0)
+        };
+        assert_eq!(p.pick(&[cold, cand(0, 1, 4)], 8), 1);
+        // A long cached prefix is still worth a load from disk.
+        let cached_cold = Candidate {
+            adapter_cold: true,
+            ..cand(40, 0, 0)
+        };
+        assert_eq!(p.pick(&[cached_cold, cand(0, 0, 0)], 40), 0);
     }
 
     #[test]

@@ -55,6 +55,53 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// The hash root of LoRA adapter `name` if this worker serves it (as
+    /// it last said: at registration, then in every load report).
+    pub fn adapter_root(&self, name: &str) -> Option<u64> {
+        let info = lock(&self.info);
+        let adapters = &info.as_ref()?.adapters;
+        adapters
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| a.hash_root)
+    }
+
+    /// Whether LoRA adapter `name` is in its memory now (else it serves it
+    /// from disk, or not at all).
+    pub fn adapter_resident(&self, name: &str) -> bool {
+        let info = lock(&self.info);
+        let adapters = info
+            .as_ref()
+            .map(|i| i.adapters.as_slice())
+            .unwrap_or_default();
+        adapters.iter().any(|a| a.name == name && a.resident)
+    }
+
+    /// Records that it now serves `adapter` (it said so loading it).
+    pub fn note_adapter(&self, adapter: wv1::Adapter) {
+        if let Some(info) = lock(&self.info).as_mut() {
+            info.adapters.retain(|a| a.name != adapter.name);
+            info.adapters.push(adapter);
+        }
+    }
+
+    /// Records that it no longer serves adapter `name`.
+    pub fn forget_adapter(&self, name: &str) {
+        if let Some(info) = lock(&self.info).as_mut() {
+            info.adapters.retain(|a| a.name != name);
+        }
+    }
+
+    /// The LoRA adapters it serves, as it last said.
+    pub fn adapter_names(&self) -> Vec<String> {
+        let info = lock(&self.info);
+        let adapters = info
+            .as_ref()
+            .map(|i| i.adapters.as_slice())
+            .unwrap_or_default();
+        adapters.iter().map(|a| a.name.clone()).collect()
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed) && !self.gone.load(Ordering::Relaxed)
     }
@@ -158,10 +205,10 @@ impl Cluster {
 
     /// The least-loaded healthy worker of `role` other than `failed`: where
     /// a call goes when its worker failed it (before or while streaming).
-    pub fn replacement(&self, role: Role, failed: &str) -> Option<Arc<Worker>> {
+    pub fn replacement(&self, role: Role, failed: &str, lora: &str) -> Option<Arc<Worker>> {
         self.healthy(role)
             .into_iter()
-            .filter(|w| w.addr != failed)
+            .filter(|w| w.addr != failed && (lora.is_empty() || w.adapter_root(lora).is_some()))
             .min_by_key(|w| w.active_requests.load(Ordering::Relaxed))
     }
 
@@ -283,6 +330,9 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
             match client.load(probe_request(wv1::LoadRequest {})).await {
                 Ok(r) => {
                     let r = r.into_inner();
+                    if let Some(info) = lock(&w.info).as_mut() {
+                        info.adapters = r.adapters;
+                    }
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
                     w.reported_blocks.store(used, Ordering::Relaxed);
                     true

@@ -187,7 +187,7 @@ impl Proxy {
                 return false;
             };
             let failed = self.decode.addr.clone();
-            let Some(next) = resume.cluster.replacement(Role::Decode, &failed) else {
+            let Some(next) = resume.cluster.replacement(Role::Decode, &failed, &req.lora) else {
                 self.metrics.migration("no_worker");
                 return false;
             };

@@ -117,7 +117,23 @@ impl RouterService {
         self
     }
 
-    fn candidates(&self, workers: &[Arc<Worker>], hashes: &[u64]) -> Vec<Candidate> {
+    /// Where the block-hash chains of requests under adapter `lora` start:
+    /// the root a decode worker serving it announced ([`ROOT`] for the
+    /// base model, or when no worker serves it).
+    ///
+    /// [`ROOT`]: tandem_block_hash::ROOT
+    fn adapter_root(&self, lora: &str) -> tandem_block_hash::BlockHash {
+        if lora.is_empty() {
+            return tandem_block_hash::ROOT;
+        }
+        let decodes = self.cluster.healthy(Role::Decode);
+        let root = decodes.iter().find_map(|w| w.adapter_root(lora));
+        root.unwrap_or(tandem_block_hash::ROOT)
+    }
+
+    /// What the policies weigh of each worker for a prompt of `hashes`
+    /// under adapter `lora` ("" for none).
+    fn candidates(&self, workers: &[Arc<Worker>], hashes: &[u64], lora: &str) -> Vec<Candidate> {
         let index = self.cluster.index.lock().unwrap_or_else(|e| e.into_inner());
         workers
             .iter()
@@ -126,6 +142,7 @@ impl RouterService {
                 active_requests: w.active_requests.load(Ordering::Relaxed),
                 active_blocks: w.reported_blocks.load(Ordering::Relaxed)
                     + w.inflight_blocks.load(Ordering::Relaxed),
+                adapter_cold: !lora.is_empty() && !w.adapter_resident(lora),
             })
             .collect()
     }
@@ -199,6 +216,7 @@ impl RouterService {
         &self,
         req: &mut v1::GenerateRequest,
         block_size: usize,
+        root: tandem_block_hash::BlockHash,
     ) -> Result<(Option<Vec<u32>>, Vec<tandem_block_hash::BlockHash>), Status> {
         let prompt = match req.prompt.take() {
             Some(p) => p,
@@ -222,7 +240,7 @@ impl RouterService {
             };
             let hashes = tokens
                 .as_deref()
-                .map(|t| tandem_block_hash::block_hashes(t, block_size))
+                .map(|t| tandem_block_hash::block_hashes_from(root, t, block_size))
                 .unwrap_or_default();
             let prompt = match &tokens {
                 Some(t) => v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: t.clone() }),
@@ -251,15 +269,27 @@ impl RouterService {
         }
         span.record("request_id", req.request_id.as_str());
         let bs = self.cluster.block_size().unwrap_or(16);
-        let (tokens, hashes) = self.tokenize(&mut req, bs).await?;
+        // A request under a LoRA adapter hashes its blocks from the
+        // adapter's root, as the workers serving it do.
+        let root = self.adapter_root(&req.lora);
+        let (tokens, hashes) = self.tokenize(&mut req, bs, root).await?;
         let prompt_len = tokens.as_ref().map_or(0, Vec::len);
         span.record("prompt_tokens", prompt_len);
 
-        let decodes = self.wait_for_decodes(started, timeout).await;
+        let mut decodes = self.wait_for_decodes(started, timeout).await;
         if decodes.is_empty() {
             return Err(Status::unavailable(format!(
                 "no decode worker is available (waited {} ms)",
                 started.elapsed().as_millis()
+            )));
+        }
+        let serves =
+            |w: &Arc<Worker>| req.lora.is_empty() || w.adapter_root(&req.lora) == Some(root);
+        decodes.retain(serves);
+        if decodes.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "lora: no decode worker serves adapter `{}`",
+                req.lora
             )));
         }
         let routing = tracing::info_span!(
@@ -276,7 +306,7 @@ impl RouterService {
             prefill_worker = tracing::field::Empty,
             prefill_candidates = tracing::field::Empty,
         );
-        let cands = self.candidates(&decodes, &hashes);
+        let cands = self.candidates(&decodes, &hashes, &req.lora);
         let pick = self.decode_policy.decide(&cands, hashes.len());
         let di = pick.index;
         let decode = decodes[di].clone();
@@ -297,7 +327,8 @@ impl RouterService {
         let (prefill, placement_reason) = if uncached < self.remote_prefill_threshold.max(1) {
             (None, "below_threshold")
         } else {
-            let all = self.cluster.healthy(Role::Prefill);
+            let mut all = self.cluster.healthy(Role::Prefill);
+            all.retain(serves);
             let pool: Vec<Arc<Worker>> = all
                 .iter()
                 .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
@@ -308,7 +339,7 @@ impl RouterService {
             } else if pool.is_empty() {
                 (None, "prefill_pool_saturated")
             } else {
-                let pc = self.candidates(&pool, &hashes);
+                let pc = self.candidates(&pool, &hashes, &req.lora);
                 let pick = self.prefill_policy.decide(&pc, hashes.len());
                 self.metrics
                     .decision("prefill", self.prefill_policy.name(), pick.reason);
@@ -378,7 +409,8 @@ impl RouterService {
                     retried = true;
                     decode.mark_down();
                     let failed = decode.addr.clone();
-                    let Some(next) = self.cluster.replacement(Role::Decode, &failed) else {
+                    let Some(next) = self.cluster.replacement(Role::Decode, &failed, &req.lora)
+                    else {
                         return Err(upstream_status(&decode, status));
                     };
                     tracing::warn!(

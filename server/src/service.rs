@@ -173,6 +173,8 @@ struct CallState {
     /// The client's deadline (`grpc-timeout`): past it the stream ends with
     /// DEADLINE_EXCEEDED and dropping the state aborts the request.
     deadline: Option<tokio::time::Instant>,
+    /// The LoRA adapter it runs under, for the per-adapter counters.
+    lora: Option<String>,
 }
 
 impl CallState {
@@ -245,7 +247,7 @@ impl CallState {
             }
             match &ev {
                 RequestEvent::Finished(summary) => {
-                    self.metrics.finished(summary);
+                    self.metrics.finished(summary, self.lora.as_deref());
                     self.end(Outcome::Finished);
                     self.prefills.drain(..).for_each(PrefillGuard::detach);
                 }
@@ -340,6 +342,7 @@ impl GenerationService {
             );
         }
         let request_id = req.request_id.clone();
+        let lora = req.lora.clone();
         req.span = span.clone();
         // Validation tokenizes text prompts and compiles response formats:
         // milliseconds to seconds of CPU, run on the blocking pool so the
@@ -379,6 +382,7 @@ impl GenerationService {
             span,
             metrics: self.metrics.clone(),
             deadline,
+            lora,
         };
         // The state moves into the response stream: when tonic drops it (the
         // call ends or the client goes away), the request is aborted.

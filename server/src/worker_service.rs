@@ -20,6 +20,26 @@ impl WorkerService {
     pub fn new(engine: EngineHandle, info: wv1::WorkerInfo) -> Self {
         Self { engine, info }
     }
+
+    fn registry(&self) -> Result<std::sync::Arc<tandem_engine::lora::LoraRegistry>, Status> {
+        let none = || Status::failed_precondition("lora: this worker's engine runs no adapters");
+        self.engine.lora().cloned().ok_or_else(none)
+    }
+}
+
+/// The LoRA adapters an engine serves now, as the router sees them.
+pub fn adapters(engine: &EngineHandle) -> Vec<wv1::Adapter> {
+    let Some(reg) = engine.lora() else {
+        return Vec::new();
+    };
+    reg.list()
+        .into_iter()
+        .map(|a| wv1::Adapter {
+            name: a.name,
+            hash_root: a.hash_root,
+            resident: a.resident,
+        })
+        .collect()
 }
 
 fn to_proto(seq: u64, e: CacheEvent) -> wv1::KvEvent {
@@ -64,7 +84,9 @@ impl wv1::worker_server::Worker for WorkerService {
         &self,
         _: Request<wv1::InfoRequest>,
     ) -> Result<Response<wv1::WorkerInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
+        let mut info = self.info.clone();
+        info.adapters = adapters(&self.engine);
+        Ok(Response::new(info))
     }
 
     async fn load(
@@ -81,7 +103,42 @@ impl wv1::worker_server::Worker for WorkerService {
             num_blocks: n(s.num_blocks),
             computed_tokens: s.computed_tokens,
             preemptions: s.preemptions,
+            adapters: adapters(&self.engine),
         }))
+    }
+
+    async fn load_adapter(
+        &self,
+        request: Request<wv1::LoadAdapterRequest>,
+    ) -> Result<Response<wv1::Adapter>, Status> {
+        let r = request.into_inner();
+        let reg = self.registry()?;
+        // Reading the files takes milliseconds: on the blocking pool.
+        let loaded =
+            tokio::task::spawn_blocking(move || reg.load(&r.name, std::path::Path::new(&r.path)))
+                .await
+                .map_err(|e| Status::internal(format!("loading the adapter failed: {e}")))?;
+        // Everything but a full registry is the adapter's fault.
+        let a = loaded.map_err(|e| match e {
+            tandem_engine::EngineError::Overloaded { .. } => crate::status_from_engine(e),
+            other => Status::invalid_argument(other.to_string()),
+        })?;
+        Ok(Response::new(wv1::Adapter {
+            name: a.name,
+            hash_root: a.hash_root,
+            resident: a.resident,
+        }))
+    }
+
+    async fn unload_adapter(
+        &self,
+        request: Request<wv1::UnloadAdapterRequest>,
+    ) -> Result<Response<wv1::UnloadAdapterReply>, Status> {
+        let name = request.into_inner().name;
+        self.registry()?
+            .unload(&name)
+            .map_err(crate::status_from_engine)?;
+        Ok(Response::new(wv1::UnloadAdapterReply {}))
     }
 
     type KvEventsStream = EventStream;

@@ -5,7 +5,8 @@
 //! known inside the `tandem` package's own tests).
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -284,12 +285,13 @@ pub async fn greedy(
     prompt: Vec<u32>,
     max_tokens: u32,
 ) -> Result<Outcome, tonic::Status> {
+    call(addr, greedy_request(prompt, max_tokens)).await
+}
+
+/// A greedy request (`ignore_eos`) for `max_tokens` tokens of `prompt`.
+pub fn greedy_request(prompt: Vec<u32>, max_tokens: u32) -> tandem_proto::v1::GenerateRequest {
     use tandem_proto::v1;
-    use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
-    let mut c = v1::generation_client::GenerationClient::connect(format!("http://{addr}"))
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let req = v1::GenerateRequest {
+    v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
             ids: prompt,
         })),
@@ -300,7 +302,20 @@ pub async fn greedy(
         max_tokens: Some(max_tokens),
         ignore_eos: true,
         ..Default::default()
-    };
+    }
+}
+
+/// One call through `addr`, ending with `Finished`: its tokens (every
+/// choice's, in arrival order) and where it was routed.
+pub async fn call(
+    addr: &str,
+    req: tandem_proto::v1::GenerateRequest,
+) -> Result<Outcome, tonic::Status> {
+    use tandem_proto::v1;
+    use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
+    let mut c = v1::generation_client::GenerationClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let resp = c.generate(req).await?;
     let header = |k: &str| {
         resp.metadata()
@@ -369,4 +384,36 @@ pub fn listening(mut child: Child, what: &str) -> (KillOnDrop, String) {
             return (child, addr);
         }
     }
+}
+
+/// A raw HTTP/1.1 exchange (`Connection: close`): the status code and the
+/// body. `auth` is an `Authorization` header's value.
+pub fn http(addr: &str, method: &str, path: &str, auth: Option<&str>, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connects");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    s.set_write_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let auth = auth.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .expect("sends");
+    // A server refusing a body may stop reading it and close: a failed
+    // write is not the test's concern, the answer is.
+    let _ = s.write_all(body.as_bytes());
+    let mut response = String::new();
+    // What arrived before a reset is kept.
+    let _ = s.read_to_string(&mut response);
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
+    (status, body)
 }

@@ -147,6 +147,7 @@ fn teacher_forced_error(case: &str, ckpt: &Checkpoint, g: &Golden) -> f32 {
                 start_pos: 0,
                 blocks: table.blocks(),
                 all_logits: true,
+                lora: None,
             }],
             &mut kv,
         )

@@ -95,6 +95,7 @@ fn main() -> Result<()> {
                 start_pos: 0,
                 blocks: table.blocks(),
                 all_logits: false,
+                lora: None,
             }],
             &mut kv,
         )?;
@@ -135,6 +136,7 @@ fn main() -> Result<()> {
                 start_pos: 0,
                 blocks: t.blocks(),
                 all_logits: false,
+                lora: None,
             })
             .collect();
         model.forward(&inputs, &mut kv)?;
@@ -152,6 +154,7 @@ fn main() -> Result<()> {
                     start_pos: ctx + step,
                     blocks: t.blocks(),
                     all_logits: false,
+                    lora: None,
                 })
                 .collect();
             let t0 = Instant::now();

@@ -77,6 +77,7 @@ fn cpu_greedy(model: &Model, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<
                 start_pos: pos,
                 blocks: &blocks,
                 all_logits: false,
+                lora: None,
             }],
             &mut kv,
         )?;
@@ -111,6 +112,7 @@ fn gpu_greedy(model: &mut CudaModel, prompts: &[Vec<u32>], n: usize) -> Result<V
                 start_pos: p,
                 blocks: b,
                 all_logits: false,
+                lora: None,
             })
             .collect();
         let step = model.forward(&batch)?;
@@ -175,6 +177,7 @@ fn parity(dir: &std::path::Path, name: &str) -> Result<Value> {
             start_pos: pos,
             blocks: &blocks,
             all_logits: false,
+            lora: None,
         }])?;
         let logits = bf.logits(&out)?;
         let gpu_lp = log_softmax(logits.last(0));
@@ -234,6 +237,7 @@ fn fill(model: &mut CudaModel, tables: &[Vec<u32>], context: usize, chunk: usize
                 start_pos: 0,
                 blocks: b,
                 all_logits: false,
+                lora: None,
             })
             .collect();
         model.forward(&batch)?;
@@ -262,6 +266,7 @@ fn decode_rate(model: &mut CudaModel, b: usize, context: usize, steps: usize) ->
                     start_pos: pos,
                     blocks: bl,
                     all_logits: false,
+                    lora: None,
                 })
                 .collect();
             let out = model.forward(&batch)?;
@@ -332,6 +337,7 @@ fn main() -> Result<()> {
                 start_pos: 0,
                 blocks: &table,
                 all_logits: false,
+                lora: None,
             }])?;
             m.gpu().sync()?;
             Ok(())
@@ -343,6 +349,7 @@ fn main() -> Result<()> {
                 start_pos: 0,
                 blocks: &table,
                 all_logits: false,
+                lora: None,
             }])?;
             eprintln!("profile prefill {n}:");
             for (name, secs, k) in &prof {
@@ -388,6 +395,7 @@ fn main() -> Result<()> {
                         start_pos: args.context,
                         blocks: &table,
                         all_logits: false,
+                        lora: None,
                     })
                     .collect();
                 let prof = model.profile_step(&seqs)?;

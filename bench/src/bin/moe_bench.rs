@@ -18,14 +18,13 @@
 //! routing's balance.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_bench::{median, percentile};
+use tandem_bench::{decode_tok_s, median};
 use tandem_engine::capacity::parameter_counts;
-use tandem_engine::{synth, BlockAllocator, BlockTable, DType, KvCache, Model, SeqInput};
+use tandem_engine::{synth, DType, Model};
 
 #[derive(Parser, Debug)]
 #[command(about = "MoE against dense decode throughput (JSON output)")]
@@ -76,8 +75,9 @@ fn main() -> Result<()> {
     for &batch in &args.batches {
         let (mut moe_tok_s, mut dense_tok_s, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..args.rounds {
-            let m = decode_tok_s(&moe, batch, &args)?;
-            let d = decode_tok_s(&dense, batch, &args)?;
+            let (ctx, steps) = (args.decode_context, args.decode_steps);
+            let m = decode_tok_s(&moe, &[], batch, ctx, steps)?;
+            let d = decode_tok_s(&dense, &[], batch, ctx, steps)?;
             eprintln!(
                 "batch {batch} round {round}: moe {m:.1} tok/s, dense {d:.1} tok/s ({:.2}x)",
                 m / d
@@ -143,59 +143,4 @@ fn model_json(
         })),
         "path": dir.display().to_string(),
     })
-}
-
-/// Median decode throughput (tokens/s) of `batch` sequences with
-/// `decode_context` tokens cached each, over `decode_steps` steps after one
-/// warm-up step.
-fn decode_tok_s(model: &Model, batch: usize, args: &Args) -> Result<f64> {
-    let (bs, ctx) = (16, args.decode_context);
-    let vocab = model.config().vocab_size;
-    let per_seq = (ctx + args.decode_steps + 2).div_ceil(bs);
-    let pool = BlockAllocator::new(per_seq * batch, bs)?;
-    let mut kv = KvCache::new(model.kv_layout(bs), per_seq * batch);
-    let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::new(&pool)).collect();
-    let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|s| {
-            (0..ctx)
-                .map(|i| ((s * 131 + i * 17) % vocab) as u32)
-                .collect()
-        })
-        .collect();
-    for t in &mut tables {
-        t.append(ctx)?;
-    }
-    let inputs: Vec<SeqInput> = prompts
-        .iter()
-        .zip(&tables)
-        .map(|(p, t)| SeqInput {
-            tokens: p,
-            start_pos: 0,
-            blocks: t.blocks(),
-            all_logits: false,
-        })
-        .collect();
-    model.forward(&inputs, &mut kv)?;
-    let next: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 7 + 3) % vocab) as u32]).collect();
-    let mut secs = Vec::new();
-    for step in 0..=args.decode_steps {
-        for t in &mut tables {
-            t.append(1)?;
-        }
-        let inputs: Vec<SeqInput> = next
-            .iter()
-            .zip(&tables)
-            .map(|(tok, t)| SeqInput {
-                tokens: tok,
-                start_pos: ctx + step,
-                blocks: t.blocks(),
-                all_logits: false,
-            })
-            .collect();
-        let t0 = Instant::now();
-        model.forward(&inputs, &mut kv)?;
-        secs.push(t0.elapsed().as_secs_f64());
-    }
-    secs.remove(0); // warm-up
-    Ok(batch as f64 / percentile(&secs, 50.0))
 }

@@ -66,6 +66,7 @@ fn decode_steps(model: &Model, context: usize, steps: usize) -> Result<Vec<f64>>
             start_pos: 0,
             blocks: &blocks,
             all_logits: false,
+            lora: None,
         }],
         &mut kv,
     )?;
@@ -81,6 +82,7 @@ fn decode_steps(model: &Model, context: usize, steps: usize) -> Result<Vec<f64>>
                     start_pos: context + step,
                     blocks: &blocks,
                     all_logits: false,
+                    lora: None,
                 }],
                 &mut kv,
             )

@@ -168,6 +168,7 @@ impl Workload {
             start_pos: 0,
             blocks: self.table.blocks(),
             all_logits: false,
+            lora: None,
         };
         if warm {
             backend.forward(&[input], &mut |_, _| {})?;
@@ -191,6 +192,7 @@ impl Workload {
                 start_pos: self.prompt.len() + i,
                 blocks: self.table.blocks(),
                 all_logits: false,
+                lora: None,
             };
             let t = Instant::now();
             // On a pool thread, as the engine runs a small step.

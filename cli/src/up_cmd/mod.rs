@@ -66,6 +66,10 @@ pub struct UpArgs {
     /// which the workers inherit).
     #[arg(long, default_value_t = tandem_kv_transfer::TransportKind::Tcp)]
     kv_transport: tandem_kv_transfer::TransportKind,
+    /// A PEFT LoRA adapter every worker serves as NAME (`--lora NAME=DIR`,
+    /// repeatable; passed to each worker as `--lora`).
+    #[arg(long = "lora", value_name = "NAME=DIR")]
+    lora: Vec<String>,
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
@@ -595,6 +599,7 @@ fn worker_args(
     if let Some(t) = tls {
         a.extend(t.args(role.trim_end_matches("-worker")));
     }
+    a.extend(args.lora.iter().map(|l| format!("--lora={l}")));
     a.extend(args.worker_args.iter().cloned());
     a
 }

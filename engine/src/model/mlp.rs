@@ -22,6 +22,7 @@ use crate::kernels::{self, clamped_swiglu_mul, gelu_tanh_mul, silu_mul, MatmulPo
 use crate::weights::Matrix;
 
 use super::linear::Linear;
+use crate::lora::{LayerLora, LoraTarget};
 
 /// `down(act(gate(x)) · up(x))`.
 #[derive(Debug)]
@@ -33,13 +34,14 @@ pub(super) struct DenseMlp {
 
 impl DenseMlp {
     /// Runs `m` rows of `x` into `out` (`m × hidden`), with `gate` and `up`
-    /// as scratch of at least `m × intermediate` each.
+    /// as scratch of at least `m × intermediate` each, each row's LoRA
+    /// adapter added to its projections (experts have none).
     pub(super) fn forward(
         &self,
         x: &[f32],
         m: usize,
-        act: Activation,
-        policy: MatmulPolicy,
+        (act, policy): (Activation, MatmulPolicy),
+        lora: LayerLora<'_>,
         scratch: (&mut [f32], &mut [f32]),
         out: &mut [f32],
     ) {
@@ -47,6 +49,8 @@ impl DenseMlp {
         let (gate, up) = (&mut scratch.0[..m * inter], &mut scratch.1[..m * inter]);
         self.gate.forward(x, m, policy, gate);
         self.up.forward(x, m, policy, up);
+        lora.apply(LoraTarget::Gate, x, gate);
+        lora.apply(LoraTarget::Up, x, up);
         match act {
             Activation::Silu => silu_mul(gate, up),
             Activation::GeluTanh => gelu_tanh_mul(gate, up),
@@ -55,6 +59,7 @@ impl DenseMlp {
             }
         }
         self.down.forward(gate, m, policy, out);
+        lora.apply(LoraTarget::Down, gate, out);
     }
 
     fn linears(&self) -> [(&'static str, &Linear); 3] {
@@ -200,7 +205,15 @@ impl SparseMlp {
         }
         let (mut gate, mut up) = (vec![0.0f32; n * inter], vec![0.0f32; n * inter]);
         let mut out = vec![0.0f32; n * hsz];
-        mlp.forward(&gathered, n, act, policy, (&mut gate, &mut up), &mut out);
+        let scratch = (&mut gate[..], &mut up[..]);
+        mlp.forward(
+            &gathered,
+            n,
+            (act, policy),
+            LayerLora::NONE,
+            scratch,
+            &mut out,
+        );
         out
     }
 
@@ -218,9 +231,11 @@ impl SparseMlp {
         let inter = shared.mlp.gate.out_features();
         let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
         let mut y = vec![0.0f32; m * hsz];
+        let scratch = (&mut gate[..], &mut up[..]);
+        let none = LayerLora::NONE;
         shared
             .mlp
-            .forward(x, m, act, policy, (&mut gate, &mut up), &mut y);
+            .forward(x, m, (act, policy), none, scratch, &mut y);
         let mut g = vec![0.0f32; m];
         kernels::linear(x, m, &shared.gate, None, policy, &mut g);
         for ((row, src), &g) in out.chunks_exact_mut(hsz).zip(y.chunks_exact(hsz)).zip(&g) {

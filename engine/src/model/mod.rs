@@ -30,6 +30,7 @@ use crate::kernels::{
     MatmulPolicy, RopeTable,
 };
 use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
+use crate::lora::{LoraAdapter, LoraRows, LoraTarget};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 
@@ -115,6 +116,8 @@ pub struct SeqInput<'a> {
     /// Logits for every new token (prompt scoring, speculative verification)
     /// rather than for the last one only.
     pub all_logits: bool,
+    /// The LoRA adapter its rows run under (see [`crate::lora`]).
+    pub lora: Option<&'a LoraAdapter>,
 }
 
 impl SeqInput<'_> {
@@ -590,7 +593,9 @@ impl Model {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut seqs = Vec::with_capacity(batch.len());
+        let mut lora = Vec::new();
         for s in batch {
+            lora.extend(std::iter::repeat_n(s.lora, s.tokens.len()));
             seqs.push(AttnSeq {
                 start_pos: s.start_pos,
                 len: s.tokens.len(),
@@ -613,11 +618,17 @@ impl Model {
         } else {
             peers.recv_activations(&mut x)?;
         }
-        let mut step = Step::new(self, &positions, seqs);
+        let lora = LoraRows::new(lora);
+        if lora.any() && !self.shard.is_full() {
+            return Err(EngineError::Unsupported(
+                "LoRA adapters run on an unsharded model only".into(),
+            ));
+        }
+        let mut step = Step::new(self, &positions, seqs, lora);
         for (li, layer) in self.layers.iter().enumerate() {
             self.attention_block(li, layer, &mut x, &mut step, kv, peers)?;
             after_layer(li, kv);
-            self.mlp_block(layer, &mut x, &mut step, peers)?;
+            self.mlp_block(li, layer, &mut x, &mut step, peers)?;
         }
         if !self.shard.last_stage() {
             peers.send_activations(&x)?;
@@ -646,6 +657,10 @@ impl Model {
         layer.q.forward(&s.h, t, self.matmul, &mut s.q);
         layer.k.forward(&s.h, t, self.matmul, &mut s.k);
         layer.v.forward(&s.h, t, self.matmul, &mut s.v);
+        let lora = s.lora.layer(li);
+        lora.apply(LoraTarget::Q, &s.h, &mut s.q);
+        lora.apply(LoraTarget::K, &s.h, &mut s.k);
+        lora.apply(LoraTarget::V, &s.h, &mut s.v);
         if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
             rms_norm_in_place(&mut s.q, qn, eps);
             rms_norm_in_place(&mut s.k, kn, eps);
@@ -686,6 +701,7 @@ impl Model {
         };
         paged_attention(&s.q, kv, li, &s.seqs, s.heads, scoring, &mut s.attn);
         layer.o.forward(&s.attn, t, self.matmul, &mut s.proj);
+        s.lora.layer(li).apply(LoraTarget::O, &s.attn, &mut s.proj);
         if self.shard.tp_size > 1 {
             peers.all_reduce(&mut s.proj)?;
         }
@@ -700,6 +716,7 @@ impl Model {
     /// norm, residual.
     fn mlp_block(
         &self,
+        li: usize,
         layer: &Layer,
         x: &mut [f32],
         s: &mut Step<'_>,
@@ -711,7 +728,8 @@ impl Model {
         match &layer.mlp {
             Mlp::Dense(mlp) => {
                 let scratch = (&mut s.gate[..], &mut s.up[..]);
-                mlp.forward(&s.h, t, act, self.matmul, scratch, &mut s.proj);
+                let lora = s.lora.layer(li);
+                mlp.forward(&s.h, t, (act, self.matmul), lora, scratch, &mut s.proj);
             }
             Mlp::Sparse(moe) => moe.forward(&s.h, t, act, self.matmul, &mut s.proj),
         }

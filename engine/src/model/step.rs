@@ -4,12 +4,15 @@
 
 use crate::attention::{AttnSeq, Heads};
 use crate::kernels::RopeTable;
+use crate::lora::LoraRows;
 
 use super::Model;
 
 /// One step's activations and RoPE angles, sized for this rank's shard.
 pub(super) struct Step<'a> {
     pub(super) seqs: Vec<AttnSeq<'a>>,
+    /// Each row's adapter.
+    pub(super) lora: LoraRows<'a>,
     pub(super) rows: usize,
     pub(super) heads: Heads,
     pub(super) cos: Vec<f32>,
@@ -28,7 +31,12 @@ pub(super) struct Step<'a> {
 }
 
 impl<'a> Step<'a> {
-    pub(super) fn new(model: &Model, positions: &[usize], seqs: Vec<AttnSeq<'a>>) -> Self {
+    pub(super) fn new(
+        model: &Model,
+        positions: &[usize],
+        seqs: Vec<AttnSeq<'a>>,
+        lora: LoraRows<'a>,
+    ) -> Self {
         let c = &model.config;
         let (t, d, hsz) = (positions.len(), c.head_dim, c.hidden_size);
         let heads = Heads {
@@ -55,6 +63,7 @@ impl<'a> Step<'a> {
         let (local_cos, local_sin) = model.local_rope.as_ref().map(angles).unwrap_or_default();
         Self {
             seqs,
+            lora,
             rows: t,
             heads,
             cos,

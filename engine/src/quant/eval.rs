@@ -101,6 +101,7 @@ pub fn score_with(
                 start_pos: i * chunk.max(1),
                 blocks: table.blocks(),
                 all_logits: true,
+                lora: None,
             }],
             &mut kv,
         )?;

@@ -23,6 +23,7 @@ use crate::backend::{ComputeBackend, CpuBackend};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
 use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, SlidingLayers};
+use crate::lora::{LoraRegistry, LoraSettings};
 use crate::model::Model;
 use crate::sampling::Sampler;
 use crate::speculative::SpecCounts;
@@ -109,6 +110,8 @@ pub struct EngineCore {
     /// The drafter, when speculative decoding is on.
     spec: Option<Speculation>,
     max_queued: Option<usize>,
+    /// LoRA adapters requests may name (backends that run them only).
+    lora: Option<Arc<LoraRegistry>>,
 }
 
 impl EngineCore {
@@ -263,6 +266,7 @@ impl EngineCore {
             stats,
             spec: None,
             max_queued: config.max_queued_requests,
+            lora: None,
         })
     }
 
@@ -301,6 +305,32 @@ impl EngineCore {
         self.limits.num_blocks * self.backend.block_bytes()
     }
 
+    /// Serves LoRA adapters: a registry for this model with `settings`'
+    /// limits, its start-up adapters loaded. Refused when the backend cannot
+    /// run them (a GPU, a sharded model).
+    pub fn enable_lora(&mut self, settings: &LoraSettings) -> Result<Arc<LoraRegistry>> {
+        if !self.backend.runs_lora() {
+            return Err(EngineError::Unsupported(format!(
+                "LoRA adapters run on the CPU backend with an unsharded model; this engine \
+                 runs on {}",
+                self.backend.device()
+            )));
+        }
+        let registry = Arc::new(LoraRegistry::new(self.backend.config().clone(), settings)?);
+        self.lora = Some(Arc::clone(&registry));
+        Ok(registry)
+    }
+
+    /// Whether the backend runs LoRA adapters.
+    pub fn runs_lora(&self) -> bool {
+        self.backend.runs_lora()
+    }
+
+    /// The adapters requests may name.
+    pub(crate) fn lora(&self) -> Option<&Arc<LoraRegistry>> {
+        self.lora.as_ref()
+    }
+
     /// The format compiler shared with the handle.
     pub(crate) fn grammars(&self) -> Option<Arc<Grammars>> {
         self.grammars.clone()
@@ -325,6 +355,7 @@ impl EngineCore {
             req,
             self.tokenizer.as_deref(),
             self.grammars.as_deref(),
+            self.lora.as_deref(),
             &self.limits,
         )?;
         self.add_valid(id, valid, sink);
@@ -365,7 +396,7 @@ impl EngineCore {
         let score = req
             .prompt_logprobs
             .map(|p| prompt_scores::PromptScore::new(p, &req.prompt_ids));
-        let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text);
+        let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text).with_lora(req.lora);
         seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
         seq.scores_prompt = score.is_some();
         match req.prefill {
@@ -590,6 +621,10 @@ impl EngineCore {
                 cached_tokens: s.num_computed,
                 blocks: blocks.clone(),
                 prompt_logprobs,
+                lora: s.lora.as_ref().map(|a| super::request::LoraRef {
+                    name: a.name().to_string(),
+                    hash_root: a.hash_root(),
+                }),
             });
             let group = s.group;
             let gone = self

@@ -25,6 +25,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::{EngineError, Result};
+use crate::lora::LoraRegistry;
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::Grammars;
@@ -63,6 +64,7 @@ struct Shared {
     limits: Limits,
     tokenizer: Option<Arc<Tokenizer>>,
     grammars: Option<Arc<Grammars>>,
+    lora: Option<Arc<LoraRegistry>>,
     stats: Mutex<EngineStats>,
     next_id: AtomicU64,
     kv_pool_bytes: usize,
@@ -124,6 +126,7 @@ impl EngineHandle {
             limits: core.limits(),
             tokenizer: core.tokenizer().cloned(),
             grammars: core.grammars(),
+            lora: core.lora().cloned(),
             stats: Mutex::new(core.stats()),
             next_id: AtomicU64::new(0),
             kv_pool_bytes: core.kv_pool_bytes(),
@@ -156,6 +159,11 @@ impl EngineHandle {
         self.shared.tokenizer.as_ref()
     }
 
+    /// The engine's LoRA adapters (`None`: its backend runs none).
+    pub fn lora(&self) -> Option<&Arc<LoraRegistry>> {
+        self.shared.lora.as_ref()
+    }
+
     /// Bytes of the KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
         self.shared.kv_pool_bytes
@@ -186,6 +194,7 @@ impl EngineHandle {
             req,
             self.shared.tokenizer.as_deref(),
             self.shared.grammars.as_deref(),
+            self.shared.lora.as_deref(),
             &self.shared.limits,
         )?;
         let queued = self.shared.in_flight.fetch_add(1, Ordering::AcqRel)

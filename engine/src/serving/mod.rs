@@ -45,8 +45,8 @@ pub use kv_feed::{
 };
 pub use request::{
     BeamSearch, ChoiceSummary, EarlyStopping, ExportedBlock, FailureScope, KvExport, Limits,
-    PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent, RequestFailure,
-    RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
+    LoraRef, PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent,
+    RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_structured::ResponseFormat;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
+use crate::lora::{LoraAdapter, LoraRegistry};
 use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
@@ -97,6 +98,8 @@ pub struct Request {
     /// Beam search instead of sampling: the `n` best of `width` beams come
     /// back, each as one delta when the search ends (see [`BeamSearch`]).
     pub beam: Option<BeamSearch>,
+    /// The LoRA adapter to run under, by name (`None`: the base model).
+    pub lora: Option<String>,
     /// The caller's span for this request: the engine's spans for its
     /// phases (`queue`, `prefill` with one `prefill_chunk` per step,
     /// `decode`) are its children. `Span::none()` (the default) records
@@ -120,6 +123,7 @@ impl Request {
             response_format: None,
             prompt_logprobs: None,
             beam: None,
+            lora: None,
             span: tracing::Span::none(),
         }
     }
@@ -222,6 +226,7 @@ pub(crate) struct ValidRequest {
     pub grammar: Option<Arc<CompiledGrammar>>,
     pub prompt_logprobs: Option<PromptLogprobs>,
     pub beam: Option<BeamSearch>,
+    pub lora: Option<Arc<LoraAdapter>>,
     pub span: tracing::Span,
 }
 
@@ -235,6 +240,7 @@ pub(crate) fn validate(
     req: Request,
     tokenizer: Option<&Tokenizer>,
     grammars: Option<&Grammars>,
+    adapters: Option<&LoraRegistry>,
     limits: &Limits,
 ) -> Result<ValidRequest> {
     req.sampling.validate()?;
@@ -371,6 +377,15 @@ pub(crate) fn validate(
             Some(g.compile(format)?)
         }
     };
+    let lora = match (req.lora.as_deref(), adapters) {
+        (None, _) => None,
+        (Some(name), Some(reg)) => Some(reg.resolve(name)?),
+        (Some(name), None) => {
+            return Err(invalid(format!(
+                "lora: adapter `{name}` asked for, but this engine serves no LoRA adapters"
+            )))
+        }
+    };
     Ok(ValidRequest {
         request_id: req.request_id,
         prompt_ids,
@@ -384,6 +399,7 @@ pub(crate) fn validate(
         grammar,
         prompt_logprobs: req.prompt_logprobs,
         beam: req.beam,
+        lora,
         span: req.span,
     })
 }
@@ -493,6 +509,17 @@ pub struct RemotePrefill {
     /// prompt logprobs (`next_token` is the prompt's last token) and they
     /// come back through `remote_prompt_logprobs`.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// The adapter the prompt runs under: the prefill worker must run the
+    /// same one (same name, same hash root).
+    pub lora: Option<LoraRef>,
+}
+
+/// An adapter named on the wire: its name and the root of its hash chains
+/// (a digest of its weights, so two workers' copies can be compared).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraRef {
+    pub name: String,
+    pub hash_root: u64,
 }
 
 /// New tokens of one choice.

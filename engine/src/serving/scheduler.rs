@@ -34,8 +34,9 @@
 //! sequence's table always holds exactly `num_computed` tokens between steps.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
-use tandem_block_hash::{extend_block_hashes, BlockHash};
+use tandem_block_hash::{extend_block_hashes_from, BlockHash, ROOT};
 
 use crate::kv_cache::{BlockAllocator, BlockCopy, BlockId, BlockTable, KvError};
 use crate::sampling::Sampler;
@@ -43,6 +44,7 @@ use crate::speculative::{AdaptiveK, Draft};
 
 use super::output::TextOutput;
 use super::request::KvExport;
+use crate::lora::LoraAdapter;
 
 /// Internal sequence id (one per choice).
 pub(crate) type SeqId = u64;
@@ -93,6 +95,10 @@ pub(crate) struct Sequence {
     /// The request scores its prompt: no prefix-cache hits at admission,
     /// logits for every prompt row.
     pub scores_prompt: bool,
+    /// The LoRA adapter it runs under; its block hashes chain from the
+    /// adapter's root (`hash_root`), so its cached blocks are its own.
+    pub lora: Option<Arc<LoraAdapter>>,
+    pub hash_root: BlockHash,
 }
 
 /// Where a prefill-only sequence's blocks go.
@@ -130,7 +136,16 @@ impl Sequence {
             draft: Draft::default(),
             adaptive: AdaptiveK::default(),
             scores_prompt: false,
+            lora: None,
+            hash_root: ROOT,
         }
+    }
+
+    /// Runs under `adapter`, its blocks hashed apart from everyone else's.
+    pub fn with_lora(mut self, adapter: Option<Arc<LoraAdapter>>) -> Self {
+        self.hash_root = adapter.as_ref().map_or(ROOT, |a| a.hash_root());
+        self.lora = adapter;
+        self
     }
 
     /// Output tokens so far.
@@ -141,7 +156,7 @@ impl Sequence {
     /// Appends a sampled token (its K/V is computed next step).
     pub fn push_token(&mut self, token: u32, block_size: usize) {
         self.tokens.push(token);
-        extend_block_hashes(&mut self.hashes, &self.tokens, block_size);
+        extend_block_hashes_from(&mut self.hashes, self.hash_root, &self.tokens, block_size);
     }
 
     /// Whether computing `num_tokens` more tokens this step leaves it ready
@@ -324,7 +339,8 @@ impl Scheduler {
 
     /// Queues a new sequence behind the waiting ones.
     pub fn add(&mut self, id: SeqId, mut seq: Sequence) {
-        extend_block_hashes(&mut seq.hashes, &seq.tokens, self.block_size());
+        let bs = self.block_size();
+        extend_block_hashes_from(&mut seq.hashes, seq.hash_root, &seq.tokens, bs);
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
     }
@@ -364,6 +380,8 @@ impl Scheduler {
             adaptive: AdaptiveK::default(),
             // Forks come after the prompt: nothing left to score.
             scores_prompt: false,
+            lora: p.lora.clone(),
+            hash_root: p.hash_root,
         };
         self.seqs.insert(id, child);
         if resident {

@@ -149,6 +149,7 @@ impl Drafter for DraftModelDrafter {
                         start_pos: st.cached.len(),
                         blocks: st.table.blocks(),
                         all_logits: false,
+                        lora: None,
                     });
                 }
                 self.backend.forward(&inputs, &mut |_, _| {})?

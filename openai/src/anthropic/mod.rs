@@ -39,14 +39,15 @@ fn prepare(
 ) -> Result<(Plan, Vec<u32>, Messages), ApiError> {
     let body = body_bytes(api, body)?;
     let req: MessagesRequest = parse(&body)?;
-    api.check_model(req.model.as_deref())?;
+    let lora = api.check_model(req.model.as_deref())?;
     let mut plan = req.plan()?;
+    plan.template.lora = lora;
     let messages = req.messages()?;
     let tools = req.tool_set()?;
     let (ids, output) = api.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
     let reply = Reply::new(
         api.next_request_id("msg"),
-        api.model.clone(),
+        api.served_name(&plan.template.lora).to_string(),
         &output,
         ids.len(),
         req.stop_sequences.unwrap_or_default(),

@@ -343,6 +343,7 @@ impl CommonParams {
                 response_format: self.response_format()?,
                 prompt_logprobs,
                 beam_search,
+                lora: String::new(),
             },
             n,
             stream,

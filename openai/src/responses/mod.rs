@@ -37,8 +37,9 @@ fn prepare(
 ) -> Result<(Plan, Vec<u32>, ResponsesAnswer), ApiError> {
     let body = body_bytes(api, body)?;
     let req: ResponsesRequest = parse(&body)?;
-    api.check_model(req.model.as_deref())?;
+    let lora = api.check_model(req.model.as_deref())?;
     let mut plan = req.plan()?;
+    plan.template.lora = lora;
     let messages = req.messages()?;
     let tools = req.tool_set()?;
     let (ids, output) = api.chat_prompt(&messages, tools.as_ref(), true, &mut plan)?;
@@ -59,7 +60,7 @@ fn prepare(
     let reply = Reply::new(
         api.next_request_id("resp"),
         unix_now(),
-        api.model.clone(),
+        api.served_name(&plan.template.lora).to_string(),
         echo,
         &output,
         ids.len(),

@@ -176,6 +176,7 @@ impl EngineCore {
                 start_pos: seq.num_computed,
                 blocks: table.blocks(),
                 all_logits,
+                lora: seq.lora.as_deref(),
             });
             if let Some(ex) = &seq.export {
                 exports.push(LayerExport::plan(
