@@ -356,13 +356,15 @@ fn the_router_loads_and_unloads_adapters_on_every_worker() {
         "--remote-prefill-threshold",
         "8",
         "--worker-arg=--batch-invariant",
+        "--api-key",
+        "sekrit",
     ]);
-    let complete = |http: &str, model: &str| complete(http, None, model);
+    let auth = Some("Bearer sekrit");
     let http = cluster.http.clone().expect("router http");
     let admin = |path: &str, body: serde_json::Value| {
-        tandem_tests::cluster::http(&http, "POST", path, None, &body.to_string())
+        tandem_tests::cluster::http(&http, "POST", path, auth, &body.to_string())
     };
-    assert_eq!(complete(&http, "a0").0, 404, "not loaded yet");
+    assert_eq!(complete(&http, auth, "a0").0, 404, "not loaded yet");
     let (status, body) = admin(
         "/v1/load_lora_adapter",
         serde_json::json!({"lora_name": "a0", "lora_path": dir.display().to_string()}),
@@ -370,9 +372,20 @@ fn the_router_loads_and_unloads_adapters_on_every_worker() {
     assert_eq!(status, 200, "{body}");
     // Every worker has it: the answer is the colocated server's, through
     // remote prefill, whichever decode worker takes it.
-    let want = complete(serve.http.as_deref().expect("serve http"), "a0");
+    let serve_http = serve.http.as_deref().expect("serve http");
+    let want = complete(serve_http, None, "a0");
+    // A server without API keys never opens its admin routes.
+    let body = serde_json::json!({"lora_name": "b", "lora_path": dir.display().to_string()});
+    let (status, body) = tandem_tests::cluster::http(
+        serve_http,
+        "POST",
+        "/v1/load_lora_adapter",
+        None,
+        &body.to_string(),
+    );
+    assert_eq!(status, 403, "{body}");
     for _ in 0..3 {
-        assert_eq!(complete(&http, "a0"), want);
+        assert_eq!(complete(&http, auth, "a0"), want);
     }
     let (status, body) = admin(
         "/v1/load_lora_adapter",
@@ -388,7 +401,7 @@ fn the_router_loads_and_unloads_adapters_on_every_worker() {
         serde_json::json!({"lora_name": "a0"}),
     );
     assert_eq!(status, 200, "{body}");
-    assert_eq!(complete(&http, "a0").0, 404, "unloaded everywhere");
+    assert_eq!(complete(&http, auth, "a0").0, 404, "unloaded everywhere");
     let (status, _) = admin(
         "/v1/unload_lora_adapter",
         serde_json::json!({"lora_name": "a0"}),

@@ -3,7 +3,8 @@
 //!
 //! `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`) and
 //! `POST /v1/unload_lora_adapter` (`{"lora_name"}`) sit behind the API-key
-//! check like every `/v1` route. What serves them is an [`Adapters`] the
+//! check like every `/v1` route, and answer 403 on a server without keys
+//! (vLLM keeps them off unless `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is set). What serves them is an [`Adapters`] the
 //! server is built with: the colocated engine's registry, or the router's
 //! view of its workers (which loads and unloads on every worker).
 
@@ -41,9 +42,18 @@ struct UnloadAdapter {
     lora_name: String,
 }
 
+/// The adapters to administer, on a server with API keys only: an open
+/// server would let anyone make it read directories of its choosing.
 fn admin(api: &Inner) -> Result<&Arc<dyn Adapters>, ApiError> {
     let none = || ApiError::not_implemented("this server loads no LoRA adapters");
-    api.adapters.as_ref().ok_or_else(none)
+    let adapters = api.adapters.as_ref().ok_or_else(none)?;
+    if api.api_keys.is_empty() {
+        return Err(ApiError::forbidden(
+            "loading and unloading LoRA adapters needs API keys (--api-key): the admin \
+             routes are never open",
+        ));
+    }
+    Ok(adapters)
 }
 
 pub(crate) async fn load(

@@ -52,6 +52,14 @@ impl ApiError {
         }
     }
 
+    /// 403: this server will not do that for anyone.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::FORBIDDEN,
+            ..Self::bad_request(message)
+        }
+    }
+
     /// 429: every slot is busy; retry later.
     pub fn busy(message: impl Into<String>) -> Self {
         Self {

@@ -89,10 +89,14 @@ impl LayerLora<'_> {
         }
         let outp = out.len() / m;
         let layer = self.layer;
-        let deltas: Vec<Option<Vec<f32>>> = chunks
-            .par_iter()
-            .map(|(a, rows)| Some(a.pair(layer, target)?.delta(x, rows)))
-            .collect();
+        let delta =
+            |(a, rows): &(&LoraAdapter, Vec<usize>)| Some(a.pair(layer, target)?.delta(x, rows));
+        // One chunk (a decode batch of one adapter) runs here: a parallel
+        // loop would cost a hand-off to the pool for microseconds of work.
+        let deltas: Vec<Option<Vec<f32>>> = match chunks.len() {
+            1 => chunks.iter().map(delta).collect(),
+            _ => chunks.par_iter().map(delta).collect(),
+        };
         for ((_, rows), delta) in chunks.iter().zip(deltas) {
             let Some(delta) = delta else { continue };
             for (&r, d) in rows.iter().zip(delta.chunks_exact(outp)) {

@@ -9,6 +9,7 @@ mod beams;
 mod config;
 mod emit;
 mod forward;
+mod lora;
 mod prompt_scores;
 mod speculation;
 mod stats;
@@ -23,7 +24,7 @@ use crate::backend::{ComputeBackend, CpuBackend};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
 use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, SlidingLayers};
-use crate::lora::{LoraRegistry, LoraSettings};
+use crate::lora::LoraRegistry;
 use crate::model::Model;
 use crate::sampling::Sampler;
 use crate::speculative::SpecCounts;
@@ -303,32 +304,6 @@ impl EngineCore {
     /// Bytes of the KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
         self.limits.num_blocks * self.backend.block_bytes()
-    }
-
-    /// Serves LoRA adapters: a registry for this model with `settings`'
-    /// limits, its start-up adapters loaded. Refused when the backend cannot
-    /// run them (a GPU, a sharded model).
-    pub fn enable_lora(&mut self, settings: &LoraSettings) -> Result<Arc<LoraRegistry>> {
-        if !self.backend.runs_lora() {
-            return Err(EngineError::Unsupported(format!(
-                "LoRA adapters run on the CPU backend with an unsharded model; this engine \
-                 runs on {}",
-                self.backend.device()
-            )));
-        }
-        let registry = Arc::new(LoraRegistry::new(self.backend.config().clone(), settings)?);
-        self.lora = Some(Arc::clone(&registry));
-        Ok(registry)
-    }
-
-    /// Whether the backend runs LoRA adapters.
-    pub fn runs_lora(&self) -> bool {
-        self.backend.runs_lora()
-    }
-
-    /// The adapters requests may name.
-    pub(crate) fn lora(&self) -> Option<&Arc<LoraRegistry>> {
-        self.lora.as_ref()
     }
 
     /// The format compiler shared with the handle.
