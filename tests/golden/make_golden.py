@@ -496,11 +496,11 @@ def build(config_cls, model_cls, kwargs, seed):
 
 
 @torch.no_grad()
-def greedy(model, prompt, incremental=False):
+def greedy(model, prompt, incremental=False, tokens=GEN_TOKENS, top_n=TOP_N):
     ids = list(prompt)
     steps = []
     past = None
-    for _ in range(GEN_TOKENS):
+    for _ in range(tokens):
         if incremental:
             new = ids if past is None else ids[-1:]
             out = model(torch.tensor([new]), past_key_values=past, use_cache=True)
@@ -509,7 +509,7 @@ def greedy(model, prompt, incremental=False):
         else:
             logits = model(torch.tensor([ids])).logits[0, -1].float()
         lp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(lp, TOP_N)
+        top = torch.topk(lp, top_n)
         tok = int(top.indices[0])
         sorted_lp = torch.sort(lp, descending=True).values
         steps.append(

@@ -41,7 +41,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_golden import router_gaps  # noqa: E402
+from make_golden import greedy as golden_greedy, router_gaps  # noqa: E402
 
 GEN_TOKENS = 24
 TOP_N = 5
@@ -113,28 +113,10 @@ def make_adapter(base, lora_kwargs, seed, base_name):
     return model.eval(), modules
 
 
-@torch.no_grad()
 def greedy(model, prompt):
     """make_golden.py's greedy decoding and step format (token, logprob,
     top-N, top-1 / top-2 gap), full forward each step."""
-    ids = list(prompt)
-    steps = []
-    for _ in range(GEN_TOKENS):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(lp, TOP_N)
-        tok = int(top.indices[0])
-        sorted_lp = torch.sort(lp, descending=True).values
-        steps.append(
-            {
-                "token": tok,
-                "logprob": float(lp[tok]),
-                "top": [[int(i), float(v)] for i, v in zip(top.indices, top.values)],
-                "gap": float(sorted_lp[0] - sorted_lp[1]),
-            }
-        )
-        ids.append(tok)
-    return steps
+    return golden_greedy(model, prompt, tokens=GEN_TOKENS, top_n=TOP_N)
 
 
 def load_base(golden, case):
