@@ -349,6 +349,9 @@ fn resident_adapters_are_bounded_and_evicted_least_recently_used() {
     let again = reg.resolve("r4_attn").expect("reloaded");
     assert_eq!(resident(&reg), ["r16_rslora_mlp", "r4_attn"]);
     let _third = reg.resolve("r8_all").expect_err("both slots held");
+    let dir = adapter_dir("llama_gqa_f32", "r8_all");
+    reg.load("r8_all", &dir).expect_err("no slot to load into");
+    assert_eq!(resident(&reg).len(), 2, "a refused load keeps r8_all known");
     drop((held, again));
     reg.resolve("r8_all").expect("a slot is free now");
     reg.unload("r8_all").expect("unload");

@@ -109,8 +109,14 @@ impl LoraRegistry {
         let mut guard = self.lock();
         let (known, clock) = &mut *guard;
         *clock += 1;
-        known.remove(name);
-        make_room(known, self.max_loras)?;
+        // The adapter it replaces stays if there is no room for this one.
+        let replaced = known.remove(name);
+        if let Err(e) = make_room(known, self.max_loras) {
+            if let Some(old) = replaced {
+                known.insert(name.to_string(), old);
+            }
+            return Err(e);
+        }
         let info = AdapterInfo {
             name: name.to_string(),
             hash_root: adapter.hash_root(),
