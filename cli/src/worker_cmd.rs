@@ -239,24 +239,78 @@ impl WorkerArgs {
 /// The shutdown future of a worker: on SIGTERM or Ctrl-C, or when its
 /// engine stops for good (a lost tensor/pipeline-parallel rank), it leaves
 /// the membership first (the router stops sending), then the server drains.
+/// A decode worker (`hand_over`) in a pool of more than one in etcd hands
+/// its requests over (see [`hand_over`]); otherwise it finishes them.
 async fn leave_then_drain(
     signal: impl std::future::Future<Output = ()>,
     reg: Option<tandem_discovery::Registration>,
     engine: tandem_engine::serving::EngineHandle,
+    hand_over: bool,
 ) {
     let failed = tokio::select! {
         () = signal => None,
-        why = engine_stopped(engine) => Some(why),
+        why = engine_stopped(engine.clone()) => Some(why),
     };
-    if let Some(reg) = reg {
+    // Handing over needs another worker to take the requests (a pool of
+    // one drains by finishing them) and a healthy engine.
+    let mut hand_over = hand_over && failed.is_none();
+    if let Some(mut reg) = reg {
+        if hand_over {
+            hand_over = match reg.peers().await {
+                Ok(peers) => peers > 0,
+                Err(e) => {
+                    tracing::warn!(error = %e, "listing the pool; finishing requests here");
+                    false
+                }
+            };
+        }
         if let Err(e) = reg.deregister().await {
             tracing::warn!(error = %e, "deregistering");
         }
+    } else {
+        // Static membership: nobody here knows who could take them.
+        hand_over = false;
     }
     if let Some(why) = failed {
         exit_after_engine_failure(&why);
     }
+    if hand_over {
+        self::hand_over(&engine).await;
+    }
     tracing::info!("draining");
+}
+
+/// How long a draining decode worker's engine must stay idle before it
+/// takes its KV to be pulled: the router resumes each handed-over request
+/// at once, and its new worker asks for the blocks within milliseconds.
+const HANDOVER_QUIET: Duration = Duration::from_secs(2);
+/// The longest a draining decode worker waits for its KV to be pulled.
+const HANDOVER_LIMIT: Duration = Duration::from_secs(60);
+
+/// Ends every running request here as handed over (the router resumes it
+/// on another decode worker, which pulls its KV blocks from this one's
+/// prefix cache over the KV transport instead of prefilling them again),
+/// then serves those pulls until the engine has been idle for
+/// [`HANDOVER_QUIET`].
+async fn hand_over(engine: &tandem_engine::serving::EngineHandle) {
+    let handed = engine.stats().running;
+    engine.hand_over();
+    tracing::info!(requests = handed, "handing requests over");
+    if handed == 0 {
+        return;
+    }
+    let start = tokio::time::Instant::now();
+    let mut quiet_since = start;
+    while start.elapsed() < HANDOVER_LIMIT {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let s = engine.stats();
+        if s.running + s.waiting + s.parked > 0 {
+            quiet_since = tokio::time::Instant::now();
+        } else if quiet_since.elapsed() >= HANDOVER_QUIET {
+            return;
+        }
+    }
+    tracing::warn!("KV pulls still running after {HANDOVER_LIMIT:?}; draining anyway");
 }
 
 #[derive(Args, Debug)]
@@ -319,7 +373,7 @@ pub fn run_prefill(args: WorkerArgs) -> Result<()> {
             bound,
             config,
             &registry,
-            leave_then_drain(signal, reg, engine.handle.clone()),
+            leave_then_drain(signal, reg, engine.handle.clone(), false),
         )
         .await?;
         Ok(())
@@ -359,7 +413,7 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             bound,
             config,
             &registry,
-            leave_then_drain(signal, reg, engine.handle.clone()),
+            leave_then_drain(signal, reg, engine.handle.clone(), true),
         )
         .await?;
         Ok(())

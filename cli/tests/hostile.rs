@@ -210,6 +210,7 @@ fn workers_refuse_calls_without_the_cluster_credential() {
             .generate(wv1::RoutedGenerateRequest {
                 request: Some(generate()),
                 prefill_worker: prefill.clone(),
+                resume: None,
             })
             .await
             .expect_err("no credential");

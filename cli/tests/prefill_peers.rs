@@ -175,6 +175,7 @@ fn call(prompt: &[u32], prefill: Option<&str>) -> tonic::Request<wv1::RoutedGene
             ..Default::default()
         }),
         prefill_worker: prefill.unwrap_or_default().to_string(),
+        resume: None,
     })
 }
 

@@ -594,6 +594,24 @@ pub async fn run(
         "tandem.worker.v1.Decode",
         wv1::FILE_DESCRIPTOR_SET,
     );
+    // A draining decode worker's requests go on elsewhere: their new
+    // worker pulls the KV from here, through the same `Prefill` a prefill
+    // worker serves (computing only what is not cached: a last partial
+    // block). For decode workers alone, as on a prefill worker.
+    let pull_guard = credential
+        .interceptor()
+        .require_roles(config.tls.is_some(), &[PeerRole::Decode]);
+    services.add(
+        tonic::service::interceptor::InterceptedService::new(
+            wv1::prefill_server::PrefillServer::new(
+                tandem_prefill_worker::PrefillService::new(engine.clone(), transport, layout)
+                    .with_metrics(tandem_prefill_worker::PrefillMetrics::register(registry)),
+            ),
+            pull_guard,
+        ),
+        "tandem.worker.v1.Prefill",
+        wv1::FILE_DESCRIPTOR_SET,
+    );
     services.add(
         wv1::worker_server::WorkerServer::new(tandem_server::WorkerService::new(engine, info)),
         "tandem.worker.v1.Worker",

@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, PutOptions};
+use etcd_client::{Client, GetOptions, PutOptions};
 use tokio::task::JoinHandle;
 
 use crate::etcd::{call, connect, is_stale_token, Backoff, REQUEST_TIMEOUT};
@@ -124,6 +124,28 @@ impl Registration {
     /// The TTL etcd granted (at least the one asked for).
     pub fn ttl(&self) -> Duration {
         self.ttl
+    }
+
+    /// How many other workers of this one's role are registered in its
+    /// cluster now (a draining decode worker hands its requests over only
+    /// when another can take them).
+    pub async fn peers(&mut self) -> Result<usize, DiscoveryError> {
+        let Some(end) = self.key.rfind('/') else {
+            return Ok(0);
+        };
+        let prefix = self.key[..=end].to_string();
+        let options = GetOptions::new().with_prefix().with_keys_only();
+        let found = call(
+            &self.config,
+            "listing the pool's workers",
+            self.client.get(prefix, Some(options)),
+        )
+        .await?;
+        Ok(found
+            .kvs()
+            .iter()
+            .filter(|kv| kv.key() != self.key.as_bytes())
+            .count())
     }
 
     /// Stops the keep-alive and revokes the lease, which deletes the key at

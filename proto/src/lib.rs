@@ -61,6 +61,29 @@ pub mod worker {
     /// [`ERROR_SCOPE_HEADER`]'s value.
     pub const REQUEST_SCOPE: &str = "request";
 
+    /// [`ERROR_SCOPE_HEADER`]'s value on a request a draining decode worker
+    /// handed over: it stopped there to go on elsewhere, and its KV blocks
+    /// stay in that worker's prefix cache, to be pulled with `Prefill`
+    /// from its address while it drains.
+    pub const HANDED_OVER: &str = "handed-over";
+
+    /// Marks `status` as a handed-over request ([`HANDED_OVER`]).
+    pub fn handed_over(mut status: tonic::Status) -> tonic::Status {
+        status.metadata_mut().insert(
+            ERROR_SCOPE_HEADER,
+            tonic::metadata::MetadataValue::from_static(HANDED_OVER),
+        );
+        status
+    }
+
+    /// Whether a draining worker handed the request over ([`HANDED_OVER`]).
+    pub fn is_handed_over(status: &tonic::Status) -> bool {
+        status
+            .metadata()
+            .get(ERROR_SCOPE_HEADER)
+            .is_some_and(|v| v == HANDED_OVER)
+    }
+
     /// Marks `status` as one request's failure ([`ERROR_SCOPE_HEADER`]).
     pub fn request_error(mut status: tonic::Status) -> tonic::Status {
         status.metadata_mut().insert(

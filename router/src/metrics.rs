@@ -55,10 +55,13 @@ impl RouterMetrics {
             ),
             migrations: registry.counter_family(
                 "tandem_router_migrations_total",
-                "Requests whose decode worker failed mid-stream, by what happened next: \
-                 resumed (re-sent with the tokens so far to another decode worker) or \
-                 no_worker (none was left to take it).",
-                &["result"],
+                "Requests whose decode worker failed mid-stream (cause=failure) or \
+                 handed them over while draining (cause=drain), by what happened next: \
+                 resumed (re-sent with each choice's tokens so far to another decode \
+                 worker), no_worker (none was left to take it) or cannot_resume (a beam \
+                 search whose results had begun to stream); and by path: kv_moved (the \
+                 new worker pulls the KV from the draining one) or reprefilled.",
+                &["cause", "result", "path"],
             ),
         })
     }
@@ -71,8 +74,8 @@ impl RouterMetrics {
         self.decisions.with(&[pool, policy, reason]).inc();
     }
 
-    pub(crate) fn migration(&self, result: &str) {
-        self.migrations.with(&[result]).inc();
+    pub(crate) fn migration(&self, cause: &str, result: &str, path: &str) {
+        self.migrations.with(&[cause, result, path]).inc();
     }
 
     pub(crate) fn placement(&self, placement: &str, reason: &str) {

@@ -11,22 +11,25 @@
 //! most [`MAX_MIGRATIONS`] times per request, each within the request's
 //! deadline.
 //!
-//! What can migrate: one choice, token-id prompts (the router tokenizes text
-//! prompts when it has the tokenizer), no `response_format` (the grammar's
-//! state lives in the failed worker), no stop strings (text held back for a
-//! possible match would be lost) and no presence/frequency penalty (those
-//! count generated tokens, which become prompt tokens), no beam search
-//! (beams live in the failed worker and nothing of them has streamed: a
-//! continuation would search from one hypothesis). Greedy requests
-//! continue with the same tokens; a seeded sampled request continues as a
-//! valid sample but not the one it would have drawn.
+//! Every request with a token-id prompt migrates (the router tokenizes
+//! text prompts when it has the tokenizer), and continues exactly: the
+//! continuation is the original request plus a `Resume` with each choice's
+//! tokens so far, which the new worker replays into each choice's grammar,
+//! stop-string matcher, penalty counts and random stream (keyed by position:
+//! a seeded choice draws what it would have drawn) before sampling on. A
+//! choice that had ended is summarised, not generated again. Usage and
+//! timings in the `Finished` message count the whole request once. A
+//! request whose stream had sent nothing yet (beam search sends everything
+//! at its end) is simply sent again; beam search that had begun to stream
+//! its results does not migrate.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_proto::v1;
 use tandem_proto::worker::v1::decode_client::DecodeClient;
-use tandem_proto::worker::v1::RoutedGenerateRequest;
+use tandem_proto::worker::v1::{self as wv1, RoutedGenerateRequest};
 use tonic::{Code, Request, Status, Streaming};
 
 use crate::metrics::RouterMetrics;
@@ -43,10 +46,15 @@ pub(crate) struct Resume {
     pub(crate) request: v1::GenerateRequest,
     pub(crate) deadline: Option<Instant>,
     pub(crate) block_size: usize,
-    /// Tokens streamed so far (choice 0).
-    pub(crate) generated: Vec<u32>,
-    /// How many of them the current upstream got as prompt.
-    pub(crate) carried: u32,
+    /// When the router first forwarded it.
+    pub(crate) started: Instant,
+    /// When its first token arrived.
+    pub(crate) first_token: Option<Instant>,
+    /// Whether any message reached the client (then a beam search cannot
+    /// restart, and the prompt's scores were sent).
+    pub(crate) streamed: bool,
+    /// Each choice's tokens so far, by index.
+    pub(crate) tokens: BTreeMap<u32, Vec<u32>>,
     pub(crate) attempts_left: u32,
 }
 
@@ -58,49 +66,94 @@ impl Resume {
         deadline: Option<Instant>,
         block_size: usize,
     ) -> Option<Resume> {
-        let sampling = request.sampling.unwrap_or_default();
-        let migratable = request.n <= 1
-            && matches!(
-                request.prompt,
-                Some(v1::generate_request::Prompt::TokenIds(_))
-            )
-            && request.response_format.is_none()
-            && request.beam_search.is_none()
-            && request.stop.is_empty()
-            && sampling.presence_penalty == 0.0
-            && sampling.frequency_penalty == 0.0;
+        let migratable = matches!(
+            request.prompt,
+            Some(v1::generate_request::Prompt::TokenIds(_))
+        );
         migratable.then(|| Resume {
             cluster,
             request: request.clone(),
             deadline,
             block_size,
-            generated: Vec::new(),
-            carried: 0,
+            started: Instant::now(),
+            first_token: None,
+            streamed: false,
+            tokens: BTreeMap::new(),
             attempts_left: MAX_MIGRATIONS,
         })
     }
 
-    /// The request that continues this one: the prompt plus what was
-    /// generated, for the tokens still to come.
-    fn continuation(&self) -> Option<v1::GenerateRequest> {
-        let mut req = self.request.clone();
-        let Some(v1::generate_request::Prompt::TokenIds(ids)) = &mut req.prompt else {
+    /// The request that continues this one and where it stands: the
+    /// original request as is when nothing was streamed yet; `None` when it
+    /// cannot go on (a beam search that had begun to stream).
+    fn continuation(&self) -> Option<(v1::GenerateRequest, Option<wv1::Resume>)> {
+        if !self.streamed {
+            return Some((self.request.clone(), None));
+        }
+        if self.request.beam_search.is_some() {
             return None;
+        }
+        let mut req = self.request.clone();
+        // The prompt's scores came before the first token: the client has
+        // them.
+        req.prompt_logprobs = None;
+        let resume = wv1::Resume {
+            choices: self
+                .tokens
+                .iter()
+                .map(|(&index, tokens)| wv1::ResumedChoice {
+                    index,
+                    token_ids: tokens.clone(),
+                })
+                .collect(),
+            elapsed_s: self.started.elapsed().as_secs_f64(),
+            first_token_s: self
+                .first_token
+                .map(|t| t.duration_since(self.started).as_secs_f64()),
         };
-        // Prompt scores come before the first token: with tokens generated
-        // the client has them, and the longer prompt must not be scored.
-        if !self.generated.is_empty() {
-            req.prompt_logprobs = None;
-        }
-        ids.ids.extend_from_slice(&self.generated);
-        if let Some(max) = req.max_tokens {
-            let left = max.checked_sub(self.generated.len() as u32)?;
-            if left == 0 {
-                return None;
+        Some((req, Some(resume)))
+    }
+
+    /// Records what the client got.
+    fn track(&mut self, msg: &v1::GenerateResponse) {
+        self.streamed = true;
+        if let Some(v1::generate_response::Event::Delta(d)) = &msg.event {
+            if !d.token_ids.is_empty() && self.first_token.is_none() {
+                self.first_token = Some(Instant::now());
             }
-            req.max_tokens = Some(left);
+            self.tokens
+                .entry(d.index)
+                .or_default()
+                .extend_from_slice(&d.token_ids);
         }
-        Some(req)
+    }
+
+    /// Tokens in the continuation's prompt and replay (for the load count).
+    fn tokens_to_compute(&self) -> usize {
+        let prompt = match &self.request.prompt {
+            Some(v1::generate_request::Prompt::TokenIds(ids)) => ids.ids.len(),
+            _ => 0,
+        };
+        prompt + self.tokens.values().map(Vec::len).max().unwrap_or(0)
+    }
+}
+
+/// Why a request migrates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// Its decode worker failed (died, lost its connection): the KV is
+    /// gone with it.
+    Failure,
+    /// Its decode worker is draining and handed it over, keeping its KV.
+    Drain,
+}
+
+impl Cause {
+    fn label(self) -> &'static str {
+        match self {
+            Cause::Failure => "failure",
+            Cause::Drain => "drain",
+        }
     }
 }
 
@@ -135,14 +188,14 @@ impl Proxy {
         }
         loop {
             match self.upstream.message().await {
-                Ok(Some(mut msg)) => {
+                Ok(Some(msg)) => {
                     self.prefill_load = None;
                     if !self.first_seen {
                         self.first_seen = true;
                         self.metrics.ttft.observe_duration(self.started.elapsed());
                     }
                     if let Some(resume) = &mut self.resume {
-                        track(resume, &mut msg);
+                        resume.track(&msg);
                     }
                     return Some(Ok(msg));
                 }
@@ -158,7 +211,12 @@ impl Proxy {
                         error = %status.message(),
                         "decode worker failed the request"
                     );
-                    if worker_failed(&status) && self.migrate().await {
+                    let cause = if tandem_proto::worker::is_handed_over(&status) {
+                        Cause::Drain
+                    } else {
+                        Cause::Failure
+                    };
+                    if worker_failed(&status) && self.migrate(cause).await {
                         continue;
                     }
                     self.end(outcome_of(&status));
@@ -170,36 +228,52 @@ impl Proxy {
 
     /// Re-sends the request to another decode worker; true when the stream
     /// now comes from there.
-    async fn migrate(&mut self) -> bool {
+    async fn migrate(&mut self, cause: Cause) -> bool {
         let Some(mut resume) = self.resume.take() else {
             return false;
         };
         self.decode.mark_down();
-        let moved = self.migrate_with(&mut resume).await;
+        // A draining worker keeps the request's blocks for the taking: the
+        // next worker pulls them from it like from a prefill worker.
+        let kv_source = match cause {
+            Cause::Drain => Some(self.decode.addr.clone()),
+            Cause::Failure => None,
+        };
+        let moved = self.migrate_with(&mut resume, cause, kv_source).await;
         self.resume = Some(resume);
         moved
     }
 
-    async fn migrate_with(&mut self, resume: &mut Resume) -> bool {
+    async fn migrate_with(
+        &mut self,
+        resume: &mut Resume,
+        cause: Cause,
+        kv_source: Option<String>,
+    ) -> bool {
+        let path = if kv_source.is_some() {
+            "kv_moved"
+        } else {
+            "reprefilled"
+        };
         while resume.attempts_left > 0 {
             resume.attempts_left -= 1;
-            let Some(req) = resume.continuation() else {
+            let Some((req, replay)) = resume.continuation() else {
+                self.metrics
+                    .migration(cause.label(), "cannot_resume", "none");
                 return false;
             };
             let failed = self.decode.addr.clone();
             let Some(next) = resume.cluster.replacement(Role::Decode, &failed, &req.lora) else {
-                self.metrics.migration("no_worker");
+                self.metrics.migration(cause.label(), "no_worker", "none");
                 return false;
             };
-            let prompt_len = match &req.prompt {
-                Some(v1::generate_request::Prompt::TokenIds(ids)) => ids.ids.len(),
-                _ => 0,
-            };
-            // The continuation prefills where it lands: its prompt is the
-            // original one plus what was generated, mostly cached nowhere.
+            let prompt_len = resume.tokens_to_compute();
+            // Without a KV source the continuation computes its prompt and
+            // replayed tokens where it lands: mostly cached nowhere.
             let mut forward = Request::new(RoutedGenerateRequest {
                 request: Some(req),
-                prefill_worker: String::new(),
+                prefill_worker: kv_source.clone().unwrap_or_default(),
+                resume: replay,
             });
             tandem_telemetry::propagation::inject(&self.span, forward.metadata_mut());
             if let Some(deadline) = resume.deadline {
@@ -217,11 +291,10 @@ impl Proxy {
                         parent: &self.span,
                         from = %failed,
                         to = %next.addr,
-                        tokens_so_far = resume.generated.len(),
+                        tokens_so_far = resume.tokens.values().map(Vec::len).sum::<usize>(),
                         "request migrated"
                     );
-                    self.metrics.migration("resumed");
-                    resume.carried = resume.generated.len() as u32;
+                    self.metrics.migration(cause.label(), "resumed", path);
                     self.upstream = response.into_inner();
                     self.decode = next;
                     self.decode_load = load;
@@ -251,28 +324,6 @@ impl Drop for Proxy {
         if !self.ended {
             self.end("cancelled");
         }
-    }
-}
-
-/// Records the tokens of choice 0 and, after a migration, gives the
-/// `Finished` usage back in terms of the original request.
-fn track(resume: &mut Resume, msg: &mut v1::GenerateResponse) {
-    match &mut msg.event {
-        Some(v1::generate_response::Event::Delta(d)) if d.index == 0 => {
-            resume.generated.extend_from_slice(&d.token_ids);
-        }
-        Some(v1::generate_response::Event::Finished(f)) if resume.carried > 0 => {
-            let carried = resume.carried;
-            if let Some(u) = &mut f.usage {
-                u.prompt_tokens = u.prompt_tokens.saturating_sub(carried);
-                u.cached_tokens = u.cached_tokens.min(u.prompt_tokens);
-                u.completion_tokens += carried;
-            }
-            for c in &mut f.choices {
-                c.completion_tokens += carried;
-            }
-        }
-        _ => {}
     }
 }
 
@@ -346,79 +397,69 @@ mod tests {
         Resume::for_request(Cluster::new(Duration::from_millis(100)), req, None, 16)
     }
 
+    fn delta(index: u32, token_ids: Vec<u32>) -> v1::GenerateResponse {
+        v1::GenerateResponse {
+            event: Some(v1::generate_response::Event::Delta(v1::TokenDelta {
+                index,
+                token_ids,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
     #[test]
-    fn what_cannot_continue_elsewhere_does_not_migrate() {
-        assert!(resume(&request(vec![1, 2], Some(8))).is_some());
+    fn only_an_untokenized_prompt_keeps_a_request_from_migrating() {
         let mut r = request(vec![1, 2], Some(8));
-        r.n = 2;
-        assert!(resume(&r).is_none(), "several choices");
-        let mut r = request(vec![1, 2], Some(8));
+        r.n = 3;
         r.stop = vec!["\n".into()];
-        assert!(resume(&r).is_none(), "stop strings");
-        let mut r = request(vec![1, 2], Some(8));
         r.response_format = Some(v1::ResponseFormat::default());
-        assert!(resume(&r).is_none(), "a grammar");
-        let mut r = request(vec![1, 2], Some(8));
         r.sampling = Some(v1::SamplingParams {
             presence_penalty: 0.5,
+            seed: Some(3),
             ..Default::default()
         });
-        assert!(resume(&r).is_none(), "a presence penalty");
+        assert!(resume(&r).is_some());
         let mut r = request(vec![], Some(8));
         r.prompt = Some(v1::generate_request::Prompt::Text("hi".into()));
         assert!(resume(&r).is_none(), "an untokenized prompt");
     }
 
     #[test]
-    fn the_continuation_carries_the_tokens_and_the_usage_comes_back() {
-        let mut r = resume(&request(vec![5, 6, 7], Some(10))).expect("migratable");
-        let mut delta = v1::GenerateResponse {
-            event: Some(v1::generate_response::Event::Delta(v1::TokenDelta {
-                token_ids: vec![8, 9],
-                ..Default::default()
-            })),
-            ..Default::default()
-        };
-        track(&mut r, &mut delta);
-        let next = r.continuation().expect("tokens are left");
-        assert_eq!(next.max_tokens, Some(8));
-        let Some(v1::generate_response::Event::Delta(_)) = delta.event else {
-            panic!("deltas pass through unchanged");
-        };
-        match next.prompt {
-            Some(v1::generate_request::Prompt::TokenIds(ids)) => {
-                assert_eq!(ids.ids, vec![5, 6, 7, 8, 9]);
-            }
-            other => panic!("{other:?}"),
+    fn the_continuation_is_the_original_request_and_each_choices_tokens() {
+        let mut original = request(vec![5, 6, 7], Some(10));
+        original.n = 2;
+        original.prompt_logprobs = Some(1);
+        let mut r = resume(&original).expect("migratable");
+        // Nothing streamed yet: sent again as it was.
+        let (again, replay) = r.continuation().expect("continues");
+        assert_eq!(again, original);
+        assert!(replay.is_none());
+        for msg in [delta(0, vec![8, 9]), delta(1, vec![4]), delta(0, vec![3])] {
+            r.track(&msg);
         }
-        r.carried = 2;
-        let mut finished = v1::GenerateResponse {
-            event: Some(v1::generate_response::Event::Finished(v1::Finished {
-                usage: Some(v1::Usage {
-                    prompt_tokens: 5,
-                    cached_tokens: 5,
-                    completion_tokens: 8,
-                }),
-                choices: vec![v1::ChoiceSummary {
-                    completion_tokens: 8,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })),
-            ..Default::default()
-        };
-        track(&mut r, &mut finished);
-        let Some(v1::generate_response::Event::Finished(f)) = finished.event else {
-            panic!("finished");
-        };
-        let u = f.usage.expect("usage");
+        let (next, replay) = r.continuation().expect("continues");
+        let replay = replay.expect("a resume");
         assert_eq!(
-            (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
-            (3, 3, 10)
+            next.prompt, original.prompt,
+            "the prompt stays the original"
         );
-        assert_eq!(f.choices[0].completion_tokens, 10);
-        // Nothing left to generate: nothing to migrate.
-        r.generated = vec![1; 10];
-        assert!(r.continuation().is_none());
+        assert_eq!(next.max_tokens, Some(10));
+        assert_eq!(next.prompt_logprobs, None, "the prompt's scores were sent");
+        let choices: Vec<(u32, Vec<u32>)> = replay
+            .choices
+            .into_iter()
+            .map(|c| (c.index, c.token_ids))
+            .collect();
+        assert_eq!(choices, vec![(0, vec![8, 9, 3]), (1, vec![4])]);
+        assert!(replay.first_token_s.is_some());
+        assert_eq!(r.tokens_to_compute(), 6);
+        // A beam search that began to stream cannot start over.
+        let mut beams = request(vec![1], Some(4));
+        beams.beam_search = Some(v1::BeamSearch::default());
+        let mut b = resume(&beams).expect("migratable");
+        assert!(b.continuation().is_some_and(|c| c.1.is_none()));
+        b.track(&delta(0, vec![1, 2]));
+        assert!(b.continuation().is_none());
     }
 }

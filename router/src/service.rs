@@ -376,6 +376,7 @@ impl RouterService {
             let mut forward = Request::new(RoutedGenerateRequest {
                 request: Some(req),
                 prefill_worker: prefill_worker.clone(),
+                resume: None,
             });
             tandem_telemetry::propagation::inject(span, forward.metadata_mut());
             // The worker gets what is left of the client's deadline and ends

@@ -64,6 +64,7 @@ pub fn request_from_proto(req: v1::GenerateRequest) -> Result<Request, BadReques
             .map(|n| tandem_engine::serving::PromptLogprobs::top(n as usize)),
         beam,
         lora: (!req.lora.is_empty()).then_some(req.lora),
+        resume: None,
         span: tracing::Span::none(),
     })
 }

@@ -19,11 +19,12 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::Stream;
 use tandem_engine::serving::{
     EngineHandle, FailureScope, PrefillMode, RemotePrefill, RequestEvent, RequestFailure,
-    RequestStream,
+    RequestStream, Resume, ResumedChoice,
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
@@ -147,10 +148,14 @@ pub fn status_from_engine(e: EngineError) -> Status {
 /// unless the engine failed (then the router may take the worker for
 /// broken, and should).
 pub fn status_from_failure(failure: RequestFailure) -> Status {
-    let status = Status::internal(failure.message);
     match failure.scope {
-        FailureScope::Request => tandem_proto::worker::request_error(status),
-        FailureScope::Engine => status,
+        FailureScope::Request => {
+            tandem_proto::worker::request_error(Status::internal(failure.message))
+        }
+        FailureScope::Engine => Status::internal(failure.message),
+        FailureScope::HandedOver => {
+            tandem_proto::worker::handed_over(Status::unavailable(failure.message))
+        }
     }
 }
 
@@ -279,7 +284,7 @@ impl v1::generation_server::Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let metadata = request.metadata().clone();
-        self.serve(metadata, request.into_inner(), None).await
+        self.serve(metadata, request.into_inner(), None, None).await
     }
 }
 
@@ -299,7 +304,8 @@ impl wv1::decode_server::Decode for GenerationService {
             ));
         };
         let target = Some(routed.prefill_worker).filter(|w| !w.is_empty());
-        self.serve(metadata, inner, target).await
+        let resume = routed.resume.map(resume_from_proto).transpose()?;
+        self.serve(metadata, inner, target, resume).await
     }
 }
 
@@ -311,6 +317,7 @@ impl GenerationService {
         metadata: MetadataMap,
         request: v1::GenerateRequest,
         prefill_worker: Option<String>,
+        resume: Option<Resume>,
     ) -> Result<Response<ResponseStream>, Status> {
         let deadline = tandem_proto::deadline::grpc_timeout(&metadata)
             .map(|t| tokio::time::Instant::now() + t);
@@ -333,6 +340,7 @@ impl GenerationService {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
+        req.resume = resume;
         span.record("request_id", req.request_id.as_str());
         if let (Some(p), Some(target)) = (&self.prefiller, &prefill_worker) {
             req.prefill = p.mode(target);
@@ -392,6 +400,32 @@ impl GenerationService {
         });
         Ok(Response::new(Box::pin(stream)))
     }
+}
+
+/// The router's resume, as the engine takes it.
+fn resume_from_proto(r: wv1::Resume) -> Result<Resume, Status> {
+    let seconds = |s: f64, field: &str| {
+        Duration::try_from_secs_f64(s).map_err(|_| {
+            Status::invalid_argument(format!(
+                "RoutedGenerateRequest.resume.{field}: {s} is not a duration"
+            ))
+        })
+    };
+    Ok(Resume {
+        choices: r
+            .choices
+            .into_iter()
+            .map(|c| ResumedChoice {
+                index: c.index,
+                tokens: c.token_ids,
+            })
+            .collect(),
+        elapsed: seconds(r.elapsed_s, "elapsed_s")?,
+        first_token_after: r
+            .first_token_s
+            .map(|s| seconds(s, "first_token_s"))
+            .transpose()?,
+    })
 }
 
 fn new_request_id() -> String {

@@ -16,6 +16,10 @@
 //!
 //! A seed makes the draws reproducible: the generator is xoshiro256** seeded
 //! through SplitMix64, owned by the request, independent of batch-mates.
+//! Each output position has its own stream, keyed by the seed and the
+//! position: what a token's draw uses depends only on the seed and how many
+//! tokens came before it, so a request continued on another worker
+//! ([`Sampler::replay`]) draws what it would have drawn here.
 
 use std::collections::HashMap;
 
@@ -138,10 +142,13 @@ impl Rng {
 
     /// Seeded from the clock, for requests without a seed.
     pub fn from_entropy() -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        Self::seeded(nanos ^ u64::from(std::process::id()).rotate_left(32))
+        Self::seeded(entropy())
+    }
+
+    /// The stream of output position `position` of the request keyed by
+    /// `key`.
+    fn for_position(key: u64, position: u64) -> Self {
+        Self::seeded(key.rotate_left(17) ^ position.wrapping_mul(0xd1b5_4a32_d192_ed03))
     }
 
     /// The next 64 random bits.
@@ -164,12 +171,26 @@ impl Rng {
     }
 }
 
-/// A request's sampler: its parameters, its random stream and the counts the
-/// penalties need.
+/// A key from the clock, for requests without a seed.
+fn entropy() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ u64::from(std::process::id()).rotate_left(32)
+}
+
+/// A request's sampler: its parameters, its random streams and the counts
+/// the penalties need.
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
+    /// Keys every position's stream: the seed, or entropy.
+    key: u64,
+    /// Tokens recorded so far: the position the next draw belongs to.
+    position: u64,
+    /// The stream of position `stream_at`.
     rng: Rng,
+    stream_at: u64,
     /// Occurrences of each token in the output so far.
     output_counts: HashMap<u32, u32>,
     /// Tokens in the prompt (for the repetition penalty).
@@ -180,13 +201,16 @@ impl Sampler {
     /// A sampler for one request with this prompt.
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Result<Self> {
         params.validate()?;
-        let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        let key = params.seed.unwrap_or_else(entropy);
         let mut prompt_tokens = prompt.to_vec();
         prompt_tokens.sort_unstable();
         prompt_tokens.dedup();
         Ok(Self {
             params,
-            rng,
+            key,
+            position: 0,
+            rng: Rng::for_position(key, 0),
+            stream_at: 0,
             output_counts: HashMap::new(),
             prompt_tokens,
         })
@@ -195,6 +219,29 @@ impl Sampler {
     /// The request's parameters.
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Records tokens this choice emitted before (elsewhere), as if sampled
+    /// here: the penalties count them and the next draw comes from the
+    /// stream of the position after them.
+    pub fn replay(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.record(t);
+        }
+    }
+
+    fn record(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        self.position += 1;
+    }
+
+    /// The random stream of the current position.
+    fn rng(&mut self) -> &mut Rng {
+        if self.stream_at != self.position {
+            self.rng = Rng::for_position(self.key, self.position);
+            self.stream_at = self.position;
+        }
+        &mut self.rng
     }
 
     /// Picks the next token from one row of logits and records it.
@@ -216,7 +263,7 @@ impl Sampler {
         } else {
             self.draw(&z)
         };
-        *self.output_counts.entry(token).or_insert(0) += 1;
+        self.record(token);
         let logprob = logprob.map(|(n, lp)| TokenLogprob {
             token,
             logprob: lp[token as usize],
@@ -261,7 +308,7 @@ impl Sampler {
         if total.is_nan() || total <= 0.0 {
             return argmax(z);
         }
-        let mut u = self.rng.next_f64() * total;
+        let mut u = self.rng().next_f64() * total;
         for &(t, w) in &cand {
             u -= f64::from(w);
             if u < 0.0 {
@@ -353,7 +400,7 @@ impl Sampler {
         if total <= 0.0 {
             return argmax(weights);
         }
-        let mut u = self.rng.next_f64() * total;
+        let mut u = self.rng().next_f64() * total;
         let mut last = 0;
         for (t, &w) in weights.iter().enumerate() {
             if w <= 0.0 {
@@ -370,14 +417,14 @@ impl Sampler {
 
     /// Uniform in [0, 1) from this request's random stream.
     pub fn uniform(&mut self) -> f64 {
-        self.rng.next_f64()
+        self.rng().next_f64()
     }
 
     /// Records `token` as emitted after being chosen outside
     /// [`Sampler::sample`] (speculative verification), and returns its
     /// logprob report from the raw `logits` row if the request asked.
     pub fn accept(&mut self, logits: &[f32], token: u32) -> Sampled {
-        *self.output_counts.entry(token).or_insert(0) += 1;
+        self.record(token);
         let logprob = self.params.logprobs.map(|n| {
             let lp = raw_logprobs(logits);
             TokenLogprob {
@@ -495,6 +542,38 @@ mod tests {
                 assert_eq!(dist[best as usize], 1.0, "t={t:e}: {:?}", &dist[..4]);
             }
         }
+    }
+
+    #[test]
+    fn a_replayed_sampler_draws_what_the_original_would_have() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(21),
+            frequency_penalty: 0.3,
+            ..SamplingParams::default()
+        };
+        let rows: Vec<Vec<f32>> = (0..12)
+            .map(|i| {
+                (0..50)
+                    .map(|t| ((t * 7 + i * 3) % 11) as f32 * 0.3)
+                    .collect()
+            })
+            .collect();
+        let mut original = Sampler::new(params.clone(), &[1, 2]).expect("valid");
+        let whole: Vec<u32> = rows.iter().map(|r| original.sample(r).token).collect();
+        for cut in [0, 1, 5, 11] {
+            let mut resumed = Sampler::new(params.clone(), &[1, 2]).expect("valid");
+            resumed.replay(&whole[..cut]);
+            let rest: Vec<u32> = rows[cut..]
+                .iter()
+                .map(|r| resumed.sample(r).token)
+                .collect();
+            assert_eq!(rest, whole[cut..], "resumed after {cut} tokens");
+        }
+        // Without the replay the penalties and the stream differ.
+        let mut fresh = Sampler::new(params, &[1, 2]).expect("valid");
+        let rest: Vec<u32> = rows[5..].iter().map(|r| fresh.sample(r).token).collect();
+        assert_ne!(rest, whole[5..]);
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod emit;
 mod forward;
 mod lora;
 mod prompt_scores;
+mod resume;
 mod speculation;
 mod stats;
 
@@ -340,7 +341,7 @@ impl EngineCore {
     pub(crate) fn add_valid(
         &mut self,
         id: u64,
-        req: ValidRequest,
+        mut req: ValidRequest,
         sink: UnboundedSender<RequestEvent>,
     ) {
         if let Some(why) = &self.failure {
@@ -349,43 +350,55 @@ impl EngineCore {
             ))));
             return;
         }
-        let sampler = match Sampler::new(req.sampling.clone(), &req.prompt_ids) {
-            Ok(s) => s,
+        let resume = req.resume.take();
+        let (seqs, ended) = match self.first_choices(id, &req, resume.as_ref()) {
+            Ok(v) => v,
             Err(e) => {
-                let _ = sink.send(RequestEvent::Error(RequestFailure::request(e.to_string())));
+                let _ = sink.send(RequestEvent::Error(RequestFailure::request(e)));
                 return;
             }
         };
-        // Beams are decoded when the search ends.
-        let text = self
-            .tokenizer
-            .as_ref()
-            .filter(|_| req.beam.is_none())
-            .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
-        let seq_id = self.next_seq;
-        self.next_seq += 1;
-        let beam = self.beam_state(&req, seq_id);
+        let first_id = self.next_seq;
+        let beam = self.beam_state(&req, first_id);
         let prompt_len = req.prompt_ids.len();
         let span = req.span;
         let phase = child_span(&span, || tracing::info_span!(parent: &span, "queue"));
         let score = req
             .prompt_logprobs
             .map(|p| prompt_scores::PromptScore::new(p, &req.prompt_ids));
-        let mut seq = Sequence::new(id, 0, req.prompt_ids, sampler, text).with_lora(req.lora);
-        seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
-        seq.scores_prompt = score.is_some();
-        match req.prefill {
-            PrefillMode::Local => {}
-            PrefillMode::Remote { min_uncached } => seq.remote_min_uncached = Some(min_uncached),
-            PrefillMode::Export { sink, from_block } => {
-                seq.export = Some(Export {
-                    sink,
-                    from_block,
-                    started: false,
-                })
+        let mut live = Vec::with_capacity(seqs.len());
+        for seq in seqs {
+            let mut seq = seq.with_lora(req.lora.clone());
+            seq.scores_prompt = score.is_some();
+            match &req.prefill {
+                PrefillMode::Local => {}
+                PrefillMode::Remote { min_uncached } => {
+                    seq.remote_min_uncached = Some(*min_uncached)
+                }
+                PrefillMode::Export { sink, from_block } => {
+                    seq.export = Some(Export {
+                        sink: sink.clone(),
+                        from_block: *from_block,
+                        started: false,
+                    })
+                }
             }
+            let seq_id = self.next_seq;
+            self.next_seq += 1;
+            self.scheduler.add(seq_id, seq);
+            live.push(seq_id);
         }
-        self.scheduler.add(seq_id, seq);
+        let now = Instant::now();
+        // A resumed request's timings count from its first arrival.
+        let arrival = resume
+            .as_ref()
+            .and_then(|r| now.checked_sub(r.elapsed))
+            .unwrap_or(now);
+        let first_token = resume
+            .as_ref()
+            .and_then(|r| r.first_token_after)
+            .map(|d| arrival + d);
+        let tokens_of_first = resume.as_ref().map_or(0, |r| r.tokens_of(0).len());
         self.groups.insert(
             id,
             Group {
@@ -397,16 +410,16 @@ impl EngineCore {
                 ignore_eos: req.ignore_eos,
                 prompt_len,
                 sampling: req.sampling,
-                // Beams fork by their own rule.
-                forked: req.n == 1 || beam.is_some(),
-                arrival: Instant::now(),
+                // Beams fork by their own rule; resumed choices exist.
+                forked: req.n == 1 || beam.is_some() || resume.is_some(),
+                arrival,
                 first_scheduled: None,
-                first_token: None,
-                last_token: None,
-                tokens_of_first: 0,
+                first_token,
+                last_token: (tokens_of_first > 0).then_some(now),
+                tokens_of_first,
                 cached_tokens: 0,
-                choices: Vec::new(),
-                live: vec![seq_id],
+                choices: ended,
+                live,
                 speculation: SpecCounts::default(),
                 score,
                 beam,
@@ -414,6 +427,40 @@ impl EngineCore {
                 phase,
             },
         );
+        // Every resumed choice may have ended in its replay.
+        self.maybe_close(id);
+    }
+
+    /// A fresh request's choice 0 (the others fork off it once its prompt
+    /// is computed), or every choice of a resumed one, replayed: those
+    /// still going, and the summaries of those their replay ended.
+    fn first_choices(
+        &self,
+        id: u64,
+        req: &ValidRequest,
+        resume: Option<&super::Resume>,
+    ) -> std::result::Result<(Vec<Sequence>, Vec<ChoiceSummary>), String> {
+        let Some(resume) = resume else {
+            let sampler =
+                Sampler::new(req.sampling.clone(), &req.prompt_ids).map_err(|e| e.to_string())?;
+            // Beams are decoded when the search ends.
+            let text = self
+                .tokenizer
+                .as_ref()
+                .filter(|_| req.beam.is_none())
+                .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
+            let mut seq = Sequence::new(id, 0, req.prompt_ids.clone(), sampler, text);
+            seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
+            return Ok((vec![seq], Vec::new()));
+        };
+        let (mut live, mut ended) = (Vec::new(), Vec::new());
+        for index in 0..req.n as u32 {
+            match self.replay_choice(id, req, index, resume.tokens_of(index))? {
+                resume::Replayed::Live(seq) => live.push(*seq),
+                resume::Replayed::Ended(summary) => ended.push(summary),
+            }
+        }
+        Ok((live, ended))
     }
 
     /// Whether any request is waiting or running.
@@ -437,6 +484,36 @@ impl EngineCore {
             self.finish_seq(seq, FinishReason::Abort, None);
         }
         self.maybe_close(id);
+        self.refresh_gauges();
+    }
+
+    /// Ends every request but prefill-only exports with a handed-over
+    /// failure and frees its sequences without streaming anything more;
+    /// their computed full blocks stay in the prefix cache (see
+    /// [`super::EngineHandle::hand_over`]).
+    pub fn hand_over(&mut self) {
+        let ids: Vec<u64> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| {
+                g.live
+                    .iter()
+                    .all(|&s| self.scheduler.seq(s).is_none_or(|q| q.export.is_none()))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(g) = self.groups.remove(&id) else {
+                continue;
+            };
+            let _ = g.sink.send(RequestEvent::Error(RequestFailure::handed_over(
+                "this decode worker is draining; the request goes on elsewhere",
+            )));
+            // The group is gone: freeing its choices streams nothing.
+            for seq in g.live {
+                self.finish_seq(seq, FinishReason::Abort, None);
+            }
+        }
         self.refresh_gauges();
     }
 

@@ -57,6 +57,7 @@ enum Command {
         logprobs: Vec<crate::sampling::TokenLogprob>,
     },
     SubscribeKv(tokio::sync::mpsc::Sender<KvFeed>),
+    HandOver,
 }
 
 #[derive(Debug)]
@@ -98,6 +99,7 @@ impl std::fmt::Debug for Command {
         match self {
             Self::Add { id, .. } => write!(f, "Add({id})"),
             Self::Abort(id) => write!(f, "Abort({id})"),
+            Self::HandOver => write!(f, "HandOver"),
             Self::WriteKv {
                 transfer,
                 layer,
@@ -260,6 +262,16 @@ impl EngineHandle {
             .send(Command::RemotePromptLogprobs { transfer, logprobs });
     }
 
+    /// Ends every request being generated with a
+    /// [`FailureScope::HandedOver`](super::FailureScope::HandedOver)
+    /// failure, keeping their computed blocks in the prefix cache: a
+    /// draining worker's requests go on elsewhere (the router resumes them
+    /// and the new worker pulls their KV from here). Prefill-only exports
+    /// run on, so such pulls are served.
+    pub fn hand_over(&self) {
+        let _ = self.commands.send(Command::HandOver);
+    }
+
     /// Follows the prefix cache: a snapshot first, then numbered changes;
     /// refused past [`MAX_KV_SUBSCRIBERS`](super::MAX_KV_SUBSCRIBERS) at
     /// once (see `kv_feed`).
@@ -356,6 +368,7 @@ fn handle(core: &mut EngineCore, cmd: Command) -> bool {
             core.remote_prompt_logprobs(transfer, logprobs)
         }
         Command::SubscribeKv(sink) => core.subscribe_kv_events(sink),
+        Command::HandOver => core.hand_over(),
     }
     added
 }

@@ -35,6 +35,7 @@ mod handle;
 mod kv_feed;
 mod output;
 pub mod request;
+mod resume;
 mod scheduler;
 mod stop;
 
@@ -48,5 +49,6 @@ pub use request::{
     LoraRef, PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent,
     RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
+pub use resume::{Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_structured::ResponseFormat;

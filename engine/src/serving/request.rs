@@ -14,6 +14,7 @@ use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::Grammars;
+use super::resume::{Resume, ResumeBounds};
 use super::stop::{StopStrings, MAX_STOP_TOKEN_IDS};
 use tandem_structured::{CompiledGrammar, ResponseFormat};
 
@@ -100,6 +101,9 @@ pub struct Request {
     pub beam: Option<BeamSearch>,
     /// The LoRA adapter to run under, by name (`None`: the base model).
     pub lora: Option<String>,
+    /// A request begun on another worker: each choice's tokens so far,
+    /// replayed before sampling goes on (see [`Resume`]).
+    pub resume: Option<Resume>,
     /// The caller's span for this request: the engine's spans for its
     /// phases (`queue`, `prefill` with one `prefill_chunk` per step,
     /// `decode`) are its children. `Span::none()` (the default) records
@@ -124,6 +128,7 @@ impl Request {
             prompt_logprobs: None,
             beam: None,
             lora: None,
+            resume: None,
             span: tracing::Span::none(),
         }
     }
@@ -227,6 +232,7 @@ pub(crate) struct ValidRequest {
     pub prompt_logprobs: Option<PromptLogprobs>,
     pub beam: Option<BeamSearch>,
     pub lora: Option<Arc<LoraAdapter>>,
+    pub resume: Option<Resume>,
     pub span: tracing::Span,
 }
 
@@ -364,6 +370,24 @@ pub(crate) fn validate(
             limits.num_blocks
         )));
     }
+    if let Some(r) = &req.resume {
+        let refused_by = if req.beam.is_some() {
+            Some("beam search")
+        } else if req.prompt_logprobs.is_some() {
+            Some("prompt_logprobs")
+        } else if matches!(req.prefill, PrefillMode::Export { .. }) {
+            Some("a prefill-only export")
+        } else {
+            None
+        };
+        let bounds = ResumeBounds {
+            n: req.n,
+            max_tokens,
+            vocab_size: limits.vocab_size,
+            refused_by,
+        };
+        super::resume::check(r, &bounds)?;
+    }
     // Last: compiling is the most expensive check (cached by format).
     let grammar = match (&req.response_format, &req.prefill) {
         (None, _) | (Some(_), PrefillMode::Export { .. }) => None,
@@ -400,6 +424,7 @@ pub(crate) fn validate(
         prompt_logprobs: req.prompt_logprobs,
         beam: req.beam,
         lora,
+        resume: req.resume,
         span: req.span,
     })
 }
@@ -473,6 +498,10 @@ pub enum FailureScope {
     /// A step or the backend failed (a device fault, a lost rank): every
     /// request in it failed, and the engine may be broken.
     Engine,
+    /// The worker is draining: the request stopped here to go on on
+    /// another worker, and its computed blocks stay in the prefix cache
+    /// for that worker to pull ([`super::EngineHandle::hand_over`]).
+    HandedOver,
 }
 
 impl RequestFailure {
@@ -488,6 +517,14 @@ impl RequestFailure {
     pub fn engine(message: impl Into<String>) -> Self {
         Self {
             scope: FailureScope::Engine,
+            message: message.into(),
+        }
+    }
+
+    /// A draining worker's hand-over.
+    pub fn handed_over(message: impl Into<String>) -> Self {
+        Self {
+            scope: FailureScope::HandedOver,
             message: message.into(),
         }
     }

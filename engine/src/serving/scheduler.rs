@@ -405,6 +405,7 @@ impl Scheduler {
             seq.table = None;
             seq.num_computed = 0;
             seq.draft.clear();
+            seq.remote_min_uncached = None;
         }
         self.running.retain(|&s| s != id);
         self.waiting.push_front(id);
@@ -533,11 +534,11 @@ impl Scheduler {
             let cached = hits * bs;
             // Remote prefill computes all but the last prompt token.
             let remote_end = seq.tokens.len() - 1;
-            let fresh = seq.tokens.len() == seq.prompt_len;
-            if fresh
-                && seq
-                    .remote_min_uncached
-                    .is_some_and(|m| remote_end > cached && remote_end - cached >= m)
+            // A resumed sequence's replayed tokens go with its prompt (a
+            // draining worker's KV moves); a preempted one recomputes here.
+            if seq
+                .remote_min_uncached
+                .is_some_and(|m| remote_end > cached && remote_end - cached >= m)
             {
                 let need = (remote_end.div_ceil(bs) - hits) * groups;
                 if need + hits_free > self.allocator.num_free() {

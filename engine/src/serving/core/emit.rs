@@ -9,8 +9,42 @@ use crate::sampling::{Sampled, Sampler};
 use super::super::request::{
     ChoiceSummary, RequestEvent, RequestFailure, RequestSummary, Timings, TokenDelta, Usage,
 };
-use super::super::scheduler::{SeqId, StepPlan};
+use super::super::scheduler::{SeqId, Sequence, StepPlan};
 use super::{child_span, EngineCore};
+
+/// When a choice ends other than at a stop string.
+pub(super) struct EndRule<'a> {
+    pub stop_token_ids: &'a [u32],
+    pub ignore_eos: bool,
+    pub eos: &'a [u32],
+    pub max_tokens: usize,
+    pub max_model_len: usize,
+}
+
+impl EndRule<'_> {
+    /// Why `seq` ends at its newest token `token`, if it does
+    /// (`grammar_done`: its grammar is complete and nothing may follow).
+    pub fn ends_at(
+        &self,
+        seq: &Sequence,
+        token: u32,
+        grammar_done: bool,
+    ) -> Option<(FinishReason, Option<String>)> {
+        let produced = seq.tokens.len() - seq.prompt_len;
+        // A constrained choice samples end-of-sequence only where its
+        // grammar is complete, so it ends there even with `ignore_eos`.
+        let constrained = seq.constraint.is_some();
+        if self.stop_token_ids.contains(&token) {
+            Some((FinishReason::Stop, Some(token.to_string())))
+        } else if grammar_done || ((!self.ignore_eos || constrained) && self.eos.contains(&token)) {
+            Some((FinishReason::Stop, None))
+        } else if produced >= self.max_tokens || seq.tokens.len() >= self.max_model_len {
+            Some((FinishReason::Length, None))
+        } else {
+            None
+        }
+    }
+}
 
 impl EngineCore {
     /// Samples every sequence of the step whose pending tokens are all
@@ -140,18 +174,14 @@ impl EngineCore {
             }
         }
         if finish.is_none() {
-            let produced = seq.tokens.len() - seq.prompt_len;
-            // A constrained choice samples end-of-sequence only where its
-            // grammar is complete, so it ends there even with `ignore_eos`.
-            let constrained = seq.constraint.is_some();
-            if g.stop_token_ids.contains(&token) {
-                finish = Some((FinishReason::Stop, Some(token.to_string())));
-            } else if grammar_done || ((!g.ignore_eos || constrained) && self.eos.contains(&token))
-            {
-                finish = Some((FinishReason::Stop, None));
-            } else if produced >= g.max_tokens || seq.tokens.len() >= self.limits.max_model_len {
-                finish = Some((FinishReason::Length, None));
-            }
+            let rule = EndRule {
+                stop_token_ids: &g.stop_token_ids,
+                ignore_eos: g.ignore_eos,
+                eos: &self.eos,
+                max_tokens: g.max_tokens,
+                max_model_len: self.limits.max_model_len,
+            };
+            finish = rule.ends_at(seq, token, grammar_done);
             if finish.is_some() {
                 if let Some(out) = seq.text.as_mut() {
                     text.push_str(&out.flush());

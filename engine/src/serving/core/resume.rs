@@ -1,0 +1,81 @@
+//! A resumed request's choices, each replayed to where it stood on the
+//! worker it began on (see [`crate::serving::Resume`]).
+
+use crate::sampling::Sampler;
+
+use super::super::output::TextOutput;
+use super::super::request::{ChoiceSummary, ValidRequest};
+use super::super::scheduler::Sequence;
+use super::emit::EndRule;
+use super::EngineCore;
+
+/// A choice after its replay.
+pub(super) enum Replayed {
+    /// It goes on: its tokens are to be computed (like a preempted
+    /// sequence's) before it samples again.
+    Live(Box<Sequence>),
+    /// Its last replayed token ended it.
+    Ended(ChoiceSummary),
+}
+
+impl EngineCore {
+    /// Choice `index` of request `group`, with `tokens` replayed into its
+    /// sampler, text, stop strings and grammar. A token the grammar refuses,
+    /// or an end before the last token, is an error naming the choice.
+    pub(super) fn replay_choice(
+        &self,
+        group: u64,
+        req: &ValidRequest,
+        index: u32,
+        tokens: &[u32],
+    ) -> Result<Replayed, String> {
+        let mut params = req.sampling.clone();
+        // Choice `i` of `n` samples with seed + i, as when it forks.
+        params.seed = params.seed.map(|x| x.wrapping_add(u64::from(index)));
+        let mut sampler = Sampler::new(params, &req.prompt_ids).map_err(|e| e.to_string())?;
+        sampler.replay(tokens);
+        let tokenizer = self.tokenizer.as_deref();
+        let mut text = tokenizer.map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
+        let mut seq = Sequence::new(group, index, req.prompt_ids.clone(), sampler, None);
+        seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
+        let rule = EndRule {
+            stop_token_ids: &req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+            eos: &self.eos,
+            max_tokens: req.max_tokens,
+            max_model_len: self.limits.max_model_len,
+        };
+        let at =
+            |k: usize, e: &dyn std::fmt::Display| format!("resume: choice {index}, token {k}: {e}");
+        for (k, &token) in tokens.iter().enumerate() {
+            let grammar_done = match seq.constraint.as_deref_mut() {
+                Some(c) => c.commit(token).map_err(|e| at(k, &e))?.stopped,
+                None => false,
+            };
+            seq.tokens.push(token);
+            let mut end = None;
+            if let (Some(out), Some(tok)) = (text.as_mut(), tokenizer) {
+                let update = out.push(tok, token).map_err(|e| at(k, &e))?;
+                end = update
+                    .matched_stop
+                    .map(|stop| (crate::generate::FinishReason::Stop, Some(stop)));
+            }
+            let Some((reason, matched_stop)) =
+                end.or_else(|| rule.ends_at(&seq, token, grammar_done))
+            else {
+                continue;
+            };
+            if k + 1 < tokens.len() {
+                return Err(at(k, &"the choice ended here, before its last token"));
+            }
+            return Ok(Replayed::Ended(ChoiceSummary {
+                index,
+                finish_reason: reason,
+                matched_stop,
+                completion_tokens: tokens.len(),
+            }));
+        }
+        seq.text = text;
+        Ok(Replayed::Live(Box::new(seq)))
+    }
+}
