@@ -45,6 +45,28 @@ struct Output {
     finished: Option<v1::Finished>,
 }
 
+impl Output {
+    /// Adds one message of the stream.
+    fn record(&mut self, msg: v1::GenerateResponse) {
+        match msg.event {
+            Some(v1::generate_response::Event::Delta(d)) => {
+                let c = self.choices.entry(d.index).or_default();
+                c.tokens.extend(&d.token_ids);
+                c.text.push_str(&d.text);
+                c.logprobs.extend(d.logprobs.into_iter().map(|l| {
+                    let top = l.top.iter().map(|t| t.token_id).collect();
+                    (l.token_id, l.logprob, top)
+                }));
+                if d.finish_reason != 0 {
+                    c.finish = d.finish_reason;
+                }
+            }
+            Some(v1::generate_response::Event::Finished(f)) => self.finished = Some(f),
+            _ => {}
+        }
+    }
+}
+
 /// Calls the router and reads the stream to its end; with `kill`, the
 /// decode worker serving it is SIGKILLed once choice 0 has
 /// [`KILL_AFTER`] tokens.
@@ -68,22 +90,7 @@ async fn run(
     let mut killed = kill.is_none();
     let read = async {
         while let Some(msg) = stream.message().await.expect("the stream goes on") {
-            match msg.event {
-                Some(v1::generate_response::Event::Delta(d)) => {
-                    let c = out.choices.entry(d.index).or_default();
-                    c.tokens.extend(&d.token_ids);
-                    c.text.push_str(&d.text);
-                    c.logprobs.extend(d.logprobs.into_iter().map(|l| {
-                        let top = l.top.iter().map(|t| t.token_id).collect();
-                        (l.token_id, l.logprob, top)
-                    }));
-                    if d.finish_reason != 0 {
-                        c.finish = d.finish_reason;
-                    }
-                }
-                Some(v1::generate_response::Event::Finished(f)) => out.finished = Some(f),
-                _ => {}
-            }
+            out.record(msg);
             let first = out.choices.get(&0).map_or(0, |c| c.tokens.len());
             if !killed && first >= KILL_AFTER {
                 killed = true;
@@ -346,22 +353,7 @@ async fn stream_and_signal(
     let mut stream = resp.into_inner();
     let mut out = Output::default();
     while let Some(msg) = stream.message().await.expect("no request fails") {
-        match msg.event {
-            Some(v1::generate_response::Event::Delta(d)) => {
-                let c = out.choices.entry(d.index).or_default();
-                c.tokens.extend(&d.token_ids);
-                c.text.push_str(&d.text);
-                c.logprobs.extend(d.logprobs.into_iter().map(|l| {
-                    let top = l.top.iter().map(|t| t.token_id).collect();
-                    (l.token_id, l.logprob, top)
-                }));
-                if d.finish_reason != 0 {
-                    c.finish = d.finish_reason;
-                }
-            }
-            Some(v1::generate_response::Event::Finished(f)) => out.finished = Some(f),
-            _ => {}
-        }
+        out.record(msg);
         if out.choices.get(&0).map_or(0, |c| c.tokens.len()) >= 10 {
             signal.send_if_modified(|s| {
                 let first = s.is_none();
