@@ -29,6 +29,28 @@ fn tandem() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tandem"))
 }
 
+/// `tandem up` with two decode workers and no prefill worker, under the
+/// cluster token [`TOKEN`] (so replacement workers may join).
+fn up(model: &str, extra: &[&str]) -> tandem_tests::cluster::Started {
+    let mut args = vec![
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "64MiB",
+    ];
+    args.extend_from_slice(extra);
+    tandem_tests::cluster::start_with_env(tandem(), &args, &[("TANDEM_CLUSTER_TOKEN", TOKEN)])
+}
+
 /// One choice as the client saw it.
 #[derive(Debug, Default, Clone, PartialEq)]
 struct Choice {
@@ -220,27 +242,7 @@ fn every_request_kind_migrates_exactly_when_its_decode_worker_is_killed() {
     let token_dir = tempfile::tempdir().expect("tempdir");
     let token_file = token_dir.path().join("token");
     std::fs::write(&token_file, TOKEN).expect("token file");
-    let cluster = tandem_tests::cluster::start_with_env(
-        tandem(),
-        &[
-            "up",
-            "--model",
-            model,
-            "--prefill",
-            "0",
-            "--decode",
-            "2",
-            "--addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--kv-cache-memory",
-            "64MiB",
-            "--lease-ttl-s",
-            "2",
-        ],
-        &[("TANDEM_CLUSTER_TOKEN", TOKEN)],
-    );
+    let cluster = up(model, &["--lease-ttl-s", "2"]);
     let (etcd, name) = cluster.etcd.clone().expect("`tandem up` starts etcd");
     let mut pids = cluster.pids.clone();
     let mut replacements: Vec<KillOnDrop> = Vec::new();
@@ -372,26 +374,7 @@ fn a_drained_decode_workers_streams_go_on_with_their_kv_moved() {
     let tmp = tempfile::tempdir().expect("tempdir");
     tandem_tests::cluster::gen_model(tandem(), tmp.path(), "small");
     let model = tmp.path().to_str().expect("utf8");
-    let cluster = tandem_tests::cluster::start(
-        tandem(),
-        &[
-            "up",
-            "--model",
-            model,
-            "--prefill",
-            "0",
-            "--decode",
-            "2",
-            "--addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--kv-cache-memory",
-            "64MiB",
-            "--remote-prefill-threshold",
-            "16",
-        ],
-    );
+    let cluster = up(model, &["--remote-prefill-threshold", "16"]);
     let rt = tandem_tests::cluster::runtime();
     let router = cluster.addr.clone();
     let load = drain_load();
