@@ -11,10 +11,10 @@
 //! most [`MAX_MIGRATIONS`] times per request, each within the request's
 //! deadline.
 //!
-//! Every request with a token-id prompt migrates (the router tokenizes
-//! text prompts when it has the tokenizer), and continues exactly: the
-//! continuation is the original request plus a `Resume` with each choice's
-//! tokens so far, which the new worker replays into each choice's grammar,
+//! Every request migrates, and continues exactly: the continuation is the
+//! original request (its prompt as sent, text or token ids: the new worker
+//! tokenizes text the same way) plus a `Resume` with each choice's tokens
+//! so far, which the new worker replays into each choice's grammar,
 //! stop-string matcher, penalty counts and random stream (keyed by position:
 //! a seeded choice draws what it would have drawn) before sampling on. A
 //! choice that had ended is summarised, not generated again. Usage and
@@ -59,18 +59,14 @@ pub(crate) struct Resume {
 }
 
 impl Resume {
-    /// `Some` when `request` can be migrated (see the module doc).
+    /// What `request` needs to continue elsewhere (see the module doc).
     pub(crate) fn for_request(
         cluster: Arc<Cluster>,
         request: &v1::GenerateRequest,
         deadline: Option<Instant>,
         block_size: usize,
-    ) -> Option<Resume> {
-        let migratable = matches!(
-            request.prompt,
-            Some(v1::generate_request::Prompt::TokenIds(_))
-        );
-        migratable.then(|| Resume {
+    ) -> Resume {
+        Resume {
             cluster,
             request: request.clone(),
             deadline,
@@ -80,7 +76,7 @@ impl Resume {
             streamed: false,
             tokens: BTreeMap::new(),
             attempts_left: MAX_MIGRATIONS,
-        })
+        }
     }
 
     /// The request that continues this one and where it stands: the
@@ -128,11 +124,13 @@ impl Resume {
         }
     }
 
-    /// Tokens in the continuation's prompt and replay (for the load count).
+    /// Tokens in the continuation's prompt and replay (for the load count;
+    /// a text prompt counts as the characters' quarter, about its tokens).
     fn tokens_to_compute(&self) -> usize {
         let prompt = match &self.request.prompt {
             Some(v1::generate_request::Prompt::TokenIds(ids)) => ids.ids.len(),
-            _ => 0,
+            Some(v1::generate_request::Prompt::Text(text)) => text.len() / 4,
+            None => 0,
         };
         prompt + self.tokens.values().map(Vec::len).max().unwrap_or(0)
     }
@@ -171,7 +169,7 @@ pub(crate) struct Proxy {
     pub(crate) metrics: Arc<RouterMetrics>,
     pub(crate) started: Instant,
     pub(crate) first_seen: bool,
-    /// `None` for requests that cannot migrate.
+    /// Taken while a migration runs.
     pub(crate) resume: Option<Resume>,
 }
 
@@ -393,7 +391,7 @@ mod tests {
         }
     }
 
-    fn resume(req: &v1::GenerateRequest) -> Option<Resume> {
+    fn resume(req: &v1::GenerateRequest) -> Resume {
         Resume::for_request(Cluster::new(Duration::from_millis(100)), req, None, 16)
     }
 
@@ -409,28 +407,11 @@ mod tests {
     }
 
     #[test]
-    fn only_an_untokenized_prompt_keeps_a_request_from_migrating() {
-        let mut r = request(vec![1, 2], Some(8));
-        r.n = 3;
-        r.stop = vec!["\n".into()];
-        r.response_format = Some(v1::ResponseFormat::default());
-        r.sampling = Some(v1::SamplingParams {
-            presence_penalty: 0.5,
-            seed: Some(3),
-            ..Default::default()
-        });
-        assert!(resume(&r).is_some());
-        let mut r = request(vec![], Some(8));
-        r.prompt = Some(v1::generate_request::Prompt::Text("hi".into()));
-        assert!(resume(&r).is_none(), "an untokenized prompt");
-    }
-
-    #[test]
     fn the_continuation_is_the_original_request_and_each_choices_tokens() {
         let mut original = request(vec![5, 6, 7], Some(10));
         original.n = 2;
         original.prompt_logprobs = Some(1);
-        let mut r = resume(&original).expect("migratable");
+        let mut r = resume(&original);
         // Nothing streamed yet: sent again as it was.
         let (again, replay) = r.continuation().expect("continues");
         assert_eq!(again, original);
@@ -454,10 +435,18 @@ mod tests {
         assert_eq!(choices, vec![(0, vec![8, 9, 3]), (1, vec![4])]);
         assert!(replay.first_token_s.is_some());
         assert_eq!(r.tokens_to_compute(), 6);
+        // A text prompt goes as it was: the new worker tokenizes it alike.
+        let mut text = request(vec![], Some(4));
+        text.prompt = Some(v1::generate_request::Prompt::Text("Hi".into()));
+        let mut t = resume(&text);
+        t.track(&delta(0, vec![1]));
+        let (next, replay) = t.continuation().expect("continues");
+        assert_eq!(next.prompt, text.prompt);
+        assert_eq!(replay.map(|r| r.choices.len()), Some(1));
         // A beam search that began to stream cannot start over.
         let mut beams = request(vec![1], Some(4));
         beams.beam_search = Some(v1::BeamSearch::default());
-        let mut b = resume(&beams).expect("migratable");
+        let mut b = resume(&beams);
         assert!(b.continuation().is_some_and(|c| c.1.is_none()));
         b.track(&delta(0, vec![1, 2]));
         assert!(b.continuation().is_none());

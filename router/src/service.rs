@@ -369,8 +369,12 @@ impl RouterService {
         );
         drop(routing);
 
-        let resume =
-            Resume::for_request(self.cluster.clone(), &req, timeout.map(|t| started + t), bs);
+        let resume = Some(Resume::for_request(
+            self.cluster.clone(),
+            &req,
+            timeout.map(|t| started + t),
+            bs,
+        ));
         let prefill_worker = prefill.as_ref().map(|p| p.addr.clone()).unwrap_or_default();
         let forward = |req: v1::GenerateRequest| -> Result<Request<RoutedGenerateRequest>, Status> {
             let mut forward = Request::new(RoutedGenerateRequest {
