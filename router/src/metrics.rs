@@ -60,7 +60,8 @@ impl RouterMetrics {
                  resumed (re-sent with each choice's tokens so far to another decode \
                  worker), no_worker (none was left to take it) or cannot_resume (a beam \
                  search whose results had begun to stream); and by path: kv_moved (the \
-                 new worker pulls the KV from the draining one) or reprefilled.",
+                 new worker is told to pull the KV from the draining one; its \
+                 tandem_remote_prefills_total says whether it did) or reprefilled.",
                 &["cause", "result", "path"],
             ),
         })

@@ -30,6 +30,9 @@ pub enum Outcome {
     Overloaded,
     /// The client's deadline passed first (DEADLINE_EXCEEDED).
     DeadlineExceeded,
+    /// This decode worker was draining and handed it over to go on
+    /// elsewhere (UNAVAILABLE marked `handed-over`).
+    HandedOver,
 }
 
 impl Outcome {
@@ -41,6 +44,7 @@ impl Outcome {
             Self::Cancelled => "cancelled",
             Self::Overloaded => "overloaded",
             Self::DeadlineExceeded => "deadline_exceeded",
+            Self::HandedOver => "handed_over",
         }
     }
 }

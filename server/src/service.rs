@@ -256,6 +256,10 @@ impl CallState {
                     self.end(Outcome::Finished);
                     self.prefills.drain(..).for_each(PrefillGuard::detach);
                 }
+                RequestEvent::Error(e) if e.scope == FailureScope::HandedOver => {
+                    tracing::info!(parent: &self.span, "request handed over");
+                    self.end(Outcome::HandedOver);
+                }
                 RequestEvent::Error(e) => {
                     tracing::warn!(parent: &self.span, error = %e, "request failed");
                     self.end(Outcome::Error);

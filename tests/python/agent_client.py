@@ -104,7 +104,7 @@ def stream_calls(chunks):
 
 
 def openai_cases(client, model, runs):
-    kw = dict(model=model, messages=ASK, tools=OPENAI_TOOLS, max_tokens=160)
+    kw = dict(model=model, messages=ASK, tools=OPENAI_TOOLS, max_tokens=320)
     valid, finishes, names, first = 0, set(), set(), None
     for seed in range(runs):
         r = client.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False,

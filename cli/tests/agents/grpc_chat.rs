@@ -113,7 +113,7 @@ pub async fn check(addr: &str, results: &[Value]) {
                 tools: tools(),
                 tool_choice: required(),
                 parallel_tool_calls: Some(parallel),
-                generation: Some(sampled(11, 160)),
+                generation: Some(sampled(11, 320)),
                 ..Default::default()
             },
         )
