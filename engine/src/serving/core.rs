@@ -27,17 +27,15 @@ use crate::generate::FinishReason;
 use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, SlidingLayers};
 use crate::lora::LoraRegistry;
 use crate::model::Model;
-use crate::sampling::Sampler;
 use crate::speculative::SpecCounts;
 use crate::tokenizer::Tokenizer;
 
 use super::constrained::{Grammars, MaskJob, MaskWorkers};
 use super::kv_feed::{KvFeed, KvFeedPublisher};
-use super::output::TextOutput;
 use super::request::{
     ChoiceSummary, Limits, PrefillMode, RemotePrefill, RequestEvent, RequestFailure, ValidRequest,
 };
-use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, Sequence, StepPlan};
+use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, StepPlan};
 use speculation::Speculation;
 
 pub use config::{EngineConfig, KvPoolSize};
@@ -431,38 +429,6 @@ impl EngineCore {
         self.maybe_close(id);
     }
 
-    /// A fresh request's choice 0 (the others fork off it once its prompt
-    /// is computed), or every choice of a resumed one, replayed: those
-    /// still going, and the summaries of those their replay ended.
-    fn first_choices(
-        &self,
-        id: u64,
-        req: &ValidRequest,
-        resume: Option<&super::Resume>,
-    ) -> std::result::Result<(Vec<Sequence>, Vec<ChoiceSummary>), String> {
-        let Some(resume) = resume else {
-            let sampler =
-                Sampler::new(req.sampling.clone(), &req.prompt_ids).map_err(|e| e.to_string())?;
-            // Beams are decoded when the search ends.
-            let text = self
-                .tokenizer
-                .as_ref()
-                .filter(|_| req.beam.is_none())
-                .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
-            let mut seq = Sequence::new(id, 0, req.prompt_ids.clone(), sampler, text);
-            seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
-            return Ok((vec![seq], Vec::new()));
-        };
-        let (mut live, mut ended) = (Vec::new(), Vec::new());
-        for index in 0..req.n as u32 {
-            match self.replay_choice(id, req, index, resume.tokens_of(index))? {
-                resume::Replayed::Live(seq) => live.push(*seq),
-                resume::Replayed::Ended(summary) => ended.push(summary),
-            }
-        }
-        Ok((live, ended))
-    }
-
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         self.scheduler.has_work()
@@ -484,36 +450,6 @@ impl EngineCore {
             self.finish_seq(seq, FinishReason::Abort, None);
         }
         self.maybe_close(id);
-        self.refresh_gauges();
-    }
-
-    /// Ends every request but prefill-only exports with a handed-over
-    /// failure and frees its sequences without streaming anything more;
-    /// their computed full blocks stay in the prefix cache (see
-    /// [`super::EngineHandle::hand_over`]).
-    pub fn hand_over(&mut self) {
-        let ids: Vec<u64> = self
-            .groups
-            .iter()
-            .filter(|(_, g)| {
-                g.live
-                    .iter()
-                    .all(|&s| self.scheduler.seq(s).is_none_or(|q| q.export.is_none()))
-            })
-            .map(|(&id, _)| id)
-            .collect();
-        for id in ids {
-            let Some(g) = self.groups.remove(&id) else {
-                continue;
-            };
-            let _ = g.sink.send(RequestEvent::Error(RequestFailure::handed_over(
-                "this decode worker is draining; the request goes on elsewhere",
-            )));
-            // The group is gone: freeing its choices streams nothing.
-            for seq in g.live {
-                self.finish_seq(seq, FinishReason::Abort, None);
-            }
-        }
         self.refresh_gauges();
     }
 

@@ -1,11 +1,14 @@
 //! A resumed request's choices, each replayed to where it stood on the
-//! worker it began on (see [`crate::serving::Resume`]).
+//! worker it began on (see [`crate::serving::Resume`]), and the hand-over
+//! that ends a draining worker's requests so they can be resumed elsewhere.
 
+use crate::generate::FinishReason;
 use crate::sampling::Sampler;
 
 use super::super::output::TextOutput;
-use super::super::request::{ChoiceSummary, ValidRequest};
+use super::super::request::{ChoiceSummary, RequestEvent, RequestFailure, ValidRequest};
 use super::super::scheduler::Sequence;
+use super::super::Resume;
 use super::emit::EndRule;
 use super::EngineCore;
 
@@ -58,7 +61,7 @@ impl EngineCore {
                 let update = out.push(tok, token).map_err(|e| at(k, &e))?;
                 end = update
                     .matched_stop
-                    .map(|stop| (crate::generate::FinishReason::Stop, Some(stop)));
+                    .map(|stop| (FinishReason::Stop, Some(stop)));
             }
             let Some((reason, matched_stop)) =
                 end.or_else(|| rule.ends_at(&seq, token, grammar_done))
@@ -77,5 +80,67 @@ impl EngineCore {
         }
         seq.text = text;
         Ok(Replayed::Live(Box::new(seq)))
+    }
+
+    /// A fresh request's choice 0 (the others fork off it once its prompt
+    /// is computed), or every choice of a resumed one, replayed: those
+    /// still going, and the summaries of those their replay ended.
+    pub(super) fn first_choices(
+        &self,
+        id: u64,
+        req: &ValidRequest,
+        resume: Option<&Resume>,
+    ) -> std::result::Result<(Vec<Sequence>, Vec<ChoiceSummary>), String> {
+        let Some(resume) = resume else {
+            let sampler =
+                Sampler::new(req.sampling.clone(), &req.prompt_ids).map_err(|e| e.to_string())?;
+            // Beams are decoded when the search ends.
+            let text = self
+                .tokenizer
+                .as_ref()
+                .filter(|_| req.beam.is_none())
+                .map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
+            let mut seq = Sequence::new(id, 0, req.prompt_ids.clone(), sampler, text);
+            seq.constraint = req.grammar.as_ref().map(|g| Box::new(g.start()));
+            return Ok((vec![seq], Vec::new()));
+        };
+        let (mut live, mut ended) = (Vec::new(), Vec::new());
+        for index in 0..req.n as u32 {
+            match self.replay_choice(id, req, index, resume.tokens_of(index))? {
+                Replayed::Live(seq) => live.push(*seq),
+                Replayed::Ended(summary) => ended.push(summary),
+            }
+        }
+        Ok((live, ended))
+    }
+
+    /// Ends every request but prefill-only exports with a handed-over
+    /// failure and frees its sequences without streaming anything more;
+    /// their computed full blocks stay in the prefix cache (see
+    /// [`super::EngineHandle::hand_over`]).
+    pub fn hand_over(&mut self) {
+        let ids: Vec<u64> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| {
+                g.live
+                    .iter()
+                    .all(|&s| self.scheduler.seq(s).is_none_or(|q| q.export.is_none()))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(g) = self.groups.remove(&id) else {
+                continue;
+            };
+            let _ = g.sink.send(RequestEvent::Error(RequestFailure::handed_over(
+                "this decode worker is draining; the request goes on elsewhere",
+            )));
+            // The group is gone: freeing its choices streams nothing.
+            for seq in g.live {
+                self.finish_seq(seq, FinishReason::Abort, None);
+            }
+        }
+        self.refresh_gauges();
     }
 }
