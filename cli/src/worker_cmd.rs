@@ -293,7 +293,8 @@ const HANDOVER_LIMIT: Duration = Duration::from_secs(60);
 /// then serves those pulls until the engine has been idle for
 /// [`HANDOVER_QUIET`].
 async fn hand_over(engine: &tandem_engine::serving::EngineHandle) {
-    let handed = engine.stats().running;
+    let before = engine.stats();
+    let handed = before.running + before.waiting + before.parked;
     engine.hand_over();
     tracing::info!(requests = handed, "handing requests over");
     if handed == 0 {
