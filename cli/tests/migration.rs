@@ -89,14 +89,11 @@ impl Output {
     }
 }
 
-/// Calls the router and reads the stream to its end; with `kill`, the
-/// decode worker serving it is SIGKILLed once choice 0 has
-/// [`KILL_AFTER`] tokens.
-async fn run(
+/// Calls the router: the decode worker it chose and the response stream.
+async fn call(
     router: &str,
     req: v1::GenerateRequest,
-    kill: Option<&std::collections::HashMap<String, u32>>,
-) -> Output {
+) -> (String, tonic::Streaming<v1::GenerateResponse>) {
     let mut client = GenerationClient::connect(format!("http://{router}"))
         .await
         .expect("router");
@@ -107,7 +104,18 @@ async fn run(
         .and_then(|v| v.to_str().ok())
         .expect("routed")
         .to_string();
-    let mut stream = resp.into_inner();
+    (decode, resp.into_inner())
+}
+
+/// Calls the router and reads the stream to its end; with `kill`, the
+/// decode worker serving it is SIGKILLed once choice 0 has
+/// [`KILL_AFTER`] tokens.
+async fn run(
+    router: &str,
+    req: v1::GenerateRequest,
+    kill: Option<&std::collections::HashMap<String, u32>>,
+) -> Output {
+    let (decode, mut stream) = call(router, req).await;
     let mut out = Output::default();
     let mut killed = kill.is_none();
     let read = async {
@@ -342,17 +350,7 @@ async fn stream_and_signal(
     req: v1::GenerateRequest,
     signal: std::sync::Arc<tokio::sync::watch::Sender<Option<String>>>,
 ) -> (String, Output) {
-    let mut client = GenerationClient::connect(format!("http://{router}"))
-        .await
-        .expect("router");
-    let resp = client.generate(req).await.expect("call");
-    let decode = resp
-        .metadata()
-        .get(ROUTED_DECODE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .expect("routed")
-        .to_string();
-    let mut stream = resp.into_inner();
+    let (decode, mut stream) = call(&router, req).await;
     let mut out = Output::default();
     while let Some(msg) = stream.message().await.expect("no request fails") {
         out.record(msg);
