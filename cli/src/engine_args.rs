@@ -66,7 +66,7 @@ pub struct EngineArgs {
     quantize: Option<Quantize>,
     /// Input columns per INT4 scale (`--quantize int4`): 32, 64 or 128 (a
     /// matrix it does not divide uses the largest smaller one that does).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = tandem_engine::quant::DEFAULT_GROUP_SIZE)]
     quantize_group_size: usize,
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]

@@ -39,7 +39,7 @@ pub struct PlanArgs {
     #[arg(long, value_enum)]
     quantize: Option<crate::engine_args::Quantize>,
     /// INT4 group size (with `--quantize int4`).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = tandem_engine::quant::DEFAULT_GROUP_SIZE)]
     quantize_group_size: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]

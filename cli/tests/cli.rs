@@ -370,14 +370,12 @@ fn plan_json_follows_the_capacity_formula() {
     assert_eq!(p["blocks_per_seq"], 4);
     assert_eq!(p["max_concurrent_seqs"], pool_blocks / 4);
 
-    // INT4 weights: the linear layers and the (untied) head at half a byte
-    // per weight plus an f16 scale and a u8 zero point per group of 128
-    // (64 where 128 does not divide the input size); the embedding as stored.
+    // INT4 weights: the linear layers at half a byte per weight plus an f16
+    // scale and a u8 zero point per group of 32 (the default), the (untied)
+    // head twice that (two INT4 passes, about 8 bits); the embedding as
+    // stored.
     let p = run(&["--memory", "64MiB", "--quantize", "int4"]);
-    let int4 = |rows: u64, cols: u64| {
-        let g = if cols.is_multiple_of(128) { 128 } else { 64 };
-        rows * cols / 2 + 3 * rows * (cols / g)
-    };
+    let int4 = |rows: u64, cols: u64| rows * cols / 2 + 3 * rows * (cols / 32);
     let shapes = [
         (q, hidden),
         (kv, hidden),
@@ -389,7 +387,7 @@ fn plan_json_follows_the_capacity_formula() {
     ];
     let dense: u64 = layers * shapes.iter().map(|(r, c)| r * c).sum::<u64>() + vocab * hidden;
     let quantized: u64 =
-        layers * shapes.iter().map(|&(r, c)| int4(r, c)).sum::<u64>() + int4(vocab, hidden);
+        layers * shapes.iter().map(|&(r, c)| int4(r, c)).sum::<u64>() + 2 * int4(vocab, hidden);
     assert_eq!(p["weight_bytes"], weights - 2 * dense + quantized); // bf16 stored
 
     // The table names every number.

@@ -34,7 +34,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// INT4 group size.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = tandem_engine::quant::DEFAULT_GROUP_SIZE)]
     group_size: usize,
     /// Tokens in the cache before decoding.
     #[arg(long, default_value_t = 128)]

@@ -470,11 +470,12 @@ pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
 /// with `group_size` (`--quantize int4`): every 2-D
 /// `model.layers.*.{self_attn,mlp}.*_proj.weight` (routed and shared
 /// experts among them; Mixtral's `block_sparse_moe.experts.*`; not the
-/// routers, which stay dense) and `lm_head.weight`
-/// counts what its [`crate::quant::Int4Matrix`] takes
-/// ([`crate::quant::int4_bytes`], with [`crate::quant::Int4Config::group_for`]'s
-/// group); a checkpoint without `lm_head.weight` (tied) adds an INT4 copy of
-/// the embedding as its head; the embedding, norms and biases stay as stored.
+/// routers, which stay dense) counts what its [`crate::quant::Int4Matrix`]
+/// takes ([`crate::quant::int4_bytes`], with
+/// [`crate::quant::Int4Config::group_for`]'s group), and `lm_head.weight`
+/// twice that (its [`crate::quant::ResidualInt4`]); a checkpoint without
+/// `lm_head.weight` (tied) adds such a copy of the embedding as its head;
+/// the embedding, norms and biases stay as stored.
 pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64> {
     let config = crate::quant::Int4Config::new(group_size)?;
     let int4 = |rows: u64, cols: u64| {
@@ -498,7 +499,7 @@ pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64
             [rows, cols] if is_linear => int4(*rows, *cols),
             [rows, cols] if name == "lm_head.weight" => {
                 head_seen.set(true);
-                int4(*rows, *cols)
+                2 * int4(*rows, *cols)
             }
             _ => stored,
         }
@@ -508,7 +509,7 @@ pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64
         total += safetensors_data_bytes(&path, &quantized)?;
     }
     if let (false, Some((rows, cols))) = (head_seen.get(), embed_shape.get()) {
-        total += int4(rows, cols);
+        total += 2 * int4(rows, cols);
     }
     Ok(total)
 }

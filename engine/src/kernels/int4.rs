@@ -27,44 +27,94 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
-use crate::quant::{zero_point, Int4Matrix};
+use crate::quant::{zero_point, Int4Matrix, ResidualInt4};
 use crate::weights::{Matrix, WeightData};
 
-/// Token rows quantized to int8 per weight group.
+/// Token rows quantized to int8 per weight group, their outliers apart.
 #[derive(Debug)]
 pub struct QuantizedActivations {
-    /// `m × k` codes.
+    /// `m × k` codes (0 where an outlier was taken out).
     pub codes: Vec<i8>,
     /// `m × groups` scales (`x ≈ scale · code`).
     pub scales: Vec<f32>,
-    /// `m × groups` exact f32 sums of `x` over each group.
+    /// `m × groups` exact f32 sums of `x` over each group, outliers
+    /// excluded.
     pub sums: Vec<f32>,
+    /// The entries taken out of the integer path, kept exact.
+    pub outliers: Vec<Outlier>,
 }
 
+/// One activation entry multiplied in f32 rather than int8.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outlier {
+    /// Token row.
+    pub token: usize,
+    /// Input column.
+    pub col: usize,
+    pub value: f32,
+}
+
+/// A group's loudest entry is an outlier when it is more than this many
+/// times the next loudest: taking it out then at least halves the group's
+/// step. Measured on SmolLM2-135M (bench/RESULTS.md).
+const DOMINANCE: f32 = 2.0;
+
 /// Quantizes `m` rows of `k` activations with one scale per `group` columns.
+///
+/// A group whose loudest entry dominates the rest (a model's outlier
+/// features, a few fixed channels far louder than the others) would have
+/// its step set by that one entry, leaving its neighbours a few levels: the
+/// entry is taken out ([`Outlier`]) and multiplied exactly, as LLM.int8()
+/// does, so the integer path sees the group without it. At most one entry
+/// per group is taken, so the exact path's cost is bounded by `k / group`
+/// per token.
 pub fn quantize_activations(x: &[f32], m: usize, k: usize, group: usize) -> QuantizedActivations {
     let groups = k / group;
     let mut codes = vec![0i8; m * k];
     let mut scales = vec![0f32; m * groups];
     let mut sums = vec![0f32; m * groups];
+    let mut outliers = Vec::new();
     for (gi, (xg, cg)) in x[..m * k]
         .chunks_exact(group)
         .zip(codes.chunks_exact_mut(group))
         .enumerate()
     {
-        let amax = xg.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let (mut top, mut first, mut second) = (0, 0f32, 0f32);
+        for (i, v) in xg.iter().enumerate() {
+            let a = v.abs();
+            if a > first {
+                (second, first, top) = (first, a, i);
+            } else if a > second {
+                second = a;
+            }
+        }
+        let taken = (first > DOMINANCE * second).then_some(top);
+        if let Some(i) = taken {
+            let (token, col) = (gi / groups, gi % groups * group + i);
+            outliers.push(Outlier {
+                token,
+                col,
+                value: xg[i],
+            });
+        }
+        let amax = if taken.is_some() { second } else { first };
         let scale = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        for (c, &v) in cg.iter_mut().zip(xg) {
-            *c = (v * inv).round() as i8;
+        let mut sum = 0f32;
+        for (i, (c, &v)) in cg.iter_mut().zip(xg).enumerate() {
+            if Some(i) != taken {
+                *c = (v * inv).round() as i8;
+                sum += v;
+            }
         }
         scales[gi] = scale;
-        sums[gi] = xg.iter().sum();
+        sums[gi] = sum;
     }
     QuantizedActivations {
         codes,
         scales,
         sums,
+        outliers,
     }
 }
 
@@ -95,12 +145,7 @@ pub fn linear_int4(
         let xa = quantize_activations(x, m, k, w.group_size());
         linear_int4_rows(&xa, m, w, out, int4_simd::best_kernel());
     } else {
-        let dense = Matrix {
-            rows: n,
-            cols: k,
-            data: WeightData::F32(w.to_f32().into()),
-        };
-        linear_gemm(x, m, &dense, out);
+        linear_dequantized(x, m, (n, k), w.to_f32(), out);
     }
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
@@ -109,6 +154,49 @@ pub fn linear_int4(
             }
         }
     }
+}
+
+/// `out[m, n] = x[m, k] · wᵀ` for a [`ResidualInt4`] `w`: the activations
+/// are quantized once and multiplied into both parts.
+pub fn linear_residual_int4(
+    x: &[f32],
+    m: usize,
+    w: &ResidualInt4,
+    policy: MatmulPolicy,
+    out: &mut [f32],
+) {
+    let (n, k) = (w.rows(), w.cols());
+    debug_assert_eq!(out.len(), m * n);
+    let [coarse, fine] = w.parts();
+    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+        let kernel = int4_simd::best_kernel();
+        let xa = quantize_activations(x, m, k, coarse.group_size());
+        linear_int4_rows(&xa, m, coarse, out, kernel);
+        let mut rest = vec![0f32; m * n];
+        linear_int4_rows(&xa, m, fine, &mut rest, kernel);
+        for (o, r) in out.iter_mut().zip(&rest) {
+            *o += r;
+        }
+    } else {
+        linear_dequantized(x, m, (n, k), w.to_f32(), out);
+    }
+}
+
+/// The prefill path: the `[rows, cols]` weights dequantized once, then the
+/// f32 GEMM.
+fn linear_dequantized(
+    x: &[f32],
+    m: usize,
+    (rows, cols): (usize, usize),
+    values: Vec<f32>,
+    out: &mut [f32],
+) {
+    let dense = Matrix {
+        rows,
+        cols,
+        data: WeightData::F32(values.into()),
+    };
+    linear_gemm(x, m, &dense, out);
 }
 
 /// The row kernel over pre-quantized activations, split over rayon's pool.
@@ -138,7 +226,33 @@ pub(crate) fn linear_int4_rows(
             group: w.group_size(),
         };
         int4_simd::rows_int4(kernel, &rows, xa, m, out, n, r0);
+        add_outliers(&rows, &xa.outliers, out, n, r0);
     });
+}
+
+/// Adds the outliers' exact products to rows `r0..` of `out`.
+fn add_outliers(w: &Int4Rows<'_>, outliers: &[Outlier], out: &mut [f32], n: usize, r0: usize) {
+    let (k, gpr) = (w.k, w.k / w.group);
+    for o in outliers {
+        // Where column `col` sits in a packed row (module docs of `quant`).
+        let byte = o.col / 64 * 32 + o.col % 32;
+        let shift = if o.col % 64 < 32 { 0 } else { 4 };
+        let g = o.col / w.group;
+        let dst = &mut out[o.token * n + r0..o.token * n + r0 + w.len()];
+        for (r, d) in dst.iter_mut().enumerate() {
+            let code = (w.packed[r * k / 2 + byte] >> shift) & 0x0f;
+            let (s, z) = (f16_bits_to_f32(w.scales[r * gpr + g]), w.zeros[r * gpr + g]);
+            *d += o.value * s * (f32::from(code) - zero_point(z));
+        }
+    }
+}
+
+/// A finite non-negative f16 as f32 in three operations: the bits moved
+/// into f32's places, then the exponent bias fixed by one multiply, which
+/// also makes subnormals right (scales are never negative, infinite or NaN).
+#[inline]
+fn f16_bits_to_f32(h: f16) -> f32 {
+    f32::from_bits(u32::from(h.to_bits() & 0x7fff) << 13) * f32::from_bits(0x7780_0000)
 }
 
 /// A run of consecutive rows of an INT4 matrix.
@@ -234,8 +348,12 @@ mod tests {
                 (5, 31, 128),
                 (1, 16, 384),
                 (2, 7, 768),
+                (5, 6, 576),
+                (3, 5, 1536),
             ] {
                 let w = quantized(n, k, g, (m * n + g) as u32);
+                // 576 columns take groups of 64 when asked for 128.
+                let g = w.group_size();
                 let x = pseudo(m * k, 3);
                 let xa = quantize_activations(&x, m, k, g);
                 let mut want = vec![0f32; m * n];
@@ -247,6 +365,7 @@ mod tests {
                     group: g,
                 };
                 rows_int4_scalar(&rows, &xa, m, &mut want, n, 0);
+                add_outliers(&rows, &xa.outliers, &mut want, n, 0);
                 for kernel in int4_simd::supported_kernels() {
                     let mut got = vec![0f32; m * n];
                     linear_int4_rows(&xa, m, &w, &mut got, kernel);
@@ -259,6 +378,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A group's dominant entry is taken out of the int8 path and multiplied
+    /// exactly, so its neighbours keep their precision: with one entry 500
+    /// times the rest, the product stays as close to the dequantized f32 one
+    /// as without it, where int8 alone would leave the other 31 entries of
+    /// that group a step each.
+    #[test]
+    fn a_dominant_activation_is_multiplied_exactly() {
+        let (n, k, g) = (16, 256, 32);
+        let w = quantized(n, k, g, 21);
+        let dense = Matrix {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(w.to_f32().into()),
+        };
+        let mut x = pseudo(k, 9);
+        x[37] = 500.0;
+        let xa = quantize_activations(&x, 1, k, g);
+        assert_eq!(
+            xa.outliers,
+            vec![Outlier {
+                token: 0,
+                col: 37,
+                value: 500.0
+            }]
+        );
+        let mut want = vec![0f32; n];
+        linear(&x, 1, &dense, None, MatmulPolicy::Fastest, &mut want);
+        let mut got = vec![0f32; n];
+        linear_int4(&x, 1, &w, None, MatmulPolicy::Fastest, &mut got);
+        // The error of the rest of the row, measured without the outlier.
+        let mut plain = x.clone();
+        plain[37] = 0.0;
+        let mut want_plain = vec![0f32; n];
+        linear(
+            &plain,
+            1,
+            &dense,
+            None,
+            MatmulPolicy::Fastest,
+            &mut want_plain,
+        );
+        let mut got_plain = vec![0f32; n];
+        linear_int4(&plain, 1, &w, None, MatmulPolicy::Fastest, &mut got_plain);
+        let worst =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let bound = 2.0 * worst(&got_plain, &want_plain) + 1e-3;
+        assert!(worst(&got, &want) <= bound, "{:?} vs {:?}", got, want);
     }
 
     /// The fused kernel (int8 activations) and the prefill path (dequantize,

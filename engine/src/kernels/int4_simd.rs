@@ -166,19 +166,43 @@ macro_rules! int4_kernel {
                 let mask = _mm256_set1_epi8(0x0f);
                 let mut facc = [[_mm256_setzero_ps(); T]; R];
                 let mut iacc = [[_mm256_setzero_si256(); T]; R];
+                // Each row's weight scales for groups 8j..8j+8, in f32:
+                // eight converted at once, so a group's flush only picks
+                // its lane (the flush is most of the work at 32 columns a
+                // group). A last window of fewer than eight groups is read
+                // one scale at a time.
+                let mut sw8 = [_mm256_setzero_ps(); R];
+                let full_windows = gpr / 8 * 8;
                 // Folds the integer sums of group `g` into the float
-                // accumulators and clears them.
+                // accumulators and clears them. Groups arrive in order.
                 macro_rules! flush {
                     ($g:expr) => {
+                        let g = $g;
+                        if g % 8 == 0 && g < full_windows {
+                            for r in 0..R {
+                                // SAFETY: groups g..g + 8 of weight row r.
+                                sw8[r] = _mm256_cvtph_ps(unsafe {
+                                    _mm_loadu_si128(ws.add(r * gpr + g).cast())
+                                });
+                            }
+                        }
+                        let lane = _mm256_set1_epi32((g % 8) as i32);
+                        let mut sx = [_mm256_setzero_ps(); T];
+                        for t in 0..T {
+                            // SAFETY: group g of token row t.
+                            sx[t] = _mm256_set1_ps(unsafe { *xs.add(t * gpr + g) });
+                        }
                         for r in 0..R {
-                            // SAFETY: group $g of weight row r.
-                            let sw = f16_to_f32(unsafe { *ws.add(r * gpr + $g) });
+                            let sw = if g < full_windows {
+                                _mm256_permutevar8x32_ps(sw8[r], lane)
+                            } else {
+                                // SAFETY: group g of weight row r.
+                                _mm256_set1_ps(f16_to_f32(unsafe { *ws.add(r * gpr + g) }))
+                            };
                             for t in 0..T {
-                                // SAFETY: group $g of token row t.
-                                let d = sw * unsafe { *xs.add(t * gpr + $g) };
                                 facc[r][t] = _mm256_fmadd_ps(
                                     _mm256_cvtepi32_ps(iacc[r][t]),
-                                    _mm256_set1_ps(d),
+                                    _mm256_mul_ps(sw, sx[t]),
                                     facc[r][t],
                                 );
                                 iacc[r][t] = _mm256_setzero_si256();
@@ -248,10 +272,32 @@ macro_rules! int4_kernel {
                         flush!(c / group - 1);
                     }
                 }
+                // The zero-point terms, Σ_g s_g · z_g · Σx_g: eight groups
+                // at a time, then the last window's one at a time.
+                let sixteenth = _mm256_set1_ps(1.0 / 16.0);
+                let mut zacc = [[_mm256_setzero_ps(); T]; R];
+                for g in (0..full_windows).step_by(8) {
+                    for r in 0..R {
+                        // SAFETY: groups g..g + 8 of weight row r.
+                        let (sw, z) = unsafe {
+                            (
+                                _mm256_cvtph_ps(_mm_loadu_si128(ws.add(r * gpr + g).cast())),
+                                _mm_loadl_epi64(wz.add(r * gpr + g).cast()),
+                            )
+                        };
+                        let z = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z)), sixteenth);
+                        let swz = _mm256_mul_ps(sw, z);
+                        for t in 0..T {
+                            // SAFETY: groups g..g + 8 of token row t.
+                            let xsums = unsafe { _mm256_loadu_ps(xsum.add(t * gpr + g)) };
+                            zacc[r][t] = _mm256_fmadd_ps(swz, xsums, zacc[r][t]);
+                        }
+                    }
+                }
                 for r in 0..R {
                     for t in 0..T {
-                        let mut s = hsum(facc[r][t]);
-                        for g in 0..gpr {
+                        let mut s = hsum(facc[r][t]) - hsum(zacc[r][t]);
+                        for g in full_windows..gpr {
                             // SAFETY: group g of weight row r and token row t.
                             let (sw, z, xs) = unsafe {
                                 (

@@ -23,7 +23,7 @@ mod int4_simd;
 pub mod rope;
 mod simd;
 
-pub use int4::linear_int4;
+pub use int4::{linear_int4, linear_residual_int4};
 pub use rope::RopeTable;
 
 use rayon::prelude::*;
