@@ -65,5 +65,11 @@ pub enum EngineError {
     Kv(#[from] crate::kv_cache::KvError),
 }
 
+impl From<tandem_tokenizer::TokenizerError> for EngineError {
+    fn from(e: tandem_tokenizer::TokenizerError) -> Self {
+        Self::Tokenizer(e.to_string())
+    }
+}
+
 /// The engine's result type.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -31,7 +31,6 @@ pub mod serving;
 pub mod shard;
 pub mod speculative;
 pub mod synth;
-pub mod tokenizer;
 pub mod weights;
 
 pub use arch::{Activation, ArchSpec, LayerTensor, NormPlacement};
@@ -49,4 +48,5 @@ pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
 pub use shard::{ShardPeers, ShardSpec};
 /// Constrained decoding (grammars, token masks), re-exported for servers.
 pub use tandem_structured as structured;
+pub use tandem_tokenizer as tokenizer;
 pub use weights::DType;

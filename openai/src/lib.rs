@@ -71,8 +71,8 @@ use axum::Json;
 use futures_util::stream::{self, SelectAll};
 use futures_util::{Stream, StreamExt};
 use serde_json::{json, Value};
-use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
+use tandem_tokenizer::Tokenizer;
 
 pub use adapters::Adapters;
 pub use chat::ChatTemplate;
@@ -564,7 +564,8 @@ impl Inner {
         prompts: &mut [v1::generate_request::Prompt],
     ) -> Result<Vec<EchoPrompt>, ApiError> {
         use v1::generate_request::Prompt;
-        let bad = |e: tandem_engine::EngineError| ApiError::bad_param("prompt", e.to_string());
+        let bad =
+            |e: tandem_tokenizer::TokenizerError| ApiError::bad_param("prompt", e.to_string());
         prompts
             .iter_mut()
             .map(|p| {

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
+use tandem_tokenizer::Tokenizer;
 
 use crate::chat_output::ChatOutput;
 use crate::error::ApiError;

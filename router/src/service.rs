@@ -16,11 +16,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::Stream;
-use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1;
 use tandem_proto::worker::v1::decode_client::DecodeClient;
 use tandem_proto::worker::v1::RoutedGenerateRequest;
 use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
+use tandem_tokenizer::Tokenizer;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 

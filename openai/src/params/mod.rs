@@ -18,8 +18,10 @@ pub use chat::{ChatMessageIn, ChatRequest, Content, ContentPart};
 
 /// Most choices per prompt.
 pub const MAX_N: u32 = 128;
-/// Most top alternatives per token (the engine's limit).
-pub const MAX_TOP_LOGPROBS: u32 = tandem_engine::serving::MAX_LOGPROBS as u32;
+/// Most top alternatives per token: the engine's limit, checked here so the
+/// 400 names the field (a test keeps the two equal; this crate does not
+/// depend on the engine).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -504,6 +506,14 @@ pub(crate) fn join_text_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_logprobs_limit_is_the_engines() {
+        assert_eq!(
+            MAX_TOP_LOGPROBS as usize,
+            tandem_engine::serving::MAX_LOGPROBS
+        );
+    }
 
     fn common(json: &str) -> CommonParams {
         serde_json::from_str(json).expect("parses")

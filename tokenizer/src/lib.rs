@@ -1,8 +1,17 @@
 //! A thin wrapper over the `tokenizers` crate, plus incremental decoding.
+//!
+//! Its own crate so that the router and the HTTP APIs, which tokenize
+//! prompts and count tokens, need not depend on the engine.
 
 use std::path::Path;
 
-use crate::error::{EngineError, Result};
+/// A tokenizer that failed to load, encode or decode, with its message.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TokenizerError(String);
+
+/// This crate's result.
+pub type Result<T> = std::result::Result<T, TokenizerError>;
 
 /// A Hugging Face `tokenizer.json`.
 #[derive(Debug)]
@@ -14,26 +23,26 @@ impl Tokenizer {
     /// Loads `tokenizer.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
         Ok(Self { inner })
     }
 
     /// Token ids of `text`, with the tokenizer's special tokens (e.g. BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.ids(text, true)
     }
 
     /// Token ids of `text` without added special tokens: for text that
     /// already spells them out, such as a rendered chat template.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.ids(text, false)
+    }
+
+    fn ids(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+            .encode(text, add_special_tokens)
+            .map_err(|e| TokenizerError(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -42,7 +51,7 @@ impl Tokenizer {
     pub fn token_text(&self, id: u32) -> Result<String> {
         self.inner
             .decode(&[id], false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+            .map_err(|e| TokenizerError(e.to_string()))
     }
 
     /// The underlying Hugging Face tokenizer.
@@ -54,7 +63,7 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, true)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+            .map_err(|e| TokenizerError(e.to_string()))
     }
 }
 
