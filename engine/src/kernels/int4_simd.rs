@@ -139,6 +139,46 @@ macro_rules! int4_kernel {
                 _mm_cvtss_f32(s)
             }
 
+            /// Prefetches the weight bytes `PREFETCH_TILES` tiles ahead of
+            /// 64-column step `c`. The tile's rows are one contiguous run of
+            /// R·k/2 bytes, read as R short interleaved streams that the
+            /// hardware prefetcher follows badly: R/2 cache lines per step,
+            /// so the run is all requested by the time this tile ends. (A
+            /// prefetch never faults, so the address may pass the end.)
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn prefetch_ahead<const R: usize>(w: *const u8, k: usize, c: usize) {
+                let ahead = w.wrapping_add(PREFETCH_TILES * R * k / 2 + c / 64 * R * 32);
+                for line in 0..R.div_ceil(2) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
+                }
+            }
+
+            /// The int8 activations of one 64-column block of `T` token
+            /// rows: columns c..c+32 (the weights' low nibbles) and
+            /// c+32..c+64 (the high ones).
+            ///
+            /// # Safety
+            /// `c + 64 <= k` and `xq` holds `T` rows of `k` codes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn load_block<const T: usize>(
+                xq: *const i8,
+                k: usize,
+                c: usize,
+            ) -> ([__m256i; T], [__m256i; T]) {
+                let mut x_lo = [_mm256_setzero_si256(); T];
+                let mut x_hi = [_mm256_setzero_si256(); T];
+                for t in 0..T {
+                    // SAFETY: c + 64 <= k inside token row t (the caller).
+                    unsafe {
+                        x_lo[t] = _mm256_loadu_si256(xq.add(t * k + c).cast());
+                        x_hi[t] = _mm256_loadu_si256(xq.add(t * k + c + 32).cast());
+                    }
+                }
+                (x_lo, x_hi)
+            }
+
             /// One tile of `R` weight rows × `T` token rows.
             ///
             /// # Safety
@@ -212,27 +252,9 @@ macro_rules! int4_kernel {
                 }
                 let mut c = 0;
                 while c < k {
-                    // The tile's rows are one contiguous run of R·k/2 bytes,
-                    // read as R short interleaved streams that the hardware
-                    // prefetcher follows badly: fetch the run PREFETCH_TILES
-                    // tiles ahead, R/2 cache lines per 64-column step, so
-                    // it is all requested by the time this tile ends. (A
-                    // prefetch never faults, so the address may pass the end.)
-                    let ahead = w.wrapping_add(PREFETCH_TILES * R * k / 2 + c / 64 * R * 32);
-                    for line in 0..R.div_ceil(2) {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64).cast());
-                    }
-                    // One 64-column block: low nibbles are columns c..c+32,
-                    // high nibbles c+32..c+64.
-                    let mut x_lo = [_mm256_setzero_si256(); T];
-                    let mut x_hi = [_mm256_setzero_si256(); T];
-                    for t in 0..T {
-                        // SAFETY: c + 64 <= k inside token row t.
-                        unsafe {
-                            x_lo[t] = _mm256_loadu_si256(xq.add(t * k + c).cast());
-                            x_hi[t] = _mm256_loadu_si256(xq.add(t * k + c + 32).cast());
-                        }
-                    }
+                    prefetch_ahead::<R>(w, k, c);
+                    // SAFETY: c + 64 <= k inside each of the T token rows.
+                    let (x_lo, x_hi) = unsafe { load_block::<T>(xq, k, c) };
                     if group == 32 {
                         // The two halves belong to different groups.
                         for r in 0..R {
@@ -272,8 +294,39 @@ macro_rules! int4_kernel {
                         flush!(c / group - 1);
                     }
                 }
-                // The zero-point terms, Σ_g s_g · z_g · Σx_g: eight groups
-                // at a time, then the last window's one at a time.
+                let mut dots = [[0f32; T]; R];
+                for r in 0..R {
+                    for t in 0..T {
+                        dots[r][t] = hsum(facc[r][t]);
+                    }
+                }
+                // SAFETY: the tile's R weight rows and T token rows of group
+                // data (this function's contract).
+                let sums = unsafe { minus_zero_terms::<R, T>(dots, ws, wz, xsum, gpr) };
+                for r in 0..R {
+                    for t in 0..T {
+                        // SAFETY: within the bounds promised by the caller.
+                        unsafe { *out.add(t * n + col + r) = sums[r][t] };
+                    }
+                }
+            }
+
+            /// `dots` less a tile's zero-point terms, `Σ_g s_g · z_g · Σx_g`
+            /// per (weight row, token row): eight groups at a time, then the
+            /// last window's one at a time.
+            ///
+            /// # Safety
+            /// `ws` and `wz` hold `R` rows of `gpr` values, `xsum` `T` rows.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn minus_zero_terms<const R: usize, const T: usize>(
+                mut dots: [[f32; T]; R],
+                ws: *const u16,
+                wz: *const u8,
+                xsum: *const f32,
+                gpr: usize,
+            ) -> [[f32; T]; R] {
+                let full_windows = gpr / 8 * 8;
                 let sixteenth = _mm256_set1_ps(1.0 / 16.0);
                 let mut zacc = [[_mm256_setzero_ps(); T]; R];
                 for g in (0..full_windows).step_by(8) {
@@ -296,7 +349,7 @@ macro_rules! int4_kernel {
                 }
                 for r in 0..R {
                     for t in 0..T {
-                        let mut s = hsum(facc[r][t]) - hsum(zacc[r][t]);
+                        let mut s = dots[r][t] - hsum(zacc[r][t]);
                         for g in full_windows..gpr {
                             // SAFETY: group g of weight row r and token row t.
                             let (sw, z, xs) = unsafe {
@@ -308,10 +361,10 @@ macro_rules! int4_kernel {
                             };
                             s -= f16_to_f32(sw) * crate::quant::zero_point(z) * xs;
                         }
-                        // SAFETY: within the bounds promised by the caller.
-                        unsafe { *out.add(t * n + col + r) = s };
+                        dots[r][t] = s;
                     }
                 }
+                dots
             }
 
             /// # Safety

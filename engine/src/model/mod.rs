@@ -32,11 +32,12 @@ use crate::kernels::{
 use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::lora::{LoraAdapter, LoraRows, LoraTarget};
 use crate::quant::hf::HfQuantization;
-use crate::quant::{Int4Config, ResidualInt4};
+use crate::quant::ResidualInt4;
 
 mod linear;
 mod load;
 mod mlp;
+mod quantize;
 mod step;
 
 use crate::shard::{NoPeers, ShardPeers, ShardSpec};
@@ -382,72 +383,6 @@ impl Model {
                 false => SlidingLayers::NONE,
             },
         }
-    }
-
-    /// Bytes of weights read per forward pass (every matrix once).
-    pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.linears().map(|(_, lin)| lin.w.bytes()).sum::<usize>() + l.mlp.routing_bytes()
-            })
-            .sum();
-        let head = match self.shard.computes_logits() {
-            true => self
-                .lm_head_int4
-                .as_ref()
-                .map_or_else(|| self.head().bytes(), ResidualInt4::bytes),
-            false => 0,
-        };
-        layers + head
-    }
-
-    /// Quantizes every dense linear layer (attention and MLP projections)
-    /// to INT4 in place, and the output head to about 8 bits
-    /// ([`ResidualInt4`]); the embedding stays as stored (a tied head gets
-    /// its own copy). Decode reads the head every step, so it is quantized
-    /// too, unlike AWQ/GPTQ checkpoints, which keep it dense (and load so);
-    /// at 4 bits it cost a real small model 4.4 points of perplexity, at 8
-    /// bits within noise (bench/RESULTS.md). Layers already INT4 are kept.
-    pub fn quantize_int4(&mut self, config: Int4Config) -> Result<()> {
-        let steps = self.layers.len() + usize::from(self.shard.computes_logits());
-        let task = crate::progress::Task::begin("quantizing to INT4", steps as u64);
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            let attention = [
-                ("q_proj", &mut l.q),
-                ("k_proj", &mut l.k),
-                ("v_proj", &mut l.v),
-                ("o_proj", &mut l.o),
-            ];
-            let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
-            for (name, lin) in attention.chain(l.mlp.linears_mut()) {
-                lin.quantize(config, &format!("layer {i} {name}"))?;
-            }
-            task.step();
-        }
-        if self.shard.computes_logits() {
-            self.lm_head_int4 = Some(ResidualInt4::quantize(self.head(), config)?);
-            task.step();
-        }
-        Ok(())
-    }
-
-    /// How many of the linear layers' matrices are INT4 (out of
-    /// [`linear_matrices`](Self::linear_matrices)).
-    pub fn int4_matrices(&self) -> usize {
-        self.layers
-            .iter()
-            .flat_map(Layer::linears)
-            .filter(|(_, lin)| matches!(lin.w, LinearWeight::Int4(_)))
-            .count()
-    }
-
-    /// How many linear layers' matrices the model has: seven per dense
-    /// layer, four plus three per expert per sparse one (the router stays
-    /// dense and is not counted).
-    pub fn linear_matrices(&self) -> usize {
-        self.layers.iter().map(|l| l.linears().count()).sum()
     }
 
     /// Tokens routed to each expert since load, per sparse layer this rank
