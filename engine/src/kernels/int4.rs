@@ -27,7 +27,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
-use crate::quant::{zero_point, Int4Matrix, ResidualInt4};
+use crate::quant::{nibble, zero_point, Int4Matrix, ResidualInt4};
 use crate::weights::{Matrix, WeightData};
 
 /// Token rows quantized to int8 per weight group, their outliers apart.
@@ -234,9 +234,7 @@ pub(crate) fn linear_int4_rows(
 fn add_outliers(w: &Int4Rows<'_>, outliers: &[Outlier], out: &mut [f32], n: usize, r0: usize) {
     let (k, gpr) = (w.k, w.k / w.group);
     for o in outliers {
-        // Where column `col` sits in a packed row (module docs of `quant`).
-        let byte = o.col / 64 * 32 + o.col % 32;
-        let shift = if o.col % 64 < 32 { 0 } else { 4 };
+        let (byte, shift) = nibble(o.col);
         let g = o.col / w.group;
         let dst = &mut out[o.token * n + r0..o.token * n + r0 + w.len()];
         for (r, d) in dst.iter_mut().enumerate() {
@@ -290,12 +288,14 @@ pub(crate) fn rows_int4_scalar(
             let xq = &xa.codes[t * k..(t + 1) * k];
             let mut acc = 0f32;
             for gi in 0..gpr {
-                let mut isum = 0i32;
-                for c in gi * g..(gi + 1) * g {
-                    let byte = packed[c / 64 * 32 + c % 32];
-                    let code = if c % 64 < 32 { byte & 0x0f } else { byte >> 4 };
-                    isum += i32::from(code) * i32::from(xq[c]);
-                }
+                let columns = gi * g..(gi + 1) * g;
+                let isum: i32 = columns
+                    .zip(&xq[gi * g..(gi + 1) * g])
+                    .map(|(c, &x)| {
+                        let (byte, shift) = nibble(c);
+                        i32::from((packed[byte] >> shift) & 0x0f) * i32::from(x)
+                    })
+                    .sum();
                 acc += isum as f32 * (w.scales[r * gpr + gi].to_f32() * xa.scales[t * gpr + gi]);
             }
             let zero_term: f32 = (0..gpr)

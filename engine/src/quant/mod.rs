@@ -2,9 +2,9 @@
 //!
 //! A quantized matrix keeps the `[rows, cols]` (`[out, in]`) shape of the
 //! dense one. Each row is cut along `cols` into groups of `group_size`
-//! (32, 64 or 128; 32 unless told, [`DEFAULT_GROUP_SIZE`]) input columns; a weight is a 4-bit code `q` in `0..=15`
-//! with, per (row, group), a scale `s` and a zero point `z` in sixteenths,
-//! `0..=15 15/16`:
+//! (32, 64 or 128; 32 unless told, [`DEFAULT_GROUP_SIZE`]) input columns;
+//! a weight is a 4-bit code `q` in `0..=15` with, per (row, group), a scale
+//! `s` and a zero point `z` in sixteenths, `0..=15 15/16`:
 //!
 //! ```text
 //! w = s · (q − z) = s · q + m      with m = −s · z
@@ -44,13 +44,22 @@ use crate::weights::Matrix;
 /// Columns per packed block (two nibbles per byte, low half then high half).
 pub const BLOCK: usize = 64;
 
+/// Where column `col` of a packed row lives: the byte's offset in the row
+/// and the shift of its nibble (the packing of the module docs).
+#[inline]
+pub fn nibble(col: usize) -> (usize, u32) {
+    let within = col % BLOCK;
+    let byte = col / BLOCK * (BLOCK / 2) + within % (BLOCK / 2);
+    (byte, if within < BLOCK / 2 { 0 } else { 4 })
+}
+
 /// Group sizes the kernels accept.
 pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
 
 /// The group size `--quantize int4` uses unless told: llama.cpp's block
 /// size, and the only one that kept a real small model within 1% of its
-/// perplexity (bench/RESULTS.md, `quality-bench`); with the flush of a
-/// group's sums vectorized it decodes within noise of 128.
+/// perplexity (bench/RESULTS.md, `quality-bench`), at 0.79–0.95x of g128's
+/// batch-1 decode speed on bench-100m.
 pub const DEFAULT_GROUP_SIZE: usize = 32;
 
 /// How weights are quantized at load.
@@ -283,14 +292,8 @@ impl Int4Matrix {
 
     /// The 4-bit code of element `(r, c)`.
     pub fn code(&self, r: usize, c: usize) -> u8 {
-        let block = c / BLOCK;
-        let within = c % BLOCK;
-        let byte = self.packed[r * self.cols / 2 + block * (BLOCK / 2) + within % (BLOCK / 2)];
-        if within < BLOCK / 2 {
-            byte & 0x0f
-        } else {
-            byte >> 4
-        }
+        let (byte, shift) = nibble(c);
+        (self.packed[r * self.cols / 2 + byte] >> shift) & 0x0f
     }
 
     /// Row `r` dequantized to f32.
