@@ -4,6 +4,17 @@
 //! measured on the same machine in the same process), never as absolute times
 //! across runs: the machines are shared and noisy.
 
+pub mod old_kv_index;
+
+/// One step of xorshift64 on `state` (never 0): the benchmarks' seeded,
+/// dependency-free random streams.
+pub fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 use std::time::Instant;
 
 use rayon::prelude::*;

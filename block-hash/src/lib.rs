@@ -10,13 +10,17 @@
 //! Only full blocks are hashed: a partial block can still change. The engine
 //! (prefix cache), the router (prefix-affinity index) and KV transfer all
 //! call these functions, so a block hashed on one worker is found by the
-//! router under the same name.
+//! router under the same name. [`SetDigest`] summarizes a set of these
+//! hashes, so a router can check that its copy of a worker's set is whole.
 //!
 //! **Architecture Invariant:** this crate knows nothing but tokens and block
 //! sizes. Two parties agree on hashes only if they agree on the block size;
 //! the KV layout exchange checks that before anything is matched.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+mod digest;
+pub use digest::SetDigest;
 
 /// A chained block hash.
 pub type BlockHash = u64;

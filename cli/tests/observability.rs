@@ -330,7 +330,34 @@ fn metrics_on_every_component_count_what_was_served() {
         std::thread::sleep(Duration::from_millis(50));
     };
 
-    // Router: every request, every decision, every placement.
+    // Router: every request, every decision (each timed), every placement.
+    assert_eq!(count(&router, "tandem_router_decision_seconds"), n);
+    // The workers' digests of their caches (one a second) match what the
+    // router's index made of their events.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let kv = loop {
+        let s = scrape(
+            cluster
+                .metrics_addr("router", &cluster.addr)
+                .expect("router metrics"),
+        );
+        if s.sum("tandem_router_kv_digests_matched_total", &[]) >= 2.0
+            || std::time::Instant::now() > deadline
+        {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(kv.sum("tandem_router_kv_digests_matched_total", &[]) >= 2.0);
+    assert_eq!(
+        kv.value("tandem_router_kv_resyncs_total", &[("reason", "digest")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        kv.value("tandem_router_kv_resyncs_total", &[("reason", "gap")]),
+        Some(0.0)
+    );
+    assert!(kv.sum("tandem_router_kv_index_blocks", &[]) > 0.0);
     assert_eq!(
         router.value("tandem_router_requests_total", &[("outcome", "finished")]),
         Some(n)

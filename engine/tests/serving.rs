@@ -431,7 +431,8 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
         feed.try_recv().expect("snapshot"),
         KvFeed::Snapshot {
             seq: 0,
-            events: vec![]
+            events: vec![],
+            digest: tandem_block_hash::SetDigest::default(),
         }
     );
     let a: Vec<u32> = (0..40).collect();
@@ -439,9 +440,13 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     d.run();
     let h = tandem_block_hash::block_hashes(&a, 16);
     let mut got = Vec::new();
-    while let Ok(KvFeed::Events(evs)) = feed.try_recv() {
-        got.extend(evs);
+    let mut digest = None;
+    while let Ok(KvFeed::Events { events, digest: d }) = feed.try_recv() {
+        got.extend(events);
+        digest = Some(d);
     }
+    // Each message says what the set is once it is applied.
+    assert_eq!(digest, Some(tandem_block_hash::SetDigest::of(h.clone())));
     assert_eq!(
         got,
         vec![
@@ -466,8 +471,10 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     d.add(Request::new(Prompt::Tokens(b.clone()), 1));
     d.run();
     let mut removed = Vec::new();
-    while let Ok(KvFeed::Events(evs)) = feed.try_recv() {
-        for (_, e) in evs {
+    let mut digest = None;
+    while let Ok(KvFeed::Events { events, digest: d }) = feed.try_recv() {
+        digest = Some(d);
+        for (_, e) in events {
             if let CacheEvent::Removed { hash } = e {
                 removed.push(hash);
             }
@@ -482,7 +489,16 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     d.core.subscribe_kv_events(tx);
     let hb = tandem_block_hash::block_hashes(&b, 16);
     match late.try_recv().expect("snapshot") {
-        KvFeed::Snapshot { events, .. } => {
+        KvFeed::Snapshot {
+            events,
+            digest: snapshot_digest,
+            ..
+        } => {
+            assert_eq!(
+                Some(snapshot_digest),
+                digest,
+                "the snapshot's set is the one the events built"
+            );
             let stored: Vec<(u64, u64)> = events
                 .iter()
                 .map(|e| match e {

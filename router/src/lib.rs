@@ -30,11 +30,12 @@ pub mod index;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod prompt;
 mod proxy;
 mod service;
 
 pub use metrics::{register_cluster, RouterMetrics};
-pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, RoutingPolicy};
-pub use pool::{Cluster, InFlight, Role, Worker};
+pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, PromptFacts, RoutingPolicy};
+pub use pool::{Cluster, InFlight, Resync, Role, Worker};
 pub use proxy::MAX_MIGRATIONS;
 pub use service::{RouterService, DEFAULT_WORKER_WAIT};

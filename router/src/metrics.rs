@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
 
-use crate::pool::{Cluster, Role};
+use crate::pool::{Cluster, Resync, Role};
 
 /// The router's instruments.
 #[derive(Debug, Clone)]
@@ -20,7 +20,14 @@ pub struct RouterMetrics {
     decisions: Family<Counter>,
     placements: Family<Counter>,
     migrations: Family<Counter>,
+    pub(crate) decision: Histogram,
 }
+
+/// Bucket bounds for a routing decision: microseconds, not the
+/// milliseconds of request latency.
+pub const DECISION_BUCKETS: &[f64] = &[
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+];
 
 impl RouterMetrics {
     /// Registers the instruments on `registry`.
@@ -63,6 +70,13 @@ impl RouterMetrics {
                  new worker is told to pull the KV from the draining one; its \
                  tandem_remote_prefills_total says whether it did) or reprefilled.",
                 &["cause", "result", "path"],
+            ),
+            decision: registry.histogram(
+                "tandem_router_decision_seconds",
+                "One request's routing decision: matching its block hashes against the \
+                 KV index for every candidate and the policies' picks (tokenizing and \
+                 hashing excluded).",
+                DECISION_BUCKETS,
             ),
         })
     }
@@ -107,6 +121,40 @@ pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
                 "Requests this router has in flight at workers of the role.",
                 &[("role", name)],
                 inflight as f64,
+            );
+        }
+        s.gauge(
+            "tandem_router_kv_index_blocks",
+            "Distinct blocks in the KV index, over all workers.",
+            &[],
+            cluster.index.len() as f64,
+        );
+        s.gauge(
+            "tandem_router_kv_index_bytes",
+            "The KV index's memory (an estimate from its tables' capacities).",
+            &[],
+            cluster.index.memory_bytes() as f64,
+        );
+        s.counter(
+            "tandem_router_kv_events_applied_total",
+            "Block hashes applied to the KV index from the workers' event streams.",
+            &[],
+            cluster.events_applied() as f64,
+        );
+        s.counter(
+            "tandem_router_kv_digests_matched_total",
+            "Workers' digests of their cached blocks that matched the index's.",
+            &[],
+            cluster.digests_matched() as f64,
+        );
+        for reason in Resync::ALL {
+            s.counter(
+                "tandem_router_kv_resyncs_total",
+                "Times a worker's index entries were dropped and its feed reopened with a \
+                 dump: gap (a sequence number skipped or went back), digest (its digest \
+                 of its cached blocks differed from the index's), stream_ended.",
+                &[("reason", reason.label())],
+                cluster.resyncs(reason) as f64,
             );
         }
     });

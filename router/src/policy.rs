@@ -8,6 +8,13 @@
 //! more than `abs_threshold` requests and by more than `rel_threshold`
 //! times, the least-loaded worker wins regardless of cache, so one popular
 //! prefix cannot herd all traffic onto one worker.
+//!
+//! Ties are broken by rendezvous hashing of the prompt's key (the hash of
+//! its first block) with each tied worker's identity, not by a counter: a
+//! decision is a function of the state and the request alone, so router
+//! replicas that see the same workers, loads and caches pick the same
+//! worker, in whatever order they list the workers, and distinct prefixes
+//! still spread over the pool.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,6 +31,17 @@ pub struct Candidate {
     /// The request's LoRA adapter is known there but not resident: the
     /// worker reads it from disk first.
     pub adapter_cold: bool,
+    /// A stable hash of the worker's address (for tie-breaking).
+    pub identity: u64,
+}
+
+/// What a policy knows about the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PromptFacts {
+    /// Full blocks in the prompt.
+    pub blocks: usize,
+    /// The hash of its first (possibly partial) block.
+    pub key: u64,
 }
 
 /// A pick and why (a metric label and a span field, so a small fixed set).
@@ -42,14 +60,12 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
     /// The policy's name, as on the command line.
     fn name(&self) -> &'static str;
 
-    /// Picks from `candidates` (never empty) for a prompt of
-    /// `prompt_blocks` full blocks, and says why.
-    fn decide(&self, candidates: &[Candidate], prompt_blocks: usize) -> Decision;
+    /// Picks from `candidates` (never empty) for `prompt`, and says why.
+    fn decide(&self, candidates: &[Candidate], prompt: PromptFacts) -> Decision;
 
-    /// Index into `candidates` (never empty) for a prompt of `prompt_blocks`
-    /// full blocks.
-    fn pick(&self, candidates: &[Candidate], prompt_blocks: usize) -> usize {
-        self.decide(candidates, prompt_blocks).index
+    /// Index into `candidates` (never empty) for `prompt`.
+    fn pick(&self, candidates: &[Candidate], prompt: PromptFacts) -> usize {
+        self.decide(candidates, prompt).index
     }
 }
 
@@ -89,6 +105,14 @@ impl PolicyKind {
     }
 }
 
+/// The rendezvous weight of a worker for a prompt (SplitMix64 of both).
+fn rendezvous(key: u64, identity: u64) -> u64 {
+    let mut z = (key ^ identity.rotate_left(32)).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// Fewest requests in flight; ties to the lowest index.
 #[derive(Debug, Default)]
 pub struct LeastLoaded;
@@ -104,7 +128,7 @@ impl RoutingPolicy for LeastLoaded {
         "least-loaded"
     }
 
-    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
+    fn decide(&self, c: &[Candidate], _: PromptFacts) -> Decision {
         Decision {
             index: least_loaded(c),
             reason: "least_loaded",
@@ -121,7 +145,7 @@ impl RoutingPolicy for RoundRobin {
         "round-robin"
     }
 
-    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
+    fn decide(&self, c: &[Candidate], _: PromptFacts) -> Decision {
         Decision {
             index: (self.0.fetch_add(1, Ordering::Relaxed) % c.len() as u64) as usize,
             reason: "round_robin",
@@ -144,7 +168,7 @@ impl RoutingPolicy for Random {
         "random"
     }
 
-    fn decide(&self, c: &[Candidate], _: usize) -> Decision {
+    fn decide(&self, c: &[Candidate], _: PromptFacts) -> Decision {
         let mut x = self.0.load(Ordering::Relaxed);
         x ^= x << 13;
         x ^= x >> 7;
@@ -158,7 +182,9 @@ impl RoutingPolicy for Random {
 }
 
 /// Prefix-affinity cost with a balance guard. Ties (no worker has the
-/// prefix, equal load) rotate, so new prefixes spread over the pool.
+/// prefix, equal load) go to the tied worker whose identity hashes highest
+/// with the prompt's key (rendezvous hashing), so new prefixes spread over
+/// the pool and replicas agree.
 #[derive(Debug)]
 pub struct KvPolicy {
     pub overlap_weight: f64,
@@ -167,7 +193,6 @@ pub struct KvPolicy {
     pub cold_adapter_cost: f64,
     pub abs_threshold: usize,
     pub rel_threshold: f64,
-    rotation: AtomicU64,
 }
 
 impl Default for KvPolicy {
@@ -177,7 +202,6 @@ impl Default for KvPolicy {
             cold_adapter_cost: 16.0,
             abs_threshold: 8,
             rel_threshold: 2.0,
-            rotation: AtomicU64::new(0),
         }
     }
 }
@@ -187,7 +211,8 @@ impl RoutingPolicy for KvPolicy {
         "kv"
     }
 
-    fn decide(&self, c: &[Candidate], prompt_blocks: usize) -> Decision {
+    fn decide(&self, c: &[Candidate], prompt: PromptFacts) -> Decision {
+        let prompt_blocks = prompt.blocks;
         let max = c.iter().map(|x| x.active_requests).max().unwrap_or(0);
         let min = c.iter().map(|x| x.active_requests).min().unwrap_or(0);
         if max - min > self.abs_threshold && max as f64 > self.rel_threshold * min as f64 {
@@ -216,9 +241,10 @@ impl RoutingPolicy for KvPolicy {
                 reason: "load",
             };
         };
-        let ties: Vec<usize> = (0..c.len()).filter(|&i| key(&c[i]) == best).collect();
-        let turn = self.rotation.fetch_add(1, Ordering::Relaxed) as usize;
-        let index = ties[turn % ties.len()];
+        let index = (0..c.len())
+            .filter(|&i| key(&c[i]) == best)
+            .max_by_key(|&i| rendezvous(prompt.key, c[i].identity))
+            .unwrap_or(0);
         Decision {
             index,
             reason: if c[index].matched_blocks > 0 {
@@ -240,7 +266,12 @@ mod tests {
             active_requests: reqs,
             active_blocks: blocks,
             adapter_cold: false,
+            identity: (matched * 31 + reqs * 7 + blocks) as u64,
         }
+    }
+
+    fn prompt(blocks: usize) -> PromptFacts {
+        PromptFacts { blocks, key: 42 }
     }
 
     #[test]
@@ -250,13 +281,13 @@ mod tests {
             adapter_cold: true,
             ..cand(0, 0, 0)
         };
-        assert_eq!(p.pick(&[cold, cand(0, 1, 4)], 8), 1);
+        assert_eq!(p.pick(&[cold, cand(0, 1, 4)], prompt(8)), 1);
         // A long cached prefix is still worth a load from disk.
         let cached_cold = Candidate {
             adapter_cold: true,
             ..cand(40, 0, 0)
         };
-        assert_eq!(p.pick(&[cached_cold, cand(0, 0, 0)], 40), 0);
+        assert_eq!(p.pick(&[cached_cold, cand(0, 0, 0)], prompt(40)), 0);
     }
 
     #[test]
@@ -264,13 +295,16 @@ mod tests {
         let p = KvPolicy::default();
         let c = [cand(0, 1, 10), cand(30, 1, 10), cand(5, 0, 0)];
         assert_eq!(
-            p.decide(&c, 32),
+            p.decide(&c, prompt(32)),
             Decision {
                 index: 1,
                 reason: "prefix_match"
             }
         );
-        assert_eq!(p.decide(&[cand(0, 0, 3), cand(0, 0, 1)], 4).reason, "load");
+        assert_eq!(
+            p.decide(&[cand(0, 0, 3), cand(0, 0, 1)], prompt(4)).reason,
+            "load"
+        );
     }
 
     #[test]
@@ -278,33 +312,62 @@ mod tests {
         let p = KvPolicy::default();
         // 4 cached blocks are not worth 100 busy blocks.
         let c = [cand(4, 2, 100), cand(0, 2, 0)];
-        assert_eq!(p.pick(&c, 8), 1);
+        assert_eq!(p.pick(&c, prompt(8)), 1);
     }
 
     #[test]
     fn the_balance_guard_stops_herding() {
         let p = KvPolicy::default();
         let c = [cand(32, 20, 0), cand(0, 2, 0)];
-        assert_eq!(p.pick(&c, 32), 1, "20 vs 2 in flight: balance wins");
-        assert_eq!(p.decide(&c, 32).reason, "balance_guard");
+        assert_eq!(p.pick(&c, prompt(32)), 1, "20 vs 2 in flight: balance wins");
+        assert_eq!(p.decide(&c, prompt(32)).reason, "balance_guard");
         let c = [cand(32, 5, 0), cand(0, 2, 0)];
-        assert_eq!(p.pick(&c, 32), 0, "a small imbalance keeps affinity");
+        assert_eq!(
+            p.pick(&c, prompt(32)),
+            0,
+            "a small imbalance keeps affinity"
+        );
     }
 
     #[test]
     fn round_robin_cycles_and_least_loaded_picks_the_idlest() {
         let rr = RoundRobin::default();
         let c = [cand(0, 0, 0); 3];
-        let picks: Vec<usize> = (0..6).map(|_| rr.pick(&c, 1)).collect();
+        let picks: Vec<usize> = (0..6).map(|_| rr.pick(&c, prompt(1))).collect();
         assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
-        assert_eq!(LeastLoaded.pick(&[cand(0, 3, 0), cand(0, 1, 0)], 1), 1);
+        assert_eq!(
+            LeastLoaded.pick(&[cand(0, 3, 0), cand(0, 1, 0)], prompt(1)),
+            1
+        );
         let r = Random::default();
-        assert!((0..50).all(|_| r.pick(&c, 1) < 3));
+        assert!((0..50).all(|_| r.pick(&c, prompt(1)) < 3));
     }
 
     #[test]
     fn policy_names_parse() {
         assert_eq!("kv".parse::<PolicyKind>(), Ok(PolicyKind::Kv));
         assert!("nope".parse::<PolicyKind>().is_err());
+    }
+
+    #[test]
+    fn kv_ties_follow_the_prompt_not_the_order_or_the_history() {
+        let p = KvPolicy::default();
+        let idle = |identity| Candidate {
+            identity,
+            ..cand(0, 0, 0)
+        };
+        let pool = [idle(11), idle(22), idle(33), idle(44)];
+        let mut reversed = pool;
+        reversed.reverse();
+        let mut spread = std::collections::HashSet::new();
+        for key in 0..64 {
+            let facts = PromptFacts { blocks: 4, key };
+            let a = pool[p.pick(&pool, facts)].identity;
+            // Again, and in another order: the same worker.
+            assert_eq!(pool[p.pick(&pool, facts)].identity, a);
+            assert_eq!(reversed[p.pick(&reversed, facts)].identity, a);
+            spread.insert(a);
+        }
+        assert_eq!(spread.len(), 4, "distinct prompts spread over the pool");
     }
 }

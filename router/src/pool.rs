@@ -9,7 +9,7 @@
 //! resubscribes). A worker whose KV layout or model differs from the
 //! cluster's is refused and logged, never routed to.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ pub struct Worker {
     pub role: Role,
     /// gRPC `host:port`.
     pub addr: String,
+    /// A stable hash of `addr`: the same on every router replica (ties in
+    /// routing are broken with it).
+    pub identity: u64,
     pub channel: ClusterChannel<Channel>,
     pub info: Mutex<Option<wv1::WorkerInfo>>,
     healthy: AtomicBool,
@@ -120,6 +123,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A stable hash of a worker's address (FNV-1a): equal on every replica.
+fn identity_of(addr: &str) -> u64 {
+    addr.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Counts one request against a worker while it lives.
 #[derive(Debug)]
 pub struct InFlight {
@@ -152,11 +162,45 @@ pub struct Expected {
     pub model: String,
 }
 
+/// Why the router dropped a worker's index entries and asked it for a
+/// fresh dump.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resync {
+    /// A sequence number was skipped or went back: events were lost or
+    /// reordered on the way.
+    Gap,
+    /// The worker's digest of its cached blocks differs from the router's
+    /// digest of the events it applied.
+    Digest,
+    /// The event stream ended or failed.
+    StreamEnded,
+}
+
+impl Resync {
+    pub const ALL: [Self; 3] = [Self::Gap, Self::Digest, Self::StreamEnded];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Gap => "gap",
+            Self::Digest => "digest",
+            Self::StreamEnded => "stream_ended",
+        }
+    }
+}
+
 /// All workers, the KV index and the cluster's expected layout.
 #[derive(Debug, Default)]
 pub struct Cluster {
     workers: RwLock<Vec<Arc<Worker>>>,
-    pub index: Mutex<KvIndex>,
+    /// Which worker caches which prefix (internally locked).
+    pub index: KvIndex,
+    /// Resyncs by [`Resync`] (in `Resync::ALL` order).
+    resyncs: [AtomicU64; 3],
+    /// Block hashes applied from event streams (stored and removed).
+    events_applied: AtomicU64,
+    /// Worker digests that matched the index's.
+    digests_matched: AtomicU64,
     /// Set by the first worker that answers `Info` (or by configuration).
     expected: Mutex<Option<Expected>>,
     probe_interval_ms: AtomicUsize,
@@ -238,6 +282,7 @@ impl Cluster {
             slot: workers.len(),
             role,
             addr: addr.to_string(),
+            identity: identity_of(addr),
             channel,
             info: Mutex::new(None),
             healthy: AtomicBool::new(false),
@@ -268,14 +313,31 @@ impl Cluster {
         }
     }
 
-    /// Stops routing to the worker at `addr` (it left the membership).
+    /// Stops routing to the worker at `addr` (it left the membership) and
+    /// purges its index entries; events its feed still delivers are
+    /// ignored.
     pub fn remove(&self, addr: &str) {
         for w in self.all() {
             if w.addr == addr {
                 w.gone.store(true, Ordering::Relaxed);
-                lock(&self.index).clear(w.slot);
+                self.index.retire(w.slot);
             }
         }
+    }
+
+    /// Resyncs so far for `reason`.
+    pub fn resyncs(&self, reason: Resync) -> u64 {
+        self.resyncs[reason as usize].load(Ordering::Relaxed)
+    }
+
+    /// Worker digests that matched the index's so far.
+    pub fn digests_matched(&self) -> u64 {
+        self.digests_matched.load(Ordering::Relaxed)
+    }
+
+    /// Block hashes applied from every worker's event stream so far.
+    pub fn events_applied(&self) -> u64 {
+        self.events_applied.load(Ordering::Relaxed)
     }
 
     /// Checks a worker's info against the cluster's; the first one sets it.
@@ -324,6 +386,7 @@ fn probe_request<T>(message: T) -> tonic::Request<T> {
 
 async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
     let mut client = WorkerClient::new(w.channel.clone());
+    let mut first = true;
     while !w.gone.load(Ordering::Relaxed) {
         let known = lock(&w.info).is_some();
         let ok = if known {
@@ -366,10 +429,21 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
         if was != ok {
             tracing::info!(worker = %w.addr, healthy = ok, "worker state");
         }
-        tokio::time::sleep(cluster.interval()).await;
+        // Workers added together (a static list, an etcd snapshot) would
+        // be probed together every interval: a burst of hundreds of calls
+        // that shows in the p99 of requests routed meanwhile. After the
+        // first probe each worker shifts by its own share of an interval.
+        let mut pause = cluster.interval();
+        if std::mem::take(&mut first) {
+            pause += pause.mul_f64((w.identity % 1000) as f64 / 1000.0);
+        }
+        tokio::time::sleep(pause).await;
     }
 }
 
+/// Follows one worker's KV events into the index until it leaves: a dump,
+/// then live events; after any [`Resync`] the worker's entries are dropped
+/// and the feed is opened again (with a fresh dump).
 async fn follow_kv_events(cluster: Arc<Cluster>, w: Arc<Worker>) {
     let mut client = WorkerClient::new(w.channel.clone());
     while !w.gone.load(Ordering::Relaxed) {
@@ -377,42 +451,79 @@ async fn follow_kv_events(cluster: Arc<Cluster>, w: Arc<Worker>) {
             tokio::time::sleep(cluster.interval()).await;
             continue;
         }
-        let stream = client.kv_events(wv1::KvEventsRequest { dump: true }).await;
-        if let Ok(stream) = stream {
-            let mut stream = stream.into_inner();
-            let mut last: Option<u64> = None;
-            loop {
-                let ev = match stream.message().await {
-                    Ok(Some(ev)) => ev,
-                    _ => break,
-                };
-                let mut index = lock(&cluster.index);
-                match ev.kind {
-                    Some(wv1::kv_event::Kind::Cleared(_)) => {
-                        index.clear(w.slot);
-                        last = Some(ev.seq);
-                        continue;
-                    }
-                    _ if last.is_some_and(|l| ev.seq > l + 1) => {
-                        tracing::warn!(worker = %w.addr, "KV event gap; resubscribing");
-                        break;
-                    }
-                    Some(wv1::kv_event::Kind::Stored(s)) => {
-                        for h in s.hashes {
-                            index.stored(w.slot, h);
-                        }
-                    }
-                    Some(wv1::kv_event::Kind::Removed(r)) => {
-                        for h in r.hashes {
-                            index.removed(w.slot, h);
-                        }
-                    }
-                    None => {}
-                }
-                last = Some(last.map_or(ev.seq, |l| l.max(ev.seq)));
-            }
+        let reason = match client.kv_events(wv1::KvEventsRequest { dump: true }).await {
+            Ok(stream) => apply_feed(&cluster, &w, stream.into_inner()).await,
+            Err(_) => Resync::StreamEnded,
+        };
+        if w.gone.load(Ordering::Relaxed) {
+            break;
         }
-        lock(&cluster.index).clear(w.slot);
-        tokio::time::sleep(cluster.interval()).await;
+        if reason != Resync::StreamEnded {
+            tracing::warn!(worker = %w.addr, reason = reason.label(), "KV index resync");
+        }
+        cluster.resyncs[reason as usize].fetch_add(1, Ordering::Relaxed);
+        cluster.index.clear(w.slot);
+        // A digest or gap resync asks for the dump at once: the worker is
+        // up, only its feed was wrong.
+        if reason == Resync::StreamEnded {
+            tokio::time::sleep(cluster.interval()).await;
+        }
+    }
+}
+
+/// Applies one subscription's events until it ends or must be resynced.
+async fn apply_feed(
+    cluster: &Cluster,
+    w: &Worker,
+    mut stream: tonic::Streaming<wv1::KvEvent>,
+) -> Resync {
+    let mut last: Option<u64> = None;
+    loop {
+        let ev = match stream.message().await {
+            Ok(Some(ev)) => ev,
+            _ => return Resync::StreamEnded,
+        };
+        if w.gone.load(Ordering::Relaxed) {
+            return Resync::StreamEnded;
+        }
+        use wv1::kv_event::Kind;
+        match ev.kind {
+            Some(Kind::Cleared(_)) => {
+                cluster.index.clear(w.slot);
+                last = Some(ev.seq);
+                continue;
+            }
+            // A digest and a dump's events carry the number of the event
+            // they follow; anything else must be the next number.
+            Some(Kind::Digest(d)) => {
+                if last != Some(ev.seq) {
+                    return Resync::Gap;
+                }
+                let theirs = tandem_block_hash::SetDigest {
+                    blocks: d.blocks,
+                    xor: d.xor,
+                };
+                if cluster.index.digest_of(w.slot) != theirs {
+                    return Resync::Digest;
+                }
+                cluster.digests_matched.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            _ if last.is_some_and(|l| ev.seq != l + 1 && ev.seq != l) => return Resync::Gap,
+            Some(Kind::Stored(s)) => {
+                cluster.index.stored(w.slot, &s.hashes);
+                cluster
+                    .events_applied
+                    .fetch_add(s.hashes.len() as u64, Ordering::Relaxed);
+            }
+            Some(Kind::Removed(r)) => {
+                cluster.index.removed(w.slot, &r.hashes);
+                cluster
+                    .events_applied
+                    .fetch_add(r.hashes.len() as u64, Ordering::Relaxed);
+            }
+            None => {}
+        }
+        last = Some(ev.seq);
     }
 }

@@ -25,15 +25,16 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use crate::metrics::RouterMetrics;
-use crate::policy::{Candidate, RoutingPolicy};
+use crate::policy::{Candidate, PromptFacts, RoutingPolicy};
 use crate::pool::{Cluster, InFlight, Role, Worker};
+use crate::prompt::PromptPrep;
 use crate::proxy::{outcome_of, upstream_status, worker_failed, Proxy, Resume};
 
 /// Routes `Generate` calls over a cluster.
 #[derive(Debug)]
 pub struct RouterService {
     cluster: Arc<Cluster>,
-    tokenizer: Option<Arc<Tokenizer>>,
+    prompts: PromptPrep,
     decode_policy: Box<dyn RoutingPolicy>,
     prefill_policy: Box<dyn RoutingPolicy>,
     /// Prefill remotely only when this many prompt tokens are not cached at
@@ -68,7 +69,10 @@ impl RouterService {
     ) -> Self {
         Self {
             cluster,
-            tokenizer,
+            prompts: PromptPrep::new(
+                tokenizer,
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
             decode_policy,
             prefill_policy,
             remote_prefill_threshold,
@@ -134,18 +138,30 @@ impl RouterService {
     /// What the policies weigh of each worker for a prompt of `hashes`
     /// under adapter `lora` ("" for none).
     fn candidates(&self, workers: &[Arc<Worker>], hashes: &[u64], lora: &str) -> Vec<Candidate> {
-        let index = self.cluster.index.lock().unwrap_or_else(|e| e.into_inner());
+        let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
+        let matched = self.cluster.index.matched(&slots, hashes);
         workers
             .iter()
-            .map(|w| Candidate {
-                matched_blocks: index.matched(w.slot, hashes),
+            .zip(matched)
+            .map(|(w, matched_blocks)| Candidate {
+                matched_blocks,
                 active_requests: w.active_requests.load(Ordering::Relaxed),
                 active_blocks: w.reported_blocks.load(Ordering::Relaxed)
                     + w.inflight_blocks.load(Ordering::Relaxed),
                 adapter_cold: !lora.is_empty() && !w.adapter_resident(lora),
+                identity: w.identity,
             })
             .collect()
     }
+}
+
+/// What a pick weighs of a request: its block hashes, the policy's facts,
+/// and the adapter it runs under (with the adapter's hash root).
+struct Ask<'a> {
+    hashes: &'a [tandem_block_hash::BlockHash],
+    facts: PromptFacts,
+    lora: &'a str,
+    root: tandem_block_hash::BlockHash,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
@@ -207,52 +223,46 @@ impl v1::generation_server::Generation for RouterService {
 }
 
 impl RouterService {
-    /// The prompt's token ids (`None` for text without a tokenizer here)
-    /// and their block hashes; text is replaced by its ids, so workers get
-    /// ids tokenized once and hashed as routed. Tokenizing and hashing a
-    /// long prompt take milliseconds of CPU: they run on the blocking pool,
-    /// not on the async threads every other request's I/O needs.
-    async fn tokenize(
+    /// Conditional disaggregation: a prefill worker only for a long
+    /// uncached part and an unsaturated prefill pool, and why. `n > 1`
+    /// choices go remote too: the decode engine forks them off choice 0 once
+    /// the prefilled prompt's last token is computed, as after a local
+    /// prefill. Adds the pick's time to `decision_time`.
+    fn place_prefill(
         &self,
-        req: &mut v1::GenerateRequest,
-        block_size: usize,
-        root: tandem_block_hash::BlockHash,
-    ) -> Result<(Option<Vec<u32>>, Vec<tandem_block_hash::BlockHash>), Status> {
-        let prompt = match req.prompt.take() {
-            Some(p) => p,
-            None => {
-                return Err(Status::invalid_argument(
-                    "prompt: one of prompt.text or prompt.token_ids is required",
-                ))
-            }
-        };
-        let tokenizer = self.tokenizer.clone();
-        let work = move || {
-            let tokens = match &prompt {
-                v1::generate_request::Prompt::TokenIds(ids) => Some(ids.ids.clone()),
-                v1::generate_request::Prompt::Text(text) => match &tokenizer {
-                    Some(tok) if !text.is_empty() => Some(
-                        tok.encode(text)
-                            .map_err(|e| Status::invalid_argument(format!("prompt: {e}")))?,
-                    ),
-                    _ => None,
-                },
-            };
-            let hashes = tokens
-                .as_deref()
-                .map(|t| tandem_block_hash::block_hashes_from(root, t, block_size))
-                .unwrap_or_default();
-            let prompt = match &tokens {
-                Some(t) => v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: t.clone() }),
-                None => prompt,
-            };
-            Ok::<_, Status>((prompt, tokens, hashes))
-        };
-        let (prompt, tokens, hashes) = tokio::task::spawn_blocking(work)
-            .await
-            .map_err(|e| Status::internal(format!("tokenizing the prompt failed: {e}")))??;
-        req.prompt = Some(prompt);
-        Ok((tokens, hashes))
+        uncached: usize,
+        ask: &Ask<'_>,
+        routing: &tracing::Span,
+        decision_time: &mut Duration,
+    ) -> (Option<Arc<Worker>>, &'static str) {
+        if uncached < self.remote_prefill_threshold.max(1) {
+            return (None, "below_threshold");
+        }
+        let mut all = self.cluster.healthy(Role::Prefill);
+        let lora = ask.lora;
+        all.retain(|w| lora.is_empty() || w.adapter_root(lora) == Some(ask.root));
+        let pool: Vec<Arc<Worker>> = all
+            .iter()
+            .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
+            .cloned()
+            .collect();
+        if all.is_empty() {
+            return (None, "no_prefill_worker");
+        }
+        if pool.is_empty() {
+            return (None, "prefill_pool_saturated");
+        }
+        let deciding = Instant::now();
+        let pc = self.candidates(&pool, ask.hashes, lora);
+        let pick = self.prefill_policy.decide(&pc, ask.facts);
+        *decision_time += deciding.elapsed();
+        self.metrics
+            .decision("prefill", self.prefill_policy.name(), pick.reason);
+        if !routing.is_disabled() {
+            routing.record("prefill_candidates", scores(&pool, &pc).as_str());
+        }
+        routing.record("prefill_reason", pick.reason);
+        (Some(pool[pick.index].clone()), "above_threshold")
     }
 
     /// Picks the workers, forwards the call and returns the proxied stream
@@ -272,8 +282,17 @@ impl RouterService {
         // A request under a LoRA adapter hashes its blocks from the
         // adapter's root, as the workers serving it do.
         let root = self.adapter_root(&req.lora);
-        let (tokens, hashes) = self.tokenize(&mut req, bs, root).await?;
-        let prompt_len = tokens.as_ref().map_or(0, Vec::len);
+        let prompt = req.prompt.take().ok_or_else(|| {
+            Status::invalid_argument("prompt: one of prompt.text or prompt.token_ids is required")
+        })?;
+        let prepared = self.prompts.prepare(prompt, root, bs).await?;
+        req.prompt = Some(prepared.prompt);
+        let hashes = prepared.hashes;
+        let facts = PromptFacts {
+            blocks: hashes.len(),
+            key: prepared.key,
+        };
+        let prompt_len = prepared.tokens.as_ref().map_or(0, |t| t.len());
         span.record("prompt_tokens", prompt_len);
 
         let mut decodes = self.wait_for_decodes(started, timeout).await;
@@ -306,8 +325,10 @@ impl RouterService {
             prefill_worker = tracing::field::Empty,
             prefill_candidates = tracing::field::Empty,
         );
+        let deciding = Instant::now();
         let cands = self.candidates(&decodes, &hashes, &req.lora);
-        let pick = self.decode_policy.decide(&cands, hashes.len());
+        let pick = self.decode_policy.decide(&cands, facts);
+        let mut decision_time = deciding.elapsed();
         let di = pick.index;
         let decode = decodes[di].clone();
         let uncached = prompt_len.saturating_sub(cands[di].matched_blocks * bs);
@@ -320,36 +341,15 @@ impl RouterService {
         routing.record("decode_worker", decode.addr.as_str());
         routing.record("uncached_tokens", uncached);
 
-        // Conditional disaggregation: remote only for a long uncached part
-        // and an unsaturated prefill pool. `n > 1` choices go remote too:
-        // the decode engine forks them off choice 0 once the prefilled
-        // prompt's last token is computed, as after a local prefill.
-        let (prefill, placement_reason) = if uncached < self.remote_prefill_threshold.max(1) {
-            (None, "below_threshold")
-        } else {
-            let mut all = self.cluster.healthy(Role::Prefill);
-            all.retain(serves);
-            let pool: Vec<Arc<Worker>> = all
-                .iter()
-                .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
-                .cloned()
-                .collect();
-            if all.is_empty() {
-                (None, "no_prefill_worker")
-            } else if pool.is_empty() {
-                (None, "prefill_pool_saturated")
-            } else {
-                let pc = self.candidates(&pool, &hashes, &req.lora);
-                let pick = self.prefill_policy.decide(&pc, hashes.len());
-                self.metrics
-                    .decision("prefill", self.prefill_policy.name(), pick.reason);
-                if !routing.is_disabled() {
-                    routing.record("prefill_candidates", scores(&pool, &pc).as_str());
-                }
-                routing.record("prefill_reason", pick.reason);
-                (Some(pool[pick.index].clone()), "above_threshold")
-            }
+        let ask = Ask {
+            hashes: &hashes,
+            facts,
+            lora: &req.lora,
+            root,
         };
+        let (prefill, placement_reason) =
+            self.place_prefill(uncached, &ask, &routing, &mut decision_time);
+        self.metrics.decision.observe(decision_time.as_secs_f64());
         let placement = if prefill.is_some() { "remote" } else { "local" };
         self.metrics.placement(placement, placement_reason);
         routing.record("prefill_placement", placement);

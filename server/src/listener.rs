@@ -124,6 +124,9 @@ pub fn capped(
                     return Some((Err(e), (listener, slots)));
                 }
             };
+            // Token deltas are small writes: without this, Nagle holds one
+            // back until the peer's (delayed) ACK of the last, up to 40 ms.
+            let _ = stream.set_nodelay(true);
             match slots.clone().try_acquire_owned() {
                 Ok(slot) => {
                     let connection = CappedStream {

@@ -8,9 +8,12 @@
 //! [`cluster`] starts real `tandem` processes and reads their addresses.
 //! [`otlp`] is an OTLP trace collector inside the test process;
 //! [`prometheus`] parses (strictly) what `/metrics` endpoints serve.
+//! [`sim_worker`] is a decode worker's gRPC surface without a model, for
+//! router tests and `router-bench`.
 
 pub mod cluster;
 pub mod etcd;
 pub mod otlp;
 pub mod prometheus;
 pub mod python;
+pub mod sim_worker;

@@ -129,10 +129,7 @@ async fn ttft(addr: &str, prompt: Vec<u32>) -> Result<f64> {
 struct Rng(u64);
 impl Rng {
     fn next(&mut self, m: u64) -> u32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % m) as u32
+        (tandem_bench::xorshift(&mut self.0) % m) as u32
     }
 }
 

@@ -78,10 +78,7 @@ struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        tandem_bench::xorshift(&mut self.0)
     }
     fn range(&mut self, r: &[usize]) -> usize {
         r[0] + (self.next() % (r[1] - r[0] + 1) as u64) as usize

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tandem_block_hash::BlockHash;
+use tandem_block_hash::{BlockHash, SetDigest};
 
 use super::groups::{KvGroups, FREED};
 use super::{BlockId, KvError};
@@ -67,6 +67,8 @@ struct State {
     stats: PrefixCacheStats,
     /// Changes since the last `drain_events`.
     events: Vec<CacheEvent>,
+    /// The announced cached set, as its events describe it.
+    announced: SetDigest,
 }
 
 impl State {
@@ -105,6 +107,7 @@ impl State {
             if self.cached.get(&h) == Some(&b) {
                 self.cached.remove(&h);
                 if std::mem::take(&mut self.meta[b as usize].announced) {
+                    self.announced.remove(h);
                     self.events.push(CacheEvent::Removed { hash: h });
                 }
             }
@@ -157,6 +160,7 @@ impl BlockAllocator {
             cached: HashMap::new(),
             stats: PrefixCacheStats::default(),
             events: Vec::new(),
+            announced: SetDigest::default(),
         };
         // Low ids first, which keeps tests readable.
         for b in 0..num_blocks as BlockId {
@@ -371,6 +375,7 @@ impl BlockAllocator {
         meta.announced = announce;
         st.cached.insert(hash, block);
         if announce {
+            st.announced.insert(hash);
             st.events.push(CacheEvent::Stored { parent, hash });
         }
     }
@@ -378,6 +383,19 @@ impl BlockAllocator {
     /// Takes the cache changes recorded since the last call.
     pub fn drain_events(&self) -> Vec<CacheEvent> {
         std::mem::take(&mut self.lock().events)
+    }
+
+    /// [`drain_events`](Self::drain_events), with the digest of the
+    /// announced set once they are applied (read under the same lock).
+    pub fn drain_events_with_digest(&self) -> (Vec<CacheEvent>, SetDigest) {
+        let mut st = self.lock();
+        (std::mem::take(&mut st.events), st.announced)
+    }
+
+    /// The digest of every announced cached block, as a follower that
+    /// applied every drained event holds it.
+    pub fn announced_digest(&self) -> SetDigest {
+        self.lock().announced
     }
 
     /// Every cached block as a `Stored` event, parents before children

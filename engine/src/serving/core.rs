@@ -472,8 +472,8 @@ impl EngineCore {
     }
 
     fn publish_kv_events(&mut self) {
-        let events = self.scheduler.allocator().drain_events();
-        self.kv_feed.publish(events);
+        let (events, digest) = self.scheduler.allocator().drain_events_with_digest();
+        self.kv_feed.publish(events, digest);
     }
 
     /// Writes one block of one layer received for remote prefill

@@ -17,6 +17,8 @@ use std::sync::Arc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::{Receiver, Sender};
 
+use tandem_block_hash::SetDigest;
+
 use crate::kv_cache::CacheEvent;
 
 /// Subscribers one engine feeds at once. A router keeps one per worker
@@ -30,13 +32,33 @@ pub const KV_FEED_BACKLOG: usize = 1024;
 
 /// One snapshot, then numbered changes. Sequence numbers are per engine
 /// and increase by one per event, so a gap means a lost message
-/// (resubscribe for a new snapshot).
+/// (resubscribe for a new snapshot). Each message carries the digest of
+/// the announced set once it is applied, which the worker passes on to its
+/// followers now and then so they can check their copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvFeed {
     /// Every cached block as of event `seq` (parents first).
-    Snapshot { seq: u64, events: Vec<CacheEvent> },
+    Snapshot {
+        seq: u64,
+        events: Vec<CacheEvent>,
+        digest: SetDigest,
+    },
     /// Changes numbered `seq`, in order.
-    Events(Vec<(u64, CacheEvent)>),
+    Events {
+        events: Vec<(u64, CacheEvent)>,
+        digest: SetDigest,
+    },
+}
+
+impl KvFeed {
+    /// The number of the last event this message accounts for, and the
+    /// announced set's digest after it.
+    pub fn digest(&self) -> (u64, SetDigest) {
+        match self {
+            Self::Snapshot { seq, digest, .. } => (*seq, *digest),
+            Self::Events { events, digest } => (events.last().map_or(0, |e| e.0), *digest),
+        }
+    }
 }
 
 /// A subscription refused: the engine already feeds its limit.
@@ -103,17 +125,23 @@ impl KvFeedPublisher {
     /// message. Call after [`publish`](Self::publish)ing pending changes,
     /// so the snapshot's number is the last event's.
     pub fn subscribe(&mut self, sink: Sender<KvFeed>, snapshot: Vec<CacheEvent>) {
+        let digest = SetDigest::of(snapshot.iter().filter_map(|e| match e {
+            CacheEvent::Stored { hash, .. } => Some(*hash),
+            CacheEvent::Removed { .. } => None,
+        }));
         let first = KvFeed::Snapshot {
             seq: self.seq,
             events: snapshot,
+            digest,
         };
         if sink.try_send(first).is_ok() {
             self.subscribers.push(sink);
         }
     }
 
-    /// Numbers `events` and sends them to every subscriber that keeps up.
-    pub fn publish(&mut self, events: Vec<CacheEvent>) {
+    /// Numbers `events` and sends them, with `digest` (the announced set's
+    /// after them), to every subscriber that keeps up.
+    pub fn publish(&mut self, events: Vec<CacheEvent>, digest: SetDigest) {
         if events.is_empty() {
             return;
         }
@@ -124,8 +152,12 @@ impl KvFeedPublisher {
                 (self.seq, e)
             })
             .collect();
-        self.subscribers
-            .retain(|s| match s.try_send(KvFeed::Events(numbered.clone())) {
+        self.subscribers.retain(|s| {
+            let feed = KvFeed::Events {
+                events: numbered.clone(),
+                digest,
+            };
+            match s.try_send(feed) {
                 Ok(()) => true,
                 Err(TrySendError::Full(_)) => {
                     tracing::warn!(
@@ -135,7 +167,8 @@ impl KvFeedPublisher {
                     false
                 }
                 Err(TrySendError::Closed(_)) => false,
-            });
+            }
+        });
     }
 }
 
@@ -176,17 +209,17 @@ mod tests {
         ));
         // The slow one holds its snapshot plus a full backlog, then one more.
         for i in 0..KV_FEED_BACKLOG as u64 {
-            publisher.publish(vec![stored(i)]);
+            publisher.publish(vec![stored(i)], SetDigest::default());
             assert!(fast.feed.try_recv().ok().is_some());
         }
         assert_eq!(publisher.subscribers.len(), 1, "the slow one is gone");
-        publisher.publish(vec![stored(u64::MAX)]);
+        publisher.publish(vec![stored(u64::MAX)], SetDigest::default());
         assert_eq!(
             fast.feed.try_recv().ok(),
-            Some(KvFeed::Events(vec![(
-                KV_FEED_BACKLOG as u64 + 1,
-                stored(u64::MAX)
-            )]))
+            Some(KvFeed::Events {
+                events: vec![(KV_FEED_BACKLOG as u64 + 1, stored(u64::MAX))],
+                digest: SetDigest::default(),
+            })
         );
         // The slow one reads what it was sent, then its feed ends.
         let mut read = 0;
