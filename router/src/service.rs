@@ -135,11 +135,23 @@ impl RouterService {
         root.unwrap_or(tandem_block_hash::ROOT)
     }
 
-    /// What the policies weigh of each worker for a prompt of `hashes`
-    /// under adapter `lora` ("" for none).
-    fn candidates(&self, workers: &[Arc<Worker>], hashes: &[u64], lora: &str) -> Vec<Candidate> {
+    /// What the policies weigh of each of `workers` for `ask`. A long
+    /// prompt's match runs on the blocking pool: the async threads carry
+    /// every other request's I/O.
+    async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        let matched = self.cluster.index.matched(&slots, hashes);
+        let matched = if ask.hashes.len() <= INLINE_MATCH_BLOCKS {
+            self.cluster.index.matched(&slots, &ask.hashes)
+        } else {
+            let (cluster, hashes) = (self.cluster.clone(), ask.hashes.clone());
+            let walk = move || cluster.index.matched(&slots, &hashes);
+            tokio::task::spawn_blocking(walk).await.unwrap_or_else(|e| {
+                // Routed by load alone rather than not at all.
+                tracing::error!(error = %e, "matching the prompt against the KV index failed");
+                vec![0; workers.len()]
+            })
+        };
+        let lora = ask.lora.as_str();
         workers
             .iter()
             .zip(matched)
@@ -157,12 +169,24 @@ impl RouterService {
 
 /// What a pick weighs of a request: its block hashes, the policy's facts,
 /// and the adapter it runs under (with the adapter's hash root).
-struct Ask<'a> {
-    hashes: &'a [tandem_block_hash::BlockHash],
+struct Ask {
+    hashes: Arc<Vec<tandem_block_hash::BlockHash>>,
     facts: PromptFacts,
-    lora: &'a str,
+    lora: String,
     root: tandem_block_hash::BlockHash,
 }
+
+impl Ask {
+    /// Whether `w` serves the request's adapter (any worker, for none).
+    fn serves(&self, w: &Worker) -> bool {
+        self.lora.is_empty() || w.adapter_root(&self.lora) == Some(self.root)
+    }
+}
+
+/// Prompts of up to this many blocks are matched against the index on the
+/// async thread (a walk costs ~35 ns a block, so 30-odd µs, about a hop to
+/// another thread); longer ones on the blocking pool.
+const INLINE_MATCH_BLOCKS: usize = 1024;
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
 
@@ -228,10 +252,10 @@ impl RouterService {
     /// choices go remote too: the decode engine forks them off choice 0 once
     /// the prefilled prompt's last token is computed, as after a local
     /// prefill. Adds the pick's time to `decision_time`.
-    fn place_prefill(
+    async fn place_prefill(
         &self,
         uncached: usize,
-        ask: &Ask<'_>,
+        ask: &Ask,
         routing: &tracing::Span,
         decision_time: &mut Duration,
     ) -> (Option<Arc<Worker>>, &'static str) {
@@ -239,8 +263,7 @@ impl RouterService {
             return (None, "below_threshold");
         }
         let mut all = self.cluster.healthy(Role::Prefill);
-        let lora = ask.lora;
-        all.retain(|w| lora.is_empty() || w.adapter_root(lora) == Some(ask.root));
+        all.retain(|w| ask.serves(w));
         let pool: Vec<Arc<Worker>> = all
             .iter()
             .filter(|w| w.active_requests.load(Ordering::Relaxed) < self.max_prefill_queue)
@@ -253,7 +276,7 @@ impl RouterService {
             return (None, "prefill_pool_saturated");
         }
         let deciding = Instant::now();
-        let pc = self.candidates(&pool, ask.hashes, lora);
+        let pc = self.candidates(&pool, ask).await;
         let pick = self.prefill_policy.decide(&pc, ask.facts);
         *decision_time += deciding.elapsed();
         self.metrics
@@ -287,14 +310,78 @@ impl RouterService {
         })?;
         let prepared = self.prompts.prepare(prompt, root, bs).await?;
         req.prompt = Some(prepared.prompt);
-        let hashes = prepared.hashes;
-        let facts = PromptFacts {
-            blocks: hashes.len(),
-            key: prepared.key,
-        };
         let prompt_len = prepared.tokens.as_ref().map_or(0, |t| t.len());
         span.record("prompt_tokens", prompt_len);
+        let ask = Ask {
+            facts: PromptFacts {
+                blocks: prepared.hashes.len(),
+                key: prepared.key,
+            },
+            hashes: prepared.hashes,
+            lora: req.lora.clone(),
+            root,
+        };
+        let picked = self
+            .pick_workers(&ask, prompt_len, bs, span, started, timeout)
+            .await?;
 
+        let resume = Some(Resume::for_request(
+            self.cluster.clone(),
+            &req,
+            timeout.map(|t| started + t),
+            bs,
+        ));
+        let prefill_load = picked
+            .prefill
+            .as_ref()
+            .map(|p| InFlight::new(p.clone(), picked.uncached.div_ceil(bs)));
+        let call = Forward {
+            span,
+            started,
+            timeout,
+            prefill_worker: picked
+                .prefill
+                .as_ref()
+                .map(|p| p.addr.clone())
+                .unwrap_or_default(),
+        };
+        let (upstream, decode, decode_load) = self
+            .call_decode(picked.decode, &req, &call, prompt_len.div_ceil(bs))
+            .await?;
+        let proxy = Proxy {
+            upstream,
+            decode: decode.clone(),
+            decode_load,
+            prefill_load,
+            ended: false,
+            span: span.clone(),
+            metrics: self.metrics.clone(),
+            started,
+            first_seen: false,
+            resume,
+        };
+        let stream = futures_util::stream::unfold(proxy, |mut p| async move {
+            let item = p.next().await?;
+            Some((item, p))
+        });
+        let mut response = Response::new(Box::pin(stream) as ResponseStream);
+        if self.routing_headers {
+            name_workers(&mut response, &decode, picked.prefill.as_deref());
+        }
+        Ok(response)
+    }
+
+    /// The decode worker (and prefill worker, if any) for `ask`, recorded
+    /// in a `routing` span under `span`, with the decision timed.
+    async fn pick_workers(
+        &self,
+        ask: &Ask,
+        prompt_len: usize,
+        bs: usize,
+        span: &tracing::Span,
+        started: Instant,
+        timeout: Option<Duration>,
+    ) -> Result<Picked, Status> {
         let mut decodes = self.wait_for_decodes(started, timeout).await;
         if decodes.is_empty() {
             return Err(Status::unavailable(format!(
@@ -302,13 +389,11 @@ impl RouterService {
                 started.elapsed().as_millis()
             )));
         }
-        let serves =
-            |w: &Arc<Worker>| req.lora.is_empty() || w.adapter_root(&req.lora) == Some(root);
-        decodes.retain(serves);
+        decodes.retain(|w| ask.serves(w));
         if decodes.is_empty() {
             return Err(Status::invalid_argument(format!(
                 "lora: no decode worker serves adapter `{}`",
-                req.lora
+                ask.lora
             )));
         }
         let routing = tracing::info_span!(
@@ -326,12 +411,11 @@ impl RouterService {
             prefill_candidates = tracing::field::Empty,
         );
         let deciding = Instant::now();
-        let cands = self.candidates(&decodes, &hashes, &req.lora);
-        let pick = self.decode_policy.decide(&cands, facts);
+        let cands = self.candidates(&decodes, ask).await;
+        let pick = self.decode_policy.decide(&cands, ask.facts);
         let mut decision_time = deciding.elapsed();
-        let di = pick.index;
-        let decode = decodes[di].clone();
-        let uncached = prompt_len.saturating_sub(cands[di].matched_blocks * bs);
+        let decode = decodes[pick.index].clone();
+        let uncached = prompt_len.saturating_sub(cands[pick.index].matched_blocks * bs);
         self.metrics
             .decision("decode", self.decode_policy.name(), pick.reason);
         if !routing.is_disabled() {
@@ -341,14 +425,9 @@ impl RouterService {
         routing.record("decode_worker", decode.addr.as_str());
         routing.record("uncached_tokens", uncached);
 
-        let ask = Ask {
-            hashes: &hashes,
-            facts,
-            lora: &req.lora,
-            root,
-        };
-        let (prefill, placement_reason) =
-            self.place_prefill(uncached, &ask, &routing, &mut decision_time);
+        let (prefill, placement_reason) = self
+            .place_prefill(uncached, ask, &routing, &mut decision_time)
+            .await;
         self.metrics.decision.observe(decision_time.as_secs_f64());
         let placement = if prefill.is_some() { "remote" } else { "local" };
         self.metrics.placement(placement, placement_reason);
@@ -367,49 +446,38 @@ impl RouterService {
             prefill = ?prefill.as_ref().map(|p| &p.addr),
             "routed"
         );
-        drop(routing);
+        Ok(Picked {
+            decode,
+            prefill,
+            uncached,
+        })
+    }
 
-        let resume = Some(Resume::for_request(
-            self.cluster.clone(),
-            &req,
-            timeout.map(|t| started + t),
-            bs,
-        ));
-        let prefill_worker = prefill.as_ref().map(|p| p.addr.clone()).unwrap_or_default();
-        let forward = |req: v1::GenerateRequest| -> Result<Request<RoutedGenerateRequest>, Status> {
-            let mut forward = Request::new(RoutedGenerateRequest {
-                request: Some(req),
-                prefill_worker: prefill_worker.clone(),
-                resume: None,
-            });
-            tandem_telemetry::propagation::inject(span, forward.metadata_mut());
-            // The worker gets what is left of the client's deadline and ends
-            // the stream itself when it passes.
-            if let Some(t) = timeout {
-                let left = t.saturating_sub(started.elapsed());
-                if left.is_zero() {
-                    return Err(Status::deadline_exceeded(
-                        "the request's deadline (grpc-timeout) passed while routing",
-                    ));
-                }
-                forward.set_timeout(left);
-            }
-            Ok(forward)
-        };
-        let prefill_load = prefill
-            .as_ref()
-            .map(|p| InFlight::new(p.clone(), uncached.div_ceil(bs)));
-        // A worker that fails the call before streaming anything (it died
-        // since its last probe) is marked down and the call goes to another
-        // decode worker: nothing reached the client yet, so this is safe for
-        // every request.
-        let mut decode = decode;
+    /// Calls `decode`'s `Generate`. A worker that fails the call before
+    /// streaming anything (it died since its last probe) is marked down and
+    /// the call goes to another decode worker, once: nothing reached the
+    /// client yet, so this is safe for every request. The stream, the
+    /// worker that took the call and its load guard.
+    async fn call_decode(
+        &self,
+        mut decode: Arc<Worker>,
+        req: &v1::GenerateRequest,
+        call: &Forward<'_>,
+        blocks: usize,
+    ) -> Result<
+        (
+            tonic::Streaming<v1::GenerateResponse>,
+            Arc<Worker>,
+            InFlight,
+        ),
+        Status,
+    > {
         let mut retried = false;
-        let (upstream, decode_load) = loop {
-            let decode_load = InFlight::new(decode.clone(), prompt_len.div_ceil(bs));
+        loop {
+            let decode_load = InFlight::new(decode.clone(), blocks);
             let mut client = DecodeClient::new(decode.channel.clone());
-            match client.generate(forward(req.clone())?).await {
-                Ok(r) => break (r.into_inner(), decode_load),
+            match client.generate(call.request(req.clone())?).await {
+                Ok(r) => return Ok((r.into_inner(), decode, decode_load)),
                 Err(status) if !retried && worker_failed(&status) => {
                     retried = true;
                     decode.mark_down();
@@ -419,46 +487,74 @@ impl RouterService {
                         return Err(upstream_status(&decode, status));
                     };
                     tracing::warn!(
-                        parent: span,
+                        parent: call.span,
                         from = %failed,
                         to = %next.addr,
                         error = %status.message(),
                         "decode worker refused the call; trying another"
                     );
-                    span.record("decode_worker", next.addr.as_str());
+                    call.span.record("decode_worker", next.addr.as_str());
                     decode = next;
                 }
                 Err(status) => return Err(upstream_status(&decode, status)),
             }
-        };
-        let proxy = Proxy {
-            upstream,
-            decode: decode.clone(),
-            decode_load,
-            prefill_load,
-            ended: false,
-            span: span.clone(),
-            metrics: self.metrics.clone(),
-            started,
-            first_seen: false,
-            resume,
-        };
-        let stream = futures_util::stream::unfold(proxy, |mut p| async move {
-            let item = p.next().await?;
-            Some((item, p))
+        }
+    }
+}
+
+/// The workers a request goes to.
+struct Picked {
+    decode: Arc<Worker>,
+    prefill: Option<Arc<Worker>>,
+    /// Prompt tokens the decode worker does not cache.
+    uncached: usize,
+}
+
+/// How a routed request is sent to its decode worker.
+struct Forward<'a> {
+    span: &'a tracing::Span,
+    started: Instant,
+    timeout: Option<Duration>,
+    /// The prefill worker named in the call ("" for none).
+    prefill_worker: String,
+}
+
+impl Forward<'_> {
+    /// The call for `req`: its prefill worker, the trace context, and what
+    /// is left of the client's deadline (the worker ends the stream itself
+    /// when it passes).
+    fn request(&self, req: v1::GenerateRequest) -> Result<Request<RoutedGenerateRequest>, Status> {
+        let mut forward = Request::new(RoutedGenerateRequest {
+            request: Some(req),
+            prefill_worker: self.prefill_worker.clone(),
+            resume: None,
         });
-        let mut response = Response::new(Box::pin(stream) as ResponseStream);
-        if !self.routing_headers {
-            return Ok(response);
-        }
-        if let Ok(v) = MetadataValue::try_from(decode.addr.as_str()) {
-            response.metadata_mut().insert(ROUTED_DECODE_HEADER, v);
-        }
-        if let Some(p) = &prefill {
-            if let Ok(v) = MetadataValue::try_from(p.addr.as_str()) {
-                response.metadata_mut().insert(ROUTED_PREFILL_HEADER, v);
+        tandem_telemetry::propagation::inject(self.span, forward.metadata_mut());
+        if let Some(t) = self.timeout {
+            let left = t.saturating_sub(self.started.elapsed());
+            if left.is_zero() {
+                return Err(Status::deadline_exceeded(
+                    "the request's deadline (grpc-timeout) passed while routing",
+                ));
             }
+            forward.set_timeout(left);
         }
-        Ok(response)
+        Ok(forward)
+    }
+}
+
+/// Names the chosen workers in `response`'s metadata.
+fn name_workers(
+    response: &mut Response<ResponseStream>,
+    decode: &Worker,
+    prefill: Option<&Worker>,
+) {
+    if let Ok(v) = MetadataValue::try_from(decode.addr.as_str()) {
+        response.metadata_mut().insert(ROUTED_DECODE_HEADER, v);
+    }
+    if let Some(p) = prefill {
+        if let Ok(v) = MetadataValue::try_from(p.addr.as_str()) {
+            response.metadata_mut().insert(ROUTED_PREFILL_HEADER, v);
+        }
     }
 }

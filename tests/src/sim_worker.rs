@@ -74,7 +74,19 @@ struct Cache {
     seq: u64,
     digest: SetDigest,
     /// Live followers, sent each event with the digest after it.
-    followers: Vec<mpsc::Sender<(wv1::KvEvent, SetDigest)>>,
+    followers: Vec<mpsc::Sender<Sent>>,
+    /// xorshift state: which events a fault drops.
+    rng: u64,
+}
+
+/// One live event on its way to a follower: the digest after it, and
+/// what the fault in force when it happened does to it.
+#[derive(Debug, Clone)]
+struct Sent {
+    event: wv1::KvEvent,
+    digest: SetDigest,
+    dropped: bool,
+    hide_gaps: bool,
 }
 
 #[derive(Debug)]
@@ -87,14 +99,23 @@ struct Shared {
     addr: String,
 }
 
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Shared {
     /// Caches `hashes` (a prompt's chain), evicting beyond capacity, and
-    /// tells the followers.
+    /// tells the followers (the fault in force decides which events they
+    /// miss, here, so a test that sets and clears it is not racing them).
     fn cache(&self, hashes: &[BlockHash]) {
+        let fault = *lock(&self.fault);
         let mut c = lock(&self.cache);
         c.tick += 1;
         let tick = c.tick;
@@ -140,8 +161,21 @@ impl Shared {
             };
             events.push((ev, c.digest));
         }
+        let mut sent = Vec::with_capacity(events.len());
+        for (event, digest) in events {
+            if c.rng == 0 {
+                c.rng = 0x9e37_79b9_7f4a_7c15;
+            }
+            let roll = (xorshift(&mut c.rng) >> 11) as f64 / (1u64 << 53) as f64;
+            sent.push(Sent {
+                event,
+                digest,
+                dropped: roll < fault.drop_fraction,
+                hide_gaps: fault.hide_gaps,
+            });
+        }
         c.followers
-            .retain(|f| events.iter().all(|e| f.try_send(e.clone()).is_ok()));
+            .retain(|f| sent.iter().all(|e| f.try_send(e.clone()).is_ok()));
     }
 }
 
@@ -303,13 +337,12 @@ impl wv1::worker_server::Worker for Service {
             let mut follower = Follower {
                 wire_seq: seq,
                 digest,
-                rng: 0x9e37_79b9_7f4a_7c15 ^ seq,
             };
             let mut ticks = tokio::time::interval(shared.config.digest_period);
             loop {
                 let ev = tokio::select! {
                     ev = rx.recv() => match ev {
-                        Some((ev, digest)) => follower.pass(ev, digest, *lock(&shared.fault)),
+                        Some(sent) => follower.pass(sent),
                         None => return,
                     },
                     _ = ticks.tick() => Some(follower.digest_event()),
@@ -350,36 +383,32 @@ struct Follower {
     wire_seq: u64,
     /// The worker's true digest as of the last event passed.
     digest: SetDigest,
-    rng: u64,
 }
 
 impl Follower {
     /// The event as sent (renumbered when gaps are hidden), or `None` when
     /// the fault drops it.
-    fn pass(
-        &mut self,
-        mut ev: wv1::KvEvent,
-        digest: SetDigest,
-        fault: Fault,
-    ) -> Option<wv1::KvEvent> {
+    fn pass(&mut self, sent: Sent) -> Option<wv1::KvEvent> {
+        let Sent {
+            mut event,
+            digest,
+            dropped,
+            hide_gaps,
+        } = sent;
         self.digest = digest;
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let roll = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
-        if roll < fault.drop_fraction {
-            if !fault.hide_gaps {
-                self.wire_seq = ev.seq;
+        if dropped {
+            if !hide_gaps {
+                self.wire_seq = event.seq;
             }
             return None;
         }
-        self.wire_seq = if fault.hide_gaps {
+        self.wire_seq = if hide_gaps {
             self.wire_seq + 1
         } else {
-            ev.seq
+            event.seq
         };
-        ev.seq = self.wire_seq;
-        Some(ev)
+        event.seq = self.wire_seq;
+        Some(event)
     }
 
     /// The worker's true digest, numbered after the last event sent.
