@@ -522,10 +522,10 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             follow_membership(cluster.clone(), args.membership.clone()).await?;
         }
         for d in &args.decode {
-            cluster.add(Role::Decode, d).map_err(anyhow::Error::msg)?;
+            cluster.add(Role::Decode, d)?;
         }
         for p in &args.prefill {
-            cluster.add(Role::Prefill, p).map_err(anyhow::Error::msg)?;
+            cluster.add(Role::Prefill, p)?;
         }
         cluster.wait_probed(Duration::from_secs(10)).await;
         let registry = tandem_telemetry::Registry::new();

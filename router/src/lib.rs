@@ -35,7 +35,9 @@ mod proxy;
 mod service;
 
 pub use metrics::{register_cluster, RouterMetrics};
-pub use policy::{Candidate, Decision, KvPolicy, PolicyKind, PromptFacts, RoutingPolicy};
-pub use pool::{Cluster, InFlight, Resync, Role, Worker};
+pub use policy::{
+    Candidate, Decision, KvPolicy, PolicyKind, PromptFacts, RoutingPolicy, UnknownPolicy,
+};
+pub use pool::{BadWorkerAddress, Cluster, InFlight, Refusal, Resync, Role, Worker};
 pub use proxy::MAX_MIGRATIONS;
 pub use service::{RouterService, DEFAULT_WORKER_WAIT};

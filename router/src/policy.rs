@@ -78,22 +78,35 @@ pub enum PolicyKind {
     Random,
 }
 
+/// A policy name that is not one of [`PolicyKind`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {0:?} (kv, least-loaded, round-robin, random)")]
+pub struct UnknownPolicy(pub String);
+
 impl FromStr for PolicyKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
         match s {
             "kv" => Ok(Self::Kv),
             "least-loaded" => Ok(Self::LeastLoaded),
             "round-robin" => Ok(Self::RoundRobin),
             "random" => Ok(Self::Random),
-            other => Err(format!(
-                "unknown policy {other:?} (kv, least-loaded, round-robin, random)"
-            )),
+            other => Err(UnknownPolicy(other.to_string())),
         }
     }
 }
 
 impl PolicyKind {
+    /// The policy's name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kv => "kv",
+            Self::LeastLoaded => "least-loaded",
+            Self::RoundRobin => "round-robin",
+            Self::Random => "random",
+        }
+    }
+
     /// The policy with default settings.
     pub fn build(self) -> Box<dyn RoutingPolicy> {
         match self {
@@ -347,6 +360,15 @@ mod tests {
     fn policy_names_parse() {
         assert_eq!("kv".parse::<PolicyKind>(), Ok(PolicyKind::Kv));
         assert!("nope".parse::<PolicyKind>().is_err());
+        for kind in [
+            PolicyKind::Kv,
+            PolicyKind::LeastLoaded,
+            PolicyKind::RoundRobin,
+            PolicyKind::Random,
+        ] {
+            assert_eq!(kind.name().parse::<PolicyKind>(), Ok(kind));
+            assert_eq!(kind.build().name(), kind.name());
+        }
     }
 
     #[test]

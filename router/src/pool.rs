@@ -4,10 +4,12 @@
 //! Each worker gets two background tasks: a prober (`Info` until the worker
 //! is known, then `Load` every `probe_interval`; a failed probe marks it
 //! down at once, so a dead worker stops getting traffic within one interval)
-//! and a KV-event follower (a dump, then live events; a broken stream or a
-//! gap in sequence numbers clears the worker's index entries and
-//! resubscribes). A worker whose KV layout or model differs from the
-//! cluster's is refused and logged, never routed to.
+//! and a KV-event follower (a dump, then live events; a broken stream, a
+//! sequence number that skips or goes back, or a worker digest of its
+//! cached blocks that differs from the index's clears that worker's index
+//! entries and resubscribes: a [`Resync`]). A worker whose KV layout or
+//! model differs from the cluster's is refused ([`Refusal`]) and logged,
+//! never routed to. A worker that leaves is purged from the index at once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -42,7 +44,7 @@ pub struct Worker {
     pub info: Mutex<Option<wv1::WorkerInfo>>,
     healthy: AtomicBool,
     /// Why it was refused, if it was.
-    refused: Mutex<Option<String>>,
+    refused: Mutex<Option<Refusal>>,
     /// Requests in flight through this router.
     pub active_requests: AtomicUsize,
     /// Blocks of the router's requests in flight (estimate).
@@ -114,7 +116,7 @@ impl Worker {
         self.healthy.store(false, Ordering::Relaxed);
     }
 
-    pub fn refusal(&self) -> Option<String> {
+    pub fn refusal(&self) -> Option<Refusal> {
         lock(&self.refused).clone()
     }
 }
@@ -153,6 +155,28 @@ impl Drop for InFlight {
             .inflight_blocks
             .fetch_sub(self.blocks, Ordering::Relaxed);
     }
+}
+
+/// Why a worker was refused: it differs from the cluster in what every
+/// worker must agree on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    #[error("KV layout {theirs:?} differs from the cluster's {cluster:?}")]
+    Layout {
+        theirs: wv1::KvLayout,
+        cluster: wv1::KvLayout,
+    },
+    #[error("model {theirs:?} differs from the cluster's {cluster:?}")]
+    Model { theirs: String, cluster: String },
+}
+
+/// A worker address the router cannot call.
+#[derive(Debug, thiserror::Error)]
+#[error("worker {addr}: {source}")]
+pub struct BadWorkerAddress {
+    pub addr: String,
+    #[source]
+    pub source: tandem_security::TlsError,
 }
 
 /// What every worker of the cluster must agree on.
@@ -266,8 +290,8 @@ impl Cluster {
 
     /// Adds a worker at `addr` and starts watching it. Adding a known
     /// address again does nothing.
-    pub fn add(self: &Arc<Self>, role: Role, addr: &str) -> Result<(), String> {
-        let mut workers = self.workers.write().map_err(|_| "worker list poisoned")?;
+    pub fn add(self: &Arc<Self>, role: Role, addr: &str) -> Result<(), BadWorkerAddress> {
+        let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
         if workers
             .iter()
             .any(|w| w.addr == addr && !w.gone.load(Ordering::Relaxed))
@@ -275,7 +299,10 @@ impl Cluster {
             return Ok(());
         }
         let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
-            .map_err(|e| format!("worker {addr}: {e}"))?
+            .map_err(|source| BadWorkerAddress {
+                addr: addr.to_string(),
+                source,
+            })?
             .connect_lazy();
         let channel = self.credential.channel(channel);
         let w = Arc::new(Worker {
@@ -341,7 +368,7 @@ impl Cluster {
     }
 
     /// Checks a worker's info against the cluster's; the first one sets it.
-    fn admit(&self, info: &wv1::WorkerInfo) -> Result<(), String> {
+    fn admit(&self, info: &wv1::WorkerInfo) -> Result<(), Refusal> {
         let layout = info.layout.clone().unwrap_or_default();
         let mut expected = lock(&self.expected);
         match &*expected {
@@ -352,14 +379,14 @@ impl Cluster {
                 });
                 Ok(())
             }
-            Some(e) if e.layout != layout => Err(format!(
-                "KV layout {layout:?} differs from the cluster's {:?}",
-                e.layout
-            )),
-            Some(e) if e.model != info.model => Err(format!(
-                "model {:?} differs from the cluster's {:?}",
-                info.model, e.model
-            )),
+            Some(e) if e.layout != layout => Err(Refusal::Layout {
+                theirs: layout,
+                cluster: e.layout.clone(),
+            }),
+            Some(e) if e.model != info.model => Err(Refusal::Model {
+                theirs: info.model.clone(),
+                cluster: e.model.clone(),
+            }),
             Some(_) => Ok(()),
         }
     }

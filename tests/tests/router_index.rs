@@ -67,6 +67,7 @@ async fn a_feed_that_loses_events_with_no_gap_is_resynced_within_one_digest_peri
     cache_prompts(&sim, 1);
     // A dump is not subject to the fault: once resynced, the index is whole.
     let took = converged(&sim, &cluster, slot, Duration::from_secs(5)).await;
+    eprintln!("resynced {took:?} after the last lost event");
     assert!(cluster.resyncs(Resync::Digest) >= 1, "the digest caught it");
     assert_eq!(cluster.resyncs(Resync::Gap), 0, "no gap was visible");
     assert!(

@@ -55,9 +55,10 @@ pub struct UpArgs {
     /// KV cache memory per worker.
     #[arg(long, default_value = "512MiB")]
     kv_cache_memory: String,
-    /// Router policy for decode workers.
+    /// Router policy for decode workers: kv, least-loaded, round-robin or
+    /// random.
     #[arg(long, default_value = "kv")]
-    decode_policy: String,
+    decode_policy: tandem_router::PolicyKind,
     /// Remote prefill from this many uncached prompt tokens.
     #[arg(long, default_value_t = 256)]
     remote_prefill_threshold: usize,
@@ -659,7 +660,7 @@ fn router_args(
         "--model".into(),
         model.to_string(),
         "--decode-policy".into(),
-        args.decode_policy.clone(),
+        args.decode_policy.name().to_string(),
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
     ];
