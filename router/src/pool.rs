@@ -163,8 +163,8 @@ impl Drop for InFlight {
 pub enum Refusal {
     #[error("KV layout {theirs:?} differs from the cluster's {cluster:?}")]
     Layout {
-        theirs: wv1::KvLayout,
-        cluster: wv1::KvLayout,
+        theirs: Box<wv1::KvLayout>,
+        cluster: Box<wv1::KvLayout>,
     },
     #[error("model {theirs:?} differs from the cluster's {cluster:?}")]
     Model { theirs: String, cluster: String },
@@ -380,8 +380,8 @@ impl Cluster {
                 Ok(())
             }
             Some(e) if e.layout != layout => Err(Refusal::Layout {
-                theirs: layout,
-                cluster: e.layout.clone(),
+                theirs: Box::new(layout),
+                cluster: Box::new(e.layout.clone()),
             }),
             Some(e) if e.model != info.model => Err(Refusal::Model {
                 theirs: info.model.clone(),
