@@ -190,18 +190,36 @@ const INLINE_MATCH_BLOCKS: usize = 1024;
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
 
-/// `addr matched=.. requests=.. blocks=..` per candidate, for the span.
-fn scores(workers: &[Arc<Worker>], cands: &[Candidate]) -> String {
+/// Candidates a routing span lists: the pick and the next best. Listing
+/// all of 256 cost a tenth of the router's CPU per request.
+const SPAN_CANDIDATES: usize = 8;
+
+/// `addr matched=.. requests=.. blocks=..` for the pick and the candidates
+/// with the longest matches, at most [`SPAN_CANDIDATES`], for the span.
+fn scores(workers: &[Arc<Worker>], cands: &[Candidate], picked: usize) -> String {
+    let mut order: Vec<usize> = (0..cands.len()).filter(|&i| i != picked).collect();
+    order.sort_by_key(|&i| {
+        (
+            std::cmp::Reverse(cands[i].matched_blocks),
+            cands[i].active_blocks,
+        )
+    });
+    order.truncate(SPAN_CANDIDATES.saturating_sub(1));
+    order.insert(0, picked);
     let mut out = String::new();
-    for (w, c) in workers.iter().zip(cands) {
+    for i in order.into_iter().filter(|&i| i < cands.len()) {
         if !out.is_empty() {
             out.push_str("; ");
         }
+        let (w, c) = (&workers[i], &cands[i]);
         let _ = write!(
             out,
             "{} matched_blocks={} active_requests={} active_blocks={}",
             w.addr, c.matched_blocks, c.active_requests, c.active_blocks
         );
+    }
+    if cands.len() > SPAN_CANDIDATES {
+        let _ = write!(out, "; {} more", cands.len() - SPAN_CANDIDATES);
     }
     out
 }
@@ -282,7 +300,10 @@ impl RouterService {
         self.metrics
             .decision("prefill", self.prefill_policy.name(), pick.reason);
         if !routing.is_disabled() {
-            routing.record("prefill_candidates", scores(&pool, &pc).as_str());
+            routing.record(
+                "prefill_candidates",
+                scores(&pool, &pc, pick.index).as_str(),
+            );
         }
         routing.record("prefill_reason", pick.reason);
         (Some(pool[pick.index].clone()), "above_threshold")
@@ -419,7 +440,8 @@ impl RouterService {
         self.metrics
             .decision("decode", self.decode_policy.name(), pick.reason);
         if !routing.is_disabled() {
-            routing.record("decode_candidates", scores(&decodes, &cands).as_str());
+            let listed = scores(&decodes, &cands, pick.index);
+            routing.record("decode_candidates", listed.as_str());
         }
         routing.record("decode_reason", pick.reason);
         routing.record("decode_worker", decode.addr.as_str());

@@ -85,6 +85,11 @@ struct Args {
     /// Seconds per offered rate.
     #[arg(long, default_value_t = 3.0)]
     rate_seconds: f64,
+    /// Pin the router process to this CPU (`taskset -c`); run the bench
+    /// itself under `taskset -c <another>` so the router has a core of its
+    /// own and the simulated workers and the client share the rest.
+    #[arg(long)]
+    router_cpu: Option<usize>,
     /// Skip the router-process runs (index only).
     #[arg(long)]
     index_only: bool,
@@ -317,7 +322,7 @@ fn main() -> Result<()> {
 /// A `tandem router` process in front of `workers` simulated workers.
 struct Rig {
     _sims: Vec<SimWorker>,
-    _router: tandem_tests::cluster::KillOnDrop,
+    router: tandem_tests::cluster::KillOnDrop,
     addr: String,
     metrics: String,
     _model: tempfile::TempDir,
@@ -338,20 +343,27 @@ async fn rig(args: &Args, workers: usize) -> Result<Rig> {
     let model = tempfile::tempdir()?;
     let metrics = format!("127.0.0.1:{}", tandem_tests::cluster::free_port());
     let list = decode.join(",");
-    let (router, addr) = tandem_tests::cluster::spawn_component(
-        &args.tandem,
-        "router",
-        &[
-            "--addr",
-            "127.0.0.1:0",
-            "--decode",
-            &list,
-            "--model",
-            &model.path().display().to_string(),
-            "--metrics-addr",
-            &metrics,
-        ],
-    );
+    let model_dir = model.path().display().to_string();
+    let router_args = [
+        "--addr",
+        "127.0.0.1:0",
+        "--decode",
+        &list,
+        "--model",
+        &model_dir,
+        "--metrics-addr",
+        &metrics,
+    ];
+    let (router, addr) = match args.router_cpu {
+        None => tandem_tests::cluster::spawn_component(&args.tandem, "router", &router_args),
+        Some(cpu) => {
+            let tandem = args.tandem.display().to_string();
+            let cpu = cpu.to_string();
+            let mut pinned = vec![cpu.as_str(), tandem.as_str(), "router"];
+            pinned.extend(router_args);
+            tandem_tests::cluster::spawn_component(std::path::Path::new("taskset"), "-c", &pinned)
+        }
+    };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let m = metrics.clone();
@@ -370,11 +382,30 @@ async fn rig(args: &Args, workers: usize) -> Result<Rig> {
     }
     Ok(Rig {
         _sims: sims,
-        _router: router,
+        router,
         addr,
         metrics,
         _model: model,
     })
+}
+
+/// CPU seconds (user + system) the process `pid` has used, from
+/// `/proc/PID/stat` (Linux; clock ticks of 1/100 s).
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return f64::NAN;
+    };
+    // Fields after the command name, which is in parentheses.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 here.
+    (tick(11) + tick(12)) / 100.0
 }
 
 fn request(prompt: Vec<u32>) -> v1::GenerateRequest {
@@ -497,6 +528,7 @@ async fn rates(args: &Args, rig: &Rig) -> Result<Value> {
     for &rate in &args.rates {
         let before = scrape(rig).await?;
         let events_before = before.sum("tandem_router_kv_events_applied_total", &[]);
+        let cpu_before = cpu_seconds(rig.router.0.id());
         let n = (rate * args.rate_seconds) as usize;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let start = Instant::now();
@@ -524,6 +556,7 @@ async fn rates(args: &Args, rig: &Rig) -> Result<Value> {
             }
         }
         let elapsed = start.elapsed().as_secs_f64();
+        let router_cpu = cpu_seconds(rig.router.0.id()) - cpu_before;
         let after = scrape(rig).await?;
         let events = after.sum("tandem_router_kv_events_applied_total", &[]) - events_before;
         let p99 = percentile(&lat, 99.0);
@@ -541,6 +574,9 @@ async fn rates(args: &Args, rig: &Rig) -> Result<Value> {
             "e2e_p99_us": p99,
             "p99_over_base": p99 / base,
             "block_events_applied_per_s": events / elapsed,
+            // The router's own CPU: what one core of it would sustain.
+            "router_cpu_share": router_cpu / elapsed,
+            "router_cpu_us_per_request": router_cpu * 1e6 / lat.len().max(1) as f64,
         });
         eprintln!("  rate {rate}: {row}");
         rows.push(row);
