@@ -536,7 +536,14 @@ async fn apply_feed(
                 cluster.digests_matched.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            _ if last.is_some_and(|l| ev.seq != l + 1 && ev.seq != l) => return Resync::Gap,
+            // A live event carries one change per hash and the number of
+            // its last; a dump's events repeat the dump's number.
+            Some(Kind::Stored(wv1::Stored { ref hashes, .. }))
+            | Some(Kind::Removed(wv1::Removed { ref hashes }))
+                if last.is_some_and(|l| ev.seq != l + hashes.len() as u64 && ev.seq != l) =>
+            {
+                return Resync::Gap
+            }
             Some(Kind::Stored(s)) => {
                 cluster.index.stored(w.slot, &s.hashes);
                 cluster

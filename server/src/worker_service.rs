@@ -61,25 +61,49 @@ pub fn adapters(engine: &EngineHandle) -> Vec<wv1::Adapter> {
         .collect()
 }
 
-fn to_proto(seq: u64, e: CacheEvent) -> wv1::KvEvent {
+/// Appends change `e`, numbered `seq`, to `out`: into the last wire event
+/// when it continues it (a `Stored` whose parent is that event's last hash,
+/// a `Removed` after a `Removed`), else as a new one. An event's number is
+/// its last change's, and it carries one change per hash, so a follower
+/// expects `seq == previous + hashes`.
+fn push_change(out: &mut Vec<wv1::KvEvent>, seq: u64, e: CacheEvent) {
+    use wv1::kv_event::Kind;
+    if let Some(last) = out.last_mut() {
+        let merged = match (&mut last.kind, &e) {
+            (Some(Kind::Stored(s)), CacheEvent::Stored { parent, hash })
+                if s.hashes.last() == Some(parent) =>
+            {
+                s.hashes.push(*hash);
+                true
+            }
+            (Some(Kind::Removed(r)), CacheEvent::Removed { hash }) => {
+                r.hashes.push(*hash);
+                true
+            }
+            _ => false,
+        };
+        if merged {
+            last.seq = seq;
+            return;
+        }
+    }
     let kind = match e {
-        CacheEvent::Stored { parent, hash } => wv1::kv_event::Kind::Stored(wv1::Stored {
+        CacheEvent::Stored { parent, hash } => Kind::Stored(wv1::Stored {
             parent,
             hashes: vec![hash],
         }),
-        CacheEvent::Removed { hash } => {
-            wv1::kv_event::Kind::Removed(wv1::Removed { hashes: vec![hash] })
-        }
+        CacheEvent::Removed { hash } => Kind::Removed(wv1::Removed { hashes: vec![hash] }),
     };
-    wv1::KvEvent {
+    out.push(wv1::KvEvent {
         seq,
         kind: Some(kind),
-    }
+    });
 }
 
-/// A feed message as wire events. A snapshot is a `Cleared` followed by its
-/// `Stored` events, all numbered with the snapshot's sequence number; live
-/// events continue from the next number.
+/// A feed message as wire events, runs of changes coalesced. A snapshot is
+/// a `Cleared` followed by its `Stored` events, all numbered with the
+/// snapshot's sequence number (they are state, not changes); live events
+/// continue from the next number.
 fn feed_to_proto(feed: KvFeed, dump: bool) -> Vec<wv1::KvEvent> {
     match feed {
         KvFeed::Snapshot { seq, events, .. } if dump => {
@@ -87,11 +111,19 @@ fn feed_to_proto(feed: KvFeed, dump: bool) -> Vec<wv1::KvEvent> {
                 seq,
                 kind: Some(wv1::kv_event::Kind::Cleared(wv1::Cleared {})),
             }];
-            out.extend(events.into_iter().map(|e| to_proto(seq, e)));
+            for e in events {
+                push_change(&mut out, seq, e);
+            }
             out
         }
         KvFeed::Snapshot { .. } => Vec::new(),
-        KvFeed::Events { events, .. } => events.into_iter().map(|(s, e)| to_proto(s, e)).collect(),
+        KvFeed::Events { events, .. } => {
+            let mut out = Vec::new();
+            for (seq, e) in events {
+                push_change(&mut out, seq, e);
+            }
+            out
+        }
     }
 }
 
@@ -237,5 +269,49 @@ impl wv1::worker_server::Worker for WorkerService {
             Some((Ok(ev), st))
         });
         Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_block_hash::SetDigest;
+
+    #[test]
+    fn runs_of_changes_become_one_event_numbered_by_its_last() {
+        let stored = |parent, hash| CacheEvent::Stored { parent, hash };
+        let removed = |hash| CacheEvent::Removed { hash };
+        let events = vec![
+            (5, stored(0, 1)),
+            (6, stored(1, 2)),
+            (7, stored(2, 3)),
+            (8, stored(0, 9)),
+            (9, removed(3)),
+            (10, removed(2)),
+            (11, stored(1, 4)),
+        ];
+        let wire = feed_to_proto(
+            KvFeed::Events {
+                events,
+                digest: SetDigest::default(),
+            },
+            true,
+        );
+        use wv1::kv_event::Kind;
+        let shape: Vec<(u64, usize)> = wire
+            .iter()
+            .map(|e| match &e.kind {
+                Some(Kind::Stored(s)) => (e.seq, s.hashes.len()),
+                Some(Kind::Removed(r)) => (e.seq, r.hashes.len()),
+                _ => (e.seq, 0),
+            })
+            .collect();
+        // 1-2-3 chain, then 9 starts a new chain, two removals, and 4,
+        // whose parent 1 is not the last hash sent.
+        assert_eq!(shape, [(7, 3), (8, 1), (10, 2), (11, 1)]);
+        // Each event's number is the previous one's plus its hashes.
+        for pair in shape.windows(2) {
+            assert_eq!(pair[1].0, pair[0].0 + pair[1].1 as u64);
+        }
     }
 }

@@ -141,7 +141,8 @@ impl Shared {
         }
         let mut events = Vec::new();
         if !fresh.is_empty() {
-            c.seq += 1;
+            // One change per hash (tandem.worker.v1.KvEvent.seq).
+            c.seq += fresh.len() as u64;
             let ev = wv1::KvEvent {
                 seq: c.seq,
                 kind: Some(wv1::kv_event::Kind::Stored(wv1::Stored {
@@ -152,7 +153,7 @@ impl Shared {
             events.push((ev, after_stored));
         }
         if !evicted.is_empty() {
-            c.seq += 1;
+            c.seq += evicted.len() as u64;
             let ev = wv1::KvEvent {
                 seq: c.seq,
                 kind: Some(wv1::kv_event::Kind::Removed(wv1::Removed {
@@ -402,8 +403,13 @@ impl Follower {
             }
             return None;
         }
+        let changes = match &event.kind {
+            Some(wv1::kv_event::Kind::Stored(s)) => s.hashes.len(),
+            Some(wv1::kv_event::Kind::Removed(r)) => r.hashes.len(),
+            _ => 0,
+        } as u64;
         self.wire_seq = if hide_gaps {
-            self.wire_seq + 1
+            self.wire_seq + changes
         } else {
             event.seq
         };
