@@ -7,7 +7,7 @@
 //!   to [`INLINE_HASH_TOKENS`] is hashed inline (microseconds, less than a
 //!   hop to another thread), a longer one on the blocking pool;
 //! - tokenizing text costs 10–100x more: it runs on the blocking pool, at
-//!   most [`PromptPrep::slots`] at once (one per core by default), so a
+//!   most `slots` at once (the router gives one per core), so a
 //!   burst of long prompts queues instead of spawning a thread each;
 //! - the same text comes back (a system prompt, a retried call, an agent's
 //!   growing conversation is a new text each turn, but its earlier turns
@@ -36,8 +36,9 @@ pub const TEXT_CACHE_TOKENS: usize = 1 << 22;
 pub struct Prepared {
     /// What the workers are sent: token ids when they are known here.
     pub prompt: Prompt,
-    /// The token ids (`None` for text without a tokenizer here).
-    pub tokens: Option<Arc<Vec<u32>>>,
+    /// How many token ids `prompt` holds (`None` for text without a
+    /// tokenizer here).
+    pub token_count: Option<usize>,
     pub hashes: Arc<Vec<BlockHash>>,
     /// The hash of the first (possibly partial) block: the same for
     /// prompts that share a first block.
@@ -48,7 +49,7 @@ pub struct Prepared {
 type TextKey = (u64, BlockHash, usize);
 
 /// Token ids, block hashes and first-block key.
-type Cached = (Arc<Vec<u32>>, Arc<Vec<BlockHash>>, u64);
+type Cached = (Vec<u32>, Arc<Vec<BlockHash>>, u64);
 
 /// Recent texts' token ids and hashes, the oldest out first.
 #[derive(Debug, Default)]
@@ -65,8 +66,12 @@ impl TextCache {
         Some(prepared(ids.clone(), hashes.clone(), *first))
     }
 
+    /// Keeps a copy of `p`'s ids and its hashes under `key`.
     fn put(&mut self, key: TextKey, p: &Prepared) {
-        let Some(ids) = &p.tokens else { return };
+        let Prompt::TokenIds(ids) = &p.prompt else {
+            return;
+        };
+        let ids = &ids.ids;
         if ids.len() > TEXT_CACHE_TOKENS / 8 || self.entries.contains_key(&key) {
             return;
         }
@@ -85,10 +90,11 @@ impl TextCache {
     }
 }
 
-fn prepared(ids: Arc<Vec<u32>>, hashes: Arc<Vec<BlockHash>>, key: u64) -> Prepared {
+/// A prompt of token ids, which move into the request the workers get.
+fn prepared(ids: Vec<u32>, hashes: Arc<Vec<BlockHash>>, key: u64) -> Prepared {
     Prepared {
-        prompt: Prompt::TokenIds(v1::TokenIds { ids: ids.to_vec() }),
-        tokens: Some(ids),
+        token_count: Some(ids.len()),
+        prompt: Prompt::TokenIds(v1::TokenIds { ids }),
         hashes,
         key,
     }
@@ -103,7 +109,7 @@ pub struct PromptPrep {
 }
 
 /// Hashes `ids` into a ready prompt.
-fn hash_ids(ids: Arc<Vec<u32>>, root: BlockHash, block_size: usize) -> Prepared {
+fn hash_ids(ids: Vec<u32>, root: BlockHash, block_size: usize) -> Prepared {
     let hashes = tandem_block_hash::block_hashes_from(root, &ids, block_size);
     let key = tandem_block_hash::hash_block(root, &ids[..ids.len().min(block_size)]);
     prepared(ids, Arc::new(hashes), key)
@@ -119,11 +125,6 @@ impl PromptPrep {
         }
     }
 
-    /// Tokenizations allowed at once.
-    pub fn slots(&self) -> usize {
-        self.slots.available_permits()
-    }
-
     /// Token ids, hashes (from `root`, in blocks of `block_size`) and key
     /// of `prompt`.
     pub async fn prepare(
@@ -135,10 +136,10 @@ impl PromptPrep {
         let block_size = block_size.max(1);
         let text = match prompt {
             Prompt::TokenIds(ids) if ids.ids.len() <= INLINE_HASH_TOKENS => {
-                return Ok(hash_ids(Arc::new(ids.ids), root, block_size));
+                return Ok(hash_ids(ids.ids, root, block_size));
             }
             Prompt::TokenIds(ids) => {
-                let ids = Arc::new(ids.ids);
+                let ids = ids.ids;
                 return self
                     .on_pool(move || Ok(hash_ids(ids, root, block_size)))
                     .await;
@@ -151,7 +152,7 @@ impl PromptPrep {
             return Ok(Prepared {
                 key: tandem_block_hash::hash_block(root, &bytes),
                 prompt: Prompt::Text(text),
-                tokens: None,
+                token_count: None,
                 hashes: Arc::default(),
             });
         };
@@ -164,7 +165,7 @@ impl PromptPrep {
                 let ids = tokenizer
                     .encode(&text)
                     .map_err(|e| Status::invalid_argument(format!("prompt: {e}")))?;
-                Ok(hash_ids(Arc::new(ids), root, block_size))
+                Ok(hash_ids(ids, root, block_size))
             })
             .await?;
         self.lock_cache().put(cache_key, &made);
@@ -232,7 +233,7 @@ mod tests {
     #[test]
     fn the_text_cache_keeps_its_token_budget() {
         let mut cache = TextCache::default();
-        let big = Arc::new(vec![1u32; TEXT_CACHE_TOKENS / 8]);
+        let big = vec![1u32; TEXT_CACHE_TOKENS / 8];
         for i in 0..20u64 {
             let p = prepared(big.clone(), Arc::default(), i);
             cache.put((i, 0, 16), &p);

@@ -331,7 +331,7 @@ impl RouterService {
         })?;
         let prepared = self.prompts.prepare(prompt, root, bs).await?;
         req.prompt = Some(prepared.prompt);
-        let prompt_len = prepared.tokens.as_ref().map_or(0, |t| t.len());
+        let prompt_len = prepared.token_count.unwrap_or(0);
         span.record("prompt_tokens", prompt_len);
         let ask = Ask {
             facts: PromptFacts {

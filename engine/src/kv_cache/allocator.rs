@@ -392,12 +392,6 @@ impl BlockAllocator {
         (std::mem::take(&mut st.events), st.announced)
     }
 
-    /// The digest of every announced cached block, as a follower that
-    /// applied every drained event holds it.
-    pub fn announced_digest(&self) -> SetDigest {
-        self.lock().announced
-    }
-
     /// Every cached block as a `Stored` event, parents before children
     /// (a snapshot for a new subscriber).
     pub fn snapshot(&self) -> Vec<CacheEvent> {
