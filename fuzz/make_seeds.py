@@ -109,8 +109,34 @@ TOKENIZER = {
 }
 
 
+# --- gguf_header: the GGUF v3 layout (tandem-gguf's parse.rs) -------------
+def gguf_string(s):
+    return struct.pack("<Q", len(s)) + s
+
+
+def gguf_file(tensor_type, block_bytes, kvs):
+    """One tensor of 32 elements (one block) of `tensor_type`, data aligned to 32."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kvs))
+    for key, code, value in kvs:
+        out += gguf_string(key) + struct.pack("<I", code) + value
+    out += gguf_string(b"w") + struct.pack("<IQIQ", 1, 32, tensor_type, 0)
+    out += b"\0" * (-len(out) % 32)
+    return out + bytes(range(block_bytes))
+
+
+ARCH = (b"general.architecture", 8, gguf_string(b"llama"))
+TOKENS = (b"tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + gguf_string(b"a") + gguf_string(b"b"))
+GGUF = {
+    "q8_0": gguf_file(8, 34, [ARCH]),
+    "q4_1-array": gguf_file(3, 20, [ARCH, TOKENS]),
+    "f32-nested": gguf_file(0, 128, [(b"x", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7))]),
+    "q6_k-truncated": gguf_file(14, 210, [ARCH])[:-10],
+}
+
+
 def main():
-    for target, seeds in [("kv_listener", KV), ("generate_request", GEN), ("tokenizer", TOKENIZER)]:
+    targets = [("kv_listener", KV), ("generate_request", GEN), ("tokenizer", TOKENIZER), ("gguf_header", GGUF)]
+    for target, seeds in targets:
         d = os.path.join(ROOT, target)
         os.makedirs(d, exist_ok=True)
         for name, data in seeds.items():

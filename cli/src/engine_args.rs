@@ -210,10 +210,7 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     args.speculative.apply(&mut core, &dir, builtin)?;
     let lora = args.lora.apply(&mut core)?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
-    let model_name = dir.file_name().map_or_else(
-        || dir.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
+    let model_name = tandem_engine::checkpoint::model_name(&dir);
     Ok(StartedEngine {
         handle: EngineHandle::spawn(core)?,
         kv_layout,

@@ -75,15 +75,19 @@ impl HttpArgs {
         api_keys: tandem_openai::ApiKeys,
         adapters: Option<Arc<dyn tandem_openai::Adapters>>,
     ) -> Result<Option<OpenAi>> {
-        let tok_path = model_dir.join("tokenizer.json");
-        if self.http_addr.is_none() && !tok_path.exists() {
-            tracing::info!("no tokenizer.json: no chat API");
-            return Ok(None);
-        }
-        let tokenizer = Arc::new(
-            tandem_engine::tokenizer::Tokenizer::from_file(&tok_path)
-                .with_context(|| format!("the chat API needs {}", tok_path.display()))?,
-        );
+        let loaded = tandem_engine::checkpoint::tokenizer_of(model_dir)
+            .with_context(|| format!("loading the tokenizer of {}", model_dir.display()))?;
+        let tokenizer = match (loaded, &self.http_addr) {
+            (Some(t), _) => Arc::new(t),
+            (None, None) => {
+                tracing::info!("no tokenizer: no chat API");
+                return Ok(None);
+            }
+            (None, Some(_)) => anyhow::bail!(
+                "the chat API needs a tokenizer: {} has no tokenizer.json (or vocabulary)",
+                model_dir.display()
+            ),
+        };
         let source = match &self.chat_template {
             Some(path) => Some(
                 std::fs::read_to_string(path)
@@ -102,12 +106,10 @@ impl HttpArgs {
                 None
             }
         };
-        let name = self.served_model_name.clone().unwrap_or_else(|| {
-            model_dir.file_name().map_or_else(
-                || "tandem".to_string(),
-                |n| n.to_string_lossy().into_owned(),
-            )
-        });
+        let name = self
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| tandem_engine::checkpoint::model_name(model_dir));
         let mut builder = OpenAi::builder(tokenizer);
         if let Some(p) = self.tool_call_parser {
             builder = builder.tool_syntax(match p {

@@ -497,15 +497,9 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,
     };
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if tok_path.is_file() {
-        Some(Arc::new(
-            tandem_engine::tokenizer::Tokenizer::from_file(&tok_path)
-                .with_context(|| format!("loading {}", tok_path.display()))?,
-        ))
-    } else {
-        None
-    };
+    let tokenizer = tandem_engine::checkpoint::tokenizer_of(&dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?
+        .map(Arc::new);
     let tls = args.tls.load()?;
     let api_keys = args.api_keys.load()?;
     let credential = tandem_security::ClusterCredential::derive(&args.cluster_token.load()?);

@@ -8,6 +8,32 @@ use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
+/// The tokenizer of a checkpoint: a directory's `tokenizer.json`, or the
+/// vocabulary a GGUF file carries; `None` when there is neither.
+pub fn tokenizer_of(path: &Path) -> Result<Option<Tokenizer>> {
+    if crate::gguf::is_gguf(path) {
+        return crate::gguf::tokenizer(&crate::gguf::open(path)?);
+    }
+    let file = path.join("tokenizer.json");
+    match file.is_file() {
+        true => Ok(Some(Tokenizer::from_file(&file)?)),
+        false => Ok(None),
+    }
+}
+
+/// The model's name (what membership checks and the HTTP API's `model`
+/// use): a directory's name, or a GGUF file's name without `.gguf` and a
+/// split's `-00001-of-0000N`.
+pub fn model_name(path: &Path) -> String {
+    if crate::gguf::is_gguf(path) {
+        return crate::gguf::model_name(path);
+    }
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
 /// Everything the engine takes from a Hugging Face checkpoint directory.
 #[derive(Debug)]
 pub struct Checkpoint {
@@ -21,7 +47,13 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens a checkpoint directory.
+    ///
+    /// A path to a `.gguf` file opens that file: model, tokenizer and end
+    /// tokens all come from it.
     pub fn open(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_gguf(dir) {
+            return Self::open_gguf(dir);
+        }
         if !dir.is_dir() {
             return Err(EngineError::MissingFile {
                 path: dir.to_path_buf(),
@@ -29,12 +61,7 @@ impl Checkpoint {
             });
         }
         let model = Model::load(dir)?;
-        let tok_path = dir.join("tokenizer.json");
-        let tokenizer = if tok_path.is_file() {
-            Some(Tokenizer::from_file(&tok_path)?)
-        } else {
-            None
-        };
+        let tokenizer = tokenizer_of(dir)?;
         let gen_path = dir.join("generation_config.json");
         let mut eos_token_ids = Vec::new();
         if gen_path.is_file() {
@@ -46,6 +73,18 @@ impl Checkpoint {
         }
         Ok(Self {
             dir: dir.to_path_buf(),
+            model,
+            tokenizer,
+            eos_token_ids,
+        })
+    }
+
+    fn open_gguf(path: &Path) -> Result<Self> {
+        let model = Model::load(path)?;
+        let tokenizer = tokenizer_of(path)?;
+        let eos_token_ids = model.config().eos_token_ids.clone();
+        Ok(Self {
+            dir: path.to_path_buf(),
             model,
             tokenizer,
             eos_token_ids,

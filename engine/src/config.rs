@@ -432,7 +432,13 @@ fn text_config(value: &Value) -> Result<Value> {
 
 impl ModelConfig {
     /// Reads and validates `config.json` in a checkpoint directory.
+    ///
+    /// A path to a `.gguf` file reads its metadata instead
+    /// ([`crate::gguf::config_json`]).
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_gguf(dir) {
+            return Self::from_json(&crate::gguf::config_json(&crate::gguf::open(dir)?)?);
+        }
         let path = dir.join("config.json");
         if !path.is_file() {
             return Err(EngineError::MissingFile {

@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod gguf;
 pub mod kernels;
 pub mod kv_cache;
 pub mod lora;

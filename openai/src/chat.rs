@@ -112,6 +112,9 @@ impl ChatTemplate {
         dir: &Path,
         source: Option<&str>,
     ) -> Result<Option<Self>, ChatTemplateError> {
+        if tandem_gguf::is_gguf(dir) {
+            return Self::from_gguf(dir, source);
+        }
         let path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match std::fs::read_to_string(&path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| ChatTemplateError::Config {
@@ -137,6 +140,33 @@ impl ChatTemplate {
             &source,
             special_token(&config["bos_token"]),
             special_token(&config["eos_token"]),
+        )
+        .map(Some)
+    }
+
+    /// A GGUF file's template (`tokenizer.chat_template`) and its BOS and
+    /// EOS tokens' text.
+    fn from_gguf(path: &Path, source: Option<&str>) -> Result<Option<Self>, ChatTemplateError> {
+        use tandem_gguf::Value;
+        let g = tandem_gguf::Gguf::open(path).map_err(|e| ChatTemplateError::Config {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let template = g.get("tokenizer.chat_template").and_then(Value::as_str);
+        let Some(source) = source.or(template) else {
+            return Ok(None);
+        };
+        let tokens = g.get("tokenizer.ggml.tokens").and_then(Value::as_array);
+        let token = |key: &str| -> String {
+            let id = g.get(key).and_then(Value::as_u64);
+            id.and_then(|id| tokens?.get(usize::try_from(id).ok()?)?.as_str())
+                .unwrap_or_default()
+                .to_string()
+        };
+        Self::new(
+            source,
+            token("tokenizer.ggml.bos_token_id"),
+            token("tokenizer.ggml.eos_token_id"),
         )
         .map(Some)
     }
@@ -315,6 +345,31 @@ mod tests {
             .render(&[msg("wizard", "x")], true)
             .expect_err("raise_exception fails the render");
         assert!(err.to_string().contains("bad role wizard"), "{err}");
+    }
+
+    /// A GGUF file's embedded template (llama.cpp's converter copied it
+    /// from the checkpoint's tokenizer_config.json) renders as the
+    /// checkpoint's own.
+    #[test]
+    fn loads_a_gguf_files_template() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let from_gguf =
+            ChatTemplate::from_model_dir(&root.join("tests/fixtures/gguf/shakespeare_vocab.gguf"))
+                .expect("loads")
+                .expect("the file carries a template");
+        let from_dir = ChatTemplate::from_model_dir(&root.join("models/shakespeare-target"))
+            .expect("loads")
+            .expect("has a template");
+        let chat = [msg("system", "be brief"), msg("user", "who art thou?")];
+        assert_eq!(
+            from_gguf.render(&chat, true).expect("renders"),
+            from_dir.render(&chat, true).expect("renders")
+        );
+        assert!(
+            ChatTemplate::from_model_dir(&root.join("tests/fixtures/gguf/llama_gqa_f32.gguf"))
+                .expect("loads")
+                .is_none()
+        );
     }
 
     #[test]

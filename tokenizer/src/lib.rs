@@ -27,6 +27,15 @@ impl Tokenizer {
         Ok(Self { inner })
     }
 
+    /// Loads a tokenizer from the text of a `tokenizer.json` (one built in
+    /// memory, e.g. from a GGUF file's vocabulary).
+    pub fn from_json(json: &str) -> Result<Self> {
+        let inner = json
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| TokenizerError(format!("tokenizer: {e}")))?;
+        Ok(Self { inner })
+    }
+
     /// Token ids of `text`, with the tokenizer's special tokens (e.g. BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.ids(text, true)

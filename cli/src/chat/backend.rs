@@ -107,8 +107,7 @@ impl Prompter {
 }
 
 fn model_name(dir: &Path) -> String {
-    dir.file_name()
-        .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into())
+    tandem_engine::checkpoint::model_name(dir)
 }
 
 /// A model loaded here; each answer runs on a blocking thread.
@@ -216,7 +215,8 @@ impl Grpc {
         Ok(Self {
             client: GenerationClient::new(channel),
             prompter: Prompter::from_dir(dir)?,
-            tokenizer: Tokenizer::from_file(&dir.join("tokenizer.json"))?,
+            tokenizer: tandem_engine::checkpoint::tokenizer_of(dir)?
+                .with_context(|| format!("{} has no tokenizer", dir.display()))?,
             api_key,
             addr: host_port,
             name: model_name(dir),

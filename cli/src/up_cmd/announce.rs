@@ -59,11 +59,10 @@ pub(super) fn announce(a: &Announcement<'_>) {
         println!("http listening on {h}");
     }
     let args = a.args;
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        std::path::Path::new(a.model)
-            .file_name()
-            .map_or_else(|| "tandem".into(), |n| n.to_string_lossy().into_owned())
-    });
+    let model_name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| tandem_engine::checkpoint::model_name(std::path::Path::new(a.model)));
     let exe = std::env::args().next().unwrap_or_else(|| "tandem".into());
     let tls_dir = a.tls.map(|t| t.certs.dir.display().to_string());
     eprint!(

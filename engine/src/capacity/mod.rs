@@ -459,9 +459,34 @@ pub fn format_bytes(bytes: u64) -> String {
 /// loading does: `model.safetensors`, or every shard named in
 /// `model.safetensors.index.json`.
 pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
+    sum_tensors(dir, &|_, _, stored| stored)
+}
+
+/// Sums `bytes(name, shape, resident bytes)` over every tensor of a
+/// checkpoint: the safetensors headers of a directory, or a GGUF file's
+/// tensor table under the Hugging Face names (its quantized tensors count
+/// the f16 they are decoded to, [`crate::weights`]).
+pub(crate) fn sum_tensors(dir: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
+    if crate::gguf::is_gguf(dir) {
+        let g = crate::gguf::open(dir)?;
+        let map = crate::gguf::hf_tensor_names(&g)?;
+        return Ok(map
+            .names
+            .iter()
+            .filter_map(|(hf, name)| g.tensor(name).map(|t| (hf, t)))
+            .map(|(hf, t)| {
+                let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
+                let resident = match t.ty.is_float() {
+                    true => (t.end - t.start) as u64,
+                    false => 2 * t.len() as u64,
+                };
+                bytes(hf, &shape, resident)
+            })
+            .sum());
+    }
     let mut total = 0u64;
     for path in crate::weights::safetensors_files(dir)? {
-        total += safetensors_data_bytes(&path, &|_, _, stored| stored)?;
+        total += safetensors_data_bytes(&path, bytes)?;
     }
     Ok(total)
 }
@@ -504,10 +529,7 @@ pub fn checkpoint_weight_bytes_int4(dir: &Path, group_size: usize) -> Result<u64
             _ => stored,
         }
     };
-    let mut total = 0u64;
-    for path in crate::weights::safetensors_files(dir)? {
-        total += safetensors_data_bytes(&path, &quantized)?;
-    }
+    let mut total = sum_tensors(dir, &quantized)?;
     if let (false, Some((rows, cols))) = (head_seen.get(), embed_shape.get()) {
         total += 2 * int4(rows, cols);
     }

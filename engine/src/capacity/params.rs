@@ -22,13 +22,10 @@ pub struct ParamCounts {
     pub experts: u64,
 }
 
-/// Counts `dir`'s parameters from its safetensors headers (no tensor data is
-/// read) and `cfg`'s experts.
+/// Counts `dir`'s parameters from its safetensors headers or GGUF tensor
+/// table (no tensor data is read) and `cfg`'s experts.
 pub fn parameter_counts(dir: &Path, cfg: &ModelConfig) -> Result<ParamCounts> {
-    let mut total = 0u64;
-    for path in crate::weights::safetensors_files(dir)? {
-        total += super::safetensors_data_bytes(&path, &|_, shape, _| shape.iter().product())?;
-    }
+    let total = super::sum_tensors(dir, &|_, shape, _| shape.iter().product())?;
     let Some(moe) = &cfg.arch.moe else {
         return Ok(ParamCounts {
             total,

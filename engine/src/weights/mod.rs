@@ -1,4 +1,5 @@
-//! Safetensors checkpoints, memory-mapped.
+//! Checkpoint tensors, memory-mapped: safetensors files, or a GGUF file
+//! ([`gguf`]) under the Hugging Face names.
 //!
 //! Matrices stay in the file's dtype (f32, bf16 or f16) and are read straight
 //! from the page cache: the kernels convert to f32 in registers, so a bf16
@@ -19,6 +20,8 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::read_json;
 use crate::error::{EngineError, Result};
+
+mod gguf;
 
 /// Element types a weight matrix may have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +130,17 @@ pub enum WeightData {
     F16(Buf<f16>),
 }
 
+impl WeightData {
+    /// The elements' bytes (a copy).
+    fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Self::F32(b) => bytemuck::cast_slice(&b).to_vec(),
+            Self::Bf16(b) => bytemuck::cast_slice(&b).to_vec(),
+            Self::F16(b) => bytemuck::cast_slice(&b).to_vec(),
+        }
+    }
+}
+
 /// A row-major `[rows, cols]` weight matrix (Hugging Face `[out, in]`).
 #[derive(Debug)]
 pub struct Matrix {
@@ -191,11 +205,28 @@ fn dtype_size(name: &str, dtype: Dtype) -> Result<usize> {
 
 struct Entry {
     file: usize,
+    /// The stored dtype; for a [`Stored::Gguf`] tensor, the one it is
+    /// decoded to.
     dtype: Dtype,
+    stored: Stored,
     shape: Vec<usize>,
     /// Byte range inside the mapped file.
     start: usize,
     end: usize,
+}
+
+/// How an entry's bytes are laid out.
+#[derive(Debug, Clone)]
+enum Stored {
+    /// Row-major in `dtype`, as safetensors stores it: read in place.
+    Plain,
+    /// A GGUF tensor that is quantized, or whose rows are permuted:
+    /// decoded (only the rows asked for) when read.
+    Gguf {
+        ty: tandem_gguf::GgmlType,
+        /// The stored row of each Hugging Face row, when they differ.
+        rows: Option<Arc<[usize]>>,
+    },
 }
 
 /// All tensors of a checkpoint, by name, over one or more mapped files.
@@ -250,7 +281,12 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 impl WeightStore {
     /// Opens `model.safetensors`, or every shard listed in
     /// `model.safetensors.index.json`.
+    ///
+    /// A path to a `.gguf` file opens that file instead ([`gguf`]).
     pub fn open(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_gguf(dir) {
+            return Self::open_gguf(dir);
+        }
         let files = safetensors_files(dir)?;
         let mut maps = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
@@ -270,6 +306,7 @@ impl WeightStore {
                     Entry {
                         file: maps.len(),
                         dtype: view.dtype(),
+                        stored: Stored::Plain,
                         shape: view.shape().to_vec(),
                         start,
                         end: start + view.data().len(),
@@ -300,7 +337,26 @@ impl WeightStore {
         Ok(e)
     }
 
+    /// An entry whose bytes can be read as they lie (everything a
+    /// safetensors file holds; a GGUF tensor only when it is a float
+    /// type in Hugging Face row order).
+    fn plain_entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
+        let e = self.entry(name, shape)?;
+        match e.stored {
+            Stored::Plain => Ok(e),
+            Stored::Gguf { ty, .. } => Err(EngineError::Unsupported(format!(
+                "tensor `{name}`: a GGUF {} tensor cannot be read this way (a stacked or packed layout)",
+                ty.name()
+            ))),
+        }
+    }
+
     fn data(&self, name: &str, e: &Entry) -> Result<WeightData> {
+        if let Stored::Gguf { .. } = e.stored {
+            // A vector is one row.
+            let rows = if e.shape.len() == 1 { 1 } else { e.shape[0] };
+            return self.decode_rows(name, e, 0..rows);
+        }
         let map = &self.maps[e.file];
         let bytes = &map[e.start..e.end];
         Ok(match e.dtype {
@@ -341,10 +397,18 @@ impl WeightStore {
                 "rows {rows:?} of tensor `{name}` are outside its {total_rows} rows"
             )));
         }
+        if let Stored::Gguf { .. } = e.stored {
+            return Ok(Matrix {
+                rows: rows.len(),
+                cols,
+                data: self.decode_rows(name, e, rows)?,
+            });
+        }
         let size = dtype_size(name, e.dtype)?;
         let part = Entry {
             file: e.file,
             dtype: e.dtype,
+            stored: Stored::Plain,
             shape: vec![rows.len(), cols],
             start: e.start + rows.start * cols * size,
             end: e.start + rows.end * cols * size,
@@ -374,7 +438,14 @@ impl WeightStore {
             )));
         }
         let size = dtype_size(name, e.dtype)?;
-        let bytes = &self.maps[e.file][e.start..e.end];
+        let decoded;
+        let bytes = match e.stored {
+            Stored::Plain => &self.maps[e.file][e.start..e.end],
+            Stored::Gguf { .. } => {
+                decoded = self.decode_rows(name, e, 0..rows)?.into_bytes();
+                &decoded[..]
+            }
+        };
         let mut shard = Vec::with_capacity(rows * cols.len() * size);
         for r in 0..rows {
             let row = r * total_cols * size;
@@ -400,7 +471,7 @@ impl WeightStore {
         outputs: &[usize],
         inputs: std::ops::Range<usize>,
     ) -> Result<Matrix> {
-        let e = self.entry(name, &shape)?;
+        let e = self.plain_entry(name, &shape)?;
         let [experts, rows, cols] = shape;
         let outside = expert >= experts
             || inputs.end > rows
@@ -454,8 +525,8 @@ impl WeightStore {
             )));
         }
         let groups = inp / 32;
-        let blocks = self.entry(&blocks_name, &[experts, out, groups, 16])?;
-        let scales = self.entry(&scales_name, &[experts, out, groups])?;
+        let blocks = self.plain_entry(&blocks_name, &[experts, out, groups, 16])?;
+        let scales = self.plain_entry(&scales_name, &[experts, out, groups])?;
         for (name, e) in [(&blocks_name, blocks), (&scales_name, scales)] {
             if e.dtype != Dtype::U8 {
                 return Err(EngineError::InvalidCheckpoint(format!(
@@ -514,7 +585,7 @@ impl WeightStore {
     /// An int32 tensor of the given shape, copied out (the packed codes and
     /// zero points of AWQ/GPTQ checkpoints).
     pub fn tensor_i32(&self, name: &str, shape: &[usize]) -> Result<Vec<i32>> {
-        let e = self.entry(name, shape)?;
+        let e = self.plain_entry(name, shape)?;
         if e.dtype != Dtype::I32 {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "tensor `{name}` has dtype {:?}, expected I32",

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""GGUF fixtures, made by llama.cpp's own tools (none of it is ours).
+
+1. Golden checkpoints (tests/fixtures/golden, made by make_golden.py) are
+   converted with llama.cpp's `convert_hf_to_gguf.py` to F32, BF16 and F16
+   GGUF files: tests/gguf.rs loads them and must reproduce the same golden
+   tokens and logprobs as the safetensors. The golden checkpoints carry no
+   tokenizer, so each gets a word-level one of its vocabulary size, and the
+   converter's tokenizer fingerprint is told "gpt-2" (metadata only: the
+   tensors are converted as the converter always does, Llama's Q/K
+   permutation included). Gemma's golden checkpoints are left out: their
+   query_pre_attn_scalar and layer pattern are not what a GGUF can say
+   (llama.cpp derives both from the model size).
+2. A random Llama with 256-wide rows (K-quants need them) is converted to
+   F32 and quantized with `llama-quantize --pure` to each block type tandem
+   reads; transformers' GGUF loader (the `gguf` package dequantizes)
+   scores fixed token sequences on each file: quant_reference.json.
+3. A tiny random Llama with models/shakespeare-target's vocabulary and
+   chat template, quantized to Q8_0, for the cluster test's chat.
+4. llama_gqa_f32.gguf cut into shards by `llama-gguf-split`.
+5. The vocabulary of models/shakespeare-target (a byte-level BPE) is
+   converted alone (`--vocab-only`): tests/gguf.rs encodes text with the
+   tokenizer built from it and with the tokenizer.json it came from.
+
+    python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.15.0 transformers==5.23.0 gguf cmake ninja
+    # llama.cpp from the llama-cpp-python 0.3.36 sdist (vendor/llama.cpp):
+    cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
+    ninja -C $LLAMA/build llama-quantize llama-gguf-split
+    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split]
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests/fixtures/golden"
+OUT = REPO / "tests/fixtures/gguf"
+LLAMA = pathlib.Path(os.environ["LLAMA_CPP"])
+sys.path.insert(0, str(LLAMA))
+sys.path.insert(1, str(LLAMA / "gguf-py"))
+
+import convert_hf_to_gguf  # noqa: E402
+from conversion import base as conversion_base  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+# (golden case, GGUF out type, fixture name)
+GOLDEN_CASES = [
+    ("llama_gqa_f32", "f32", "llama_gqa_f32"),
+    ("llama_gqa_bf16", "bf16", "llama_gqa_bf16"),
+    ("llama_gqa_bf16", "f16", "llama_gqa_f16"),
+    ("llama_tied_f32", "f32", "llama_tied_f32"),
+    ("llama3_rope_f32", "f32", "llama3_rope_f32"),
+    ("qwen2_bias_f32", "f32", "qwen2_bias_f32"),
+    ("qwen3_gqa_f32", "f32", "qwen3_gqa_f32"),
+    ("phi3_fused_f32", "f32", "phi3_fused_f32"),
+]
+QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def word_level_tokenizer(dir_, vocab_size):
+    # The last id is named as Qwen2's tokenizer class names its end token,
+    # which it would otherwise add past the vocabulary.
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<|endoftext|>": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(dir_ / "tokenizer.json"))
+    (dir_ / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def convert(src, outtype, outfile, vocab_only=False):
+    argv = [str(src), "--outtype", outtype, "--outfile", str(outfile)]
+    if vocab_only:
+        argv.append("--vocab-only")
+    sys.argv = ["convert_hf_to_gguf.py", *argv]
+    convert_hf_to_gguf.main()
+
+
+def patch_converter():
+    # Every family takes its vocabulary from tokenizer.json as a GPT-2 BPE,
+    # labelled with the plain GPT-2 pre-tokenizer.
+    conversion_base.TextModel.get_vocab_base_pre = lambda self, tok: "gpt-2"
+    lookup = convert_hf_to_gguf.get_model_class
+
+    def gpt2_vocab(*args, **kwargs):
+        family = lookup(*args, **kwargs)
+        return type(family.__name__, (family,), {"model_arch": family.model_arch, "set_vocab": lambda self: self._set_vocab_gpt2()})
+
+    convert_hf_to_gguf.get_model_class = gpt2_vocab
+
+
+def golden_fixtures(tmp):
+    for case, outtype, name in GOLDEN_CASES:
+        src = tmp / case
+        if not src.exists():
+            shutil.copytree(GOLDEN / case, src)
+            config = json.loads((src / "config.json").read_text())
+            vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+            word_level_tokenizer(src, vocab)
+        convert(src, outtype, OUT / f"{name}.gguf")
+
+
+def quant_fixtures(tmp):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    src = tmp / "quant_src"
+    model.save_pretrained(src)
+    word_level_tokenizer(src, config.vocab_size)
+    f32 = tmp / "quant_f32.gguf"
+    convert(src, "f32", f32)
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(3, 256, (48,), generator=gen).tolist() for _ in range(4)]
+    reference = {"sequences": sequences, "types": {}}
+    for ty in QUANT_TYPES:
+        out = OUT / f"llama256_{ty.lower()}.gguf"
+        subprocess.run([str(LLAMA / "build/bin/llama-quantize"), "--pure", str(f32), str(out), ty],
+                       check=True, capture_output=True)
+        shutil.copy(out, tmp / out.name)
+        m = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=out.name, dtype=torch.float32).eval()
+        rows = []
+        for seq in sequences:
+            with torch.no_grad():
+                logits = m(torch.tensor([seq])).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            rows.append({
+                "top1": logits.argmax(-1).tolist(),
+                "next_logprob": [logp[i, seq[i + 1]].item() for i in range(len(seq) - 1)],
+            })
+        reference["types"][ty] = rows
+    (OUT / "quant_reference.json").write_text(json.dumps(reference) + "\n")
+
+
+def chat_fixture(tmp):
+    """A tiny random Llama with the built-in model's vocabulary and chat
+    template, F32 then Q8_0: what cli/tests/gguf_cluster.rs serves."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+    )
+    src = tmp / "chat_src"
+    LlamaForCausalLM(config).save_pretrained(src)
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(REPO / "models/shakespeare-target" / f, src / f)
+    f32 = tmp / "chat_f32.gguf"
+    convert(src, "f32", f32)
+    subprocess.run([str(LLAMA / "build/bin/llama-quantize"), "--pure", str(f32),
+                    str(OUT / "shakespeare_chat_q8_0.gguf"), "Q8_0"], check=True, capture_output=True)
+
+
+def vocab_fixture(tmp):
+    src = tmp / "vocab"
+    src.mkdir()
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(REPO / "models/shakespeare-target" / f, src / f)
+    convert(src, "f32", OUT / "shakespeare_vocab.gguf", vocab_only=True)
+
+
+def split_fixture(tmp):
+    """llama_gqa_f32.gguf cut by llama.cpp's gguf-split into three shards."""
+    subprocess.run([str(LLAMA / "build/bin/llama-gguf-split"), "--split", "--split-max-tensors", "8",
+                    str(OUT / "llama_gqa_f32.gguf"), str(OUT / "split/llama_gqa_f32")],
+                   check=True, capture_output=True)
+
+
+STEPS = {"split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    patch_converter()
+    with tempfile.TemporaryDirectory() as t:
+        tmp = pathlib.Path(t)
+        (OUT / "split").mkdir(exist_ok=True)
+        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split"]:
+            STEPS[step](tmp)
+    for p in sorted(OUT.iterdir()):
+        print(p.name, p.stat().st_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+//! GGUF checkpoints against references nobody here wrote: files made by
+//! llama.cpp's own converter and `llama-quantize`
+//! (`tests/golden/make_gguf.py`), scored against transformers.
+//!
+//! - A float GGUF of a golden checkpoint reproduces that checkpoint's
+//!   golden tokens and logprobs (the same bar as the safetensors).
+//! - A quantized GGUF agrees with transformers' own dequantized model.
+//! - A vocabulary read from GGUF encodes text exactly as the
+//!   `tokenizer.json` it was converted from.
+//! - A damaged file is an error that names the problem.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tandem_engine::kernels::log_softmax;
+use tandem_engine::{
+    generate, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache, SamplingParams,
+    SeqInput,
+};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+#[derive(Deserialize)]
+struct Step {
+    token: u32,
+    logprob: f32,
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    prompt_ids: Vec<u32>,
+    steps: Vec<Step>,
+}
+
+/// Greedy generation from `file` must give `case`'s golden tokens, each
+/// logprob within 1e-4, through paged decoding and chunked prefill.
+fn check_golden(file: &str, case: &str) {
+    let ckpt = Checkpoint::open(&fixtures().join("gguf").join(file)).expect("gguf loads");
+    let text = std::fs::read_to_string(fixtures().join("golden").join(case).join("golden.json"))
+        .expect("golden.json");
+    let g: Golden = serde_json::from_str(&text).expect("golden parses");
+    for block_size in [4, 16] {
+        let req = GenerateRequest {
+            prompt_ids: g.prompt_ids.clone(),
+            max_tokens: g.steps.len(),
+            sampling: SamplingParams {
+                logprobs: Some(1),
+                ..SamplingParams::default()
+            },
+            stop_token_ids: vec![],
+            ignore_eos: true,
+        };
+        let opts = GenerateOptions {
+            block_size,
+            prefill_chunk: 5,
+            ..GenerateOptions::default()
+        };
+        let out =
+            generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
+        let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
+        assert_eq!(out.output_ids, want, "{file}: tokens differ from {case}");
+        for (i, (lp, s)) in out.logprobs.iter().zip(&g.steps).enumerate() {
+            let d = (lp.logprob - s.logprob).abs();
+            assert!(
+                d < 1e-4,
+                "{file} step {i}: logprob {} vs {}",
+                lp.logprob,
+                s.logprob
+            );
+        }
+    }
+}
+
+macro_rules! golden {
+    ($($name:ident: $file:literal => $case:literal,)*) => {$(
+        #[test]
+        fn $name() {
+            check_golden($file, $case);
+        }
+    )*};
+}
+
+golden! {
+    llama_f32_gguf_matches_its_safetensors: "llama_gqa_f32.gguf" => "llama_gqa_f32",
+    llama_bf16_gguf_matches_its_safetensors: "llama_gqa_bf16.gguf" => "llama_gqa_bf16",
+    llama_f16_gguf_matches_the_bf16_safetensors: "llama_gqa_f16.gguf" => "llama_gqa_bf16",
+    llama_tied_gguf_matches_its_safetensors: "llama_tied_f32.gguf" => "llama_tied_f32",
+    llama3_rope_freqs_gguf_matches_its_safetensors: "llama3_rope_f32.gguf" => "llama3_rope_f32",
+    qwen2_gguf_with_biases_matches_its_safetensors: "qwen2_bias_f32.gguf" => "qwen2_bias_f32",
+    qwen3_gguf_with_qk_norms_matches_its_safetensors: "qwen3_gqa_f32.gguf" => "qwen3_gqa_f32",
+    phi3_gguf_with_fused_projections_matches_its_safetensors: "phi3_fused_f32.gguf" => "phi3_fused_f32",
+    a_split_gguf_opens_by_any_shards_name: "split/llama_gqa_f32-00002-of-00003.gguf" => "llama_gqa_f32",
+}
+
+#[derive(Deserialize)]
+struct Scored {
+    top1: Vec<u32>,
+    next_logprob: Vec<f32>,
+}
+
+#[derive(Deserialize)]
+struct QuantReference {
+    sequences: Vec<Vec<u32>>,
+    types: std::collections::HashMap<String, Vec<Scored>>,
+}
+
+/// Teacher-forced log-probabilities of every position of `ids`.
+fn score(ckpt: &Checkpoint, ids: &[u32]) -> Vec<Vec<f32>> {
+    let bs = 16;
+    let layout = ckpt.model.kv_layout(bs);
+    let groups = tandem_engine::KvGroups::of(&layout).num_groups();
+    let mut kv = KvCache::new(layout, ids.len().div_ceil(bs) * groups);
+    let pool = kv.allocator().expect("pool");
+    let mut table = BlockTable::new(&pool);
+    table.append(ids.len()).expect("blocks");
+    let logits = ckpt
+        .model
+        .forward(
+            &[SeqInput {
+                tokens: ids,
+                start_pos: 0,
+                blocks: table.blocks(),
+                all_logits: true,
+                lora: None,
+            }],
+            &mut kv,
+        )
+        .expect("forward");
+    let vocab = logits.vocab();
+    logits
+        .seq(0)
+        .chunks_exact(vocab)
+        .map(|row| {
+            let mut row = row.to_vec();
+            log_softmax(&mut row);
+            row
+        })
+        .collect()
+}
+
+/// Each block type llama.cpp quantizes to, against transformers' model
+/// dequantized by the `gguf` package: top-1 agreement ≥ 0.97 and mean
+/// |Δ logprob| of the true next token ≤ 0.05 (issue criteria).
+#[test]
+fn quantized_gguf_agrees_with_transformers_dequantized_model() {
+    let text =
+        std::fs::read_to_string(fixtures().join("gguf/quant_reference.json")).expect("reference");
+    let r: QuantReference = serde_json::from_str(&text).expect("reference parses");
+    let mut report = Vec::new();
+    for (ty, rows) in &r.types {
+        let file = fixtures().join(format!("gguf/llama256_{}.gguf", ty.to_lowercase()));
+        let ckpt = Checkpoint::open(&file).expect("quantized gguf loads");
+        let (mut agree, mut total, mut delta) = (0usize, 0usize, 0.0f64);
+        for (seq, want) in r.sequences.iter().zip(rows) {
+            let got = score(&ckpt, seq);
+            for (i, row) in got.iter().enumerate().take(seq.len() - 1) {
+                let top = row
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(t, _)| t as u32);
+                agree += usize::from(top == Some(want.top1[i]));
+                total += 1;
+                delta += f64::from((row[seq[i + 1] as usize] - want.next_logprob[i]).abs());
+            }
+        }
+        let (agreement, mean) = (agree as f64 / total as f64, delta / total as f64);
+        report.push((
+            agreement >= 0.97 && mean <= 0.05,
+            format!("{ty}: top-1 {agreement:.3}, mean |Δlogprob| {mean:.4}"),
+        ));
+    }
+    report.sort_by(|a, b| a.1.cmp(&b.1));
+    let lines: Vec<&str> = report.iter().map(|r| r.1.as_str()).collect();
+    eprintln!("{}", lines.join("\n"));
+    assert_eq!(report.len(), 8, "every type is checked");
+    assert!(report.iter().all(|r| r.0), "{}", lines.join("; "));
+}
+
+/// The vocabulary of a real byte-level BPE, converted by llama.cpp, encodes
+/// a multilingual text exactly as its `tokenizer.json` does.
+#[test]
+fn gguf_vocabulary_encodes_as_its_tokenizer_json() {
+    let gguf = tandem_engine::gguf::open(&fixtures().join("gguf/shakespeare_vocab.gguf"))
+        .expect("vocab gguf");
+    let ours = tandem_engine::gguf::tokenizer(&gguf)
+        .expect("tokenizer builds")
+        .expect("the file has a vocabulary");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let hf = tandem_engine::tokenizer::Tokenizer::from_file(
+        &root.join("models/shakespeare-target/tokenizer.json"),
+    )
+    .expect("tokenizer.json");
+    let text = "ROMEO: But soft, what light through yonder window breaks?\n\n\
+        Ça va? Größe 42 — naïve café, 東京 2024年, Привет мир, مرحبا, 🙂 tabs\tand  spaces   \
+        it's we'll they'd I'M 12345 3.14159 <|endoftext|>";
+    for line in text.split_inclusive('\n').chain([text]) {
+        assert_eq!(
+            ours.encode(line).expect("ours"),
+            hf.encode(line).expect("hf"),
+            "{line:?}"
+        );
+    }
+    let ids = hf.encode(text).expect("hf");
+    assert_eq!(
+        ours.decode(&ids).expect("decode"),
+        hf.decode(&ids).expect("decode")
+    );
+}
+
+/// Truncated and foreign files fail to load with a message naming the
+/// problem, never a panic.
+#[test]
+fn damaged_gguf_files_are_clear_errors() {
+    let good = std::fs::read(fixtures().join("gguf/llama_gqa_f32.gguf")).expect("read");
+    let dir = tempfile::tempdir().expect("tmp");
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        (
+            "truncated.gguf",
+            good[..good.len() - 100].to_vec(),
+            "past the end of the file",
+        ),
+        ("header.gguf", good[..20].to_vec(), "ends at byte"),
+        (
+            "text.gguf",
+            b"{\"not\": \"gguf\"}".to_vec(),
+            "not a GGUF file",
+        ),
+    ];
+    for (name, bytes, want) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).expect("write");
+        let err = Checkpoint::open(&path).expect_err("damaged file loads");
+        assert!(err.to_string().contains(want), "{name}: {err}");
+    }
+    // An architecture no family reads.
+    let mut foreign = good.clone();
+    let at = foreign
+        .windows(5)
+        .position(|w| w == b"llama")
+        .expect("arch value");
+    foreign[at..at + 5].copy_from_slice(b"mamba");
+    let path = dir.path().join("mamba.gguf");
+    std::fs::write(&path, foreign).expect("write");
+    let err = Checkpoint::open(&path).expect_err("foreign arch");
+    assert!(err.to_string().contains("`mamba`"), "{err}");
+}
+
+/// `tandem plan` sizes a GGUF model from its tensor table: a float file
+/// weighs what its safetensors twin does, and a quantized one what its
+/// tensors decode to (f16), with the same parameter count.
+#[test]
+fn plan_reads_gguf_sizes() {
+    use tandem_engine::capacity::{checkpoint_weight_bytes, parameter_counts};
+    let gguf = fixtures().join("gguf/llama_gqa_f32.gguf");
+    let dir = fixtures().join("golden/llama_gqa_f32");
+    assert_eq!(
+        checkpoint_weight_bytes(&gguf).expect("gguf bytes"),
+        checkpoint_weight_bytes(&dir).expect("safetensors bytes")
+    );
+    let cfg = tandem_engine::ModelConfig::from_dir(&gguf).expect("config");
+    assert_eq!(
+        parameter_counts(&gguf, &cfg).expect("gguf").total,
+        parameter_counts(&dir, &cfg).expect("safetensors").total
+    );
+    let q8 = fixtures().join("gguf/llama256_q8_0.gguf");
+    let cfg = tandem_engine::ModelConfig::from_dir(&q8).expect("config");
+    let params = parameter_counts(&q8, &cfg).expect("params").total;
+    // Three f32 norms of 256, the rest Q8_0 decoded to two bytes each.
+    let norms = 3 * 256;
+    assert_eq!(
+        checkpoint_weight_bytes(&q8).expect("q8 bytes"),
+        2 * (params - norms) + 4 * norms
+    );
+    let model = tandem_engine::Model::load(&q8).expect("load");
+    assert_eq!(model.weight_dtype(), tandem_engine::weights::DType::F16);
+}
