@@ -18,15 +18,17 @@
 3. A tiny random Llama with models/shakespeare-target's vocabulary and
    chat template, quantized to Q8_0, for the cluster test's chat.
 4. llama_gqa_f32.gguf cut into shards by `llama-gguf-split`.
-5. The vocabulary of models/shakespeare-target (a byte-level BPE) is
+5. A SentencePiece vocabulary (`--vocab-only`) beside transformers'
+   tokenizer.json of the same tokenizer.model.
+6. The vocabulary of models/shakespeare-target (a byte-level BPE) is
    converted alone (`--vocab-only`): tests/gguf.rs encodes text with the
    tokenizer built from it and with the tokenizer.json it came from.
 
-    python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.15.0 transformers==5.23.0 gguf cmake ninja
+    python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.15.0 transformers==5.23.0 gguf cmake ninja sentencepiece protobuf
     # llama.cpp from the llama-cpp-python 0.3.36 sdist (vendor/llama.cpp):
     cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
     ninja -C $LLAMA/build llama-quantize llama-gguf-split
-    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split]
+    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split spm]
 """
 
 import json
@@ -82,11 +84,14 @@ def convert(src, outtype, outfile, vocab_only=False):
     convert_hf_to_gguf.main()
 
 
+ORIGINAL_GET_MODEL_CLASS = convert_hf_to_gguf.get_model_class
+
+
 def patch_converter():
     # Every family takes its vocabulary from tokenizer.json as a GPT-2 BPE,
     # labelled with the plain GPT-2 pre-tokenizer.
     conversion_base.TextModel.get_vocab_base_pre = lambda self, tok: "gpt-2"
-    lookup = convert_hf_to_gguf.get_model_class
+    lookup = ORIGINAL_GET_MODEL_CLASS
 
     def gpt2_vocab(*args, **kwargs):
         family = lookup(*args, **kwargs)
@@ -179,7 +184,40 @@ def split_fixture(tmp):
                    check=True, capture_output=True)
 
 
-STEPS = {"split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
+def spm_fixture(tmp):
+    """A SentencePiece BPE vocabulary (byte fallback, as Llama 2's) trained
+    on the repository's held-out prompts and licence texts, converted
+    alone by llama.cpp's SentencePiece path, beside the tokenizer.json that
+    transformers makes from the same tokenizer.model."""
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaTokenizer
+
+    src = tmp / "spm"
+    src.mkdir()
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("\n".join(
+        pathlib.Path(p).read_text() for p in [REPO / "bench/prompts/held-out.txt",
+                                               "/usr/share/common-licenses/Apache-2.0"]))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(src / "tokenizer"), vocab_size=600, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        minloglevel=2)
+    LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, architectures=["LlamaForCausalLM"]).save_pretrained(src)
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    # transformers' own SentencePiece conversion (needs protobuf).
+    tok = LlamaTokenizer.from_pretrained(src)
+    tok.save_pretrained(src)
+    shutil.copy(src / "tokenizer.json", OUT / "spm_tokenizer.json")
+    (src / "tokenizer.json").unlink()  # the converter reads tokenizer.model
+    convert_hf_to_gguf.get_model_class = ORIGINAL_GET_MODEL_CLASS
+    try:
+        convert(src, "f32", OUT / "spm_vocab.gguf", vocab_only=True)
+    finally:
+        patch_converter()
+
+
+STEPS = {"spm": spm_fixture, "split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
 
 
 def main():
@@ -188,7 +226,7 @@ def main():
     with tempfile.TemporaryDirectory() as t:
         tmp = pathlib.Path(t)
         (OUT / "split").mkdir(exist_ok=True)
-        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split"]:
+        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split", "spm"]:
             STEPS[step](tmp)
     for p in sorted(OUT.iterdir()):
         print(p.name, p.stat().st_size)

@@ -277,3 +277,36 @@ fn plan_reads_gguf_sizes() {
     let model = tandem_engine::Model::load(&q8).expect("load");
     assert_eq!(model.weight_dtype(), tandem_engine::weights::DType::F16);
 }
+
+/// A SentencePiece vocabulary converted by llama.cpp encodes text, byte
+/// fallback included, exactly as transformers' tokenizer.json of the same
+/// tokenizer.model does, and prepends BOS as llama.cpp does by default.
+#[test]
+fn sentencepiece_vocabulary_encodes_as_transformers_does() {
+    let gguf = tandem_engine::gguf::open(&fixtures().join("gguf/spm_vocab.gguf")).expect("vocab");
+    let ours = tandem_engine::gguf::tokenizer(&gguf)
+        .expect("tokenizer builds")
+        .expect("the file has a vocabulary");
+    let hf =
+        tandem_engine::tokenizer::Tokenizer::from_file(&fixtures().join("gguf/spm_tokenizer.json"))
+            .expect("tokenizer.json");
+    let text = "Licensed under the Apache License, Version 2.0 (the \"License\");\n\
+        you may not use this file except in compliance with the License.\n\n  \
+        Ça va? Größe 42 — naïve café, 東京 2024年, Привет мир, مرحبا, 🙂 tabs\tand  spaces   \
+        it's 3.14159 <s> </s>";
+    for line in text
+        .split_inclusive('\n')
+        .chain([text, " leading space", ""])
+    {
+        let want = hf.encode_plain(line).expect("hf");
+        assert_eq!(ours.encode_plain(line).expect("ours"), want, "{line:?}");
+        assert_eq!(
+            ours.decode(&want).expect("ours"),
+            hf.decode(&want).expect("hf"),
+            "{line:?}"
+        );
+    }
+    let with_bos = ours.encode("hello").expect("encode");
+    assert_eq!(with_bos[0], 1, "BOS first: {with_bos:?}");
+    assert_eq!(&with_bos[1..], hf.encode_plain("hello").expect("hf"));
+}

@@ -15,6 +15,7 @@
 //! each takes are in [`crate::weights`].
 
 mod rope;
+mod sentencepiece;
 mod tokenizer;
 
 use std::path::Path;

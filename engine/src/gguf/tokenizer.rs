@@ -4,8 +4,8 @@
 //! becomes a `tokenizer.json` with its tokens, merges and special tokens,
 //! and the pre-tokenizer llama.cpp uses for the file's
 //! `tokenizer.ggml.pre` (the same regular expressions as its
-//! `llama-vocab.cpp`). SentencePiece-model (`llama`) vocabularies are
-//! refused for now, with a message saying so.
+//! `llama-vocab.cpp`). A SentencePiece (`llama`) vocabulary is
+//! [`super::sentencepiece`]'s.
 
 use serde_json::{json, Value};
 use tandem_gguf::Gguf;
@@ -16,6 +16,8 @@ use crate::tokenizer::Tokenizer;
 
 /// GPT-2's own split, which the ByteLevel pre-tokenizer applies itself.
 const GPT2: &str = "gpt2";
+/// A SentencePiece BPE vocabulary (Llama 2, Mistral, Phi-3, Gemma).
+const SENTENCEPIECE: &str = "llama";
 /// Llama 3's split (llama.cpp's adapted spelling, no inline flags).
 const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen 2/3's: Llama 3's with single digits.
@@ -56,16 +58,22 @@ pub fn tokenizer(g: &Gguf) -> Result<Option<Tokenizer>> {
     else {
         return Ok(None);
     };
-    if model != GPT2 {
-        return Err(EngineError::Unsupported(format!(
-            "{}: tokenizer model `{model}` (only `gpt2` byte-level BPE vocabularies are read from GGUF \
-             so far; SentencePiece ones are not)",
+    match model {
+        GPT2 => byte_level(g).map(Some),
+        SENTENCEPIECE => super::sentencepiece::tokenizer(g).map(Some),
+        _ => Err(EngineError::Unsupported(format!(
+            "{}: tokenizer model `{model}` (read: `gpt2` byte-level BPE, `llama` SentencePiece BPE)",
             path.display()
-        )));
+        ))),
     }
+}
+
+/// A byte-level BPE vocabulary with its merges.
+fn byte_level(g: &Gguf) -> Result<Tokenizer> {
+    let path = g.path();
     let pre = g
         .optional("tokenizer.ggml.pre", tandem_gguf::Value::as_str, "a string")
-        .map_err(err)?
+        .map_err(|e| gguf_error(path, e))?
         .unwrap_or("default");
     let pre_tokenizer = pre_tokenizer(pre).ok_or_else(|| {
         EngineError::Unsupported(format!(
@@ -78,13 +86,30 @@ pub fn tokenizer(g: &Gguf) -> Result<Option<Tokenizer>> {
         Some(_) => string_array(g, "tokenizer.ggml.merges")?,
         None => Vec::new(),
     };
-    let types: Vec<i64> = match g
-        .get("tokenizer.ggml.token_type")
-        .and_then(tandem_gguf::Value::as_array)
-    {
-        Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
-        None => Vec::new(),
-    };
+    let (vocab, added) = vocab_and_added(&tokens, &token_types(g));
+    let json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": bos_processor(g, &tokens, false)?,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges},
+    });
+    Tokenizer::from_json(&json.to_string())
+        .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))
+}
+
+/// The vocabulary as a map, and the tokens to add whole: control tokens
+/// as special, user-defined ones as plain.
+pub(super) fn vocab_and_added(
+    tokens: &[&str],
+    types: &[i64],
+) -> (serde_json::Map<String, Value>, Vec<Value>) {
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, tok) in tokens.iter().enumerate() {
@@ -97,48 +122,49 @@ pub fn tokenizer(g: &Gguf) -> Result<Option<Tokenizer>> {
             );
         }
     }
-    let bos = g
+    (vocab, added)
+}
+
+pub(super) fn token_types(g: &Gguf) -> Vec<i64> {
+    match g
+        .get("tokenizer.ggml.token_type")
+        .and_then(tandem_gguf::Value::as_array)
+    {
+        Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+        None => Vec::new(),
+    }
+}
+
+/// A post-processor prepending BOS when the file asks (`add_bos_token`;
+/// `default` when the key is absent, llama.cpp's default for the
+/// vocabulary type), as llama.cpp does; `null` otherwise.
+pub(super) fn bos_processor(g: &Gguf, tokens: &[&str], default: bool) -> Result<Value> {
+    let add = g
         .optional(
             "tokenizer.ggml.add_bos_token",
             tandem_gguf::Value::as_bool,
             "a bool",
         )
-        .map_err(err)?
-        .unwrap_or(false)
+        .map_err(|e| gguf_error(g.path(), e))?
+        .unwrap_or(default);
+    let bos = add
         .then(|| {
             g.get("tokenizer.ggml.bos_token_id")
                 .and_then(tandem_gguf::Value::as_u64)
         })
         .flatten()
         .and_then(|id| tokens.get(id as usize).map(|t| (id, *t)));
-    let post_processor = match bos {
-        // llama.cpp prepends BOS when the file asks for it; so does this.
+    Ok(match bos {
         Some((id, text)) => json!({"type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": text, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [{"SpecialToken": {"id": text, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                      {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {text: {"id": text, "ids": [id], "tokens": [text]}}}),
         None => Value::Null,
-    };
-    let json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges},
-    });
-    Tokenizer::from_json(&json.to_string())
-        .map(Some)
-        .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))
+    })
 }
 
-fn string_array<'a>(g: &'a Gguf, key: &str) -> Result<Vec<&'a str>> {
+pub(super) fn string_array<'a>(g: &'a Gguf, key: &str) -> Result<Vec<&'a str>> {
     let bad = || {
         EngineError::InvalidCheckpoint(format!(
             "{}: `{key}` is not an array of strings",
