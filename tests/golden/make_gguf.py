@@ -10,7 +10,8 @@
    tensors are converted as the converter always does, Llama's Q/K
    permutation included). Gemma's golden checkpoints are left out: their
    query_pre_attn_scalar and layer pattern are not what a GGUF can say
-   (llama.cpp derives both from the model size).
+   (llama.cpp derives both from the model size); step 7 makes Gemma models
+   in the shape llama.cpp assumes, with their own transformers reference.
 2. A random Llama with 256-wide rows (K-quants need them) is converted to
    F32 and quantized with `llama-quantize --pure` to each block type tandem
    reads; transformers' GGUF loader (the `gguf` package dequantizes)
@@ -28,7 +29,7 @@
     # llama.cpp from the llama-cpp-python 0.3.36 sdist (vendor/llama.cpp):
     cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
     ninja -C $LLAMA/build llama-quantize llama-gguf-split
-    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split spm]
+    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split spm gemma]
 """
 
 import json
@@ -217,7 +218,39 @@ def spm_fixture(tmp):
         patch_converter()
 
 
-STEPS = {"spm": spm_fixture, "split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
+def gemma_fixtures(tmp):
+    """Random Gemma 2 and 3 models in the shape llama.cpp assumes of a
+    Gemma GGUF (query_pre_attn_scalar = head_dim; Gemma 3 global every 6th
+    layer), each with transformers' greedy continuation in the golden
+    format, converted to F32 GGUF."""
+    sys.path.insert(0, str(REPO / "tests/golden"))
+    import make_golden as mg
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    cases = {
+        "gemma2_llamacpp": (Gemma2Config, Gemma2ForCausalLM, dict(
+            mg.BASE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0,
+            tie_word_embeddings=True)),  # the converter drops an untied head, as Gemma ties it
+        "gemma3_llamacpp": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+            mg.GEMMA3, head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+    }
+    for i, (name, (config_cls, model_cls, kwargs)) in enumerate(cases.items()):
+        model = mg.build(config_cls, model_cls, kwargs, seed=3000 + i)
+        g = torch.Generator().manual_seed(4000 + i)
+        prompt = torch.randint(3, kwargs["vocab_size"], (mg.PROMPT_LEN,), generator=g).tolist()
+        src = tmp / name
+        model.save_pretrained(src)
+        ref = model_cls.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+        steps = mg.greedy(ref, prompt)
+        (OUT / f"{name}.golden.json").write_text(json.dumps(
+            {"case": name, "prompt_ids": prompt, "steps": steps, "min_gap": min(x["gap"] for x in steps)}, indent=1))
+        word_level_tokenizer(src, kwargs["vocab_size"])
+        convert(src, "f32", OUT / f"{name}_f32.gguf")
+
+
+STEPS = {"gemma": gemma_fixtures, "spm": spm_fixture, "split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
 
 
 def main():
@@ -226,7 +259,7 @@ def main():
     with tempfile.TemporaryDirectory() as t:
         tmp = pathlib.Path(t)
         (OUT / "split").mkdir(exist_ok=True)
-        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split", "spm"]:
+        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split", "spm", "gemma"]:
             STEPS[step](tmp)
     for p in sorted(OUT.iterdir()):
         print(p.name, p.stat().st_size)

@@ -11,9 +11,10 @@
 //! llama.cpp's converter changed on the way is undone here: Llama's Q and
 //! K rows are permuted for its interleaved RoPE ([`TensorMap::rope_rows`]).
 //!
-//! Families: `llama`, `qwen2`, `qwen3`, `phi3`. Tensor types and the path
+//! Families: `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`. Tensor types and the path
 //! each takes are in [`crate::weights`].
 
+mod gemma;
 mod rope;
 mod sentencepiece;
 mod tokenizer;
@@ -45,32 +46,52 @@ struct Family {
     permuted_rope: bool,
     /// The MLP's up tensor holds gate and up fused (Phi-3).
     fused_gate_up: bool,
+    /// Gemma's sandwich norms, stored as `1 + w` ([`gemma`]).
+    gemma: Option<gemma::Gemma>,
 }
 
-const FAMILIES: [Family; 4] = [
+const FAMILIES: [Family; 6] = [
     Family {
         arch: "llama",
         class: "LlamaForCausalLM",
         permuted_rope: true,
         fused_gate_up: false,
+        gemma: None,
     },
     Family {
         arch: "qwen2",
         class: "Qwen2ForCausalLM",
         permuted_rope: false,
         fused_gate_up: false,
+        gemma: None,
     },
     Family {
         arch: "qwen3",
         class: "Qwen3ForCausalLM",
         permuted_rope: false,
         fused_gate_up: false,
+        gemma: None,
     },
     Family {
         arch: "phi3",
         class: "Phi3ForCausalLM",
         permuted_rope: false,
         fused_gate_up: true,
+        gemma: None,
+    },
+    Family {
+        arch: "gemma2",
+        class: "Gemma2ForCausalLM",
+        permuted_rope: false,
+        fused_gate_up: false,
+        gemma: Some(gemma::GEMMA2),
+    },
+    Family {
+        arch: "gemma3",
+        class: "Gemma3ForCausalLM",
+        permuted_rope: false,
+        fused_gate_up: false,
+        gemma: Some(gemma::GEMMA3),
     },
 ];
 
@@ -176,6 +197,9 @@ pub fn config_json(g: &Gguf) -> Result<Value> {
     if !ends.is_empty() {
         c.insert("eos_token_id".into(), json!(ends));
     }
+    if let Some(spec) = &f.gemma {
+        gemma::config(g, f.arch, spec, &mut c)?;
+    }
     if let Some(Value::Object(llama3)) = rope_freqs(g, head_dim as usize)? {
         if let Some(Value::Object(rope)) = c.get_mut("rope_parameters") {
             rope.extend(llama3);
@@ -266,9 +290,21 @@ pub struct TensorMap {
     pub names: Vec<(String, String)>,
     /// Q and K heads when their rows must be un-permuted (Llama).
     q_heads: Option<(usize, usize)>,
+    /// What the converter added to every norm weight (Gemma's 1).
+    norm_shift: f32,
 }
 
 impl TensorMap {
+    /// What to subtract from tensor `hf_name` to get the checkpoint's
+    /// weight back: Gemma's converter stored each norm as `1 + w`, and the
+    /// family adds the 1 itself (`ArchSpec::norm_offset`).
+    pub fn shift(&self, hf_name: &str) -> f32 {
+        match hf_name.ends_with("norm.weight") {
+            true => self.norm_shift,
+            false => 0.0,
+        }
+    }
+
     /// For a tensor stored with llama.cpp's interleaved-RoPE row order,
     /// the stored row of each Hugging Face row; `None` for the others.
     pub fn rope_rows(&self, hf_name: &str, rows: usize) -> Option<Vec<usize>> {
@@ -319,7 +355,11 @@ pub fn hf_tensor_names(g: &Gguf) -> Result<TensorMap> {
         }
         false => None,
     };
-    Ok(TensorMap { names, q_heads })
+    Ok(TensorMap {
+        names,
+        q_heads,
+        norm_shift: if f.gemma.is_some() { 1.0 } else { 0.0 },
+    })
 }
 
 fn hf_name(f: &Family, gguf: &str) -> Option<String> {
@@ -338,9 +378,13 @@ fn hf_name(f: &Family, gguf: &str) -> Option<String> {
     if !matches!(kind, "weight" | "bias") {
         return None;
     }
+    let gemma = f.gemma.is_some();
     let hf_module = match module {
         "attn_norm" => "input_layernorm",
+        "ffn_norm" if gemma => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "post_attention_norm" if gemma => "post_attention_layernorm",
+        "post_ffw_norm" if gemma => "post_feedforward_layernorm",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -385,6 +429,7 @@ mod tests {
         let map = TensorMap {
             names: vec![],
             q_heads: Some((2, 1)),
+            norm_shift: 0.0,
         };
         // One head of 4 dims: HF rows (j, i) = (0,0) (0,1) (1,0) (1,1) are
         // stored at 2i + j = 0, 2, 1, 3.

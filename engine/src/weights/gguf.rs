@@ -48,9 +48,14 @@ impl WeightStore {
                 // F16, and what quantized types decode to.
                 _ => Dtype::F16,
             };
-            let stored = match (t.ty.is_float(), rows) {
-                (true, None) => Stored::Plain,
-                (_, rows) => Stored::Gguf { ty: t.ty, rows },
+            let shift = map.shift(hf);
+            let stored = match (t.ty.is_float(), rows, shift) {
+                (true, None, 0.0) => Stored::Plain,
+                (_, rows, shift) => Stored::Gguf {
+                    ty: t.ty,
+                    rows,
+                    shift,
+                },
             };
             let start = bytes.as_ptr() as usize - mmap.as_ptr() as usize;
             entries.insert(
@@ -76,7 +81,12 @@ impl WeightStore {
         e: &Entry,
         rows: std::ops::Range<usize>,
     ) -> Result<WeightData> {
-        let Stored::Gguf { ty, rows: order } = &e.stored else {
+        let Stored::Gguf {
+            ty,
+            rows: order,
+            shift,
+        } = &e.stored
+        else {
             return Err(EngineError::InvalidCheckpoint(format!(
                 "tensor `{name}` is not a GGUF tensor"
             )));
@@ -94,6 +104,11 @@ impl WeightStore {
         };
         let raw = |r| stored_row(r).to_vec();
         Ok(match ty {
+            GgmlType::F32 if *shift != 0.0 => {
+                let mut w = pod_rows::<f32>(rows, raw);
+                w.iter_mut().for_each(|v| *v -= shift);
+                WeightData::F32(Buf::from(w))
+            }
             GgmlType::F32 => WeightData::F32(Buf::from(pod_rows::<f32>(rows, raw))),
             GgmlType::Bf16 => WeightData::Bf16(Buf::from(pod_rows::<bf16>(rows, raw))),
             GgmlType::F16 => WeightData::F16(Buf::from(pod_rows::<f16>(rows, raw))),
@@ -102,7 +117,7 @@ impl WeightStore {
                 let mut row = vec![0.0f32; cols];
                 for r in rows {
                     tandem_gguf::dequantize(*ty, stored_row(r), &mut row);
-                    out.extend(row.iter().map(|&w| f16::from_f32(w)));
+                    out.extend(row.iter().map(|&w| f16::from_f32(w - shift)));
                 }
                 WeightData::F16(Buf::from(out))
             }

@@ -226,6 +226,8 @@ enum Stored {
         ty: tandem_gguf::GgmlType,
         /// The stored row of each Hugging Face row, when they differ.
         rows: Option<Arc<[usize]>>,
+        /// Subtracted from every weight (Gemma's norms, stored `1 + w`).
+        shift: f32,
     },
 }
 
