@@ -9,10 +9,12 @@
 //! form ([`config_json`], [`hf_tensor_names`], [`tokenizer`]), so a family
 //! stays one definition (`crate::arch`) whatever file it came from. What
 //! llama.cpp's converter changed on the way is undone here: Llama's Q and
-//! K rows are permuted for its interleaved RoPE ([`TensorMap::rope_rows`]).
+//! K rows are permuted for its interleaved RoPE ([`TensorMap::rope_rows`]),
+//! Gemma's norms hold `1 + w` ([`TensorMap::shift`]), Llama 3.1's RoPE
+//! scaling is stored as its result (`rope.rs`).
 //!
-//! Families: `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`. Tensor types and the path
-//! each takes are in [`crate::weights`].
+//! Families: `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`. Tensor
+//! types and the path each takes are in [`crate::weights`].
 
 mod gemma;
 mod rope;

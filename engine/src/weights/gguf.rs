@@ -104,10 +104,15 @@ impl WeightStore {
         };
         let raw = |r| stored_row(r).to_vec();
         Ok(match ty {
-            GgmlType::F32 if *shift != 0.0 => {
-                let mut w = pod_rows::<f32>(rows, raw);
-                w.iter_mut().for_each(|v| *v -= shift);
-                WeightData::F32(Buf::from(w))
+            // Shifted norms become f32 whatever their stored float type.
+            _ if ty.is_float() && *shift != 0.0 => {
+                let mut out = Vec::with_capacity(rows.len() * cols);
+                let mut row = vec![0.0f32; cols];
+                for r in rows {
+                    tandem_gguf::dequantize(*ty, stored_row(r), &mut row);
+                    out.extend(row.iter().map(|&w| w - shift));
+                }
+                WeightData::F32(Buf::from(out))
             }
             GgmlType::F32 => WeightData::F32(Buf::from(pod_rows::<f32>(rows, raw))),
             GgmlType::Bf16 => WeightData::Bf16(Buf::from(pod_rows::<bf16>(rows, raw))),
