@@ -135,6 +135,12 @@ pub fn config_json(g: &Gguf) -> Result<Value> {
         )));
     }
     let head_dim = opt_int("attention.key_length")?.unwrap_or(hidden / heads);
+    if head_dim == 0 {
+        return Err(EngineError::InvalidCheckpoint(format!(
+            "{}: a head size of 0",
+            g.path().display()
+        )));
+    }
     let embed = g.tensor("token_embd.weight").ok_or_else(|| {
         EngineError::InvalidCheckpoint(format!("{}: no token_embd.weight", g.path().display()))
     })?;

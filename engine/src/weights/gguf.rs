@@ -4,8 +4,8 @@
 //! Which path each tensor type takes:
 //! - `F32`, `F16`, `BF16`: read in place, as a safetensors tensor is (Llama's
 //!   Q and K, whose rows llama.cpp permuted, are copied once in Hugging Face
-//!   row order).
-//! - `Q8_0`, `Q4_0`, `Q4_1`, `Q4_K`, `Q5_K`, `Q6_K`: decoded to f16 when
+//!   row order; Gemma's norms, stored `1 + w`, are decoded to f32 less 1).
+//! - `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`: decoded to f16 when
 //!   loaded, only the rows a rank holds (a 16-bit matrix the dense kernels
 //!   read; `--quantize int4` re-quantizes it at load like any checkpoint).
 //!   Mapping the 4-bit blocks straight into the INT4 kernels' matrices was
@@ -42,13 +42,15 @@ impl WeightStore {
             });
             let shape = t.shape();
             let rows = map.rope_rows(hf, shape[0]).map(Arc::from);
+            let shift = map.shift(hf);
             let dtype = match t.ty {
+                // Shifted tensors (norms) are decoded to f32.
+                _ if shift != 0.0 => Dtype::F32,
                 GgmlType::F32 => Dtype::F32,
                 GgmlType::Bf16 => Dtype::BF16,
                 // F16, and what quantized types decode to.
                 _ => Dtype::F16,
             };
-            let shift = map.shift(hf);
             let stored = match (t.ty.is_float(), rows, shift) {
                 (true, None, 0.0) => Stored::Plain,
                 (_, rows, shift) => Stored::Gguf {
