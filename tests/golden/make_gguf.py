@@ -63,6 +63,7 @@ GOLDEN_CASES = [
     ("qwen2_bias_f32", "f32", "qwen2_bias_f32"),
     ("qwen3_gqa_f32", "f32", "qwen3_gqa_f32"),
     ("phi3_fused_f32", "f32", "phi3_fused_f32"),
+    ("phi3_longrope_f32", "f32", "phi3_longrope_f32"),
 ]
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 

@@ -95,6 +95,7 @@ golden! {
     qwen2_gguf_with_biases_matches_its_safetensors: "qwen2_bias_f32.gguf" => "qwen2_bias_f32",
     qwen3_gguf_with_qk_norms_matches_its_safetensors: "qwen3_gqa_f32.gguf" => "qwen3_gqa_f32",
     phi3_gguf_with_fused_projections_matches_its_safetensors: "phi3_fused_f32.gguf" => "phi3_fused_f32",
+    phi3_longrope_gguf_matches_its_safetensors: "phi3_longrope_f32.gguf" => "phi3_longrope_f32",
     gemma2_gguf_with_soft_caps_matches_transformers: "gemma2_llamacpp_f32.gguf" => "gemma2_llamacpp.golden.json",
     gemma3_gguf_with_two_rope_bases_matches_transformers: "gemma3_llamacpp_f32.gguf" => "gemma3_llamacpp.golden.json",
     a_split_gguf_opens_by_any_shards_name: "split/llama_gqa_f32-00002-of-00003.gguf" => "llama_gqa_f32",

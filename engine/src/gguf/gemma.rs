@@ -80,6 +80,7 @@ pub(super) fn config(g: &Gguf, arch: &str, spec: &Gemma, c: &mut Map<String, Val
             "an integer",
         )
         .map_err(err)?
+        .filter(|&w| w > 0)
         .or(spec.default_window);
     let sliding = match window {
         Some(_) => sliding_layers(

@@ -188,7 +188,8 @@ pub fn config_json(g: &Gguf) -> Result<Value> {
     }
     rope_scaling(g, f, &mut rope, &mut c)?;
     c.insert("rope_parameters".into(), Value::Object(rope));
-    if let Some(w) = opt_int("attention.sliding_window")? {
+    // 0 is the converter's "no window" (Phi-4 and longrope Phi-3).
+    if let Some(w) = opt_int("attention.sliding_window")?.filter(|&w| w > 0) {
         c.insert("sliding_window".into(), json!(w));
     }
     if let Some(id) = g
@@ -208,30 +209,42 @@ pub fn config_json(g: &Gguf) -> Result<Value> {
     if let Some(spec) = &f.gemma {
         gemma::config(g, f.arch, spec, &mut c)?;
     }
-    if let Some(Value::Object(llama3)) = rope_freqs(g, head_dim as usize)? {
+    let stored_scaling = match rope_freqs(g, head_dim as usize)? {
+        Some(llama3) => Some(llama3),
+        None => longrope(g, f)?,
+    };
+    if let Some(Value::Object(scaling)) = stored_scaling {
         if let Some(Value::Object(rope)) = c.get_mut("rope_parameters") {
-            rope.extend(llama3);
+            rope.extend(scaling);
         }
     }
     Ok(Value::Object(c))
 }
 
+/// An F32 vector the file stores (RoPE factors); `None` when absent.
+fn stored_vector(g: &Gguf, name: &str) -> Result<Option<Vec<f32>>> {
+    let (Some(t), Some(bytes)) = (g.tensor(name), g.bytes(name)) else {
+        return Ok(None);
+    };
+    if t.ty != tandem_gguf::GgmlType::F32 || t.dims.len() != 1 {
+        return Err(EngineError::Unsupported(format!(
+            "{}: {name} is a {} tensor of shape {:?}, not an F32 vector",
+            g.path().display(),
+            t.ty.name(),
+            t.shape()
+        )));
+    }
+    let mut v = vec![0.0f32; t.len()];
+    tandem_gguf::dequantize(t.ty, bytes, &mut v);
+    Ok(Some(v))
+}
+
 /// Llama 3.1's scaling from its stored divisors (`rope_freqs.weight`);
 /// `None` without them, an error when no Llama 3.1 parameters make them.
 fn rope_freqs(g: &Gguf, head_dim: usize) -> Result<Option<Value>> {
-    let Some(t) = g.tensor("rope_freqs.weight") else {
+    let Some(stored) = stored_vector(g, "rope_freqs.weight")? else {
         return Ok(None);
     };
-    let bytes = g.bytes("rope_freqs.weight").unwrap_or_default();
-    let mut stored = vec![0.0f32; t.len()];
-    if t.ty != tandem_gguf::GgmlType::F32 {
-        return Err(EngineError::Unsupported(format!(
-            "{}: rope_freqs.weight is {}, not F32",
-            g.path().display(),
-            t.ty.name()
-        )));
-    }
-    tandem_gguf::dequantize(t.ty, bytes, &mut stored);
     let base = family(g)
         .and_then(|f| {
             g.f64(&format!("{}.rope.freq_base", f.arch))
@@ -247,6 +260,34 @@ fn rope_freqs(g: &Gguf, head_dim: usize) -> Result<Option<Value>> {
                 g.path().display()
             ))
         })
+}
+
+/// Phi-3's LongRoPE (`rope_factors_long/short.weight`, one divisor per
+/// frequency each) as `longrope` parameters; its attention factor is left
+/// to the engine, which derives it from the two context lengths as
+/// transformers does.
+fn longrope(g: &Gguf, f: &Family) -> Result<Option<Value>> {
+    let long = stored_vector(g, "rope_factors_long.weight")?;
+    let short = stored_vector(g, "rope_factors_short.weight")?;
+    let (long, short) = match (long, short) {
+        (None, None) => return Ok(None),
+        (Some(l), Some(s)) => (l, s),
+        _ => {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "{}: one of rope_factors_long/short.weight without the other",
+                g.path().display()
+            )))
+        }
+    };
+    let original = g
+        .u64(&format!("{}.rope.scaling.original_context_length", f.arch))
+        .map_err(|e| gguf_error(g.path(), e))?;
+    Ok(Some(json!({
+        "rope_type": "longrope",
+        "long_factor": long,
+        "short_factor": short,
+        "original_max_position_embeddings": original,
+    })))
 }
 
 /// `{arch}.rope.scaling.*` as `rope_parameters`.
@@ -375,8 +416,10 @@ fn hf_name(f: &Family, gguf: &str) -> Option<String> {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
         "output.weight" => return Some("lm_head.weight".into()),
-        // Read into the config (Llama 3.1's RoPE scaling), not a weight.
-        "rope_freqs.weight" => return Some("rope_freqs.weight".into()),
+        // Read into the config (Llama 3.1's and Phi-3's RoPE scaling).
+        "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight" => {
+            return Some(gguf.into())
+        }
         _ => {}
     }
     let rest = gguf.strip_prefix("blk.")?;
