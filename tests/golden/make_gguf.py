@@ -29,7 +29,7 @@
     # llama.cpp from the llama-cpp-python 0.3.36 sdist (vendor/llama.cpp):
     cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
     ninja -C $LLAMA/build llama-quantize llama-gguf-split
-    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split spm gemma]
+    LLAMA_CPP=$LLAMA /tmp/qv/bin/python tests/golden/make_gguf.py [golden quant vocab chat split spm gemma family_vocab]
 """
 
 import json
@@ -203,6 +203,7 @@ def spm_fixture(tmp):
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(src / "tokenizer"), vocab_size=600, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        user_defined_symbols=["\u2581\u2581", "\u2581\u2581\u2581\u2581", "<think>"],
         minloglevel=2)
     LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, architectures=["LlamaForCausalLM"]).save_pretrained(src)
@@ -251,7 +252,35 @@ def gemma_fixtures(tmp):
         convert(src, "f32", OUT / f"{name}_f32.gguf")
 
 
-STEPS = {"gemma": gemma_fixtures, "spm": spm_fixture, "split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
+def family_vocab_fixtures(tmp):
+    """The same trained SentencePiece model converted as a Gemma 3 and as a
+    Phi-3 vocabulary (llama.cpp's own per-family vocabulary paths), each
+    beside the tokenizer.json transformers' GGUF loader builds from the
+    file (its Gemma and Phi-3 rules)."""
+    from transformers import AutoTokenizer
+
+    for arch, hidden in [("Gemma3ForCausalLM", {"head_dim": 16}), ("Phi3ForCausalLM", {})]:
+        name = arch.removesuffix("ForCausalLM").lower()
+        src = tmp / f"{name}_vocab"
+        src.mkdir()
+        shutil.copy(tmp / "spm/tokenizer.model", src / "tokenizer.model")
+        (src / "config.json").write_text(json.dumps({
+            "architectures": [arch], "vocab_size": 600, "hidden_size": 64, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "sliding_window": 8, "original_max_position_embeddings": 256, **hidden}))
+        out = OUT / f"{name}_vocab.gguf"
+        convert_hf_to_gguf.get_model_class = ORIGINAL_GET_MODEL_CLASS
+        try:
+            convert(src, "f32", out, vocab_only=True)
+        finally:
+            patch_converter()
+        shutil.copy(out, tmp / out.name)
+        AutoTokenizer.from_pretrained(tmp, gguf_file=out.name).save_pretrained(tmp / f"{name}_ref")
+        shutil.copy(tmp / f"{name}_ref/tokenizer.json", OUT / f"{name}_tokenizer.json")
+
+
+STEPS = {"family_vocab": family_vocab_fixtures, "gemma": gemma_fixtures, "spm": spm_fixture, "split": split_fixture, "golden": golden_fixtures, "quant": quant_fixtures, "vocab": vocab_fixture, "chat": chat_fixture}
 
 
 def main():
@@ -260,7 +289,8 @@ def main():
     with tempfile.TemporaryDirectory() as t:
         tmp = pathlib.Path(t)
         (OUT / "split").mkdir(exist_ok=True)
-        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split", "spm", "gemma"]:
+        for step in sys.argv[1:] or ["golden", "quant", "vocab", "chat", "split", "spm", "gemma",
+                                     "family_vocab"]:
             STEPS[step](tmp)
     for p in sorted(OUT.iterdir()):
         print(p.name, p.stat().st_size)

@@ -317,3 +317,47 @@ fn sentencepiece_vocabulary_encodes_as_transformers_does() {
     assert_eq!(with_bos[0], 1, "BOS first: {with_bos:?}");
     assert_eq!(&with_bos[1..], hf.encode_plain("hello").expect("hf"));
 }
+
+/// The same SentencePiece model as a Gemma and as a Phi-3 vocabulary
+/// (llama.cpp's per-family conversion) encodes and decodes as the tokenizer
+/// transformers' GGUF loader builds from each file: Gemma's respelled space
+/// runs and position-ordered merges, Phi-3's prefix normalizer.
+#[test]
+fn family_sentencepiece_vocabularies_encode_as_transformers_does() {
+    for family in ["gemma3", "phi3"] {
+        let gguf = tandem_engine::gguf::open(&fixtures().join(format!("gguf/{family}_vocab.gguf")))
+            .expect("vocab");
+        let ours = tandem_engine::gguf::tokenizer(&gguf)
+            .expect("tokenizer builds")
+            .expect("the file has a vocabulary");
+        let hf = tandem_engine::tokenizer::Tokenizer::from_file(
+            &fixtures().join(format!("gguf/{family}_tokenizer.json")),
+        )
+        .expect("tokenizer.json");
+        let text = "Licensed under the Apache License, Version 2.0 (the \"License\");\n\
+            you may not use this file   except in compliance with the License.\n\n  \
+            Ça va? Größe 42 — naïve café, 東京 2024年, 🙂 tabs\tand  spaces   <s> </s>";
+        for line in text
+            .split_inclusive('\n')
+            .chain([text, " leading space", "    ", ""])
+        {
+            for special in [false, true] {
+                let (a, b) = match special {
+                    true => (ours.encode(line), hf.encode(line)),
+                    false => (ours.encode_plain(line), hf.encode_plain(line)),
+                };
+                let want = b.expect("hf");
+                assert_eq!(
+                    a.expect("ours"),
+                    want,
+                    "{family} {line:?} (special {special})"
+                );
+                assert_eq!(
+                    ours.decode(&want).expect("ours"),
+                    hf.decode(&want).expect("hf"),
+                    "{family} {line:?}"
+                );
+            }
+        }
+    }
+}

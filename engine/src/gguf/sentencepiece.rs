@@ -1,9 +1,9 @@
 //! A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = `llama`: Llama
-//! 2, Mistral, Phi-3) rebuilt as transformers' `LlamaTokenizer` builds it:
-//! BPE with byte fallback over `▁`-marked text (`Metaspace`, a `▁` before
-//! the first word when the file's `add_space_prefix` says so), and merges
-//! recovered from the tokens' scores ([`merges_from_scores`]), since the
-//! file carries none.
+//! 2, Mistral, Phi-3, Gemma) rebuilt as transformers' GGUF loader builds it:
+//! BPE with byte fallback over `▁`-marked text, the marking per family
+//! ([`Style`]), a `▁` before the first word when the file's
+//! `add_space_prefix` says so, and merges recovered from the tokens' scores
+//! ([`merges_from_scores`]), since the file carries none.
 
 use serde_json::{json, Value};
 use tandem_gguf::Gguf;
@@ -13,26 +13,75 @@ use super::tokenizer::{bos_processor, string_array, token_types, vocab_and_added
 use crate::error::{EngineError, Result};
 use crate::tokenizer::Tokenizer;
 
+/// How a family's SentencePiece text is marked, as transformers' GGUF
+/// loader builds each (`integrations/gguf/gguf_tokenizer_mapping.py`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Style {
+    /// `LlamaTokenizer`: `Metaspace`, a `▁` before the first word.
+    Llama,
+    /// Phi-3: a normalizer prepends `▁` and replaces every space (so a text
+    /// starting with a space keeps both).
+    Phi3,
+    /// Gemma: spaces become `▁` with no prefix; tokens of only spaces are
+    /// respelled with `▁`, and merges follow the file's token order, not
+    /// its scores.
+    Gemma,
+}
+
+impl Style {
+    fn of(g: &Gguf) -> Self {
+        match g.str("general.architecture").unwrap_or_default() {
+            "phi3" => Self::Phi3,
+            a if a.starts_with("gemma") => Self::Gemma,
+            _ => Self::Llama,
+        }
+    }
+}
+
 /// The file's SentencePiece vocabulary as a tokenizer.
 pub(super) fn tokenizer(g: &Gguf) -> Result<Tokenizer> {
     let path = g.path();
-    let tokens = string_array(g, "tokenizer.ggml.tokens")?;
-    let scores: Vec<f64> = match g
+    let style = Style::of(g);
+    let stored = string_array(g, "tokenizer.ggml.tokens")?;
+    let mut scores: Vec<f64> = match g
         .get("tokenizer.ggml.scores")
         .and_then(tandem_gguf::Value::as_array)
     {
         Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
-        None => vec![0.0; tokens.len()],
+        None => vec![0.0; stored.len()],
     };
-    if scores.len() != tokens.len() {
+    if scores.len() != stored.len() {
         return Err(EngineError::InvalidCheckpoint(format!(
             "{}: {} scores for {} tokens",
             path.display(),
             scores.len(),
-            tokens.len()
+            stored.len()
         )));
     }
-    let (vocab, added) = vocab_and_added(&tokens, &token_types(g));
+    let respelled: Vec<String>;
+    let tokens: Vec<&str> = match style {
+        Style::Gemma => {
+            // llama.cpp stores a token of spaces as spaces; Gemma's text
+            // has them as `▁`. Its merges go by position.
+            respelled = stored
+                .iter()
+                .map(|t| match t.contains(' ') && t.trim().is_empty() {
+                    true => "\u{2581}".repeat(t.chars().count()),
+                    false => (*t).to_owned(),
+                })
+                .collect();
+            scores = (0..stored.len()).map(|i| -(i as f64)).collect();
+            respelled.iter().map(String::as_str).collect()
+        }
+        _ => stored.clone(),
+    };
+    let (vocab, _) = vocab_and_added(&tokens, &[]);
+    // Whole-matched tokens are the file's own spellings; a user-defined one
+    // only when it is in the vocabulary as spelled.
+    let (_, mut added) = vocab_and_added(&stored, &token_types(g));
+    added.retain(|a| {
+        a["special"] == true || a["content"].as_str().is_some_and(|c| vocab.contains_key(c))
+    });
     let merges = match g.get("tokenizer.ggml.merges") {
         Some(_) => string_array(g, "tokenizer.ggml.merges")?
             .iter()
@@ -47,7 +96,7 @@ pub(super) fn tokenizer(g: &Gguf) -> Result<Tokenizer> {
             "a bool",
         )
         .map_err(|e| gguf_error(path, e))?
-        .unwrap_or(true);
+        .unwrap_or(style != Style::Gemma);
     let unk = g
         .get("tokenizer.ggml.unknown_token_id")
         .and_then(tandem_gguf::Value::as_u64)
@@ -60,17 +109,40 @@ pub(super) fn tokenizer(g: &Gguf) -> Result<Tokenizer> {
     if prefix {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
-    let scheme = if prefix { "first" } else { "never" };
+    let replace_spaces =
+        json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let (normalizer, pre_tokenizer) = match style {
+        Style::Llama => {
+            let scheme = if prefix { "first" } else { "never" };
+            (
+                Value::Null,
+                json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": scheme, "split": false}),
+            )
+        }
+        Style::Phi3 => {
+            let mut steps = vec![replace_spaces];
+            if prefix {
+                steps.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
+            }
+            (
+                json!({"type": "Sequence", "normalizers": steps}),
+                Value::Null,
+            )
+        }
+        Style::Gemma => (
+            replace_spaces,
+            json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false}),
+        ),
+    };
     let json = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}",
-            "prepend_scheme": scheme, "split": false},
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         // SentencePiece vocabularies get BOS unless the file says not.
-        "post_processor": bos_processor(g, &tokens, true)?,
+        "post_processor": bos_processor(g, &stored, true)?,
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,

@@ -60,17 +60,6 @@ pub fn tokenizer(g: &Gguf) -> Result<Option<Tokenizer>> {
     };
     match model {
         GPT2 => byte_level(g).map(Some),
-        SENTENCEPIECE if g.str("general.architecture").is_ok_and(|a| a.starts_with("gemma")) => {
-            // transformers rebuilds Gemma's vocabulary with two fixes of
-            // its own (space-run tokens, merges by position); without a
-            // reference file to check them against, none is built.
-            tracing::warn!(
-                "{}: Gemma's SentencePiece vocabulary is not rebuilt from GGUF yet; \
-                 send token ids (--prompt-ids) or use the safetensors checkpoint",
-                path.display()
-            );
-            Ok(None)
-        }
         SENTENCEPIECE => super::sentencepiece::tokenizer(g).map(Some),
         _ => Err(EngineError::Unsupported(format!(
             "{}: tokenizer model `{model}` (read: `gpt2` byte-level BPE, `llama` SentencePiece BPE)",
