@@ -25,7 +25,7 @@
    converted alone (`--vocab-only`): tests/gguf.rs encodes text with the
    tokenizer built from it and with the tokenizer.json it came from.
 
-    python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.15.0 transformers==5.23.0 gguf cmake ninja sentencepiece protobuf
+    python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.15.0 transformers==5.25.0 gguf==0.19.0 cmake ninja sentencepiece protobuf
     # llama.cpp from the llama-cpp-python 0.3.36 sdist (vendor/llama.cpp):
     cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
     ninja -C $LLAMA/build llama-quantize llama-gguf-split
