@@ -129,15 +129,11 @@ fn vocab_size(args: &WorkloadArgs) -> Result<u32> {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,
     };
-    let path = dir.join("config.json");
-    let config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
-    )
-    .with_context(|| format!("parsing {}", path.display()))?;
-    config["vocab_size"]
-        .as_u64()
-        .and_then(|v| u32::try_from(v).ok())
-        .with_context(|| format!("{} has no vocab_size", path.display()))
+    // A checkpoint directory's config.json, or a GGUF file's metadata.
+    let config = tandem_engine::ModelConfig::from_dir(&dir)
+        .with_context(|| format!("reading the config of {}", dir.display()))?;
+    u32::try_from(config.vocab_size)
+        .with_context(|| format!("{}: vocab_size {}", dir.display(), config.vocab_size))
 }
 
 impl WorkloadArgs {
