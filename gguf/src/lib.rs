@@ -204,23 +204,32 @@ fn check_split(h: &Header, index: usize, count: usize) -> Result<()> {
     }
 }
 
+/// A split shard's file stem (`prefix-00002-of-00005`) as its prefix and
+/// shard count; `None` for any other stem (never a panic, whatever its
+/// characters).
+pub fn split_stem(stem: &str) -> Option<(&str, usize)> {
+    // `-KKKKK-of-NNNNN`: the last 15 bytes, all ASCII when they match.
+    let at = stem.len().checked_sub(15)?;
+    let (prefix, tail) = (stem.get(..at)?, stem.get(at..)?);
+    let number = |s: Option<&str>| {
+        s.filter(|s| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit()))?
+            .parse::<usize>()
+            .ok()
+    };
+    let shape = (tail.get(0..1), tail.get(6..10));
+    match (number(tail.get(1..6)), number(tail.get(10..15)), shape) {
+        (Some(_), Some(n), (Some("-"), Some("-of-"))) => Some((prefix, n)),
+        _ => None,
+    }
+}
+
 /// All shards' paths when `path` is named like a shard of a split
 /// (`prefix-00002-of-00005.gguf`), `None` otherwise.
 fn split_paths(path: &Path) -> Result<Option<Vec<PathBuf>>> {
     let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
         return Ok(None);
     };
-    // `prefix-KKKKK-of-NNNNN`: the last 15 characters.
-    let parse = |s: &str| (s.len() == 5).then(|| s.parse::<usize>().ok()).flatten();
-    let Some((prefix, numbers)) = stem.len().checked_sub(15).map(|at| stem.split_at(at)) else {
-        return Ok(None);
-    };
-    let (Some(_), Some(n), Some("-"), Some("-of-")) = (
-        parse(&numbers[1..6]),
-        parse(&numbers[10..15]),
-        numbers.get(0..1),
-        numbers.get(6..10),
-    ) else {
+    let Some((prefix, n)) = split_stem(stem) else {
         return Ok(None);
     };
     if !(1..=9999).contains(&n) {
@@ -245,6 +254,21 @@ fn split_paths(path: &Path) -> Result<Option<Vec<PathBuf>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_stems_are_parsed_without_panicking_on_any_name() {
+        assert_eq!(split_stem("m-00002-of-00003"), Some(("m", 3)));
+        assert_eq!(split_stem("-00001-of-00001"), Some(("", 1)));
+        for stem in [
+            "model",
+            "m-0000x-of-00003",
+            "模型模型模型模型模型",
+            "ab模型-0001-of-00003",
+            "m-00001+of-00003",
+        ] {
+            assert_eq!(split_stem(stem), None, "{stem}");
+        }
+    }
 
     #[test]
     fn split_names_are_recognised() {

@@ -242,6 +242,20 @@ fn damaged_gguf_files_are_clear_errors() {
         let err = Checkpoint::open(&path).expect_err("damaged file loads");
         assert!(err.to_string().contains(want), "{name}: {err}");
     }
+    // A layer count far beyond the tensor table (the u32 after the key).
+    let mut layers = good.clone();
+    let key = b"llama.block_count";
+    let at = layers
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("key")
+        + key.len()
+        + 4;
+    layers[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let path = dir.path().join("layers.gguf");
+    std::fs::write(&path, layers).expect("write");
+    let err = Checkpoint::open(&path).expect_err("absurd layer count");
+    assert!(err.to_string().contains("block_count 4294967295"), "{err}");
     // An architecture no family reads.
     let mut foreign = good.clone();
     let at = foreign

@@ -153,7 +153,17 @@ pub fn config_json(g: &Gguf) -> Result<Value> {
         "intermediate_size".into(),
         json!(int("feed_forward_length")?),
     );
-    c.insert("num_hidden_layers".into(), json!(int("block_count")?));
+    let layers = int("block_count")?;
+    // Every layer has tensors: a count beyond the table is a damaged (or
+    // hostile) header, refused before anything is sized by it.
+    if layers == 0 || layers > g.tensors().count() as u64 {
+        return Err(EngineError::InvalidCheckpoint(format!(
+            "{}: block_count {layers} for {} tensors",
+            g.path().display(),
+            g.tensors().count()
+        )));
+    }
+    c.insert("num_hidden_layers".into(), json!(layers));
     c.insert("num_attention_heads".into(), json!(heads));
     c.insert(
         "num_key_value_heads".into(),
@@ -463,11 +473,9 @@ pub fn chat_template(g: &Gguf) -> Option<String> {
 /// `-00001-of-0000N`).
 pub fn model_name(path: &Path) -> String {
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
-    match stem.len().checked_sub(15).map(|at| stem.split_at(at)) {
-        Some((prefix, tail)) if tail.starts_with('-') && tail[6..].starts_with("-of-") => {
-            prefix.to_owned()
-        }
-        _ => stem.to_owned(),
+    match tandem_gguf::split_stem(stem) {
+        Some((prefix, _)) => prefix.to_owned(),
+        None => stem.to_owned(),
     }
 }
 
