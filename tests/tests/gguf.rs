@@ -9,14 +9,13 @@
 //!   `tokenizer.json` it was converted from.
 //! - A damaged file is an error that names the problem.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tandem_engine::kernels::log_softmax;
-use tandem_engine::{
-    generate, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache, SamplingParams,
-    SeqInput,
-};
+use tandem_engine::Checkpoint;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
@@ -45,35 +44,9 @@ fn check_golden(file: &str, case: &str) {
     };
     let text = std::fs::read_to_string(path).expect("golden.json");
     let g: Golden = serde_json::from_str(&text).expect("golden parses");
+    let steps: Vec<(u32, f32)> = g.steps.iter().map(|s| (s.token, s.logprob)).collect();
     for block_size in [4, 16] {
-        let req = GenerateRequest {
-            prompt_ids: g.prompt_ids.clone(),
-            max_tokens: g.steps.len(),
-            sampling: SamplingParams {
-                logprobs: Some(1),
-                ..SamplingParams::default()
-            },
-            stop_token_ids: vec![],
-            ignore_eos: true,
-        };
-        let opts = GenerateOptions {
-            block_size,
-            prefill_chunk: 5,
-            ..GenerateOptions::default()
-        };
-        let out =
-            generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
-        let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
-        assert_eq!(out.output_ids, want, "{file}: tokens differ from {case}");
-        for (i, (lp, s)) in out.logprobs.iter().zip(&g.steps).enumerate() {
-            let d = (lp.logprob - s.logprob).abs();
-            assert!(
-                d < 1e-4,
-                "{file} step {i}: logprob {} vs {}",
-                lp.logprob,
-                s.logprob
-            );
-        }
+        common::greedy_error(file, &ckpt, &g.prompt_ids, &steps, block_size);
     }
 }
 
@@ -115,30 +88,9 @@ struct QuantReference {
 
 /// Teacher-forced log-probabilities of every position of `ids`.
 fn score(ckpt: &Checkpoint, ids: &[u32]) -> Vec<Vec<f32>> {
-    let bs = 16;
-    let layout = ckpt.model.kv_layout(bs);
-    let groups = tandem_engine::KvGroups::of(&layout).num_groups();
-    let mut kv = KvCache::new(layout, ids.len().div_ceil(bs) * groups);
-    let pool = kv.allocator().expect("pool");
-    let mut table = BlockTable::new(&pool);
-    table.append(ids.len()).expect("blocks");
-    let logits = ckpt
-        .model
-        .forward(
-            &[SeqInput {
-                tokens: ids,
-                start_pos: 0,
-                blocks: table.blocks(),
-                all_logits: true,
-                lora: None,
-            }],
-            &mut kv,
-        )
-        .expect("forward");
-    let vocab = logits.vocab();
+    let logits = tandem_engine::quant::eval::score(&ckpt.model, ids).expect("forward");
     logits
-        .seq(0)
-        .chunks_exact(vocab)
+        .chunks_exact(ckpt.model.config().vocab_size)
         .map(|row| {
             let mut row = row.to_vec();
             log_softmax(&mut row);

@@ -17,14 +17,13 @@
 //! the prompt text must encode to transformers' ids and the output decode to
 //! its text.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tandem_engine::kernels::log_softmax;
-use tandem_engine::{
-    generate, BlockTable, Checkpoint, GenerateOptions, GenerateRequest, KvCache, SamplingParams,
-    SeqInput,
-};
+use tandem_engine::{BlockTable, Checkpoint, KvCache, SeqInput};
 
 #[derive(Deserialize)]
 struct Step {
@@ -55,9 +54,9 @@ struct BuiltinFixture {
     cases: Vec<Golden>,
 }
 
-/// Both references are f32 compute (see the fixture script), so the f32 bound
-/// applies to bf16 weights too; the looser 2e-2 for bf16 is met.
-const TOLERANCE: f32 = 1e-4;
+// Both references are f32 compute (see the fixture script), so the f32 bound
+// applies to bf16 weights too; the looser 2e-2 for bf16 is met.
+use common::TOLERANCE;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden")
@@ -82,44 +81,10 @@ fn check_generation(case: &str, block_size: usize) -> f32 {
     generation_error(case, &ckpt, &g, block_size)
 }
 
-/// Incremental greedy generation against `g`: the tokens must match; the
-/// worst chosen-token logprob difference.
+/// Incremental greedy generation against `g` ([`common::greedy_error`]).
 fn generation_error(case: &str, ckpt: &Checkpoint, g: &Golden, block_size: usize) -> f32 {
-    let req = GenerateRequest {
-        prompt_ids: g.prompt_ids.clone(),
-        max_tokens: g.steps.len(),
-        sampling: SamplingParams {
-            logprobs: Some(1),
-            ..SamplingParams::default()
-        },
-        stop_token_ids: vec![],
-        // The reference loop does not stop at eos.
-        ignore_eos: true,
-    };
-    let opts = GenerateOptions {
-        block_size,
-        // Chunked prefill: the prompt runs as several forward calls.
-        prefill_chunk: 5,
-        ..GenerateOptions::default()
-    };
-    let out = generate(&ckpt.model, &ckpt.eos_token_ids, &req, opts, |_| Ok(())).expect("generate");
-    let want: Vec<u32> = g.steps.iter().map(|s| s.token).collect();
-    assert_eq!(
-        out.output_ids, want,
-        "{case}: greedy tokens differ from transformers"
-    );
-    let mut worst = 0.0f32;
-    for (i, (lp, s)) in out.logprobs.iter().zip(&g.steps).enumerate() {
-        let d = (lp.logprob - s.logprob).abs();
-        assert!(
-            d < TOLERANCE,
-            "{case} step {i}: logprob {} vs {}",
-            lp.logprob,
-            s.logprob
-        );
-        worst = worst.max(d);
-    }
-    worst
+    let steps: Vec<(u32, f32)> = g.steps.iter().map(|s| (s.token, s.logprob)).collect();
+    common::greedy_error(case, ckpt, &g.prompt_ids, &steps, block_size)
 }
 
 fn check_teacher_forced(case: &str) -> f32 {
