@@ -104,7 +104,6 @@ impl WeightStore {
             let s = order.as_ref().map_or(r, |o| o[r]);
             &bytes[s * row_bytes..(s + 1) * row_bytes]
         };
-        let raw = |r| stored_row(r).to_vec();
         Ok(match ty {
             // Shifted norms become f32 whatever their stored float type.
             _ if ty.is_float() && *shift != 0.0 => {
@@ -116,9 +115,9 @@ impl WeightStore {
                 }
                 WeightData::F32(Buf::from(out))
             }
-            GgmlType::F32 => WeightData::F32(Buf::from(pod_rows::<f32>(rows, raw))),
-            GgmlType::Bf16 => WeightData::Bf16(Buf::from(pod_rows::<bf16>(rows, raw))),
-            GgmlType::F16 => WeightData::F16(Buf::from(pod_rows::<f16>(rows, raw))),
+            GgmlType::F32 => WeightData::F32(Buf::from(pod_rows::<f32>(rows, stored_row))),
+            GgmlType::Bf16 => WeightData::Bf16(Buf::from(pod_rows::<bf16>(rows, stored_row))),
+            GgmlType::F16 => WeightData::F16(Buf::from(pod_rows::<f16>(rows, stored_row))),
             _ => {
                 let mut out = Vec::with_capacity(rows.len() * cols);
                 let mut row = vec![0.0f32; cols];
@@ -133,15 +132,14 @@ impl WeightStore {
 }
 
 /// Rows copied out as `T`s.
-fn pod_rows<T: bytemuck::Pod>(
+fn pod_rows<'a, T: bytemuck::Pod>(
     rows: std::ops::Range<usize>,
-    raw: impl Fn(usize) -> Vec<u8>,
+    row: impl Fn(usize) -> &'a [u8],
 ) -> Vec<T> {
     rows.flat_map(|r| {
-        raw(r)
+        row(r)
             .chunks_exact(std::mem::size_of::<T>())
             .map(bytemuck::pod_read_unaligned::<T>)
-            .collect::<Vec<T>>()
     })
     .collect()
 }
