@@ -337,8 +337,10 @@ fn a_shared_prefix_goes_back_to_the_worker_that_holds_it() {
         v.extend([s, s + 1, s + 2]);
         v
     };
-    // New prefixes spread over both workers ...
-    let homes: Vec<String> = (0..6)
+    // New prefixes spread over both workers (ties go by rendezvous hash
+    // with the workers' addresses, so 16 prefixes: all on one worker is a
+    // 1-in-32,768 chance; 6 would be 1 in 32) ...
+    let homes: Vec<String> = (0..16)
         .map(|p| {
             rt.block_on(generate(&cluster.addr, with(p, 1), 2))
                 .expect("call")
