@@ -32,6 +32,14 @@ impl SetDigest {
         self.xor ^= mix(hash);
     }
 
+    /// The digest of two disjoint sets' union.
+    pub fn combined(self, other: Self) -> Self {
+        Self {
+            blocks: self.blocks.wrapping_add(other.blocks),
+            xor: self.xor ^ other.xor,
+        }
+    }
+
     /// The digest of `hashes`, taken as a set of distinct members.
     pub fn of(hashes: impl IntoIterator<Item = BlockHash>) -> Self {
         let mut d = Self::default();
@@ -41,6 +49,12 @@ impl SetDigest {
         d
     }
 }
+
+/// What a block on a worker's disk tier counts as in the worker's digest:
+/// its hash XOR this, so one block in both the pool and the disk tier
+/// counts twice instead of cancelling out. The digest a worker sends covers
+/// both tiers ([`SetDigest::combined`]).
+pub const DISK_TIER_SALT: u64 = 0x6469_736b_7469_6572;
 
 /// SplitMix64's finalizer: block hashes are already xxh3 output, but the
 /// digest must not depend on that (a fuzzer's or a test's hashes are small

@@ -20,7 +20,7 @@
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 mod digest;
-pub use digest::SetDigest;
+pub use digest::{SetDigest, DISK_TIER_SALT};
 
 /// A chained block hash.
 pub type BlockHash = u64;

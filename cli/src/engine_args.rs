@@ -77,6 +77,8 @@ pub struct EngineArgs {
     parallel: crate::parallel_args::ParallelArgs,
     #[command(flatten)]
     lora: crate::lora_args::LoraArgs,
+    #[command(flatten)]
+    kv_disk: crate::kv_disk_args::KvDiskArgs,
 }
 
 /// Where the model runs.
@@ -147,6 +149,18 @@ impl EngineArgs {
     }
 }
 
+impl EngineArgs {
+    /// What the KV pool's values depend on beside the model: where they
+    /// are computed, their storage type and the weights' quantization.
+    fn kv_values(&self, config: &EngineConfig) -> String {
+        let int4 = config.weight_quantization.map(|q| q.group_size);
+        match self.device {
+            Device::Cpu => format!("cpu-{} int4={int4:?}", self.kv_dtype),
+            Device::Cuda => format!("cuda-{:?}", self.gpu_dtype),
+        }
+    }
+}
+
 /// A started engine thread and what workers need to describe it.
 pub struct StartedEngine {
     pub handle: tandem_engine::serving::EngineHandle,
@@ -209,6 +223,8 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     let builtin = crate::default_model::is_default_model(&dir);
     args.speculative.apply(&mut core, &dir, builtin)?;
     let lora = args.lora.apply(&mut core)?;
+    args.kv_disk
+        .apply(&mut core, &dir, &args.kv_values(&config))?;
     tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
     let model_name = tandem_engine::checkpoint::model_name(&dir);
     Ok(StartedEngine {

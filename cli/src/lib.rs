@@ -16,6 +16,7 @@ mod default_model;
 mod engine_args;
 mod generate_cmd;
 mod http_args;
+mod kv_disk_args;
 mod lora_args;
 mod membership;
 mod parallel_args;

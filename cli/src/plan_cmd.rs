@@ -57,9 +57,48 @@ pub struct PlanArgs {
     /// rank).
     #[arg(long, default_value_t = 1)]
     ep: usize,
+    /// Plan a KV disk tier of this many bytes too (`--kv-disk-size`): the
+    /// blocks and tokens it holds beside the pool.
+    #[arg(long, value_parser = parse_memory_size)]
+    kv_disk_size: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// What a disk tier of `budget` bytes holds: every layer's K and V of a
+/// block, in f32 whatever the pool's dtype, behind a 64-byte header.
+#[derive(Debug, Clone, Copy)]
+struct DiskPlan {
+    budget: u64,
+    file_bytes: u64,
+    blocks: u64,
+    tokens: u64,
+}
+
+impl DiskPlan {
+    fn of(cfg: &ModelConfig, block_size: usize, budget: u64) -> Self {
+        let values = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * block_size;
+        let file_bytes = (tandem_engine::serving::DISK_HEADER_BYTES + values * 4) as u64;
+        let blocks = budget / file_bytes.max(1);
+        Self {
+            budget,
+            file_bytes,
+            blocks,
+            tokens: blocks * block_size as u64,
+        }
+    }
+
+    fn describe(&self, pool_tokens: u64) -> String {
+        format!(
+            "{} blocks, {} tokens ({:.1}x the pool) in {}; {} bytes per block file (f32)",
+            self.blocks,
+            self.tokens,
+            self.tokens as f64 / pool_tokens.max(1) as f64,
+            format_bytes(self.budget),
+            self.file_bytes
+        )
+    }
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, tandem_engine::capacity::CapacityError> {
@@ -113,13 +152,27 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ranks,
         weight_bytes_per_rank(&cfg, &params, weight_bytes, ranks),
     );
+    let disk = args
+        .kv_disk_size
+        .map(|b| DiskPlan::of(&cfg, args.block_size, b));
     if args.json {
         let mut v = to_json(&dir, &cfg, &cap, &params);
         v["ranks"] = json!(per_rank.0);
         v["weight_bytes_per_rank"] = json!(per_rank.1);
+        if let Some(d) = disk {
+            v["kv_disk"] = json!({
+                "budget_bytes": d.budget,
+                "block_file_bytes": d.file_bytes,
+                "blocks": d.blocks,
+                "tokens": d.tokens,
+            });
+        }
         println!("{v}");
     } else {
         print_table(&dir, &cfg, &cap, &params);
+        if let Some(d) = disk {
+            println!("{:<22}{}", "KV disk tier", d.describe(cap.pool_tokens));
+        }
         if ranks > 1 {
             println!(
                 "{:<22}{} on the largest of {ranks} ranks (--tp {} × --ep {})",

@@ -129,3 +129,71 @@ fn a_router_or_server_sigtermed_right_after_it_listens_exits_cleanly() {
         }
     }
 }
+
+/// A worker a router follows holds that router's KV-event feed open, and a
+/// graceful shutdown waits for open streams: the feed must end when the
+/// drain begins, or the worker never exits (it hung until SIGKILL).
+#[test]
+fn a_worker_a_router_follows_still_exits_on_sigterm() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model: PathBuf = tmp.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let model = model.to_str().expect("utf8");
+    for role in ["decode-worker", "prefill-worker"] {
+        let log = tmp.path().join(format!("{role}.log"));
+        let (mut worker, addr) = tandem_tests::cluster::listening(
+            Command::new(tandem())
+                .args([role, "--model", model, "--addr", "127.0.0.1:0"])
+                .args(["--kv-cache-memory", "32MiB"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).expect("log file"))
+                .spawn()
+                .expect("tandem starts"),
+            role,
+        );
+        let pool = if role == "decode-worker" {
+            "--decode"
+        } else {
+            "--prefill"
+        };
+        let metrics = format!("127.0.0.1:{}", tandem_tests::cluster::free_port());
+        let (_router, _) = tandem_tests::cluster::spawn_component(
+            tandem(),
+            "router",
+            &[
+                "--model",
+                model,
+                "--addr",
+                "127.0.0.1:0",
+                "--metrics-addr",
+                &metrics,
+            ]
+            .into_iter()
+            .chain([pool, &addr, "--probe-interval-ms", "50"])
+            .chain(if role == "prefill-worker" {
+                vec!["--decode", "127.0.0.1:1"]
+            } else {
+                vec![]
+            })
+            .collect::<Vec<_>>(),
+        );
+        // The feed is open once the router has matched the worker's first
+        // digest (sent as soon as it is followed).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tandem_tests::prometheus::scrape(&metrics)
+            .value("tandem_router_kv_digests_matched_total", &[])
+            .unwrap_or(0.0)
+            < 1.0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the router never followed {role}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let status = terminate(&mut worker.0);
+        let log = std::fs::read_to_string(&log).expect("log");
+        assert!(status.success(), "{role}: {status}\n{log}");
+    }
+}

@@ -1153,6 +1153,10 @@ impl ComputeBackend for CudaModel {
         self.opts.num_blocks
     }
 
+    fn kv_blocks(&self) -> Option<&dyn KvBlocks> {
+        Some(self)
+    }
+
     fn block_bytes(&self) -> usize {
         kv_block_bytes(&self.config, self.opts.block_size, self.opts.kv)
     }

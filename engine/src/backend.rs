@@ -79,6 +79,13 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
     /// Writes one layer's K and V of a block (`[kv_head][slot][head_dim]`, f32).
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()>;
 
+    /// The pool's blocks, readable between steps (a lower tier copies
+    /// the blocks the prefix cache names); `None` where the backend cannot
+    /// read them outside a forward pass.
+    fn kv_blocks(&self) -> Option<&dyn KvBlocks> {
+        None
+    }
+
     /// Whether the forward pass runs on rayon's global pool (CPU kernels):
     /// the engine then runs each step on a pool thread, so the kernels'
     /// parallel loops start and end without waking a sleeping thread.
@@ -188,6 +195,10 @@ impl ComputeBackend for CpuBackend {
 
     fn uses_cpu_pool(&self) -> bool {
         true
+    }
+
+    fn kv_blocks(&self) -> Option<&dyn KvBlocks> {
+        Some(&self.kv)
     }
 
     fn routed_tokens(&self) -> Vec<(usize, Vec<u64>)> {

@@ -503,7 +503,7 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
                 .iter()
                 .map(|e| match e {
                     CacheEvent::Stored { parent, hash } => (*parent, *hash),
-                    CacheEvent::Removed { .. } => panic!("a snapshot only stores"),
+                    other => panic!("a pool snapshot only stores: {other:?}"),
                 })
                 .collect();
             assert_eq!(stored.len(), hb.len());

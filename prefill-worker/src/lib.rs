@@ -499,6 +499,9 @@ pub async fn run(
     let transport: Arc<dyn Transport> =
         tandem_kv_transfer::transport(config.kv_transport, &config.cluster_token)?;
     tandem_server::register_transport(registry, transport.clone());
+    // Routers' KV-event feeds end when the shutdown begins, so the drain
+    // is not held open by them.
+    let (shutdown, feeds_end) = tandem_server::shutdown_ending_feeds(shutdown);
     let limits = engine.limits();
     let info = wv1::WorkerInfo {
         id: config.id,
@@ -534,7 +537,9 @@ pub async fn run(
         wv1::FILE_DESCRIPTOR_SET,
     );
     services.add(
-        wv1::worker_server::WorkerServer::new(tandem_server::WorkerService::new(engine, info)),
+        wv1::worker_server::WorkerServer::new(
+            tandem_server::WorkerService::new(engine, info).with_feeds_end(feeds_end),
+        ),
         "tandem.worker.v1.Worker",
         wv1::FILE_DESCRIPTOR_SET,
     );

@@ -200,13 +200,25 @@ struct Registry {
 pub struct KvIndex {
     shards: Box<[RwLock<Shard>]>,
     registry: Mutex<Registry>,
+    /// XORed into each hash a worker's digest counts (a disk-tier index
+    /// counts what workers count for their disk blocks).
+    digest_salt: u64,
 }
 
 impl Default for KvIndex {
     fn default() -> Self {
+        Self::with_digest_salt(0)
+    }
+}
+
+impl KvIndex {
+    /// An index whose per-worker digests count each hash XOR `salt`
+    /// (`tandem_block_hash::DISK_TIER_SALT` for the disk tier's).
+    pub fn with_digest_salt(salt: u64) -> Self {
         Self {
             shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
             registry: Mutex::default(),
+            digest_salt: salt,
         }
     }
 }
@@ -259,11 +271,11 @@ impl KvIndex {
         if b.retired {
             return;
         }
-        let b = &mut *b;
+        let (b, salt) = (&mut *b, self.digest_salt);
         self.for_each_shard_run(hashes, |shard, h| {
             if shard.set(h, b.id) {
                 b.blocks += 1;
-                b.digest.insert(h);
+                b.digest.insert(h ^ salt);
             }
         });
     }
@@ -278,11 +290,11 @@ impl KvIndex {
         if b.retired {
             return;
         }
-        let b = &mut *b;
+        let (b, salt) = (&mut *b, self.digest_salt);
         self.for_each_shard_run(hashes, |shard, h| {
             if shard.unset(h, b.id) {
                 b.blocks -= 1;
-                b.digest.remove(h);
+                b.digest.remove(h ^ salt);
             }
         });
     }

@@ -130,6 +130,12 @@ pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
             cluster.index.len() as f64,
         );
         s.gauge(
+            "tandem_router_kv_disk_index_blocks",
+            "Distinct blocks the workers hold in their disk tiers (--kv-disk), over all workers.",
+            &[],
+            cluster.disk_index.len() as f64,
+        );
+        s.gauge(
             "tandem_router_kv_index_bytes",
             "The KV index's memory (an estimate from its tables' capacities).",
             &[],

@@ -217,8 +217,10 @@ impl Resync {
 #[derive(Debug, Default)]
 pub struct Cluster {
     workers: RwLock<Vec<Arc<Worker>>>,
-    /// Which worker caches which prefix (internally locked).
+    /// Which worker caches which prefix in its KV pool (internally locked) ...
     pub index: KvIndex,
+    /// ... and which holds which in its disk tier (`--kv-disk`).
+    pub disk_index: KvIndex,
     /// Resyncs by [`Resync`] (in `Resync::ALL` order).
     resyncs: [AtomicU64; 3],
     /// Block hashes applied from event streams (stored and removed).
@@ -249,6 +251,7 @@ impl Cluster {
         let c = Self {
             tls,
             credential,
+            disk_index: KvIndex::with_digest_salt(tandem_block_hash::DISK_TIER_SALT),
             ..Self::default()
         };
         c.probe_interval_ms
@@ -348,6 +351,7 @@ impl Cluster {
             if w.addr == addr {
                 w.gone.store(true, Ordering::Relaxed);
                 self.index.retire(w.slot);
+                self.disk_index.retire(w.slot);
             }
         }
     }
@@ -388,6 +392,14 @@ impl Cluster {
                 cluster: e.model.clone(),
             }),
             Some(_) => Ok(()),
+        }
+    }
+
+    /// The index of one tier.
+    fn tier(&self, tier: wv1::Tier) -> &KvIndex {
+        match tier {
+            wv1::Tier::Pool => &self.index,
+            wv1::Tier::Disk => &self.disk_index,
         }
     }
 
@@ -490,6 +502,7 @@ async fn follow_kv_events(cluster: Arc<Cluster>, w: Arc<Worker>) {
         }
         cluster.resyncs[reason as usize].fetch_add(1, Ordering::Relaxed);
         cluster.index.clear(w.slot);
+        cluster.disk_index.clear(w.slot);
         // A digest or gap resync asks for the dump at once: the worker is
         // up, only its feed was wrong.
         if reason == Resync::StreamEnded {
@@ -517,6 +530,7 @@ async fn apply_feed(
         match ev.kind {
             Some(Kind::Cleared(_)) => {
                 cluster.index.clear(w.slot);
+                cluster.disk_index.clear(w.slot);
                 last = Some(ev.seq);
                 continue;
             }
@@ -530,7 +544,11 @@ async fn apply_feed(
                     blocks: d.blocks,
                     xor: d.xor,
                 };
-                if cluster.index.digest_of(w.slot) != theirs {
+                let ours = cluster
+                    .index
+                    .digest_of(w.slot)
+                    .combined(cluster.disk_index.digest_of(w.slot));
+                if ours != theirs {
                     return Resync::Digest;
                 }
                 cluster.digests_matched.fetch_add(1, Ordering::Relaxed);
@@ -539,19 +557,19 @@ async fn apply_feed(
             // A live event carries one change per hash and the number of
             // its last; a dump's events repeat the dump's number.
             Some(Kind::Stored(wv1::Stored { ref hashes, .. }))
-            | Some(Kind::Removed(wv1::Removed { ref hashes }))
+            | Some(Kind::Removed(wv1::Removed { ref hashes, .. }))
                 if last.is_some_and(|l| ev.seq != l + hashes.len() as u64 && ev.seq != l) =>
             {
                 return Resync::Gap
             }
             Some(Kind::Stored(s)) => {
-                cluster.index.stored(w.slot, &s.hashes);
+                cluster.tier(s.tier()).stored(w.slot, &s.hashes);
                 cluster
                     .events_applied
                     .fetch_add(s.hashes.len() as u64, Ordering::Relaxed);
             }
             Some(Kind::Removed(r)) => {
-                cluster.index.removed(w.slot, &r.hashes);
+                cluster.tier(r.tier()).removed(w.slot, &r.hashes);
                 cluster
                     .events_applied
                     .fetch_add(r.hashes.len() as u64, Ordering::Relaxed);

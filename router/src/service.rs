@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::Stream;
+use tandem_block_hash::BlockHash;
 use tandem_proto::v1;
 use tandem_proto::worker::v1::decode_client::DecodeClient;
 use tandem_proto::worker::v1::RoutedGenerateRequest;
@@ -141,22 +142,23 @@ impl RouterService {
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
         let matched = if ask.hashes.len() <= INLINE_MATCH_BLOCKS {
-            self.cluster.index.matched(&slots, &ask.hashes)
+            match_tiers(&self.cluster, &slots, &ask.hashes)
         } else {
             let (cluster, hashes) = (self.cluster.clone(), ask.hashes.clone());
-            let walk = move || cluster.index.matched(&slots, &hashes);
+            let walk = move || match_tiers(&cluster, &slots, &hashes);
             tokio::task::spawn_blocking(walk).await.unwrap_or_else(|e| {
                 // Routed by load alone rather than not at all.
                 tracing::error!(error = %e, "matching the prompt against the KV index failed");
-                vec![0; workers.len()]
+                vec![(0, 0); workers.len()]
             })
         };
         let lora = ask.lora.as_str();
         workers
             .iter()
             .zip(matched)
-            .map(|(w, matched_blocks)| Candidate {
+            .map(|(w, (matched_blocks, disk_blocks))| Candidate {
                 matched_blocks,
+                disk_blocks,
                 active_requests: w.active_requests.load(Ordering::Relaxed),
                 active_blocks: w.reported_blocks.load(Ordering::Relaxed)
                     + w.inflight_blocks.load(Ordering::Relaxed),
@@ -165,6 +167,17 @@ impl RouterService {
             })
             .collect()
     }
+}
+
+/// Each worker's leading blocks of `hashes` in its pool and in its disk
+/// tier (the second walk only when some worker has a disk tier).
+fn match_tiers(cluster: &Cluster, slots: &[usize], hashes: &[BlockHash]) -> Vec<(usize, usize)> {
+    let pool = cluster.index.matched(slots, hashes);
+    if cluster.disk_index.is_empty() {
+        return pool.into_iter().map(|m| (m, 0)).collect();
+    }
+    let disk = cluster.disk_index.matched(slots, hashes);
+    pool.into_iter().zip(disk).collect()
 }
 
 /// What a pick weighs of a request: its block hashes, the policy's facts,
@@ -214,8 +227,8 @@ fn scores(workers: &[Arc<Worker>], cands: &[Candidate], picked: usize) -> String
         let (w, c) = (&workers[i], &cands[i]);
         let _ = write!(
             out,
-            "{} matched_blocks={} active_requests={} active_blocks={}",
-            w.addr, c.matched_blocks, c.active_requests, c.active_blocks
+            "{} matched_blocks={} disk_blocks={} active_requests={} active_blocks={}",
+            w.addr, c.matched_blocks, c.disk_blocks, c.active_requests, c.active_blocks
         );
     }
     if cands.len() > SPAN_CANDIDATES {
@@ -436,7 +449,12 @@ impl RouterService {
         let pick = self.decode_policy.decide(&cands, ask.facts);
         let mut decision_time = deciding.elapsed();
         let decode = decodes[pick.index].clone();
-        let uncached = prompt_len.saturating_sub(cands[pick.index].matched_blocks * bs);
+        // Blocks on the decode worker's disk come back from there: not
+        // worth a remote prefill either.
+        let held = cands[pick.index]
+            .matched_blocks
+            .max(cands[pick.index].disk_blocks);
+        let uncached = prompt_len.saturating_sub(held * bs);
         self.metrics
             .decision("decode", self.decode_policy.name(), pick.reason);
         if !routing.is_disabled() {

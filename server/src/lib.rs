@@ -35,7 +35,9 @@ pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use service::{
     status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,
 };
-pub use worker_service::{adapters as worker_adapters, WorkerService};
+pub use worker_service::{
+    adapters as worker_adapters, shutdown_ending_feeds, FeedsEnd, WorkerService,
+};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tandem_engine::serving::{EngineHandle, RequestSummary};
 use tandem_telemetry::metrics::{
-    Counter, Family, Histogram, Registry, LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,
+    Counter, Family, Histogram, Registry, Scrape, LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,
 };
 
 /// How a request ended, for `tandem_requests_total{outcome}`.
@@ -310,6 +310,9 @@ pub fn register_engine(registry: &Registry, engine: EngineHandle) {
             &[],
             st.computed_tokens as f64,
         );
+        if let Some(disk) = &st.disk {
+            disk_metrics(s, disk);
+        }
         let spec = st.speculation;
         s.counter(
             "tandem_spec_drafted_tokens_total",
@@ -348,4 +351,94 @@ pub fn register_engine(registry: &Registry, engine: EngineHandle) {
             st.draft_blocks as f64,
         );
     });
+}
+
+/// The KV disk tier's gauges and counters (`--kv-disk`).
+fn disk_metrics(s: &mut Scrape, d: &tandem_engine::serving::DiskTierStats) {
+    let t = &d.tier;
+    let gauges = [
+        (
+            "tandem_kv_disk_blocks",
+            "KV blocks in the disk tier.",
+            t.blocks as f64,
+        ),
+        (
+            "tandem_kv_disk_bytes",
+            "Bytes of the disk tier's block files.",
+            t.bytes as f64,
+        ),
+        (
+            "tandem_kv_disk_budget_bytes",
+            "The disk tier's byte budget (--kv-disk-size).",
+            t.budget_bytes as f64,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        s.gauge(name, help, &[], value);
+    }
+    let counters = [
+        (
+            "tandem_kv_disk_hits_total",
+            "Prompt blocks read from the disk tier into the pool instead of computed.",
+            d.restored_blocks as f64,
+        ),
+        (
+            "tandem_kv_disk_restores_total",
+            "Requests whose prompt blocks came (partly) from the disk tier.",
+            d.restores as f64,
+        ),
+        (
+            "tandem_kv_disk_loads_total",
+            "Block runs read from disk (one per request that had blocks there).",
+            t.loads as f64,
+        ),
+        (
+            "tandem_kv_disk_load_seconds_total",
+            "Time spent reading and verifying block runs (the restore latency's sum).",
+            t.load_nanos as f64 / 1e9,
+        ),
+        (
+            "tandem_kv_disk_read_bytes_total",
+            "Bytes read from the disk tier.",
+            t.loaded_bytes as f64,
+        ),
+        (
+            "tandem_kv_disk_written_blocks_total",
+            "Blocks written to the disk tier.",
+            t.written_blocks as f64,
+        ),
+        (
+            "tandem_kv_disk_written_bytes_total",
+            "Bytes written to the disk tier.",
+            t.written_bytes as f64,
+        ),
+        (
+            "tandem_kv_disk_write_dropped_total",
+            "Blocks not written because the writer's queue was full.",
+            t.write_dropped as f64,
+        ),
+        (
+            "tandem_kv_disk_write_errors_total",
+            "Block writes that failed (a full disk, an I/O error).",
+            t.write_errors as f64,
+        ),
+        (
+            "tandem_kv_disk_load_failures_total",
+            "Block reads refused (corrupt, truncated, foreign or missing); recomputed.",
+            t.load_failures as f64,
+        ),
+        (
+            "tandem_kv_disk_skipped_files_total",
+            "Block files skipped when the tier opened (bad headers, wrong size).",
+            t.skipped_files as f64,
+        ),
+        (
+            "tandem_kv_disk_evictions_total",
+            "Blocks deleted to stay within the budget.",
+            t.evicted_blocks as f64,
+        ),
+    ];
+    for (name, help, value) in counters {
+        s.counter(name, help, &[], value);
+    }
 }

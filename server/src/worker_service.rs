@@ -23,6 +23,34 @@ pub struct WorkerService {
     engine: EngineHandle,
     info: wv1::WorkerInfo,
     digest_period: Duration,
+    feeds_end: Option<FeedsEnd>,
+}
+
+/// Ends a worker's KV-event feeds once its shutdown begins. A feed never
+/// ends on its own (a router follows it for as long as the worker lives),
+/// and a graceful shutdown waits for every open stream: without this a
+/// worker that a router follows never finished draining after SIGTERM.
+#[derive(Debug, Clone)]
+pub struct FeedsEnd(tokio::sync::watch::Receiver<bool>);
+
+impl FeedsEnd {
+    /// Waits until the shutdown began (or its future was dropped).
+    async fn wait(mut self) {
+        let _ = self.0.wait_for(|&ended| ended).await;
+    }
+}
+
+/// `shutdown`, which on completing also ends the feeds of every
+/// [`WorkerService`] given the returned [`FeedsEnd`].
+pub fn shutdown_ending_feeds(
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> (impl std::future::Future<Output = ()> + Send, FeedsEnd) {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let fire = async move {
+        shutdown.await;
+        let _ = tx.send(true);
+    };
+    (fire, FeedsEnd(rx))
 }
 
 impl WorkerService {
@@ -31,7 +59,14 @@ impl WorkerService {
             engine,
             info,
             digest_period: KV_DIGEST_PERIOD,
+            feeds_end: None,
         }
+    }
+
+    /// Ends this service's KV-event feeds when `end` fires.
+    pub fn with_feeds_end(mut self, end: FeedsEnd) -> Self {
+        self.feeds_end = Some(end);
+        self
     }
 
     /// Sends feeds' digests every `period` instead of [`KV_DIGEST_PERIOD`].
@@ -63,21 +98,33 @@ pub fn adapters(engine: &EngineHandle) -> Vec<wv1::Adapter> {
 
 /// Appends change `e`, numbered `seq`, to `out`: into the last wire event
 /// when it continues it (a `Stored` whose parent is that event's last hash,
-/// a `Removed` after a `Removed`), else as a new one. An event's number is
-/// its last change's, and it carries one change per hash, so a follower
-/// expects `seq == previous + hashes`.
+/// a `Removed` after a `Removed`, of the same tier), else as a new one. An
+/// event's number is its last change's, and it carries one change per
+/// hash, so a follower expects `seq == previous + hashes`.
 fn push_change(out: &mut Vec<wv1::KvEvent>, seq: u64, e: CacheEvent) {
     use wv1::kv_event::Kind;
+    let (tier, stored) = match e {
+        CacheEvent::Stored { parent, hash } => (wv1::Tier::Pool, Some((parent, hash))),
+        CacheEvent::DiskStored { parent, hash } => (wv1::Tier::Disk, Some((parent, hash))),
+        CacheEvent::Removed { .. } => (wv1::Tier::Pool, None),
+        CacheEvent::DiskRemoved { .. } => (wv1::Tier::Disk, None),
+    };
+    let hash = match e {
+        CacheEvent::Stored { hash, .. }
+        | CacheEvent::DiskStored { hash, .. }
+        | CacheEvent::Removed { hash }
+        | CacheEvent::DiskRemoved { hash } => hash,
+    };
     if let Some(last) = out.last_mut() {
-        let merged = match (&mut last.kind, &e) {
-            (Some(Kind::Stored(s)), CacheEvent::Stored { parent, hash })
-                if s.hashes.last() == Some(parent) =>
+        let merged = match (&mut last.kind, stored) {
+            (Some(Kind::Stored(s)), Some((parent, _)))
+                if s.tier() == tier && s.hashes.last() == Some(&parent) =>
             {
-                s.hashes.push(*hash);
+                s.hashes.push(hash);
                 true
             }
-            (Some(Kind::Removed(r)), CacheEvent::Removed { hash }) => {
-                r.hashes.push(*hash);
+            (Some(Kind::Removed(r)), None) if r.tier() == tier => {
+                r.hashes.push(hash);
                 true
             }
             _ => false,
@@ -87,12 +134,16 @@ fn push_change(out: &mut Vec<wv1::KvEvent>, seq: u64, e: CacheEvent) {
             return;
         }
     }
-    let kind = match e {
-        CacheEvent::Stored { parent, hash } => Kind::Stored(wv1::Stored {
+    let kind = match stored {
+        Some((parent, _)) => Kind::Stored(wv1::Stored {
             parent,
             hashes: vec![hash],
+            tier: tier.into(),
         }),
-        CacheEvent::Removed { hash } => Kind::Removed(wv1::Removed { hashes: vec![hash] }),
+        None => Kind::Removed(wv1::Removed {
+            hashes: vec![hash],
+            tier: tier.into(),
+        }),
     };
     out.push(wv1::KvEvent {
         seq,
@@ -139,6 +190,8 @@ struct FeedState {
     latest: Option<(u64, SetDigest)>,
     sent: Option<(u64, SetDigest)>,
     ticks: tokio::time::Interval,
+    /// Fires when the worker shuts down: the feed ends.
+    end: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
 impl FeedState {
@@ -148,6 +201,7 @@ impl FeedState {
                 return Some(ev);
             }
             tokio::select! {
+                () = &mut self.end => return None,
                 msg = self.feed.recv() => {
                     let msg = msg?;
                     // Without the dump the follower's set is not the
@@ -263,6 +317,10 @@ impl wv1::worker_server::Worker for WorkerService {
             latest: None,
             sent: None,
             ticks,
+            end: match self.feeds_end.clone() {
+                Some(end) => Box::pin(end.wait()),
+                None => Box::pin(std::future::pending()),
+            },
         };
         let stream = futures_util::stream::unfold(state, |mut st| async move {
             let ev = st.next().await?;
@@ -313,5 +371,43 @@ mod tests {
         for pair in shape.windows(2) {
             assert_eq!(pair[1].0, pair[0].0 + pair[1].1 as u64);
         }
+    }
+
+    #[test]
+    fn the_tiers_never_share_a_wire_event() {
+        let events = vec![
+            (1, CacheEvent::Stored { parent: 0, hash: 1 }),
+            (2, CacheEvent::DiskStored { parent: 1, hash: 2 }),
+            (3, CacheEvent::DiskStored { parent: 2, hash: 3 }),
+            (4, CacheEvent::Removed { hash: 1 }),
+            (5, CacheEvent::DiskRemoved { hash: 2 }),
+            (6, CacheEvent::DiskRemoved { hash: 3 }),
+        ];
+        let wire = feed_to_proto(
+            KvFeed::Events {
+                events,
+                digest: SetDigest::default(),
+            },
+            true,
+        );
+        use wv1::kv_event::Kind;
+        let shape: Vec<(u64, bool, wv1::Tier, Vec<u64>)> = wire
+            .iter()
+            .map(|e| match &e.kind {
+                Some(Kind::Stored(s)) => (e.seq, true, s.tier(), s.hashes.clone()),
+                Some(Kind::Removed(r)) => (e.seq, false, r.tier(), r.hashes.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        use wv1::Tier::{Disk, Pool};
+        assert_eq!(
+            shape,
+            [
+                (1, true, Pool, vec![1]),
+                (3, true, Disk, vec![2, 3]),
+                (4, false, Pool, vec![1]),
+                (6, false, Disk, vec![2, 3]),
+            ]
+        );
     }
 }

@@ -148,6 +148,7 @@ impl Shared {
                 kind: Some(wv1::kv_event::Kind::Stored(wv1::Stored {
                     parent: 0,
                     hashes: fresh,
+                    tier: wv1::Tier::Pool.into(),
                 })),
             };
             events.push((ev, after_stored));
@@ -158,6 +159,7 @@ impl Shared {
                 seq: c.seq,
                 kind: Some(wv1::kv_event::Kind::Removed(wv1::Removed {
                     hashes: evicted,
+                    tier: wv1::Tier::Pool.into(),
                 })),
             };
             events.push((ev, c.digest));
@@ -321,6 +323,7 @@ impl wv1::worker_server::Worker for Service {
                     kind: Some(wv1::kv_event::Kind::Stored(wv1::Stored {
                         parent: 0,
                         hashes: c.used.keys().copied().collect(),
+                        tier: wv1::Tier::Pool.into(),
                     })),
                 });
             }

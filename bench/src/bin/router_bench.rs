@@ -143,6 +143,7 @@ fn candidates(matched: &[usize]) -> Vec<Candidate> {
         .enumerate()
         .map(|(w, &m)| Candidate {
             matched_blocks: m,
+            disk_blocks: 0,
             active_requests: w % 3,
             active_blocks: 100 * (w % 5),
             adapter_cold: false,

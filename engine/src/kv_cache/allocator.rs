@@ -32,6 +32,24 @@ pub enum CacheEvent {
     Stored { parent: BlockHash, hash: BlockHash },
     /// `hash` was evicted.
     Removed { hash: BlockHash },
+    /// `hash` (after `parent`) is now in the disk tier under the pool
+    /// (written through; the engine emits these, not the pool).
+    DiskStored { parent: BlockHash, hash: BlockHash },
+    /// `hash` left the disk tier (evicted, a failed write, a corrupt file).
+    DiskRemoved { hash: BlockHash },
+}
+
+impl CacheEvent {
+    /// What the event's block counts as in the worker's set digest: its
+    /// hash, salted when it is a disk-tier block.
+    pub fn digest_member(&self) -> BlockHash {
+        match *self {
+            Self::Stored { hash, .. } | Self::Removed { hash } => hash,
+            Self::DiskStored { hash, .. } | Self::DiskRemoved { hash } => {
+                hash ^ tandem_block_hash::DISK_TIER_SALT
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -69,6 +87,17 @@ struct State {
     events: Vec<CacheEvent>,
     /// The announced cached set, as its events describe it.
     announced: SetDigest,
+    /// Announced registrations since the last `drain_registered`, while a
+    /// lower tier wants them (`log_registrations`).
+    registered: Option<Vec<Registered>>,
+}
+
+/// A block the prefix cache named: a lower tier (the disk) copies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    pub block: BlockId,
+    pub hash: BlockHash,
+    pub parent: BlockHash,
 }
 
 impl State {
@@ -161,6 +190,7 @@ impl BlockAllocator {
             stats: PrefixCacheStats::default(),
             events: Vec::new(),
             announced: SetDigest::default(),
+            registered: None,
         };
         // Low ids first, which keeps tests readable.
         for b in 0..num_blocks as BlockId {
@@ -377,7 +407,35 @@ impl BlockAllocator {
         if announce {
             st.announced.insert(hash);
             st.events.push(CacheEvent::Stored { parent, hash });
+            if let Some(log) = st.registered.as_mut() {
+                log.push(Registered {
+                    block,
+                    hash,
+                    parent,
+                });
+            }
         }
+    }
+
+    /// From now on, records every announced registration for
+    /// [`drain_registered`](Self::drain_registered).
+    pub fn log_registrations(&self) {
+        self.lock().registered.get_or_insert_with(Vec::new);
+    }
+
+    /// Registrations recorded since the last call.
+    pub fn drain_registered(&self) -> Vec<Registered> {
+        self.lock()
+            .registered
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Whether `block` still holds the cache entry `hash` (it was not
+    /// evicted, truncated or reused since it was named).
+    pub fn holds(&self, block: BlockId, hash: BlockHash) -> bool {
+        self.lock().cached.get(&hash) == Some(&block)
     }
 
     /// Takes the cache changes recorded since the last call.

@@ -396,7 +396,7 @@ mod tests {
             .into_iter()
             .filter_map(|e| match e {
                 CacheEvent::Stored { hash, .. } => Some(hash),
-                CacheEvent::Removed { .. } => None,
+                _ => None,
             })
             .collect();
         assert_eq!(stored, h);

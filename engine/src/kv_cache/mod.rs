@@ -36,7 +36,7 @@ use q8::{Code, Q8Pool};
 
 pub use q8::{rotate as rotate_row, unrotate as unrotate_row};
 
-pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats};
+pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats, Registered};
 pub use groups::{KvFootprint, KvGroups, SlidingLayers, FREED};
 pub use table::{BlockCopy, BlockTable};
 

@@ -7,10 +7,12 @@
 
 mod beams;
 mod config;
+mod disk;
 mod emit;
 mod forward;
 mod lora;
 mod prompt_scores;
+mod remote;
 mod resume;
 mod speculation;
 mod stats;
@@ -24,7 +26,7 @@ use tokio::sync::mpsc::{Sender, UnboundedSender};
 use crate::backend::{ComputeBackend, CpuBackend};
 use crate::error::{EngineError, Result};
 use crate::generate::FinishReason;
-use crate::kv_cache::{BlockAllocator, BlockId, KvGroups, SlidingLayers};
+use crate::kv_cache::{BlockAllocator, KvGroups, SlidingLayers};
 use crate::lora::LoraRegistry;
 use crate::model::Model;
 use crate::speculative::SpecCounts;
@@ -39,6 +41,7 @@ use super::scheduler::{Export, Scheduler, SchedulerConfig, SeqId, StepPlan};
 use speculation::Speculation;
 
 pub use config::{EngineConfig, KvPoolSize};
+pub use disk::{DiskTierStats, LOAD_HOLD};
 pub use stats::EngineStats;
 
 /// One request: its choices' shared bookkeeping.
@@ -112,6 +115,8 @@ pub struct EngineCore {
     max_queued: Option<usize>,
     /// LoRA adapters requests may name (backends that run them only).
     lora: Option<Arc<LoraRegistry>>,
+    /// The disk tier under the KV pool, when enabled (`disk`).
+    disk: Option<disk::DiskState>,
 }
 
 impl EngineCore {
@@ -267,6 +272,7 @@ impl EngineCore {
             spec: None,
             max_queued: config.max_queued_requests,
             lora: None,
+            disk: None,
         })
     }
 
@@ -384,6 +390,7 @@ impl EngineCore {
             let seq_id = self.next_seq;
             self.next_seq += 1;
             self.scheduler.add(seq_id, seq);
+            self.prefetch_from_disk(seq_id);
             live.push(seq_id);
         }
         let now = Instant::now();
@@ -467,100 +474,34 @@ impl EngineCore {
     /// change after each step, for as long as it keeps up (`kv_feed`).
     pub fn subscribe_kv_events(&mut self, sink: Sender<KvFeed>) {
         self.publish_kv_events();
-        let snapshot = self.scheduler.allocator().snapshot();
+        let mut snapshot = self.scheduler.allocator().snapshot();
+        if let Some(d) = &self.disk {
+            snapshot.extend(d.snapshot());
+        }
         self.kv_feed.subscribe(sink, snapshot);
     }
 
+    /// Publishes the pool's and the disk tier's changes, with the digest
+    /// of both sets.
     fn publish_kv_events(&mut self) {
-        let (events, digest) = self.scheduler.allocator().drain_events_with_digest();
+        let (mut events, mut digest) = self.scheduler.allocator().drain_events_with_digest();
+        if let Some(d) = self.disk.as_mut() {
+            let (disk_events, disk_digest) = d.take_events();
+            events.extend(disk_events);
+            digest = digest.combined(disk_digest);
+        }
         self.kv_feed.publish(events, digest);
-    }
-
-    /// Writes one block of one layer received for remote prefill
-    /// `transfer`. Only the transfer's own destination blocks are writable.
-    pub fn write_kv(
-        &mut self,
-        transfer: u64,
-        layer: usize,
-        block: BlockId,
-        k: &[f32],
-        v: &[f32],
-    ) -> std::result::Result<(), String> {
-        let Some(blocks) = self.scheduler.parked_blocks(transfer) else {
-            return Err(format!(
-                "no remote prefill {transfer} is waiting for blocks"
-            ));
-        };
-        // A block holds one layer group's layers: layer `layer` may land
-        // only in its own group's entries.
-        let groups = self.scheduler.allocator().groups();
-        let mut own = blocks
-            .iter()
-            .skip(groups.group(layer))
-            .step_by(groups.num_groups());
-        if !own.any(|&b| b == block) {
-            return Err(format!(
-                "block {block} is not a destination of layer {layer} in remote prefill {transfer}"
-            ));
-        }
-        self.backend
-            .write_block(layer, block, k, v)
-            .map_err(|e| e.to_string())?;
-        self.scheduler.record_remote_write(transfer, layer, block);
-        Ok(())
-    }
-
-    /// Ends remote prefill `transfer`: on success (and every block-layer
-    /// it owed written) the request goes on here from its last prompt
-    /// token; otherwise it is prefilled here.
-    pub fn finish_remote_prefill(
-        &mut self,
-        transfer: u64,
-        outcome: std::result::Result<(), String>,
-    ) {
-        if !self.scheduler.is_parked(transfer) {
-            return; // aborted, or already finished
-        }
-        // A sender that says "done" without having written everything it
-        // owed (a bug, a forged peer, a refused write) leaves blocks holding
-        // someone else's K/V: compute the prompt here instead.
-        let missing = self
-            .scheduler
-            .missing_remote_writes(transfer, self.backend.kv_layout().num_layers);
-        let outcome = match outcome {
-            Ok(()) if missing > 0 => Err(format!(
-                "the transfer ended with {missing} block-layers never written"
-            )),
-            other => other,
-        };
-        if outcome.is_ok() {
-            // A scoring request waits for the prefill worker's scores too
-            // (`remote_prompt_logprobs`), so they precede its first token.
-            let group = self.scheduler.seq(transfer).map(|s| s.group);
-            let score = group
-                .and_then(|g| self.groups.get_mut(&g))
-                .and_then(|g| g.score.as_mut())
-                .filter(|s| s.pending());
-            if let Some(score) = score {
-                score.transfer_done = true;
-                return;
-            }
-        }
-        if let Err(e) = &outcome {
-            // Logged in the request's span, so the line names its id.
-            let span = self
-                .scheduler
-                .seq(transfer)
-                .and_then(|s| self.groups.get(&s.group))
-                .map_or_else(tracing::Span::none, |g| g.phase.clone());
-            tracing::warn!(parent: &span, transfer, error = %e, "remote prefill failed; prefilling locally");
-        }
-        self.scheduler.unpark(transfer, outcome.is_ok());
-        self.refresh_gauges();
     }
 
     /// Runs one step. Does nothing when there is no work.
     pub fn step(&mut self) {
+        self.restore_from_disk();
+        self.run_step();
+        self.spill_to_disk();
+        self.refresh_stats();
+    }
+
+    fn run_step(&mut self) {
         self.stats.last_step_mask_time = None;
         self.propose_drafts();
         let plan = self.scheduler.schedule();
@@ -624,7 +565,6 @@ impl EngineCore {
             }
         }
         if plan.scheduled.is_empty() {
-            self.refresh_stats();
             return;
         }
         for &copy in &plan.copies {
@@ -635,7 +575,6 @@ impl EngineCore {
                 tracing::error!(error = %e, ?copy, "KV block copy failed");
                 self.fail_scheduled(&plan, &format!("KV block copy failed: {e}"));
                 self.check_backend();
-                self.refresh_stats();
                 return;
             }
         }
@@ -676,7 +615,6 @@ impl EngineCore {
             }
         }
         self.stats.steps += 1;
-        self.refresh_stats();
     }
 
     /// Takes the constraints of the step's sequences that will sample and
@@ -786,5 +724,6 @@ impl EngineCore {
         s.preemptions = self.scheduler.preemptions();
         s.draft_blocks = draft_blocks;
         s.routed_tokens = self.backend.routed_tokens();
+        s.disk = self.disk.as_ref().map(disk::DiskState::stats);
     }
 }

@@ -126,8 +126,8 @@ impl KvFeedPublisher {
     /// so the snapshot's number is the last event's.
     pub fn subscribe(&mut self, sink: Sender<KvFeed>, snapshot: Vec<CacheEvent>) {
         let digest = SetDigest::of(snapshot.iter().filter_map(|e| match e {
-            CacheEvent::Stored { hash, .. } => Some(*hash),
-            CacheEvent::Removed { .. } => None,
+            CacheEvent::Stored { .. } | CacheEvent::DiskStored { .. } => Some(e.digest_member()),
+            CacheEvent::Removed { .. } | CacheEvent::DiskRemoved { .. } => None,
         }));
         let first = KvFeed::Snapshot {
             seq: self.seq,

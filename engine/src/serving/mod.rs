@@ -39,7 +39,7 @@ mod resume;
 mod scheduler;
 mod stop;
 
-pub use self::core::{EngineConfig, EngineCore, EngineStats, KvPoolSize};
+pub use self::core::{DiskTierStats, EngineConfig, EngineCore, EngineStats, KvPoolSize, LOAD_HOLD};
 pub use handle::{EngineHandle, RequestStream};
 pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
@@ -51,4 +51,6 @@ pub use request::{
 };
 pub use resume::{Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
+pub use tandem_kv_disk::format::HEADER_BYTES as DISK_HEADER_BYTES;
+pub use tandem_kv_disk::{fingerprint as disk_fingerprint, DiskStats, DiskTier, DiskTierConfig};
 pub use tandem_structured::ResponseFormat;

@@ -99,6 +99,9 @@ pub(crate) struct Sequence {
     /// adapter's root (`hash_root`), so its cached blocks are its own.
     pub lora: Option<Arc<LoraAdapter>>,
     pub hash_root: BlockHash,
+    /// Not admitted before this instant unless released sooner: its
+    /// prompt's next blocks are being read from the disk tier.
+    pub disk_hold: Option<std::time::Instant>,
 }
 
 /// Where a prefill-only sequence's blocks go.
@@ -138,6 +141,7 @@ impl Sequence {
             scores_prompt: false,
             lora: None,
             hash_root: ROOT,
+            disk_hold: None,
         }
     }
 
@@ -226,6 +230,11 @@ impl Scheduler {
 
     pub fn block_size(&self) -> usize {
         self.allocator.block_size()
+    }
+
+    /// Whether full computed blocks are kept under their hashes.
+    pub fn prefix_caching(&self) -> bool {
+        self.cfg.enable_prefix_caching
     }
 
     pub fn num_running(&self) -> usize {
@@ -382,6 +391,8 @@ impl Scheduler {
             scores_prompt: false,
             lora: p.lora.clone(),
             hash_root: p.hash_root,
+            // Its parent waits for any restore; the blocks are shared.
+            disk_hold: None,
         };
         self.seqs.insert(id, child);
         if resident {
@@ -523,6 +534,14 @@ impl Scheduler {
                 self.waiting.pop_front();
                 continue;
             };
+            // First come, first served: a restore from disk takes
+            // milliseconds, and admitting behind it would skip the queue.
+            if seq
+                .disk_hold
+                .is_some_and(|until| std::time::Instant::now() < until)
+            {
+                break;
+            }
             // At least the last token is always computed: its logits are
             // the point.
             let cacheable = if self.cfg.enable_prefix_caching && !seq.scores_prompt {

@@ -49,6 +49,8 @@ pub struct EngineStats {
     /// Mixture of experts: tokens routed to each expert since start, per
     /// sparse layer (`(layer, per expert)`), so hot experts show.
     pub routed_tokens: Vec<(usize, Vec<u64>)>,
+    /// The disk tier under the pool, when there is one.
+    pub disk: Option<super::DiskTierStats>,
 }
 
 impl EngineStats {
