@@ -180,6 +180,24 @@ fn a_killed_worker_restarted_on_its_disk_tier_serves_its_old_prefix_from_disk() 
         metric(&metrics, "tandem_engine_computed_tokens_total"),
         10.0
     );
+    // It measured a restore; a cold prompt makes it measure a prefill:
+    // the router then weighs its disk hits by their measured ratio.
+    let other: Vec<u32> = (0..200).map(|i| (i * 13 + 7) % 250).collect();
+    let _ = generate(&router, &other);
+    let cost = || {
+        scrape(&router_metrics)
+            .value("tandem_router_disk_block_cost", &[("worker", &addr)])
+            .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cost() <= 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the router never got the worker's measured cost"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("measured disk block cost: {}", cost());
 }
 
 /// Two workers, each with its own disk tier; prefixes spread over them.

@@ -129,6 +129,17 @@ pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
             &[],
             cluster.index.len() as f64,
         );
+        for w in cluster.all() {
+            if let Some(cost) = w.disk_block_cost() {
+                s.gauge(
+                    "tandem_router_disk_block_cost",
+                    "What a block from a worker's disk tier costs against computing it there, \
+                     as the worker measured both (the kv policy's weight for its disk hits).",
+                    &[("worker", w.addr.as_str())],
+                    cost,
+                );
+            }
+        }
         s.gauge(
             "tandem_router_kv_disk_index_blocks",
             "Distinct blocks the workers hold in their disk tiers (--kv-disk), over all workers.",

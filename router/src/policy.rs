@@ -25,8 +25,11 @@ pub struct Candidate {
     /// Leading prompt blocks this worker has cached in its KV pool ...
     pub matched_blocks: usize,
     /// ... and in its disk tier (read back, not recomputed; usually a
-    /// superset of the pool's, since the tier is written through).
+    /// superset of the pool's, since the tier is written through) ...
     pub disk_blocks: usize,
+    /// ... and what one of those costs there against computing it, as
+    /// the worker measured (`None`: not yet; the policy's default).
+    pub disk_block_cost: Option<f64>,
     /// Requests in flight (router-counted).
     pub active_requests: usize,
     /// KV blocks in use (worker-reported, plus the router's in-flight estimate).
@@ -208,9 +211,10 @@ pub struct KvPolicy {
     /// to compute (a worker with the adapter resident is preferred).
     pub cold_adapter_cost: f64,
     /// What a block read from a worker's disk tier costs, as a share of
-    /// computing it: between a pool hit (0) and a miss (1). kv-tier-bench
-    /// measured 0.034 on the CPU engine (bench-100m, page-cached files);
-    /// 0.2 leaves room for a cold disk and a faster engine.
+    /// computing it, until the worker has measured both (its own ratio
+    /// wins then: a GPU computes a block faster than a disk returns it).
+    /// kv-tier-bench measured 0.034 on the CPU engine (bench-100m,
+    /// page-cached files); 0.2 leaves room for a cold disk.
     pub disk_block_cost: f64,
     pub abs_threshold: usize,
     pub rel_threshold: f64,
@@ -252,7 +256,8 @@ impl RoutingPolicy for KvPolicy {
             } else {
                 0.0
             };
-            self.overlap_weight * (new_blocks + self.disk_block_cost * from_disk)
+            let disk_cost = x.disk_block_cost.unwrap_or(self.disk_block_cost);
+            self.overlap_weight * (new_blocks + disk_cost * from_disk)
                 + x.active_blocks as f64
                 + cold
         };
@@ -292,6 +297,7 @@ mod tests {
         Candidate {
             matched_blocks: matched,
             disk_blocks: 0,
+            disk_block_cost: None,
             active_requests: reqs,
             active_blocks: blocks,
             adapter_cold: false,
@@ -358,6 +364,28 @@ mod tests {
             ..cand(10, 0, 0)
         };
         assert_eq!(p.pick(&[both, on_disk(30, 0)], prompt(32)), 0);
+        // A worker's measured ratio wins over the default: where a disk
+        // block costs as much as computing it, 30 of them are a miss.
+        let slow_disk = Candidate {
+            disk_block_cost: Some(1.0),
+            ..on_disk(30, 0)
+        };
+        let busy_miss = cand(0, 0, 10);
+        assert_eq!(p.pick(&[on_disk(30, 0), busy_miss], prompt(32)), 0);
+        assert_eq!(
+            p.pick(&[slow_disk, busy_miss], prompt(32)),
+            0,
+            "30 + 2 < 32 + 10"
+        );
+        let busier = Candidate {
+            disk_block_cost: Some(1.0),
+            ..on_disk(30, 12)
+        };
+        assert_eq!(
+            p.pick(&[busier, busy_miss], prompt(32)),
+            1,
+            "30 + 2 + 12 > 42"
+        );
     }
 
     #[test]

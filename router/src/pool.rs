@@ -51,6 +51,9 @@ pub struct Worker {
     pub inflight_blocks: AtomicUsize,
     /// Blocks in use as the worker last reported.
     pub reported_blocks: AtomicUsize,
+    /// What a block from its disk tier costs against computing one there,
+    /// as it last measured (f64 bits; 0: not measured).
+    disk_block_cost: AtomicU64,
     /// Requests routed here since start.
     pub routed: AtomicUsize,
     /// Set when the worker leaves; its tasks stop.
@@ -60,6 +63,13 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// What a block read from its disk tier costs against computing it
+    /// there, as the worker measured both; `None` until it has.
+    pub fn disk_block_cost(&self) -> Option<f64> {
+        let cost = f64::from_bits(self.disk_block_cost.load(Ordering::Relaxed));
+        (cost > 0.0 && cost.is_finite()).then_some(cost)
+    }
+
     /// The hash root of LoRA adapter `name` if this worker serves it (as
     /// it last said: at registration, then in every load report).
     pub fn adapter_root(&self, name: &str) -> Option<u64> {
@@ -320,6 +330,7 @@ impl Cluster {
             active_requests: AtomicUsize::new(0),
             inflight_blocks: AtomicUsize::new(0),
             reported_blocks: AtomicUsize::new(0),
+            disk_block_cost: AtomicU64::new(0),
             routed: AtomicUsize::new(0),
             gone: AtomicBool::new(false),
             probed: AtomicBool::new(false),
@@ -437,6 +448,10 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
                     }
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
                     w.reported_blocks.store(used, Ordering::Relaxed);
+                    if r.prefill_seconds_per_block > 0.0 && r.disk_seconds_per_block > 0.0 {
+                        let cost = r.disk_seconds_per_block / r.prefill_seconds_per_block;
+                        w.disk_block_cost.store(cost.to_bits(), Ordering::Relaxed);
+                    }
                     true
                 }
                 Err(_) => false,

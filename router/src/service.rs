@@ -159,6 +159,7 @@ impl RouterService {
             .map(|(w, (matched_blocks, disk_blocks))| Candidate {
                 matched_blocks,
                 disk_blocks,
+                disk_block_cost: w.disk_block_cost(),
                 active_requests: w.active_requests.load(Ordering::Relaxed),
                 active_blocks: w.reported_blocks.load(Ordering::Relaxed)
                     + w.inflight_blocks.load(Ordering::Relaxed),

@@ -260,6 +260,8 @@ impl wv1::worker_server::Worker for WorkerService {
             computed_tokens: s.computed_tokens,
             preemptions: s.preemptions,
             adapters: adapters(&self.engine),
+            prefill_seconds_per_block: s.prefill_seconds_per_block,
+            disk_seconds_per_block: s.disk.map_or(0.0, |d| d.seconds_per_block),
         }))
     }
 

@@ -144,6 +144,7 @@ fn candidates(matched: &[usize]) -> Vec<Candidate> {
         .map(|(w, &m)| Candidate {
             matched_blocks: m,
             disk_blocks: 0,
+            disk_block_cost: None,
             active_requests: w % 3,
             active_blocks: 100 * (w % 5),
             adapter_cold: false,

@@ -44,6 +44,9 @@ pub use config::{EngineConfig, KvPoolSize};
 pub use disk::{DiskTierStats, LOAD_HOLD};
 pub use stats::EngineStats;
 
+/// Tokens from which a step counts as prefill when timing it.
+const PREFILL_SIZED_STEP: usize = 64;
+
 /// One request: its choices' shared bookkeeping.
 #[derive(Debug)]
 struct Group {
@@ -581,6 +584,7 @@ impl EngineCore {
         // Constrained sequences that sample after this forward pass get
         // their masks computed while it runs.
         let mut jobs = self.take_mask_jobs(&plan);
+        let started = Instant::now();
         let result = if jobs.is_empty() {
             self.forward_placed(&plan)
         } else {
@@ -596,6 +600,7 @@ impl EngineCore {
             self.return_mask_jobs(jobs);
             result
         };
+        self.time_prefill(&plan, started.elapsed());
         match result {
             Ok(logits) => {
                 self.scheduler.complete(&plan);
@@ -615,6 +620,18 @@ impl EngineCore {
             }
         }
         self.stats.steps += 1;
+    }
+
+    /// Folds a step's forward time into the prefill cost per block when
+    /// the step was prefill-sized (at least [`PREFILL_SIZED_STEP`] tokens:
+    /// a few decode rows beside it change little).
+    fn time_prefill(&mut self, plan: &StepPlan, took: std::time::Duration) {
+        let tokens: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
+        if tokens >= PREFILL_SIZED_STEP {
+            let per_block = took.as_secs_f64() * self.scheduler.block_size() as f64 / tokens as f64;
+            let s = &mut self.stats;
+            s.prefill_seconds_per_block = stats::ewma(s.prefill_seconds_per_block, per_block);
+        }
     }
 
     /// Takes the constraints of the step's sequences that will sample and

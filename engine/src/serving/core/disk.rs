@@ -40,7 +40,7 @@ pub const LOAD_HOLD: Duration = Duration::from_secs(1);
 const IDLE_WAIT: Duration = Duration::from_millis(5);
 
 /// What the engine did with its disk tier, beside the tier's own counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DiskTierStats {
     pub tier: DiskStats,
     /// Blocks read from disk into the pool (prefix hits served by the
@@ -49,15 +49,20 @@ pub struct DiskTierStats {
     pub restores: u64,
     /// Blocks read from the pool and offered to the writer.
     pub offered_blocks: u64,
+    /// Seconds a block took from the request's arrival (the load asked
+    /// for) to its place in the pool, a moving average (0 until measured).
+    pub seconds_per_block: f64,
 }
 
 /// The engine's side of the tier.
 #[derive(Debug)]
 pub(super) struct DiskState {
     tier: DiskTier,
-    /// Loads in flight, by sequence: the pool blocks their run follows.
-    pending: HashMap<SeqId, usize>,
+    /// Loads in flight, by sequence: the pool blocks their run follows,
+    /// and when the load was asked for.
+    pending: HashMap<SeqId, (usize, Instant)>,
     restored_blocks: u64,
+    seconds_per_block: f64,
     restores: u64,
     offered_blocks: u64,
     /// The blocks routers were told are on disk (hash → parent), their
@@ -80,6 +85,7 @@ impl DiskState {
             tier,
             pending: HashMap::new(),
             restored_blocks: 0,
+            seconds_per_block: 0.0,
             restores: 0,
             offered_blocks: 0,
             announced,
@@ -125,6 +131,7 @@ impl DiskState {
             restored_blocks: self.restored_blocks,
             restores: self.restores,
             offered_blocks: self.offered_blocks,
+            seconds_per_block: self.seconds_per_block,
         }
     }
 }
@@ -184,7 +191,7 @@ impl EngineCore {
             return;
         }
         disk.tier.load(seq, cacheable[hits..hits + run].to_vec());
-        disk.pending.insert(seq, hits);
+        disk.pending.insert(seq, (hits, Instant::now()));
         if let Some(s) = self.scheduler.seq_mut(seq) {
             s.disk_hold = Some(Instant::now() + LOAD_HOLD);
         }
@@ -203,10 +210,15 @@ impl EngineCore {
         for loaded in done {
             let restored = self.promote(&loaded);
             if let Some(disk) = self.disk.as_mut() {
-                disk.pending.remove(&loaded.ticket);
+                let asked = disk.pending.remove(&loaded.ticket).map(|p| p.1);
                 if restored > 0 {
                     disk.restored_blocks += restored as u64;
                     disk.restores += 1;
+                    if let Some(asked) = asked {
+                        let per_block = asked.elapsed().as_secs_f64() / restored as f64;
+                        disk.seconds_per_block =
+                            super::stats::ewma(disk.seconds_per_block, per_block);
+                    }
                 }
             }
             if let Some(s) = self.scheduler.seq_mut(loaded.ticket) {
@@ -223,7 +235,7 @@ impl EngineCore {
             .disk
             .as_ref()
             .and_then(|d| d.pending.get(&loaded.ticket));
-        let (Some(&from), Some(seq)) = (from, self.scheduler.seq(loaded.ticket)) else {
+        let (Some(&(from, _)), Some(seq)) = (from, self.scheduler.seq(loaded.ticket)) else {
             return 0;
         };
         let n = loaded.blocks.len();

@@ -51,6 +51,21 @@ pub struct EngineStats {
     pub routed_tokens: Vec<(usize, Vec<u64>)>,
     /// The disk tier under the pool, when there is one.
     pub disk: Option<super::DiskTierStats>,
+    /// Seconds one KV block of prompt takes to compute, a moving average
+    /// over prefill-sized steps (0 until one ran).
+    pub prefill_seconds_per_block: f64,
+}
+
+/// Weight of the newest sample in the engine's moving averages.
+pub(super) const EWMA_WEIGHT: f64 = 0.2;
+
+/// `avg` moved toward `sample` (the sample itself when `avg` is unset).
+pub(super) fn ewma(avg: f64, sample: f64) -> f64 {
+    if avg <= 0.0 {
+        sample
+    } else {
+        avg + EWMA_WEIGHT * (sample - avg)
+    }
 }
 
 impl EngineStats {
