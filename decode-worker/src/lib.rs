@@ -309,6 +309,9 @@ pub struct GrpcPrefiller {
     /// Shared with the [`EngineSink`].
     tickets: Arc<TransferTickets>,
     deadline: PrefillDeadline,
+    /// Seconds per block each peer's remote prefills took, reported to
+    /// the router (which weighs peer fetches with them).
+    costs: tandem_server::PeerFetchCosts,
 }
 
 impl GrpcPrefiller {
@@ -331,7 +334,14 @@ impl GrpcPrefiller {
             tls,
             tickets,
             deadline: PrefillDeadline::default(),
+            costs: tandem_server::PeerFetchCosts::default(),
         }
+    }
+
+    /// Records each remote prefill's seconds per block in `costs`.
+    pub fn with_costs(mut self, costs: tandem_server::PeerFetchCosts) -> Self {
+        self.costs = costs;
+        self
     }
 
     /// Waits at most `deadline` for each prefill worker's answer.
@@ -416,6 +426,7 @@ impl RemotePrefiller for GrpcPrefiller {
             lora_hash_root: prefill.lora.as_ref().map_or(0, |l| l.hash_root),
         };
         let limit = self.deadline.for_tokens(req.tokens.len());
+        let dst_blocks = req.dst_blocks.len();
         let mut call = tonic::Request::new(req);
         // Sent as grpc-timeout, so the prefill worker can give up on its
         // side, and enforced here by tonic's channel even if it never
@@ -424,6 +435,7 @@ impl RemotePrefiller for GrpcPrefiller {
         tandem_telemetry::propagation::inject(&pspan, call.metadata_mut());
         let metrics = self.metrics.clone();
         let tickets = self.tickets.clone();
+        let (costs, peer, blocks) = (self.costs.clone(), prefill_worker.to_string(), dst_blocks);
         let guard = TicketGuard {
             tickets: tickets.clone(),
             ticket,
@@ -451,6 +463,7 @@ impl RemotePrefiller for GrpcPrefiller {
                     metrics
                         .remote_prefill_duration
                         .observe_duration(started.elapsed());
+                    costs.record(&peer, blocks, started.elapsed().as_secs_f64());
                     tracing::Span::current().record("outcome", "ok");
                     // The transport calls the sink's finish before it
                     // acknowledges the transfer, and a prefill worker
@@ -562,6 +575,7 @@ pub async fn run(
         adapters: tandem_server::worker_adapters(&engine),
     };
     let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
+    let peer_costs = tandem_server::PeerFetchCosts::default();
     let prefiller = Arc::new(
         GrpcPrefiller::new(
             config.remote_prefill_threshold,
@@ -572,7 +586,8 @@ pub async fn run(
             tickets,
             credential.clone(),
         )
-        .with_deadline(config.remote_prefill_deadline),
+        .with_deadline(config.remote_prefill_deadline)
+        .with_costs(peer_costs.clone()),
     );
     tandem_server::register_engine(registry, engine.clone());
     // Generate is for the router alone: a client that learns this
@@ -617,7 +632,9 @@ pub async fn run(
     );
     services.add(
         wv1::worker_server::WorkerServer::new(
-            tandem_server::WorkerService::new(engine, info).with_feeds_end(feeds_end),
+            tandem_server::WorkerService::new(engine, info)
+                .with_feeds_end(feeds_end)
+                .with_peer_costs(peer_costs),
         ),
         "tandem.worker.v1.Worker",
         wv1::FILE_DESCRIPTOR_SET,

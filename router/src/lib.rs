@@ -28,6 +28,7 @@
 pub mod adapters;
 pub mod index;
 pub mod metrics;
+pub mod peer;
 pub mod policy;
 pub mod pool;
 pub mod prompt;

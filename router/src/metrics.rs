@@ -130,6 +130,15 @@ pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
             cluster.index.len() as f64,
         );
         for w in cluster.all() {
+            for (peer, seconds) in w.measured().fetch_seconds_per_block {
+                s.gauge(
+                    "tandem_router_peer_fetch_seconds_per_block",
+                    "Seconds per block a decode worker's remote prefills from a peer took, as the \
+                     worker measured (what the router weighs a peer fetch with).",
+                    &[("worker", w.addr.as_str()), ("peer", peer.as_str())],
+                    seconds,
+                );
+            }
             if let Some(cost) = w.disk_block_cost() {
                 s.gauge(
                     "tandem_router_disk_block_cost",

@@ -11,6 +11,7 @@
 //! model differs from the cluster's is refused ([`Refusal`]) and logged,
 //! never routed to. A worker that leaves is purged from the index at once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -51,9 +52,8 @@ pub struct Worker {
     pub inflight_blocks: AtomicUsize,
     /// Blocks in use as the worker last reported.
     pub reported_blocks: AtomicUsize,
-    /// What a block from its disk tier costs against computing one there,
-    /// as it last measured (f64 bits; 0: not measured).
-    disk_block_cost: AtomicU64,
+    /// What it measured of its own speeds, as it last reported.
+    measured: Mutex<Measured>,
     /// Requests routed here since start.
     pub routed: AtomicUsize,
     /// Set when the worker leaves; its tasks stop.
@@ -62,12 +62,44 @@ pub struct Worker {
     probed: AtomicBool,
 }
 
+/// A worker's own measurements (moving averages it keeps and reports in
+/// every `LoadReport`); `None` where it has not measured yet.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Measured {
+    /// Seconds to compute one block of prompt.
+    pub prefill_seconds_per_block: Option<f64>,
+    /// Seconds for one block to come back from its disk tier.
+    pub disk_seconds_per_block: Option<f64>,
+    /// Seconds per block its remote prefills from each peer took.
+    pub fetch_seconds_per_block: HashMap<String, f64>,
+}
+
+impl Measured {
+    fn from_report(r: &wv1::LoadReport) -> Self {
+        let known = |x: f64| (x > 0.0 && x.is_finite()).then_some(x);
+        Self {
+            prefill_seconds_per_block: known(r.prefill_seconds_per_block),
+            disk_seconds_per_block: known(r.disk_seconds_per_block),
+            fetch_seconds_per_block: r
+                .peer_fetch_costs
+                .iter()
+                .filter_map(|p| Some((p.peer.clone(), known(p.seconds_per_block)?)))
+                .collect(),
+        }
+    }
+}
+
 impl Worker {
     /// What a block read from its disk tier costs against computing it
     /// there, as the worker measured both; `None` until it has.
     pub fn disk_block_cost(&self) -> Option<f64> {
-        let cost = f64::from_bits(self.disk_block_cost.load(Ordering::Relaxed));
-        (cost > 0.0 && cost.is_finite()).then_some(cost)
+        let m = lock(&self.measured);
+        Some(m.disk_seconds_per_block? / m.prefill_seconds_per_block?)
+    }
+
+    /// What it last reported of its own speeds.
+    pub fn measured(&self) -> Measured {
+        lock(&self.measured).clone()
     }
 
     /// The hash root of LoRA adapter `name` if this worker serves it (as
@@ -330,7 +362,7 @@ impl Cluster {
             active_requests: AtomicUsize::new(0),
             inflight_blocks: AtomicUsize::new(0),
             reported_blocks: AtomicUsize::new(0),
-            disk_block_cost: AtomicU64::new(0),
+            measured: Mutex::default(),
             routed: AtomicUsize::new(0),
             gone: AtomicBool::new(false),
             probed: AtomicBool::new(false),
@@ -442,16 +474,13 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
         let ok = if known {
             match client.load(probe_request(wv1::LoadRequest {})).await {
                 Ok(r) => {
-                    let r = r.into_inner();
+                    let mut r = r.into_inner();
                     if let Some(info) = lock(&w.info).as_mut() {
-                        info.adapters = r.adapters;
+                        info.adapters = std::mem::take(&mut r.adapters);
                     }
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
                     w.reported_blocks.store(used, Ordering::Relaxed);
-                    if r.prefill_seconds_per_block > 0.0 && r.disk_seconds_per_block > 0.0 {
-                        let cost = r.disk_seconds_per_block / r.prefill_seconds_per_block;
-                        w.disk_block_cost.store(cost.to_bits(), Ordering::Relaxed);
-                    }
+                    *lock(&w.measured) = Measured::from_report(&r);
                     true
                 }
                 Err(_) => false,

@@ -26,6 +26,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use crate::metrics::RouterMetrics;
+use crate::peer::PeerDecision;
 use crate::policy::{Candidate, PromptFacts, RoutingPolicy};
 use crate::pool::{Cluster, InFlight, Role, Worker};
 use crate::prompt::PromptPrep;
@@ -323,6 +324,26 @@ impl RouterService {
         (Some(pool[pick.index].clone()), "above_threshold")
     }
 
+    /// Whether the chosen decode worker should pull the prompt's prefix
+    /// from another decode worker that holds more of it ([`crate::peer`]).
+    fn peer_fetch(
+        &self,
+        decodes: &[Arc<Worker>],
+        cands: &[Candidate],
+        chosen: usize,
+        bs: usize,
+    ) -> PeerDecision {
+        let addrs: Vec<&str> = decodes.iter().map(|w| w.addr.as_str()).collect();
+        let min_blocks = self.remote_prefill_threshold.div_ceil(bs.max(1));
+        crate::peer::decide(
+            cands,
+            &|i| decodes[i].measured(),
+            &addrs,
+            chosen,
+            min_blocks,
+        )
+    }
+
     /// Picks the workers, forwards the call and returns the proxied stream
     /// (which owns `span`'s clone, so the span ends with it).
     async fn route(
@@ -466,11 +487,20 @@ impl RouterService {
         routing.record("decode_worker", decode.addr.as_str());
         routing.record("uncached_tokens", uncached);
 
-        let (prefill, placement_reason) = self
-            .place_prefill(uncached, ask, &routing, &mut decision_time)
-            .await;
+        let (prefill, placement, placement_reason) =
+            match self.peer_fetch(&decodes, &cands, pick.index, bs) {
+                PeerDecision::Fetch { peer, reason, .. } => {
+                    (Some(decodes[peer].clone()), "peer", reason)
+                }
+                PeerDecision::Compute(_) => {
+                    let (p, reason) = self
+                        .place_prefill(uncached, ask, &routing, &mut decision_time)
+                        .await;
+                    let placement = if p.is_some() { "remote" } else { "local" };
+                    (p, placement, reason)
+                }
+            };
         self.metrics.decision.observe(decision_time.as_secs_f64());
-        let placement = if prefill.is_some() { "remote" } else { "local" };
         self.metrics.placement(placement, placement_reason);
         routing.record("prefill_placement", placement);
         if prefill.is_none() {

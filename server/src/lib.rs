@@ -17,6 +17,7 @@ mod convert;
 pub mod layout;
 pub mod listener;
 pub mod metrics;
+mod peer_costs;
 mod service;
 mod worker_service;
 
@@ -32,6 +33,7 @@ pub use convert::{
     event_to_proto, logprob_from_proto, logprob_to_proto, request_from_proto, BadRequest,
 };
 pub use metrics::{register_engine, register_transport, ServingMetrics};
+pub use peer_costs::PeerFetchCosts;
 pub use service::{
     status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,
 };

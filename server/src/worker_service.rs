@@ -24,6 +24,7 @@ pub struct WorkerService {
     info: wv1::WorkerInfo,
     digest_period: Duration,
     feeds_end: Option<FeedsEnd>,
+    peer_costs: Option<crate::PeerFetchCosts>,
 }
 
 /// Ends a worker's KV-event feeds once its shutdown begins. A feed never
@@ -60,7 +61,15 @@ impl WorkerService {
             info,
             digest_period: KV_DIGEST_PERIOD,
             feeds_end: None,
+            peer_costs: None,
         }
+    }
+
+    /// Reports what fetching from each peer has cost (a decode worker's
+    /// remote prefills) in every load report.
+    pub fn with_peer_costs(mut self, costs: crate::PeerFetchCosts) -> Self {
+        self.peer_costs = Some(costs);
+        self
     }
 
     /// Ends this service's KV-event feeds when `end` fires.
@@ -262,6 +271,11 @@ impl wv1::worker_server::Worker for WorkerService {
             adapters: adapters(&self.engine),
             prefill_seconds_per_block: s.prefill_seconds_per_block,
             disk_seconds_per_block: s.disk.map_or(0.0, |d| d.seconds_per_block),
+            peer_fetch_costs: self
+                .peer_costs
+                .as_ref()
+                .map(crate::PeerFetchCosts::to_proto)
+                .unwrap_or_default(),
         }))
     }
 
