@@ -189,11 +189,16 @@ struct SlowLink {
 }
 
 impl SlowLink {
-    fn new(rate: &str) -> Self {
+    /// `tag` tells apart the links of tests running at once (one process).
+    fn new(rate: &str, tag: u8) -> Self {
         let id = std::process::id();
-        let (ns, here_if, there_if) = (format!("tpf{id}"), format!("tr{id}"), format!("ta{id}"));
-        let net = format!("10.77.{}", id % 250);
-        let (here, there) = (format!("{net}.1"), format!("{net}.2"));
+        let (ns, here_if, there_if) = (
+            format!("tpf{id}{tag}"),
+            format!("tr{id}{tag}"),
+            format!("ta{id}{tag}"),
+        );
+        let (net, base) = (format!("10.77.{}", id % 250), u32::from(tag) * 4);
+        let (here, there) = (format!("{net}.{}", base + 1), format!("{net}.{}", base + 2));
         let link = Self {
             ns: ns.clone(),
             here: here.clone(),
@@ -264,7 +269,7 @@ fn over_a_throttled_link_the_router_recomputes_once_it_has_measured_it() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
     tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
-    let link = SlowLink::new("1mbit");
+    let link = SlowLink::new("1mbit", 0);
     // B here; A behind the slow link, so blocks A sends B crawl.
     let (_b, b, b_metrics) = worker_at(&model, &link.here, None);
     let (_a, a, _) = worker_at(&model, &link.there, Some(&link.ns));
@@ -360,5 +365,87 @@ fn over_a_throttled_link_the_router_recomputes_once_it_has_measured_it() {
             &[("placement", "peer"), ("reason", "peer_unmeasured")]
         ),
         1.0
+    );
+}
+
+/// The holder dies (SIGKILL) while its blocks crawl over a throttled link:
+/// the fetcher's request still completes, computing the prompt itself, to
+/// the tokens the holder gave for the same prompt, and no block of the
+/// broken transfer is taken as K/V.
+#[test]
+fn a_holder_that_dies_mid_fetch_leaves_the_request_to_be_computed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let link = SlowLink::new("512kbit", 1);
+    let (_b, b, b_metrics) = worker_at(&model, &link.here, None);
+    let (mut holder, a, _) = worker_at(&model, &link.there, Some(&link.ns));
+    let router_metrics = format!("127.0.0.1:{}", free_port());
+    let decode = format!("{b},{a}");
+    let (_router, router) = spawn_component(
+        tandem(),
+        "router",
+        &[
+            "--addr",
+            "127.0.0.1:0",
+            "--decode",
+            &decode,
+            "--decode-policy",
+            "round-robin",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--metrics-addr",
+            &router_metrics,
+            "--probe-interval-ms",
+            "100",
+        ],
+    );
+    let rt = tandem_tests::cluster::runtime();
+    let prompt: Vec<u32> = (0..30 * 16 + 3).map(|i| (i * 19 + 5) % 250).collect();
+    // 1 to B (a short warm-up), 2 to A: A computes the prompt.
+    let _ = rt
+        .block_on(greedy(&router, vec![1, 2, 3], 2))
+        .expect("warm-up");
+    let indexed = || value(&router_metrics, "tandem_router_kv_index_blocks", &[]);
+    let before = indexed();
+    let held = rt
+        .block_on(greedy(&router, prompt.clone(), 4))
+        .expect("on A");
+    assert_eq!(held.decode.as_deref(), Some(a.as_str()));
+    wait_until("the index to see A's prompt", || {
+        indexed() >= before + 30.0 - 0.5
+    });
+    // 3 to B, which fetches from A; A dies while the blocks crawl.
+    let fetching = {
+        let (router, prompt) = (router.clone(), prompt.clone());
+        std::thread::spawn(move || {
+            tandem_tests::cluster::runtime().block_on(greedy(&router, prompt, 4))
+        })
+    };
+    wait_until("the fetch to start", || {
+        value(
+            &b_metrics,
+            "tandem_kv_transfer_received_block_layers_total",
+            &[],
+        ) > 0.0
+    });
+    holder.0.kill().expect("SIGKILL");
+    let got = fetching
+        .join()
+        .expect("the call thread")
+        .expect("the request completes");
+    assert_eq!(got.decode.as_deref(), Some(b.as_str()));
+    assert_eq!(
+        got.tokens, held.tokens,
+        "B computed the prompt itself, to A's tokens"
+    );
+    assert_eq!(
+        value(
+            &b_metrics,
+            "tandem_remote_prefills_total",
+            &[("outcome", "ok")]
+        ),
+        0.0,
+        "the broken transfer did not count as a fetch"
     );
 }
