@@ -251,3 +251,62 @@ fn the_router_sends_a_prefix_to_the_worker_whose_disk_holds_it() {
         "A read every prefix it had from disk"
     );
 }
+
+/// `tandem up --kv-disk DIR` gives each worker its own directory under
+/// DIR (two workers cannot share one), and the worker that served a
+/// prompt wrote its blocks there.
+#[test]
+fn up_gives_each_worker_its_own_disk_tier() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    tandem_tests::cluster::gen_model(Path::new(env!("CARGO_BIN_EXE_tandem")), &model, "tiny");
+    let disk = tmp.path().join("kv");
+    let cluster = tandem_tests::cluster::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &[
+            "up",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--prefill",
+            "0",
+            "--decode",
+            "2",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-http",
+            "--kv-cache-memory",
+            "16MiB",
+            "--kv-disk",
+            disk.to_str().expect("utf8"),
+            "--kv-disk-size",
+            "16MiB",
+        ],
+    );
+    let prompt: Vec<u32> = (0..20 * 16 + 3).map(|i| (i * 3 + 1) % 250).collect();
+    let served = generate(&cluster.addr, &prompt)
+        .decode
+        .expect("routing header");
+    let index = cluster
+        .decode
+        .iter()
+        .position(|d| *d == served)
+        .expect("one of the cluster's workers");
+    let metrics = cluster
+        .metrics_addr("decode-worker", &served)
+        .expect("metrics")
+        .to_string();
+    wait_for(&metrics, "tandem_kv_disk_written_blocks_total", 20.0);
+    let files = |i: usize| -> usize {
+        let dir = disk.join(format!("decode-worker-{i}"));
+        std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .filter_map(Result::ok)
+            .filter(|e| e.path().is_dir())
+            .flat_map(|store| std::fs::read_dir(store.path()).expect("store"))
+            .filter_map(Result::ok)
+            .filter(|e| e.path().extension().is_some_and(|x| x == "kvb"))
+            .count()
+    };
+    assert_eq!(files(index), 20);
+    assert_eq!(files(1 - index), 0);
+}

@@ -71,6 +71,14 @@ pub struct UpArgs {
     /// repeatable; passed to each worker as `--lora`).
     #[arg(long = "lora", value_name = "NAME=DIR")]
     lora: Vec<String>,
+    /// A KV disk tier for every worker, each in its own directory under
+    /// DIR (`decode-worker-0`, `prefill-worker-0`, ...): `up` started
+    /// again on the same DIR starts warm. See the workers' `--kv-disk`.
+    #[arg(long, value_name = "DIR")]
+    kv_disk: Option<std::path::PathBuf>,
+    /// Bytes each worker's disk tier may take.
+    #[arg(long, default_value = "64GiB", requires = "kv_disk")]
+    kv_disk_size: String,
     /// Extra engine flags for the workers, e.g. `--worker-arg=--batch-invariant`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
@@ -525,10 +533,14 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         env: &secret,
         metrics: &mut metrics,
     };
-    let decodes = pool.start("decode-worker", &decode, args.decode)?;
+    let kv_disk = args
+        .kv_disk
+        .as_deref()
+        .map(|d| (d, args.kv_disk_size.as_str()));
+    let decodes = pool.start("decode-worker", &decode, args.decode, kv_disk)?;
     let mut prefill = worker("prefill-worker");
     prefill.extend(args.prefill_args.iter().cloned());
-    let prefills = pool.start("prefill-worker", &prefill, args.prefill)?;
+    let prefills = pool.start("prefill-worker", &prefill, args.prefill, kv_disk)?;
     let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
     let prefill_addrs: Vec<String> = prefills.iter().map(|p| p.0.clone()).collect();
     let router = router_args(
@@ -614,17 +626,29 @@ struct Pool<'a> {
 }
 
 impl Pool<'_> {
-    /// Starts `count` processes of `command`, one after another; their
-    /// (gRPC address, pid).
+    /// Starts `count` processes of `command`, one after another, each
+    /// with its own disk tier under `kv_disk` if given; their (gRPC
+    /// address, pid).
     fn start(
         &mut self,
         role: &'static str,
         command: &[String],
         count: usize,
+        kv_disk: Option<(&std::path::Path, &str)>,
     ) -> Result<Vec<(String, u32)>> {
         let mut started = Vec::with_capacity(count);
-        for _ in 0..count {
-            let p = spawn(self.children, self.stop, command, self.env)?;
+        for i in 0..count {
+            let mut command = command.to_vec();
+            if let Some((dir, size)) = kv_disk {
+                let own = dir.join(format!("{role}-{i}"));
+                command.extend([
+                    "--kv-disk".into(),
+                    own.display().to_string(),
+                    "--kv-disk-size".into(),
+                    size.to_string(),
+                ]);
+            }
+            let p = spawn(self.children, self.stop, &command, self.env)?;
             if let Some(m) = p.metrics {
                 self.metrics.push((role, p.addr.clone(), m));
             }
