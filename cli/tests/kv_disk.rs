@@ -233,10 +233,29 @@ fn the_router_sends_a_prefix_to_the_worker_whose_disk_holds_it() {
 
     a.0.kill().expect("SIGKILL");
     a.0.wait().expect("reaped");
+    // The router drops A's entries when its feed breaks ...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&router_metrics, "tandem_router_kv_disk_index_blocks") >= 64.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the router never dropped A's entries"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let (_a, _, a_metrics) = worker(&model, &tmp.path().join("a"), &a_addr);
-    // The router dropped A's entries when its feed broke; the restarted
-    // A's dump puts its disk blocks back (and no pool blocks).
+    // ... and the restarted A's dump puts its disk blocks back (and no
+    // pool blocks); it is routed to once probed healthy again.
     wait_for(&router_metrics, "tandem_router_kv_disk_index_blocks", 64.0);
+    let healthy = || {
+        scrape(&router_metrics)
+            .value("tandem_router_healthy_workers", &[("role", "decode")])
+            .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while healthy() < 2.0 {
+        assert!(Instant::now() < deadline, "A never came back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for (p, home) in homes.iter().enumerate() {
         let again = generate(&router, &prompt(p as u32));
         assert_eq!(
