@@ -213,3 +213,52 @@ fn a_disk_tier_needs_the_prefix_cache() {
     let err = core.enable_disk_tier(tier).expect_err("refused");
     assert!(err.to_string().contains("prefix cache is off"), "{err}");
 }
+
+#[test]
+fn a_burst_of_arrivals_loads_at_most_a_pools_worth_from_disk() {
+    let (_m, ck) = checkpoint();
+    let disk = tempfile::tempdir().expect("tempdir");
+    let cold: Vec<Tokens> = {
+        let mut core = engine(&ck, Some(disk.path()));
+        let cold = (6..9).map(|p| run(&mut core, prompt(p)).0).collect();
+        core.flush_disk_tier();
+        cold
+    };
+    // Three prompts of 16 disk blocks arrive at once at a 40-block pool:
+    // the loads asked for stop at 40 blocks (16 + 16 + 8); the rest is
+    // computed.
+    let mut core = engine(&ck, Some(disk.path()));
+    let mut streams = Vec::new();
+    for (id, p) in (6..9).enumerate() {
+        let (tx, rx) = unbounded_channel();
+        let mut req = Request::new(Prompt::Tokens(prompt(p)), 6);
+        req.ignore_eos = true;
+        req.sampling.logprobs = Some(0);
+        core.add_request(id as u64, req, tx).expect("valid");
+        streams.push(rx);
+    }
+    for step in 0..10_000 {
+        if !core.has_work() {
+            break;
+        }
+        core.step();
+        core.check_accounting()
+            .unwrap_or_else(|e| panic!("block books broken after step {step}: {e}"));
+    }
+    for (rx, want) in streams.iter_mut().zip(&cold) {
+        let mut got = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            if let RequestEvent::Delta(d) = ev {
+                got.extend(
+                    d.token_ids
+                        .iter()
+                        .zip(&d.logprobs)
+                        .map(|(&t, l)| (t, l.logprob)),
+                );
+            }
+        }
+        assert_eq!(&Tokens(got), want);
+    }
+    let s = core.stats().disk.expect("disk");
+    assert_eq!(s.tier.loaded_blocks, 40, "{s:?}");
+}

@@ -623,11 +623,19 @@ impl EngineCore {
     }
 
     /// Folds a step's forward time into the prefill cost per block when
-    /// the step was prefill-sized (at least [`PREFILL_SIZED_STEP`] tokens:
-    /// a few decode rows beside it change little).
+    /// the step was mostly prefill (chunks of more than one token, at least
+    /// [`PREFILL_SIZED_STEP`] of them and most of the step's rows: a few
+    /// decode rows beside them change little; a big decode batch is not a
+    /// prefill).
     fn time_prefill(&mut self, plan: &StepPlan, took: std::time::Duration) {
         let tokens: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
-        if tokens >= PREFILL_SIZED_STEP {
+        let chunked: usize = plan
+            .scheduled
+            .iter()
+            .map(|s| s.num_tokens)
+            .filter(|&n| n > 1)
+            .sum();
+        if chunked >= PREFILL_SIZED_STEP && 2 * chunked >= tokens {
             let per_block = took.as_secs_f64() * self.scheduler.block_size() as f64 / tokens as f64;
             let s = &mut self.stats;
             s.prefill_seconds_per_block = stats::ewma(s.prefill_seconds_per_block, per_block);

@@ -10,6 +10,8 @@
 //!   prompt after the pool's cached prefix that the tier holds are handed
 //!   to the loader thread, and the request waits (at most [`LOAD_HOLD`],
 //!   first come first served) while the steps of running requests go on.
+//!   Loads in flight hold at most a pool's worth of blocks in memory; a
+//!   burst of arrivals past that computes the rest.
 //! - **Promote, then admit.** A finished load is written into fresh pool
 //!   blocks and registered in the prefix cache, chained after the pool's
 //!   prefix; admission then finds the prompt cached as usual. A load that
@@ -59,8 +61,8 @@ pub struct DiskTierStats {
 pub(super) struct DiskState {
     tier: DiskTier,
     /// Loads in flight, by sequence: the pool blocks their run follows,
-    /// and when the load was asked for.
-    pending: HashMap<SeqId, (usize, Instant)>,
+    /// the run's length, and when the load was asked for.
+    pending: HashMap<SeqId, (usize, usize, Instant)>,
     restored_blocks: u64,
     seconds_per_block: f64,
     restores: u64,
@@ -109,6 +111,11 @@ impl DiskState {
             }
             self.events.push(e);
         }
+    }
+
+    /// Blocks asked of the loader and not yet promoted.
+    fn pending_blocks(&self) -> usize {
+        self.pending.values().map(|p| p.1).sum()
     }
 
     /// Changes since the last call, and the disk set's digest after them.
@@ -186,12 +193,19 @@ impl EngineCore {
         let bs = self.scheduler.block_size();
         let cacheable = &s.hashes[..s.hashes.len().min((s.tokens.len() - 1) / bs)];
         let (hits, _) = self.scheduler.allocator().probe(cacheable);
-        let run = disk.tier.stored_run(&cacheable[hits..]);
+        // Loaded blocks wait in memory until promoted: at most a pool's
+        // worth at once, so a burst of arrivals cannot load without bound.
+        let room = self
+            .scheduler
+            .allocator()
+            .num_blocks()
+            .saturating_sub(disk.pending_blocks());
+        let run = disk.tier.stored_run(&cacheable[hits..]).min(room);
         if run == 0 {
             return;
         }
         disk.tier.load(seq, cacheable[hits..hits + run].to_vec());
-        disk.pending.insert(seq, (hits, Instant::now()));
+        disk.pending.insert(seq, (hits, run, Instant::now()));
         if let Some(s) = self.scheduler.seq_mut(seq) {
             s.disk_hold = Some(Instant::now() + LOAD_HOLD);
         }
@@ -210,7 +224,7 @@ impl EngineCore {
         for loaded in done {
             let restored = self.promote(&loaded);
             if let Some(disk) = self.disk.as_mut() {
-                let asked = disk.pending.remove(&loaded.ticket).map(|p| p.1);
+                let asked = disk.pending.remove(&loaded.ticket).map(|p| p.2);
                 if restored > 0 {
                     disk.restored_blocks += restored as u64;
                     disk.restores += 1;
@@ -235,7 +249,7 @@ impl EngineCore {
             .disk
             .as_ref()
             .and_then(|d| d.pending.get(&loaded.ticket));
-        let (Some(&(from, _)), Some(seq)) = (from, self.scheduler.seq(loaded.ticket)) else {
+        let (Some(&(from, _, _)), Some(seq)) = (from, self.scheduler.seq(loaded.ticket)) else {
             return 0;
         };
         let n = loaded.blocks.len();
