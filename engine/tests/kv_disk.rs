@@ -262,3 +262,34 @@ fn a_burst_of_arrivals_loads_at_most_a_pools_worth_from_disk() {
     let s = core.stats().disk.expect("disk");
     assert_eq!(s.tier.loaded_blocks, 40, "{s:?}");
 }
+
+#[test]
+fn a_full_disk_fails_the_writes_not_the_request() {
+    let (_m, ck) = checkpoint();
+    let disk = tempfile::tempdir().expect("tempdir");
+    let mut core = engine(&ck, Some(disk.path()));
+    // Every write of this prompt's first 4 blocks goes to /dev/full
+    // (ENOSPC, as on a full disk): the writer's temporary files are
+    // symlinks to it.
+    let store = std::fs::read_dir(disk.path())
+        .expect("dir")
+        .next()
+        .expect("the fingerprint's directory")
+        .expect("entry")
+        .path();
+    let hashes = tandem_block_hash::block_hashes(&prompt(9), BLOCK);
+    for h in &hashes[..4] {
+        std::os::unix::fs::symlink("/dev/full", store.join(format!("{h:016x}.kvb.tmp")))
+            .expect("symlink");
+    }
+    let (tokens, _) = run(&mut core, prompt(9));
+    core.flush_disk_tier();
+    let s = core.stats().disk.expect("disk");
+    assert_eq!(
+        (s.tier.write_errors, s.tier.written_blocks),
+        (4, 12),
+        "{s:?}"
+    );
+    // The request was served; a plain engine gives the same tokens.
+    assert_eq!(run(&mut engine(&ck, None), prompt(9)).0, tokens);
+}

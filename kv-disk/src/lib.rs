@@ -380,13 +380,35 @@ impl DiskTier {
 
     /// Counters and gauges.
     pub fn stats(&self) -> DiskStats {
-        let c = &self.shared.counters;
+        self.shared.stats()
+    }
+
+    /// A handle that reads [`stats`](Self::stats) from another thread (the
+    /// tier's counters move as its threads work, between engine steps).
+    pub fn stats_reader(&self) -> DiskStatsReader {
+        DiskStatsReader(self.shared.clone())
+    }
+}
+
+/// Reads a [`DiskTier`]'s counters from anywhere; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct DiskStatsReader(Arc<Shared>);
+
+impl DiskStatsReader {
+    pub fn stats(&self) -> DiskStats {
+        self.0.stats()
+    }
+}
+
+impl Shared {
+    fn stats(&self) -> DiskStats {
+        let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (blocks, bytes) = self.shared.index().stored();
+        let (blocks, bytes) = self.index().stored();
         DiskStats {
             blocks,
             bytes,
-            budget_bytes: self.shared.config.budget_bytes,
+            budget_bytes: self.config.budget_bytes,
             written_blocks: get(&c.written_blocks),
             written_bytes: get(&c.written_bytes),
             write_dropped: get(&c.write_dropped),

@@ -463,9 +463,14 @@ impl EngineCore {
         self.refresh_gauges();
     }
 
-    /// Counters and gauges.
+    /// Counters and gauges (the disk tier's own read now, the rest as of
+    /// the last step).
     pub fn stats(&self) -> EngineStats {
-        self.stats.clone()
+        let mut s = self.stats.clone();
+        if let (Some(d), Some(reader)) = (s.disk.as_mut(), self.disk_stats_reader()) {
+            d.tier = reader.stats();
+        }
+        s
     }
 
     /// Checks the block books (tests run it after every step).

@@ -77,6 +77,8 @@ struct Shared {
     waiting: AtomicUsize,
     /// Open prefix-cache feeds, against their limit.
     kv_feed_slots: KvFeedSlots,
+    /// The disk tier's counters, read live by [`EngineHandle::stats`].
+    disk: Option<tandem_kv_disk::DiskStatsReader>,
     /// Why the engine stopped, once its backend failed for good.
     failure: Mutex<Option<String>>,
 }
@@ -130,6 +132,7 @@ impl EngineHandle {
             grammars: core.grammars(),
             lora: core.lora().cloned(),
             stats: Mutex::new(core.stats()),
+            disk: core.disk_stats_reader(),
             next_id: AtomicU64::new(0),
             kv_pool_bytes: core.kv_pool_bytes(),
             max_queued: core.max_queued_requests(),
@@ -173,10 +176,17 @@ impl EngineHandle {
 
     /// The engine's counters as of its last step.
     pub fn stats(&self) -> EngineStats {
-        self.shared
+        let mut s = self
+            .shared
             .stats
             .lock()
-            .map_or_else(|e| e.into_inner().clone(), |s| s.clone())
+            .map_or_else(|e| e.into_inner().clone(), |s| s.clone());
+        // The disk tier's counters move between steps (its threads write
+        // and load): read them now, not as of the last step.
+        if let (Some(d), Some(reader)) = (s.disk.as_mut(), &self.shared.disk) {
+            d.tier = reader.stats();
+        }
+        s
     }
 
     /// Why the engine stopped, once its backend failed for good (a lost

@@ -52,5 +52,7 @@ pub use request::{
 pub use resume::{Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_kv_disk::format::HEADER_BYTES as DISK_HEADER_BYTES;
-pub use tandem_kv_disk::{fingerprint as disk_fingerprint, DiskStats, DiskTier, DiskTierConfig};
+pub use tandem_kv_disk::{
+    fingerprint as disk_fingerprint, DiskStats, DiskStatsReader, DiskTier, DiskTierConfig,
+};
 pub use tandem_structured::ResponseFormat;

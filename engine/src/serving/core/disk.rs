@@ -323,6 +323,12 @@ impl EngineCore {
         }
     }
 
+    /// Reads the disk tier's own counters from another thread (they move
+    /// between steps, as its writer and loader work).
+    pub fn disk_stats_reader(&self) -> Option<tandem_kv_disk::DiskStatsReader> {
+        self.disk.as_ref().map(|d| d.tier.stats_reader())
+    }
+
     /// Blocks until every block offered to the disk tier is written.
     pub fn flush_disk_tier(&self) {
         if let Some(d) = &self.disk {
