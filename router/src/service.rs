@@ -160,7 +160,10 @@ impl RouterService {
             .map(|(w, (matched_blocks, disk_blocks))| Candidate {
                 matched_blocks,
                 disk_blocks,
-                disk_block_cost: w.disk_block_cost(),
+                // Read only where it matters: a lock per candidate otherwise.
+                disk_block_cost: (disk_blocks > matched_blocks)
+                    .then(|| w.disk_block_cost())
+                    .flatten(),
                 active_requests: w.active_requests.load(Ordering::Relaxed),
                 active_blocks: w.reported_blocks.load(Ordering::Relaxed)
                     + w.inflight_blocks.load(Ordering::Relaxed),
