@@ -3,7 +3,6 @@
 //! prompt it had cached from its disk tier (its metrics say so), with the
 //! tokens of the cold run; two workers cannot share one directory.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +13,7 @@ use tandem_tests::prometheus::scrape;
 /// A decode worker on `model` at `addr` with its disk tier in `disk`: the
 /// process, its gRPC address and its metrics address.
 fn worker(model: &Path, disk: &Path, addr: &str) -> (KillOnDrop, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .arg("decode-worker")
         .arg("--model")
         .arg(model)
@@ -28,23 +27,9 @@ fn worker(model: &Path, disk: &Path, addr: &str) -> (KillOnDrop, String, String)
         .stderr(Stdio::inherit())
         .spawn()
         .expect("tandem decode-worker starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let child = KillOnDrop(child);
-    let mut metrics = None;
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = lines
-            .next()
-            .expect("the worker prints `listening on` before it exits")
-            .expect("a line");
-        if let Some(m) = line.strip_prefix("metrics listening on ") {
-            metrics = Some(m.trim().to_string());
-        } else if let Some(a) = line.strip_prefix("listening on ") {
-            let addr = a.trim().to_string();
-            std::thread::spawn(move || for _ in lines {});
-            return (child, addr, metrics.expect("metrics before listening"));
-        }
-    }
+    let (child, addr, metrics) =
+        tandem_tests::cluster::listening_with_metrics(child, "decode-worker");
+    (child, addr, metrics.expect("metrics before listening"))
 }
 
 fn metric(metrics: &str, name: &str) -> f64 {

@@ -8,7 +8,6 @@
 //! veth sends at 1 Mbit/s, a `tc` token bucket), the one fetch that
 //! measures the link teaches the router to compute instead.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -31,7 +30,7 @@ fn worker_at(model: &Path, host: &str, netns: Option<&str>) -> (KillOnDrop, Stri
         None => Command::new(tandem()),
     };
     let any = format!("{host}:0");
-    let mut child = command
+    let child = command
         .arg("decode-worker")
         .arg("--model")
         .arg(model)
@@ -49,20 +48,9 @@ fn worker_at(model: &Path, host: &str, netns: Option<&str>) -> (KillOnDrop, Stri
         .stderr(Stdio::inherit())
         .spawn()
         .expect("tandem decode-worker starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let child = KillOnDrop(child);
-    let mut metrics = None;
-    let mut lines = BufReader::new(stdout).lines();
-    loop {
-        let line = lines.next().expect("listening").expect("a line");
-        if let Some(m) = line.strip_prefix("metrics listening on ") {
-            metrics = Some(m.trim().to_string());
-        } else if let Some(a) = line.strip_prefix("listening on ") {
-            let addr = a.trim().to_string();
-            std::thread::spawn(move || for _ in lines {});
-            return (child, addr, metrics.expect("metrics first"));
-        }
-    }
+    let (child, addr, metrics) =
+        tandem_tests::cluster::listening_with_metrics(child, "decode-worker");
+    (child, addr, metrics.expect("metrics before listening"))
 }
 
 fn value(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -179,6 +167,32 @@ fn a_prefix_cached_on_one_worker_is_fetched_by_the_other_not_recomputed() {
     );
 }
 
+/// A router over `first` and `second` that alternates between them,
+/// `first` first: the process, its gRPC and metrics addresses.
+fn round_robin_router(model: &Path, first: &str, second: &str) -> (KillOnDrop, String, String) {
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let decode = format!("{first},{second}");
+    let (child, addr) = spawn_component(
+        tandem(),
+        "router",
+        &[
+            "--addr",
+            "127.0.0.1:0",
+            "--decode",
+            &decode,
+            "--decode-policy",
+            "round-robin",
+            "--model",
+            model.to_str().expect("utf8"),
+            "--metrics-addr",
+            &metrics,
+            "--probe-interval-ms",
+            "100",
+        ],
+    );
+    (child, addr, metrics)
+}
+
 /// A network namespace joined to this one by a veth pair, its end sending
 /// at `rate` (a `tc` token bucket); deleted (with the pair) on drop.
 struct SlowLink {
@@ -273,27 +287,8 @@ fn over_a_throttled_link_the_router_recomputes_once_it_has_measured_it() {
     // B here; A behind the slow link, so blocks A sends B crawl.
     let (_b, b, b_metrics) = worker_at(&model, &link.here, None);
     let (_a, a, _) = worker_at(&model, &link.there, Some(&link.ns));
-    let router_metrics = format!("127.0.0.1:{}", free_port());
     // B first: round-robin sends requests 1, 3, 5 to B and 2, 4 to A.
-    let decode = format!("{b},{a}");
-    let (_router, router) = spawn_component(
-        tandem(),
-        "router",
-        &[
-            "--addr",
-            "127.0.0.1:0",
-            "--decode",
-            &decode,
-            "--decode-policy",
-            "round-robin",
-            "--model",
-            model.to_str().expect("utf8"),
-            "--metrics-addr",
-            &router_metrics,
-            "--probe-interval-ms",
-            "100",
-        ],
-    );
+    let (_router, router, router_metrics) = round_robin_router(&model, &b, &a);
     let rt = tandem_tests::cluster::runtime();
     let call = |prompt: Vec<u32>| rt.block_on(greedy(&router, prompt, 2)).expect("call");
     let prefix = |seed: u32| -> Vec<u32> {
@@ -380,26 +375,7 @@ fn a_holder_that_dies_mid_fetch_leaves_the_request_to_be_computed() {
     let link = SlowLink::new("512kbit", 1);
     let (_b, b, b_metrics) = worker_at(&model, &link.here, None);
     let (mut holder, a, _) = worker_at(&model, &link.there, Some(&link.ns));
-    let router_metrics = format!("127.0.0.1:{}", free_port());
-    let decode = format!("{b},{a}");
-    let (_router, router) = spawn_component(
-        tandem(),
-        "router",
-        &[
-            "--addr",
-            "127.0.0.1:0",
-            "--decode",
-            &decode,
-            "--decode-policy",
-            "round-robin",
-            "--model",
-            model.to_str().expect("utf8"),
-            "--metrics-addr",
-            &router_metrics,
-            "--probe-interval-ms",
-            "100",
-        ],
-    );
+    let (_router, router, router_metrics) = round_robin_router(&model, &b, &a);
     let rt = tandem_tests::cluster::runtime();
     let prompt: Vec<u32> = (0..30 * 16 + 3).map(|i| (i * 19 + 5) % 250).collect();
     // 1 to B (a short warm-up), 2 to A: A computes the prompt.

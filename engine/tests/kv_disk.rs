@@ -100,6 +100,26 @@ fn run(core: &mut EngineCore, prompt: Vec<u32>) -> (Tokens, usize) {
     (Tokens(tokens), cached.expect("finished"))
 }
 
+/// Runs `prompt` cold on a fresh engine with the disk tier in `disk`,
+/// waits for its blocks to be written, and drops the engine (its lock):
+/// the tokens.
+fn run_and_write(ck: &Checkpoint, disk: &Path, prompt: Vec<u32>) -> Tokens {
+    let mut core = engine(ck, Some(disk));
+    let (cold, _) = run(&mut core, prompt);
+    core.flush_disk_tier();
+    cold
+}
+
+/// The one store directory (named by the fingerprint) under `disk`.
+fn store_dir(disk: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(disk)
+        .expect("dir")
+        .next()
+        .expect("the fingerprint's directory")
+        .expect("entry")
+        .path()
+}
+
 fn restored(core: &EngineCore) -> u64 {
     core.stats().disk.expect("a disk tier").restored_blocks
 }
@@ -140,12 +160,7 @@ fn an_evicted_prefix_comes_back_from_disk_with_a_cold_runs_tokens() {
 fn a_restarted_engine_serves_its_old_blocks_from_disk() {
     let (_m, ck) = checkpoint();
     let disk = tempfile::tempdir().expect("tempdir");
-    let cold = {
-        let mut core = engine(&ck, Some(disk.path()));
-        let (cold, _) = run(&mut core, prompt(4));
-        core.flush_disk_tier();
-        cold
-    };
+    let cold = run_and_write(&ck, disk.path(), prompt(4));
     let mut core = engine(&ck, Some(disk.path()));
     assert_eq!(core.stats().disk.expect("disk").tier.blocks, 16);
     assert_eq!(run(&mut core, prompt(4)), (cold, 16 * BLOCK));
@@ -156,21 +171,11 @@ fn a_restarted_engine_serves_its_old_blocks_from_disk() {
 fn corrupt_block_files_are_recomputed_never_loaded() {
     let (_m, ck) = checkpoint();
     let disk = tempfile::tempdir().expect("tempdir");
-    let cold = {
-        let mut core = engine(&ck, Some(disk.path()));
-        let (cold, _) = run(&mut core, prompt(5));
-        core.flush_disk_tier();
-        cold
-    };
+    let cold = run_and_write(&ck, disk.path(), prompt(5));
     // Flip one payload bit in the prompt's 9th block (the chain's files
     // are named by hash: find it by its parent, the 8th).
     let hashes = tandem_block_hash::block_hashes(&prompt(5), BLOCK);
-    let store = std::fs::read_dir(disk.path())
-        .expect("dir")
-        .next()
-        .expect("the fingerprint's directory")
-        .expect("entry")
-        .path();
+    let store = store_dir(disk.path());
     let file = store.join(format!("{:016x}.kvb", hashes[8]));
     let mut bytes = std::fs::read(&file).expect("read");
     bytes[100] ^= 0x01;
@@ -271,12 +276,7 @@ fn a_full_disk_fails_the_writes_not_the_request() {
     // Every write of this prompt's first 4 blocks goes to /dev/full
     // (ENOSPC, as on a full disk): the writer's temporary files are
     // symlinks to it.
-    let store = std::fs::read_dir(disk.path())
-        .expect("dir")
-        .next()
-        .expect("the fingerprint's directory")
-        .expect("entry")
-        .path();
+    let store = store_dir(disk.path());
     let hashes = tandem_block_hash::block_hashes(&prompt(9), BLOCK);
     for h in &hashes[..4] {
         std::os::unix::fs::symlink("/dev/full", store.join(format!("{h:016x}.kvb.tmp")))

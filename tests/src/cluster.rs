@@ -369,19 +369,32 @@ pub fn spawn_component(tandem: &Path, subcommand: &str, args: &[&str]) -> (KillO
 /// Reads a started `tandem` server's stdout (piped) up to its `listening on
 /// ADDR` line, then drains the rest in the background so it never blocks;
 /// the process (stopped on drop) and the address. Panics if it exits first.
-pub fn listening(mut child: Child, what: &str) -> (KillOnDrop, String) {
+pub fn listening(child: Child, what: &str) -> (KillOnDrop, String) {
+    let (child, addr, _) = listening_with_metrics(child, what);
+    (child, addr)
+}
+
+/// [`listening`], also keeping the `metrics listening on ADDR` line a
+/// server started with `--metrics-addr` prints before it.
+pub fn listening_with_metrics(
+    mut child: Child,
+    what: &str,
+) -> (KillOnDrop, String, Option<String>) {
     let stdout = child.stdout.take().expect("a piped stdout");
     let child = KillOnDrop(child);
     let mut lines = BufReader::new(stdout).lines();
+    let mut metrics = None;
     loop {
         let line = lines
             .next()
             .unwrap_or_else(|| panic!("tandem {what} exited before listening"))
             .expect("a line");
-        if let Some(addr) = line.strip_prefix("listening on ") {
+        if let Some(m) = line.strip_prefix("metrics listening on ") {
+            metrics = Some(m.trim().to_string());
+        } else if let Some(addr) = line.strip_prefix("listening on ") {
             let addr = addr.trim().to_string();
             std::thread::spawn(move || for _ in lines {});
-            return (child, addr);
+            return (child, addr, metrics);
         }
     }
 }
