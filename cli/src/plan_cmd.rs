@@ -78,7 +78,7 @@ struct DiskPlan {
 
 impl DiskPlan {
     fn of(cfg: &ModelConfig, block_size: usize, budget: u64) -> Self {
-        let values = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * block_size;
+        let values = cfg.kv_layout(block_size).block_values();
         let file_bytes = (tandem_engine::serving::DISK_HEADER_BYTES + values * 4) as u64;
         let blocks = budget / file_bytes.max(1);
         Self {
@@ -269,12 +269,18 @@ fn print_table(dir: &std::path::Path, cfg: &ModelConfig, c: &Capacity, p: &Param
         (
             "model",
             format!(
-                "{} ({}, {} layers, {} KV heads × {} head_dim)",
+                "{} ({}, {} layers, {})",
                 dir.display(),
                 cfg.architecture.hf_name(),
                 cfg.num_layers,
-                cfg.num_kv_heads,
-                cfg.head_dim
+                match cfg.kv_rows() {
+                    (tandem_engine::KvRows::PerHead, heads, dim) => {
+                        format!("{heads} KV heads × {dim} head_dim")
+                    }
+                    (tandem_engine::KvRows::Latent, _, width) => {
+                        format!("one latent of {width} per token and layer")
+                    }
+                }
             ),
         ),
         ("parameters", parameters(cfg, p)),

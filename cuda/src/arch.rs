@@ -36,6 +36,9 @@ pub fn missing_features(config: &ModelConfig) -> Vec<&'static str> {
     if s.residual_scale.is_some() {
         missing.push("residual scaling");
     }
+    if s.mla.is_some() {
+        missing.push("multi-head latent attention");
+    }
     if s.logits_divisor.is_some() {
         missing.push("logit scaling");
     }

@@ -1140,6 +1140,7 @@ impl ComputeBackend for CudaModel {
 
     fn kv_layout(&self) -> KvLayout {
         KvLayout {
+            rows: tandem_engine::KvRows::PerHead,
             num_layers: self.config.num_layers,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,

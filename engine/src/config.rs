@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use crate::arch::{self, ArchSpec, FamilyInput, RopeParams};
 use crate::error::{EngineError, Result};
+use crate::kv_cache::{KvLayout, KvRows, SlidingLayers};
 
 /// The model families the engine runs. What each does differently is
 /// described by its [`ArchSpec`] (`crate::arch`), built from the config.
@@ -30,6 +31,8 @@ pub enum Architecture {
     Qwen2Moe,
     Qwen3Moe,
     GptOss,
+    DeepseekV2,
+    DeepseekV3,
 }
 
 impl Architecture {
@@ -50,6 +53,8 @@ impl Architecture {
             Self::Qwen2Moe => "Qwen2MoeForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::GptOss => "GptOssForCausalLM",
+            Self::DeepseekV2 => "DeepseekV2ForCausalLM",
+            Self::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 }
@@ -488,8 +493,11 @@ impl ModelConfig {
                 raw.num_attention_heads
             )));
         }
-        let head_dim = raw
-            .head_dim
+        let head_dim = family
+            .head_dim_key
+            .and_then(|key| value.get(key).and_then(Value::as_u64))
+            .map(|d| d as usize)
+            .or(raw.head_dim)
             .or(family.default_head_dim)
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
@@ -516,6 +524,13 @@ impl ModelConfig {
             None => (family.default_windows)(&input)?,
         };
         let tie_word_embeddings = raw.tie_word_embeddings.unwrap_or(family.tied_by_default);
+        // Latent attention's absorbed form is multi-query attention over one
+        // latent "head": a tensor-parallel split replicates it on every rank
+        // as it does any single KV head.
+        let num_kv_heads = match spec.mla {
+            Some(_) => 1,
+            None => num_kv_heads,
+        };
         Ok(Self {
             architecture,
             hidden_size: raw.hidden_size,
@@ -559,9 +574,43 @@ impl ModelConfig {
         self.num_heads / self.num_kv_heads
     }
 
+    /// What the KV cache of this model holds per token and layer: the kind
+    /// of row, rows (KV heads, or one latent), and each row's width.
+    pub fn kv_rows(&self) -> (KvRows, usize, usize) {
+        match &self.arch.mla {
+            Some(m) => (KvRows::Latent, 1, m.latent_width()),
+            None => (KvRows::PerHead, self.num_kv_heads, self.head_dim),
+        }
+    }
+
+    /// Cached values one token occupies in one layer: K and V of every KV
+    /// head, or one latent.
+    pub fn kv_values_per_token_layer(&self) -> usize {
+        let (rows, heads, width) = self.kv_rows();
+        let pools = match rows {
+            KvRows::PerHead => 2,
+            KvRows::Latent => 1,
+        };
+        pools * heads * width
+    }
+
     /// Bytes of K and V one token occupies across all layers, in f32.
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * std::mem::size_of::<f32>()
+        self.num_layers * self.kv_values_per_token_layer() * std::mem::size_of::<f32>()
+    }
+
+    /// The KV layout of the whole (unsharded) model for `block_size`, every
+    /// sliding layer marked.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        let (rows, num_kv_heads, head_dim) = self.kv_rows();
+        KvLayout {
+            num_layers: self.num_layers,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            sliding: SlidingLayers::from_windows(self.sliding_window.iter().copied()),
+            rows,
+        }
     }
 }
 

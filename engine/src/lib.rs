@@ -42,9 +42,9 @@ pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, GenerateOutput, GenerateRequest};
 pub use kv_cache::{
     BlockAllocator, BlockCopy, BlockId, BlockTable, CacheEvent, KvCache, KvCacheDtype, KvError,
-    KvFootprint, KvGroups, KvLayout, PrefixCacheStats, SlidingLayers, FREED,
+    KvFootprint, KvGroups, KvLayout, KvRows, PrefixCacheStats, SlidingLayers, FREED,
 };
-pub use model::{Logits, Model, SeqInput};
+pub use model::{Logits, MlaForm, Model, SeqInput};
 pub use sampling::{Sampled, Sampler, SamplingParams, TokenLogprob};
 pub use shard::{ShardPeers, ShardSpec};
 /// Constrained decoding (grammars, token masks), re-exported for servers.

@@ -40,6 +40,20 @@ pub struct SynthConfig {
     /// Make every MLP a mixture of experts: a Qwen3-MoE checkpoint (per-head
     /// q/k norms, `mlp.gate` router, `mlp.experts.{e}.*`) instead of Llama.
     pub experts: Option<SynthExperts>,
+    /// Multi-head latent attention instead of q/k/v: a DeepSeek-V3
+    /// checkpoint whose MLPs are all dense (`first_k_dense_replace` is the
+    /// layer count; `experts` must be `None`).
+    pub latent: Option<SynthLatent>,
+}
+
+/// The latent attention of a generated DeepSeek-V3 model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SynthLatent {
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
 }
 
 /// The experts of a generated mixture-of-experts model.
@@ -64,6 +78,7 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
         rope_theta: 10000.0,
         tie_word_embeddings: false,
         experts: None,
+        latent: None,
     };
     let bench = SynthConfig {
         hidden_size: 768,
@@ -76,6 +91,7 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
         rope_theta: 10000.0,
         tie_word_embeddings: false,
         experts: None,
+        latent: None,
     };
     vec![
         (
@@ -133,6 +149,37 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
                     top_k: 8,
                     intermediate_size: 128,
                 }),
+                ..bench.clone()
+            },
+        ),
+        (
+            "tiny-mla",
+            "as tiny with 2048 positions, a DeepSeek-V3 with latent attention \
+             (a 40-wide latent per token and layer): KV transfer tests",
+            SynthConfig {
+                max_position_embeddings: 2048,
+                latent: Some(SynthLatent {
+                    q_lora_rank: 32,
+                    kv_lora_rank: 32,
+                    qk_nope_head_dim: 16,
+                    qk_rope_head_dim: 8,
+                    v_head_dim: 16,
+                }),
+                ..tiny.clone()
+            },
+        ),
+        (
+            "bench-mla",
+            "as bench-100m, a DeepSeek-V3 with latent attention (a 224-wide latent \
+             per token and layer against bench-100m's 2 × 4 × 64): kv-transfer-bench",
+            SynthConfig {
+                latent: Some(SynthLatent {
+                    q_lora_rank: 384,
+                    kv_lora_rank: 192,
+                    qk_nope_head_dim: 64,
+                    qk_rope_head_dim: 32,
+                    v_head_dim: 64,
+                }),
                 ..bench
             },
         ),
@@ -172,25 +219,45 @@ impl SynthConfig {
         dense
     }
 
-    /// Parameters of the model (every expert's).
+    /// Parameters of the model (every expert's): every tensor it writes.
     pub fn num_params(&self) -> usize {
-        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim());
-        let attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2;
-        let mlp = match self.experts {
-            None => 3 * h * i,
-            Some(x) => x.num_experts * (3 * h * x.intermediate_size + h) + 2 * d,
-        };
-        let per_layer = attn + mlp + 2 * h;
-        let head = if self.tie_word_embeddings {
-            0
-        } else {
-            self.vocab_size * h
-        };
-        self.vocab_size * h + head + self.num_layers * per_layer + h
+        self.tensors()
+            .iter()
+            .map(|(_, shape, _)| shape.iter().product::<usize>())
+            .sum()
     }
 
     fn config_json(&self, dtype: DType) -> Value {
         let mut c = self.llama_config_json(dtype);
+        if let Some(m) = self.latent {
+            let mla = json!({
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "num_key_value_heads": self.num_heads,
+                "head_dim": m.qk_rope_head_dim,
+                "q_lora_rank": m.q_lora_rank,
+                "kv_lora_rank": m.kv_lora_rank,
+                "qk_nope_head_dim": m.qk_nope_head_dim,
+                "qk_rope_head_dim": m.qk_rope_head_dim,
+                "v_head_dim": m.v_head_dim,
+                "rope_interleave": true,
+                // Every layer dense: the experts' fields are there because
+                // the config class has them, and unused.
+                "first_k_dense_replace": self.num_layers,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+                "n_shared_experts": 1,
+                "n_group": 1,
+                "topk_group": 1,
+                "routed_scaling_factor": 1.0,
+                "norm_topk_prob": true,
+                "num_nextn_predict_layers": 0,
+            });
+            for (k, v) in mla.as_object().into_iter().flatten() {
+                c[k] = v.clone();
+            }
+        }
         if let Some(x) = self.experts {
             let moe = json!({
                 "architectures": ["Qwen3MoeForCausalLM"],
@@ -246,10 +313,15 @@ impl SynthConfig {
         for l in 0..self.num_layers {
             let p = format!("model.layers.{l}");
             t.push((format!("{p}.input_layernorm.weight"), vec![h], true));
-            t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
-            t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
-            t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
-            t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
+            match self.latent {
+                None => {
+                    t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
+                    t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
+                    t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
+                    t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
+                }
+                Some(m) => t.extend(self.latent_tensors(&p, m)),
+            }
             t.push((
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],
@@ -283,6 +355,32 @@ impl SynthConfig {
         t
     }
 
+    /// One layer's latent attention tensors (DeepSeek-V3's names).
+    fn latent_tensors(&self, p: &str, m: SynthLatent) -> Vec<(String, Vec<usize>, bool)> {
+        let (h, heads) = (self.hidden_size, self.num_heads);
+        let attn = |name: &str, shape: Vec<usize>, norm: bool| {
+            (format!("{p}.self_attn.{name}.weight"), shape, norm)
+        };
+        let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        vec![
+            attn("q_a_proj", vec![m.q_lora_rank, h], false),
+            attn("q_a_layernorm", vec![m.q_lora_rank], true),
+            attn("q_b_proj", vec![heads * qk, m.q_lora_rank], false),
+            attn(
+                "kv_a_proj_with_mqa",
+                vec![m.kv_lora_rank + m.qk_rope_head_dim, h],
+                false,
+            ),
+            attn("kv_a_layernorm", vec![m.kv_lora_rank], true),
+            attn(
+                "kv_b_proj",
+                vec![heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+                false,
+            ),
+            attn("o_proj", vec![h, heads * m.v_head_dim], false),
+        ]
+    }
+
     /// Writes the checkpoint into `dir` (created if needed).
     pub fn write(&self, dir: &Path, seed: u64, dtype: DType) -> Result<()> {
         self.write_scaled(dir, seed, dtype, |_| 1.0)
@@ -305,6 +403,7 @@ impl SynthConfig {
             || !self.hidden_size.is_multiple_of(self.num_heads)
             || !self.num_heads.is_multiple_of(self.num_kv_heads)
             || self.vocab_size < 258
+            || (self.latent.is_some() && self.experts.is_some())
         {
             return Err(EngineError::InvalidRequest(format!(
                 "inconsistent model shape {self:?}"

@@ -186,6 +186,7 @@ fn forward_rejects_bad_batches_without_panicking() {
     }
     // A cache shaped for another model (one KV head instead of two).
     let other = tandem_engine::KvLayout {
+        rows: tandem_engine::KvRows::PerHead,
         num_kv_heads: 1,
         ..model.kv_layout(4)
     };

@@ -14,10 +14,14 @@ use tokio::sync::mpsc::unbounded_channel;
 const BLOCK: usize = 16;
 
 fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
+    checkpoint_of("tiny")
+}
+
+fn checkpoint_of(preset: &str) -> (tempfile::TempDir, Checkpoint) {
     let tmp = tempfile::tempdir().expect("tempdir");
     let cfg = synth::SynthConfig {
         max_position_embeddings: 1024,
-        ..synth::preset("tiny").expect("preset")
+        ..synth::preset(preset).expect("preset")
     };
     cfg.write(tmp.path(), 5, DType::F32).expect("write");
     let ck = Checkpoint::open(tmp.path()).expect("open");
@@ -163,6 +167,26 @@ fn a_restarted_engine_serves_its_old_blocks_from_disk() {
     let cold = run_and_write(&ck, disk.path(), prompt(4));
     let mut core = engine(&ck, Some(disk.path()));
     assert_eq!(core.stats().disk.expect("disk").tier.blocks, 16);
+    assert_eq!(run(&mut core, prompt(4)), (cold, 16 * BLOCK));
+    assert_eq!(restored(&core), 16);
+}
+
+/// A latent cache (DeepSeek-V3's multi-head latent attention) is stored
+/// and restored as its rows alone: a block file holds layers × 16 × 40
+/// floats, and a restart gives a cold run's tokens.
+#[test]
+fn a_latent_cache_restarts_warm_from_disk() {
+    let (_m, ck) = checkpoint_of("tiny-mla");
+    let disk = tempfile::tempdir().expect("tempdir");
+    let cold = run_and_write(&ck, disk.path(), prompt(4));
+    let file = std::fs::read_dir(store_dir(disk.path()))
+        .expect("store")
+        .next()
+        .expect("a block file")
+        .expect("entry");
+    let payload = 2 * BLOCK * 40 * 4;
+    assert_eq!(file.metadata().expect("meta").len() as usize, 64 + payload);
+    let mut core = engine(&ck, Some(disk.path()));
     assert_eq!(run(&mut core, prompt(4)), (cold, 16 * BLOCK));
     assert_eq!(restored(&core), 16);
 }

@@ -225,6 +225,11 @@ fn every_family_shards_to_the_whole_models_logits() {
         ("gptoss_mxfp4_f32", both),
         // Its q/k norm spans every head: pipeline only.
         ("olmo2_gqa_f32", &[(1, 2)][..]),
+        // Latent attention: query heads and kv_b_proj split by head, the
+        // latent replicated on every rank; grouped routing, shared experts.
+        ("deepseekv3_yarn_f32", &[(2, 1), (1, 3), (2, 3), (4, 1)][..]),
+        ("deepseekv2_lite_f32", &[(2, 1), (1, 3), (4, 1)][..]),
+        ("deepseekv2_group_f32", both),
     ] {
         let dir = golden.join(case);
         let whole = run_sharded(&dir, 1, 1);
@@ -246,6 +251,9 @@ fn expert_parallel_shards_give_the_whole_models_logits() {
         "gptoss_sinks_f32",
         "gptoss_mxfp4_f32",
         "mixtral_top2_f32",
+        // Grouped sigmoid routing with its choice bias, a shared expert and
+        // a dense first layer.
+        "deepseekv3_yarn_f32",
     ] {
         let dir = golden.join(case);
         let whole = run_sharded(&dir, 1, 1);

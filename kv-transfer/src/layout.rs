@@ -9,7 +9,10 @@
 //!
 //! The unit of transfer is one block of one layer: K and V, each
 //! [`KvLayoutDescriptor::block_layer_bytes`] long, laid out
-//! `[kv_head][slot][head_dim]` exactly as the engine stores it.
+//! `[kv_head][slot][head_dim]` exactly as the engine stores it. A latent
+//! layout ([`KvRows::Latent`], multi-head latent attention) has one row of
+//! `head_dim` per token and no V: its V part is empty
+//! ([`KvLayoutDescriptor::value_bytes`]).
 
 use crate::TransferError;
 
@@ -75,6 +78,43 @@ impl std::fmt::Display for KvDtype {
     }
 }
 
+/// What a layout's rows are. Codes on the wire: 0 = per head, 1 = latent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvRows {
+    /// K and V of each KV head, `head_dim` each per token.
+    #[default]
+    PerHead,
+    /// One latent of `head_dim` per token (one "KV head"), no V.
+    Latent,
+}
+
+impl KvRows {
+    fn code(self) -> u8 {
+        match self {
+            KvRows::PerHead => 0,
+            KvRows::Latent => 1,
+        }
+    }
+
+    fn from_code(code: u8) -> Result<Self, TransferError> {
+        match code {
+            0 => Ok(KvRows::PerHead),
+            1 => Ok(KvRows::Latent),
+            other => Err(TransferError::InvalidLayout(format!(
+                "unknown KV row kind {other} (known: 0 per head, 1 latent)"
+            ))),
+        }
+    }
+
+    /// The name used in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvRows::PerHead => "per-head K and V",
+            KvRows::Latent => "latent",
+        }
+    }
+}
+
 /// The shape of a worker's KV cache as far as a transfer is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvLayoutDescriptor {
@@ -94,6 +134,8 @@ pub struct KvLayoutDescriptor {
     pub sliding_window: u32,
     /// Bit `l` set: layer `l` slides.
     pub windowed_layers: u128,
+    /// Per-head K and V, or one latent per token.
+    pub rows: KvRows,
 }
 
 /// The largest K (or V) payload of one block of one layer that any transport
@@ -105,13 +147,27 @@ impl KvLayoutDescriptor {
     /// Bytes of encoded descriptor on the wire.
     pub const ENCODED_LEN: usize = 40;
 
-    /// Bytes of K (or of V) of one block in one layer:
+    /// Bytes of K of one block in one layer (and of V, per head):
     /// `num_kv_heads × block_size × head_dim × dtype bytes`.
     pub fn block_layer_bytes(&self) -> usize {
         self.num_kv_heads as usize
             * self.block_size as usize
             * self.head_dim as usize
             * self.dtype.size_bytes()
+    }
+
+    /// Bytes of V of one block in one layer: as K's per head, none for a
+    /// latent.
+    pub fn value_bytes(&self) -> usize {
+        match self.rows {
+            KvRows::PerHead => self.block_layer_bytes(),
+            KvRows::Latent => 0,
+        }
+    }
+
+    /// Bytes one block of one layer moves: K and V.
+    pub fn block_payload_bytes(&self) -> usize {
+        self.block_layer_bytes() + self.value_bytes()
     }
 
     /// Checks the descriptor describes a real, transferable layout: every
@@ -185,12 +241,20 @@ impl KvLayoutDescriptor {
                 peer: peer.dtype.to_string(),
             });
         }
+        if self.rows != peer.rows {
+            return Err(TransferError::LayoutMismatch {
+                field: "rows",
+                here: self.rows.name().to_string(),
+                peer: peer.rows.name().to_string(),
+            });
+        }
         Ok(())
     }
 
     /// The compact wire form: four little-endian `u32`s (layers, kv heads,
-    /// head dim, block size), the dtype code, three zero bytes, the sliding
-    /// window (`u32`) and the windowed-layer mask (`u128`), little-endian.
+    /// head dim, block size), the dtype code, the row kind's code, two zero
+    /// bytes, the sliding window (`u32`) and the windowed-layer mask
+    /// (`u128`), little-endian.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
         let mut out = [0u8; Self::ENCODED_LEN];
         out[0..4].copy_from_slice(&self.num_layers.to_le_bytes());
@@ -198,6 +262,7 @@ impl KvLayoutDescriptor {
         out[8..12].copy_from_slice(&self.head_dim.to_le_bytes());
         out[12..16].copy_from_slice(&self.block_size.to_le_bytes());
         out[16] = self.dtype.code();
+        out[17] = self.rows.code();
         out[20..24].copy_from_slice(&self.sliding_window.to_le_bytes());
         out[24..40].copy_from_slice(&self.windowed_layers.to_le_bytes());
         out
@@ -208,7 +273,7 @@ impl KvLayoutDescriptor {
     pub fn decode(bytes: &[u8; Self::ENCODED_LEN]) -> Result<Self, TransferError> {
         let word =
             |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
-        if bytes[17..20] != [0, 0, 0] {
+        if bytes[18..20] != [0, 0] {
             return Err(TransferError::InvalidLayout(
                 "reserved bytes of the layout descriptor are not zero".into(),
             ));
@@ -223,17 +288,25 @@ impl KvLayoutDescriptor {
             dtype: KvDtype::from_code(bytes[16])?,
             sliding_window: word(20),
             windowed_layers: u128::from_le_bytes(mask),
+            rows: KvRows::from_code(bytes[17])?,
         })
     }
 }
 
 impl std::fmt::Display for KvLayoutDescriptor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} layers × {} kv heads × head_dim {} × block_size {} ({})",
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
-        )?;
+        match self.rows {
+            KvRows::PerHead => write!(
+                f,
+                "{} layers × {} kv heads × head_dim {} × block_size {} ({})",
+                self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+            )?,
+            KvRows::Latent => write!(
+                f,
+                "{} layers × one latent of {} × block_size {} ({})",
+                self.num_layers, self.head_dim, self.block_size, self.dtype
+            )?,
+        }
         if self.sliding_window > 0 {
             write!(
                 f,
@@ -252,6 +325,7 @@ mod tests {
 
     fn layout() -> KvLayoutDescriptor {
         KvLayoutDescriptor {
+            rows: crate::KvRows::PerHead,
             num_layers: 12,
             num_kv_heads: 4,
             head_dim: 64,
@@ -292,6 +366,35 @@ mod tests {
         let mut bytes = layout().encode();
         bytes[19] = 1;
         assert!(KvLayoutDescriptor::decode(&bytes).is_err());
+        let mut bytes = layout().encode();
+        bytes[17] = 7;
+        assert!(KvLayoutDescriptor::decode(&bytes).is_err());
+    }
+
+    #[test]
+    fn a_latent_layout_moves_one_row_per_token_and_no_v() -> Result<(), TransferError> {
+        let latent = KvLayoutDescriptor {
+            rows: KvRows::Latent,
+            num_kv_heads: 1,
+            head_dim: 576,
+            ..layout()
+        };
+        assert_eq!(KvLayoutDescriptor::decode(&latent.encode())?, latent);
+        assert_eq!(latent.block_layer_bytes(), 16 * 576 * 4);
+        assert_eq!(latent.value_bytes(), 0);
+        assert_eq!(latent.block_payload_bytes(), 16 * 576 * 4);
+        assert_eq!(layout().block_payload_bytes(), 2 * 4 * 16 * 64 * 4);
+        // One head of the same width, with a V, is refused by name.
+        let per_head = KvLayoutDescriptor {
+            rows: KvRows::PerHead,
+            ..latent
+        };
+        let msg = latent
+            .check_compatible(&per_head)
+            .err()
+            .map(|e| e.to_string());
+        assert!(msg.is_some_and(|m| m.contains("rows latent here, per-head K and V at the peer")));
+        Ok(())
     }
 
     #[test]

@@ -84,7 +84,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 pub use error::TransferError;
-pub use layout::{KvDtype, KvLayoutDescriptor, MAX_BLOCK_LAYER_BYTES};
+pub use layout::{KvDtype, KvLayoutDescriptor, KvRows, MAX_BLOCK_LAYER_BYTES};
 
 /// Names one transfer (typically one request's prompt) on a session. The
 /// sender chooses it; it must be unique among the session's open transfers
@@ -100,8 +100,9 @@ impl std::fmt::Display for TransferId {
 
 /// One block of one layer to write into the receiver's cache.
 ///
-/// `k` and `v` must each be exactly
-/// [`KvLayoutDescriptor::block_layer_bytes`] long, in the engine's in-block
+/// `k` must be exactly [`KvLayoutDescriptor::block_layer_bytes`] long and
+/// `v` [`KvLayoutDescriptor::value_bytes`] (empty for a latent layout), in
+/// the engine's in-block
 /// order `[kv_head][slot][head_dim]`. [`Bytes`] lets a sender hand over a
 /// `Vec<u8>` without a copy (`Bytes::from(vec)`) and lets the TCP transport
 /// write the payload straight from it.
@@ -131,8 +132,8 @@ pub trait KvSink: Send + Sync {
     /// past this fails its transfer.
     fn num_blocks(&self) -> u32;
 
-    /// Stores K and V of `block` in `layer` for `transfer`. `k` and `v` are
-    /// exactly `block_layer_bytes` long. An `Err` fails the transfer: the
+    /// Stores K and V of `block` in `layer` for `transfer`. `k` is exactly
+    /// `block_layer_bytes` long, `v` `value_bytes`. An `Err` fails the transfer: the
     /// sink then gets `finish(Err)` and no more writes for it.
     fn write(
         &self,

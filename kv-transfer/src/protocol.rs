@@ -43,7 +43,7 @@
 //! Sender → receiver:
 //!
 //! - `WRITE` (1): `transfer u64 | count u32 | count × (layer u32, dst_block u32)
-//!   | count × (K, V)`, each K and V exactly `block_layer_bytes`. The body
+//!   | count × (K, V)`, each K `block_layer_bytes` and V `value_bytes`. The body
 //!   length must equal what `count` and the layout imply, and at most
 //!   [`MAX_FRAME_BYTES`], so a hostile length cannot make the receiver
 //!   allocate more than a frame's table; payloads are read in bounded chunks.
@@ -400,14 +400,14 @@ pub(crate) fn encode_writes(
     out: &mut Segments,
     transfer: TransferId,
     blocks: Vec<BlockWrite>,
-    block_layer_bytes: usize,
+    payload_bytes: usize,
     blocks_per_frame: usize,
 ) {
     let mut blocks = blocks.into_iter().peekable();
     while blocks.peek().is_some() {
         let frame: Vec<BlockWrite> = blocks.by_ref().take(blocks_per_frame.max(1)).collect();
         let count = frame.len();
-        let body = WRITE_FIXED + count * (WRITE_ENTRY + 2 * block_layer_bytes);
+        let body = WRITE_FIXED + count * (WRITE_ENTRY + payload_bytes);
         let mut header = BytesMut::with_capacity(FRAME_HEADER + WRITE_FIXED + count * WRITE_ENTRY);
         header.put_u8(FRAME_WRITE);
         header.put_u32_le(body as u32);
@@ -516,6 +516,7 @@ mod tests {
 
     fn layout() -> KvLayoutDescriptor {
         KvLayoutDescriptor {
+            rows: crate::KvRows::PerHead,
             num_layers: 2,
             num_kv_heads: 1,
             head_dim: 2,
@@ -538,7 +539,7 @@ mod tests {
             })
             .collect();
         let mut out = Segments::default();
-        encode_writes(&mut out, TransferId(7), blocks, bytes, 2);
+        encode_writes(&mut out, TransferId(7), blocks, 2 * bytes, 2);
         let mut flat = out.copy_to_bytes(out.remaining());
         let mut frames = 0;
         let mut seen = 0;

@@ -299,7 +299,7 @@ pub(crate) fn validate_block(
     num_blocks: u32,
     block: &BlockWrite,
 ) -> Result<(), TransferError> {
-    let bytes = layout.block_layer_bytes();
+    let (bytes, v_bytes) = (layout.block_layer_bytes(), layout.value_bytes());
     if block.layer >= layout.num_layers {
         return Err(TransferError::InvalidBlock(format!(
             "layer {} out of range: the layout has {} layers",
@@ -312,9 +312,10 @@ pub(crate) fn validate_block(
             block.dst_block
         )));
     }
-    if block.k.len() != bytes || block.v.len() != bytes {
+    if block.k.len() != bytes || block.v.len() != v_bytes {
         return Err(TransferError::InvalidBlock(format!(
-            "block {} layer {}: K is {} bytes and V {} bytes; the layout needs {bytes} each",
+            "block {} layer {}: K is {} bytes and V {} bytes; the layout needs {bytes} and \
+             {v_bytes}",
             block.dst_block,
             block.layer,
             block.k.len(),

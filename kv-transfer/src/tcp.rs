@@ -245,7 +245,7 @@ impl Transport for TcpTransport {
         tokio::spawn(write_loop(
             queue,
             writer,
-            layout.block_layer_bytes(),
+            layout.block_payload_bytes(),
             completions.clone(),
             endpoint.to_string(),
         ));
@@ -376,15 +376,15 @@ pub(crate) async fn client_handshake(
 async fn write_loop(
     mut queue: mpsc::Receiver<Command>,
     mut writer: OwnedWriteHalf,
-    block_layer_bytes: usize,
+    payload_bytes: usize,
     completions: Arc<Completions>,
     endpoint: String,
 ) {
     let blocks_per_frame =
-        (protocol::TARGET_FRAME_BYTES / (2 * block_layer_bytes + protocol::WRITE_ENTRY)).max(1);
+        (protocol::TARGET_FRAME_BYTES / (payload_bytes + protocol::WRITE_ENTRY)).max(1);
     let encode = |out: &mut Segments, command: Command| match command {
         Command::Write { transfer, blocks } => {
-            protocol::encode_writes(out, transfer, blocks, block_layer_bytes, blocks_per_frame)
+            protocol::encode_writes(out, transfer, blocks, payload_bytes, blocks_per_frame)
         }
         Command::Finish(transfer) => {
             protocol::encode_control(out, protocol::FRAME_FINISH, transfer)
@@ -695,7 +695,7 @@ async fn receive_frames<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     peer: &str,
 ) -> Result<(), TransferError> {
     let block_layer_bytes = layout.block_layer_bytes();
-    let per_block = 2 * block_layer_bytes;
+    let per_block = layout.block_payload_bytes();
     let chunk_blocks = (PAYLOAD_CHUNK_BYTES / per_block).max(1);
     let mut table = Vec::new();
     let mut payload = Vec::new();
@@ -730,8 +730,8 @@ async fn receive_frames<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     .and_then(|n| n.checked_add(protocol::WRITE_FIXED));
                 if expected != Some(len) {
                     return Err(TransferError::Protocol(format!(
-                        "WRITE frame of {len} bytes for {count} blocks; with {block_layer_bytes} \
-                         bytes of K and of V per block the layout needs {}",
+                        "WRITE frame of {len} bytes for {count} blocks; with {per_block} \
+                         bytes of K and V per block the layout needs {}",
                         expected.map_or_else(|| "more than fits".to_string(), |n| n.to_string())
                     )));
                 }

@@ -11,6 +11,7 @@ use tokio::io::AsyncWriteExt;
 
 fn block_size_32() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::PerHead,
         block_size: 32,
         ..layout()
     }

@@ -62,6 +62,36 @@ async fn many_blocks_across_layers_arrive_byte_exact() {
     }
 }
 
+/// A latent layout (multi-head latent attention: one row per token, no V)
+/// moves its rows and nothing else, byte-exact, over every transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latent_rows_arrive_byte_exact_with_no_v() {
+    let l = tandem_kv_transfer::KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::Latent,
+        num_kv_heads: 1,
+        head_dim: 576,
+        ..layout()
+    };
+    for (transport, bind) in transports() {
+        let sink = RecordingSink::new(64);
+        let (_listener, session) = common::open(transport.as_ref(), bind, l, sink.clone()).await;
+        let t = TransferId(3);
+        let blocks: Vec<BlockWrite> = (0..l.num_layers)
+            .flat_map(|layer| (0..40).map(move |dst| (layer, dst)))
+            .map(|(layer, dst)| block(&l, 3, layer, dst))
+            .collect();
+        assert!(blocks.iter().all(|b| b.v.is_empty()));
+        session.write(t, blocks.clone()).await.expect("write");
+        finish(session.as_ref(), t).await.expect("finish");
+        assert_delivered(&sink, t, &blocks);
+        // A block carrying a V is refused before it is sent.
+        let mut with_v = block(&l, 4, 0, 0);
+        with_v.v = with_v.k.clone();
+        let refused = session.write(TransferId(4), vec![with_v]).await;
+        assert!(refused.is_err(), "a latent block with a V");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interleaved_transfers_on_one_session() {
     let l = layout();
@@ -265,6 +295,7 @@ async fn large_batches_cross_ucx_by_rendezvous_byte_exact() {
     // 32 KiB of K and of V per block-layer: a batch of 12 slots is 768 KiB,
     // far above both wires' rendezvous thresholds (20 KiB tcp, 8 KiB sm).
     let l = KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::PerHead,
         num_layers: 2,
         num_kv_heads: 8,
         head_dim: 128,

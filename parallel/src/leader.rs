@@ -100,10 +100,12 @@ impl ParallelBackend {
             )));
         }
         let c = model.config();
+        let (rows, num_kv_heads, head_dim) = c.kv_rows();
         let layout = KvLayout {
+            rows,
             num_layers: c.num_layers,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
+            num_kv_heads,
+            head_dim,
             block_size: opts.block_size,
             // Windowed layers free blocks only when one rank holds them all
             // (no pipeline split): every rank's cache then groups alike.
@@ -188,6 +190,14 @@ impl ParallelBackend {
         self.layout.block_size * self.layout.head_dim
     }
 
+    /// V values per KV head of one block-layer: none for a latent layout.
+    fn value_elems(&self) -> usize {
+        match self.layout.rows {
+            tandem_engine::KvRows::PerHead => self.block_elems(),
+            tandem_engine::KvRows::Latent => 0,
+        }
+    }
+
     /// The stage holding `layer` and its layer range.
     fn stage_of(&self, layer: usize) -> tandem_engine::Result<(usize, Range<usize>)> {
         let n = self.layout.num_layers;
@@ -238,7 +248,7 @@ impl ParallelBackend {
                 v.extend_from_slice(&lv);
             } else {
                 let n = heads.len() * per_head;
-                let mut buf = vec![0.0f32; 2 * n];
+                let mut buf = vec![0.0f32; n + heads.len() * self.value_elems()];
                 if let Err(e) = self.comm.recv_f32(rank, &mut buf) {
                     return Err(self.lose(comm_error(e)));
                 }
@@ -445,11 +455,14 @@ impl ComputeBackend for ParallelBackend {
         self.alive()?;
         self.check_block(block)?;
         let (stage, layers) = self.stage_of(layer)?;
-        let per_head = self.block_elems();
-        let want = self.layout.num_kv_heads * per_head;
-        if k.len() != want || v.len() != want {
+        let (per_head, v_per_head) = (self.block_elems(), self.value_elems());
+        let (want, want_v) = (
+            self.layout.num_kv_heads * per_head,
+            self.layout.num_kv_heads * v_per_head,
+        );
+        if k.len() != want || v.len() != want_v {
             return Err(EngineError::InvalidRequest(format!(
-                "a block layer holds {want} K and V values, got {} and {}",
+                "a block layer holds {want} K and {want_v} V values, got {} and {}",
                 k.len(),
                 v.len()
             )));
@@ -457,17 +470,18 @@ impl ComputeBackend for ParallelBackend {
         for tp_rank in 0..self.par.tp {
             let heads = kv_heads_of(self.layout.num_kv_heads, self.par.tp, tp_rank);
             let part = heads.start * per_head..heads.end * per_head;
+            let v_part = heads.start * v_per_head..heads.end * v_per_head;
             let rank = self.par.rank(Place { stage, tp_rank });
             if rank == 0 {
                 self.kv
-                    .write_block(layer - layers.start, block, &k[part.clone()], &v[part])
+                    .write_block(layer - layers.start, block, &k[part.clone()], &v[v_part])
                     .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
             } else {
                 let cmd = Command::Write {
                     layer,
                     block,
                     k: k[part.clone()].to_vec(),
-                    v: v[part].to_vec(),
+                    v: v[v_part].to_vec(),
                 };
                 if let Err(e) = self.comm.send(rank, &cmd.encode()) {
                     return Err(self.lose(comm_error(e)));

@@ -2,12 +2,16 @@
 //! handshake descriptor, and the worker protocol's message.
 
 use tandem_engine::{KvLayout, SlidingLayers};
-use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor};
+use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, KvRows};
 use tandem_proto::worker::v1 as wv1;
 
 /// The transfer descriptor of an engine layout (the CPU engine stores f32).
 pub fn descriptor(l: &KvLayout) -> KvLayoutDescriptor {
     KvLayoutDescriptor {
+        rows: match l.rows {
+            tandem_engine::KvRows::PerHead => KvRows::PerHead,
+            tandem_engine::KvRows::Latent => KvRows::Latent,
+        },
         num_layers: l.num_layers as u32,
         num_kv_heads: l.num_kv_heads as u32,
         head_dim: l.head_dim as u32,
@@ -21,6 +25,10 @@ pub fn descriptor(l: &KvLayout) -> KvLayoutDescriptor {
 /// The engine layout a descriptor describes (its dtype aside).
 pub fn engine_layout(d: &KvLayoutDescriptor) -> KvLayout {
     KvLayout {
+        rows: match d.rows {
+            KvRows::PerHead => tandem_engine::KvRows::PerHead,
+            KvRows::Latent => tandem_engine::KvRows::Latent,
+        },
         num_layers: d.num_layers as usize,
         num_kv_heads: d.num_kv_heads as usize,
         head_dim: d.head_dim as usize,
@@ -43,6 +51,7 @@ pub fn to_proto(d: &KvLayoutDescriptor) -> wv1::KvLayout {
         sliding_window: d.sliding_window,
         windowed_layers_lo: d.windowed_layers as u64,
         windowed_layers_hi: (d.windowed_layers >> 64) as u64,
+        latent: d.rows == KvRows::Latent,
     }
 }
 
@@ -55,6 +64,10 @@ pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, String> {
         other => return Err(format!("unknown KV dtype {other:?}")),
     };
     Ok(KvLayoutDescriptor {
+        rows: match p.latent {
+            false => KvRows::PerHead,
+            true => KvRows::Latent,
+        },
         num_layers: p.num_layers,
         num_kv_heads: p.num_kv_heads,
         head_dim: p.head_dim,

@@ -29,6 +29,10 @@ import sys
 import torch
 import transformers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -413,6 +417,65 @@ def cases():
             dict(
                 BASE, num_hidden_layers=4, num_experts=6, num_experts_per_tok=4, moe_intermediate_size=16,
                 shared_expert_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=2,
+            ),
+        ),
+        # DeepSeek-V2 with multi-head latent attention (no q_lora_rank: one
+        # q_proj), one dense layer then two sparse ones (first_k_dense_replace),
+        # greedy top-2 of 6 softmax scores scaled by routed_scaling_factor,
+        # one shared expert.
+        "deepseekv2_lite": (
+            DeepseekV2Config,
+            DeepseekV2ForCausalLM,
+            dict(
+                BASE, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.5,
+            ),
+        ),
+        # DeepSeek-V2 with a low-rank query (q_lora_rank) and
+        # group_limited_greedy routing: 3 groups of 2, the best 2 groups, top-3.
+        "deepseekv2_group": (
+            DeepseekV2Config,
+            DeepseekV2ForCausalLM,
+            dict(
+                BASE, num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=6,
+                num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+                first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=3, topk_group=2,
+            ),
+        ),
+        # DeepSeek-V3: low-rank query, interleaved RoPE under YaRN with
+        # mscale/mscale_all_dim (the score scale and the rotated parts'
+        # factor both move), sigmoid routing with e_score_correction_bias,
+        # 4 groups of 2 ranked by their top two, the best 2 groups, top-2
+        # renormalised and scaled by 2.5, one dense layer first.
+        "deepseekv3_yarn": (
+            DeepseekV3Config,
+            DeepseekV3ForCausalLM,
+            dict(
+                BASE, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                routed_scaling_factor=2.5, rope_interleave=True,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                    mscale=1.0, mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0,
+                ),
+            ),
+        ),
+        # DeepSeek-V3 without q_lora_rank, RoPE pairs not interleaved, every
+        # layer sparse, top-3 of 6 in 2 groups (both kept), unnormalised.
+        "deepseekv3_plain": (
+            DeepseekV3Config,
+            DeepseekV3ForCausalLM,
+            dict(
+                BASE, num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=6,
+                num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=0, n_group=2, topk_group=2, norm_topk_prob=False,
+                routed_scaling_factor=1.0, rope_interleave=False,
             ),
         ),
     }

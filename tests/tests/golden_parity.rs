@@ -174,6 +174,10 @@ fn every_fixture_architecture_is_covered() {
         "gptoss_mxfp4",
         "mixtral_mqa_tied",
         "qwen2moe_step2",
+        "deepseekv2_lite",
+        "deepseekv2_group",
+        "deepseekv3_yarn",
+        "deepseekv3_plain",
     ] {
         for dtype in ["f32", "bf16"] {
             let case = format!("{arch}_{dtype}");
@@ -234,6 +238,10 @@ parity!(
     gptoss_mxfp4,
     mixtral_mqa_tied,
     qwen2moe_step2,
+    deepseekv2_lite,
+    deepseekv2_group,
+    deepseekv3_yarn,
+    deepseekv3_plain,
 );
 
 #[test]
@@ -341,6 +349,8 @@ fn prompt_logprobs_of_the_serving_engine_match_transformers() {
         "mixtral_top2_f32",
         "gptoss_sinks_f32",
         "mistral_window_f32",
+        "deepseekv2_group_f32",
+        "deepseekv3_yarn_f32",
     ] {
         let worst = prompt_score_error(case);
         eprintln!("{case}: prompt logprobs max |Δ| {worst:.2e}");

@@ -117,6 +117,7 @@ const POOL_BLOCKS: u32 = 256;
 
 fn layout() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::PerHead,
         num_layers: 32,
         num_kv_heads: 8,
         head_dim: 128,

@@ -60,6 +60,7 @@ pub static FAMILY: Family = Family {
     nested_text_config: |class| class == MULTIMODAL,
     // Gemma2Config's and Gemma3TextConfig's default.
     default_head_dim: Some(256),
+    head_dim_key: None,
     tied_by_default: true,
     rope_aliases: &[],
     describe,
@@ -144,6 +145,7 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
         text_tower_of: (c.class == MULTIMODAL).then_some(MULTIMODAL),
         moe: None,
         attn_sinks: false,
+        mla: None,
     })
 }
 

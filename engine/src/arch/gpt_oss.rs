@@ -36,6 +36,7 @@ pub static FAMILY: Family = Family {
     nested_text_config: super::never_nested,
     // GptOssConfig's default.
     default_head_dim: Some(64),
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,
@@ -62,6 +63,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             routing: Routing::TopKSoftmax,
             storage: ExpertStorage::Stacked,
             shared_intermediate: None,
+            shared_gated: false,
+            choice_bias: false,
             sparse_layers: vec![true; c.num_layers],
         }),
         ..ArchSpec::llama(LAYER_NAMES, c)?

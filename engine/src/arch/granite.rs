@@ -13,6 +13,7 @@ pub static FAMILY: Family = Family {
     classes: &[("GraniteForCausalLM", Architecture::Granite)],
     nested_text_config: super::never_nested,
     default_head_dim: None,
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,

@@ -26,6 +26,7 @@ pub static FAMILY: Family = Family {
     classes: &[("MixtralForCausalLM", Architecture::Mixtral)],
     nested_text_config: super::never_nested,
     default_head_dim: None,
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,
@@ -43,6 +44,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             routing: Routing::SoftmaxTopK { renormalize: true },
             storage: ExpertStorage::PerExpert,
             shared_intermediate: None,
+            shared_gated: false,
+            choice_bias: false,
             sparse_layers: vec![true; c.num_layers],
         }),
         ..ArchSpec::llama(LAYER_NAMES, c)?

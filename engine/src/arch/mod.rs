@@ -22,6 +22,7 @@
 //! **Architecture Invariant:** model code names no tensor and matches no
 //! family name; only the files of this module do.
 
+pub mod deepseek;
 pub mod gemma;
 pub mod gpt_oss;
 pub mod granite;
@@ -37,7 +38,8 @@ use serde_json::Value;
 
 use crate::config::{Architecture, RopeScaling};
 use crate::error::{EngineError, Result};
-pub use moe::{ExpertStorage, MoeSpec, Routing};
+pub use deepseek::MlaSpec;
+pub use moe::{ExpertStorage, GroupScore, MoeSpec, Routing};
 
 /// Where a decoder layer's RMSNorms sit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,6 +157,21 @@ pub enum LayerTensor {
     ExpertsDown,
     /// One attention-sink logit per head (gpt-oss).
     Sinks,
+    /// Multi-head latent attention ([`MlaSpec`]): the query's down
+    /// projection, its RMSNorm and up projection (with a `q_lora_rank`;
+    /// without one the query is `Q`).
+    QA,
+    QANorm,
+    QB,
+    /// The latent's projection (`kv_lora_rank + qk_rope_head_dim` rows),
+    /// the latent's RMSNorm, and its up projection to per-head keys and
+    /// values.
+    KvA,
+    KvANorm,
+    KvB,
+    /// A router's per-expert bias added to the scores when choosing, not
+    /// when weighting (DeepSeek-V3's `e_score_correction_bias`).
+    RouterChoiceBias,
 }
 
 /// A layer's attention, resolved at load.
@@ -217,6 +234,8 @@ pub struct ArchSpec {
     pub moe: Option<MoeSpec>,
     /// A learned per-head logit in every attention softmax (gpt-oss).
     pub attn_sinks: bool,
+    /// Multi-head latent attention (DeepSeek-V2/V3) instead of q/k/v.
+    pub mla: Option<MlaSpec>,
 }
 
 impl ArchSpec {
@@ -246,6 +265,7 @@ impl ArchSpec {
             text_tower_of: None,
             moe: None,
             attn_sinks: false,
+            mla: None,
         })
     }
 
@@ -269,9 +289,16 @@ impl ArchSpec {
         if self.norm.on_outputs() {
             t.extend([AttnOutNorm, MlpOutNorm]);
         }
-        match self.qkv {
-            Projections::Split => t.extend([Q, K, V]),
-            Projections::Fused => t.push(Qkv),
+        match (&self.mla, self.qkv) {
+            (Some(m), _) => {
+                t.extend([KvA, KvANorm, KvB]);
+                match m.q_lora_rank {
+                    Some(_) => t.extend([QA, QANorm, QB]),
+                    None => t.push(Q),
+                }
+            }
+            (None, Projections::Split) => t.extend([Q, K, V]),
+            (None, Projections::Fused) => t.push(Qkv),
         }
         let num_layers = self.moe.as_ref().map_or(1, |m| m.sparse_layers.len());
         let any_dense = (0..num_layers).any(|i| !self.is_sparse(i));
@@ -287,7 +314,10 @@ impl ArchSpec {
                 ExpertStorage::Stacked => t.extend([ExpertsGateUp, ExpertsDown]),
             }
             if moe.shared_intermediate.is_some() {
-                t.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
+                t.extend([SharedGate, SharedUp, SharedDown]);
+                if moe.shared_gated {
+                    t.push(SharedExpertGate);
+                }
             }
         }
         if self.qk_norm != QkNorm::None {
@@ -394,6 +424,10 @@ pub struct Family {
     /// `head_dim` when the config leaves it out (transformers' default for
     /// the family); `None`: `hidden_size / num_attention_heads`.
     pub default_head_dim: Option<usize>,
+    /// A config key whose value is the rotary `head_dim` wherever the
+    /// config says otherwise (DeepSeek's `qk_rope_head_dim`: its RoPE
+    /// turns only that part of each query).
+    pub head_dim_key: Option<&'static str>,
     /// `tie_word_embeddings` when the config leaves it out.
     pub tied_by_default: bool,
     /// Rope types this family's published configs spell otherwise:
@@ -465,6 +499,7 @@ pub const FAMILIES: &[&Family] = &[
     &mixtral::FAMILY,
     &qwen_moe::FAMILY,
     &gpt_oss::FAMILY,
+    &deepseek::FAMILY,
 ];
 
 /// The family and engine architecture of a Hugging Face class name.
@@ -501,6 +536,8 @@ mod tests {
             "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
             "intermediate_size": 64, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48,
+            "n_routed_experts": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "q_lora_rank": 24,
         });
         for family in FAMILIES {
             for &(class, architecture) in family.classes {

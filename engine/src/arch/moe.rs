@@ -14,7 +14,7 @@ use super::FamilyInput;
 use crate::error::{EngineError, Result};
 
 /// How a token's router logits become its experts and their weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Routing {
     /// Softmax over every expert, then the `top_k` largest probabilities,
     /// renormalised to sum to one when `renormalize` (Mixtral always;
@@ -23,6 +23,29 @@ pub enum Routing {
     /// The `top_k` largest logits, then a softmax over those alone
     /// (gpt-oss).
     TopKSoftmax,
+    /// DeepSeek's: scores (a softmax in V2, sigmoids in V3) plus, for the
+    /// choice only, the router's choice bias; the experts split into
+    /// `groups` equal groups, ranked by [`GroupScore`], and only the best
+    /// `topk_groups` groups' experts may be chosen; the chosen experts'
+    /// scores (without the bias), renormalised when `renormalize`, times
+    /// `scale` (`routed_scaling_factor`).
+    Grouped {
+        sigmoid: bool,
+        groups: usize,
+        topk_groups: usize,
+        group_score: GroupScore,
+        renormalize: bool,
+        scale: f32,
+    },
+}
+
+/// How [`Routing::Grouped`] ranks a group of experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupScore {
+    /// Its best expert's score (DeepSeek-V2's `group_limited_greedy`).
+    Max,
+    /// Its two best experts' scores summed (DeepSeek-V3).
+    TopTwoSum,
 }
 
 /// How a checkpoint stores its experts.
@@ -39,7 +62,7 @@ pub enum ExpertStorage {
 }
 
 /// A model's mixture-of-experts layers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct MoeSpec {
     pub num_experts: usize,
     /// Experts per token (`num_experts_per_tok`).
@@ -49,8 +72,15 @@ pub struct MoeSpec {
     pub routing: Routing,
     pub storage: ExpertStorage,
     /// Intermediate features of the shared expert, if the family has one
-    /// (Qwen2-MoE's `shared_expert_intermediate_size`).
+    /// (Qwen2-MoE's `shared_expert_intermediate_size`; DeepSeek's
+    /// `n_shared_experts × moe_intermediate_size`).
     pub shared_intermediate: Option<usize>,
+    /// Whether the shared expert's output is scaled by
+    /// `sigmoid(shared_expert_gate · x)` (Qwen2-MoE) or added as is
+    /// (DeepSeek).
+    pub shared_gated: bool,
+    /// Whether the router has a choice bias ([`Routing::Grouped`]).
+    pub choice_bias: bool,
     /// Per layer: whether its MLP is sparse (the others are dense MLPs of
     /// `intermediate_size`).
     pub sparse_layers: Vec<bool>,

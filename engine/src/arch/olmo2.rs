@@ -26,6 +26,7 @@ pub static FAMILY: Family = Family {
     classes: &[("Olmo2ForCausalLM", Architecture::Olmo2)],
     nested_text_config: super::never_nested,
     default_head_dim: None,
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,

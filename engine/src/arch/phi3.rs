@@ -21,6 +21,7 @@ pub static FAMILY: Family = Family {
     classes: &[("Phi3ForCausalLM", Architecture::Phi3)],
     nested_text_config: super::never_nested,
     default_head_dim: None,
+    head_dim_key: None,
     tied_by_default: false,
     // Phi3Config reads both as LongRoPE (the names of early releases).
     rope_aliases: &[("su", "longrope"), ("yarn", "longrope")],

@@ -26,6 +26,7 @@ pub static FAMILY: Family = Family {
     nested_text_config: super::never_nested,
     // Qwen3Config's default.
     default_head_dim: Some(128),
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,

@@ -40,6 +40,7 @@ pub static FAMILY: Family = Family {
     ],
     nested_text_config: super::never_nested,
     default_head_dim: None,
+    head_dim_key: None,
     tied_by_default: false,
     rope_aliases: &[],
     describe,
@@ -64,6 +65,8 @@ fn describe(c: &FamilyInput<'_>) -> Result<ArchSpec> {
             },
             storage: ExpertStorage::PerExpert,
             shared_intermediate,
+            shared_gated: true,
+            choice_bias: false,
             sparse_layers: moe::qwen_sparse_layers(c)?,
         }),
         ..ArchSpec::llama(LAYER_NAMES, c)?

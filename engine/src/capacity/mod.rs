@@ -159,9 +159,11 @@ pub enum CapacityError {
 }
 
 /// Bytes of K and V that one token occupies across all layers:
-/// `2 × num_layers × num_kv_heads × head_dim × dtype.bytes()`.
+/// `2 × num_layers × num_kv_heads × head_dim × dtype.bytes()`, or for a
+/// latent cache (multi-head latent attention) `num_layers × (kv_lora_rank +
+/// qk_rope_head_dim) × dtype.bytes()`.
 pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: KvDtype) -> u64 {
-    2 * cfg.num_layers as u64 * cfg.num_kv_heads as u64 * cfg.head_dim as u64 * dtype.bytes() as u64
+    cfg.num_layers as u64 * cfg.kv_values_per_token_layer() as u64 * dtype.bytes() as u64
 }
 
 /// Peak f32 activation bytes of one forward step of `max_num_batched_tokens`
@@ -321,18 +323,13 @@ impl CapacityPlan {
                 max_num_batched_tokens: self.max_num_batched_tokens,
             })?;
         let kv_bytes_per_token = kv_bytes_per_token(cfg, self.kv_dtype);
-        let layout = crate::KvLayout {
-            num_layers: cfg.num_layers,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            block_size: self.block_size,
-            sliding: crate::SlidingLayers::from_windows(cfg.sliding_window.iter().copied()),
-        };
+        let layout = cfg.kv_layout(self.block_size);
         let groups = crate::KvGroups::of(&layout);
         let slots = layout.layers_per_block() as u64;
         let per_layer_token = kv_bytes_per_token / (cfg.num_layers.max(1) as u64);
         let bytes_per_block = self.block_size as u64 * per_layer_token * slots
-            + 2 * slots * (self.block_size * cfg.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
+            + (layout.pools_per_layer() * slots as usize) as u64
+                * (self.block_size * layout.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
         // A model without KV (no layers) would divide by zero; it has no
         // pool to plan either.
         let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);

@@ -124,6 +124,7 @@ fn eight_bit_kv_doubles_the_pool_of_a_sixteen_bit_one() {
     .plan(&cfg)
     .expect("fits");
     let layout = crate::KvLayout {
+        rows: crate::KvRows::PerHead,
         num_layers: cfg.num_layers,
         num_kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,

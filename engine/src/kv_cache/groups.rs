@@ -257,6 +257,7 @@ mod tests {
 
     fn layout(num_layers: usize, sliding: SlidingLayers) -> KvLayout {
         KvLayout {
+            rows: crate::KvRows::PerHead,
             num_layers,
             num_kv_heads: 1,
             head_dim: 2,

@@ -17,6 +17,9 @@
 //! Storage layout, per layer, for K and for V: `[block][kv_head][slot][head_dim]`,
 //! so one head's keys of one block are contiguous (what attention streams) and
 //! one block of one layer is one contiguous range (what a transfer sends).
+//! A latent layout ([`KvRows::Latent`], multi-head latent attention) has one
+//! row per token and no V pool: attention reads its values from the same
+//! row it scores.
 //! Elements are f32, 16-bit floats ([`KvCacheDtype::Bf16`],
 //! [`KvCacheDtype::F16`], `half.rs`), or 8-bit codes ([`KvCacheDtype::Int8`],
 //! [`KvCacheDtype::Fp8E4m3`]) of Hadamard-rotated rows with one scale per
@@ -79,12 +82,49 @@ pub struct KvLayout {
     /// Which layers slide: their blocks are freed once out of the window
     /// (see [`KvGroups`]).
     pub sliding: SlidingLayers,
+    /// What a row holds: a head's K and V, or one token's latent.
+    pub rows: KvRows,
+}
+
+/// What one cached row is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum KvRows {
+    /// A KV head's key, and beside it in the V pool its value
+    /// (`num_kv_heads × head_dim` each per token).
+    #[default]
+    PerHead,
+    /// One latent of `head_dim` per token and layer (`num_kv_heads` is 1),
+    /// no V pool: multi-head latent attention scores the latent and sums it
+    /// as the value (DeepSeek-V2/V3, `crate::model::mla`).
+    Latent,
 }
 
 impl KvLayout {
-    /// f32 elements of K (or of V) in one block of one layer.
+    /// f32 elements of K in one block of one layer (and of V, per head).
     pub fn block_elems(&self) -> usize {
         self.num_kv_heads * self.block_size * self.head_dim
+    }
+
+    /// f32 elements of V in one block of one layer: none for a latent.
+    pub fn value_elems(&self) -> usize {
+        match self.rows {
+            KvRows::PerHead => self.block_elems(),
+            KvRows::Latent => 0,
+        }
+    }
+
+    /// Pools per layer: K and V, or the latent alone.
+    pub fn pools_per_layer(&self) -> usize {
+        match self.rows {
+            KvRows::PerHead => 2,
+            KvRows::Latent => 1,
+        }
+    }
+
+    /// f32 values of one block in every layer, K then V per layer (what a
+    /// block read out for a transfer or a disk holds).
+    pub fn block_values(&self) -> usize {
+        self.num_layers * (self.block_elems() + self.value_elems())
     }
 
     /// Layers one physical block holds: all of them unless some slide and
@@ -100,7 +140,8 @@ impl KvLayout {
 
     /// Bytes of K and V, every layer it holds, for one physical block.
     pub fn block_bytes(&self) -> usize {
-        2 * self.layers_per_block() * self.block_elems() * std::mem::size_of::<f32>()
+        let per_layer = self.block_elems() + self.value_elems();
+        self.layers_per_block() * per_layer * std::mem::size_of::<f32>()
     }
 }
 
@@ -157,7 +198,8 @@ impl KvCacheDtype {
             Self::Bf16 | Self::F16 => layout.block_bytes() / 2,
             Self::Int8 | Self::Fp8E4m3 => {
                 let scales = layout.num_kv_heads * layout.block_size * 2;
-                2 * layout.layers_per_block() * (layout.block_elems() + scales)
+                let pools = layout.pools_per_layer();
+                pools * layout.layers_per_block() * (layout.block_elems() + scales)
             }
         }
     }
@@ -315,22 +357,24 @@ impl KvCache {
             groups.slots()
         };
         let per_pool = num_blocks * layout.block_elems();
+        // A latent layout has no V pool.
+        let per_v_pool = num_blocks * layout.value_elems();
         let storage = match (dtype.code(), dtype.half()) {
             (None, None) => Storage::F32 {
                 k: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
-                v: (0..pools).map(|_| vec![0.0; per_pool]).collect(),
+                v: (0..pools).map(|_| vec![0.0; per_v_pool]).collect(),
             },
             (None, Some(half)) => Storage::Half {
                 half,
                 k: (0..pools).map(|_| vec![0; per_pool]).collect(),
-                v: (0..pools).map(|_| vec![0; per_pool]).collect(),
+                v: (0..pools).map(|_| vec![0; per_v_pool]).collect(),
             },
             (Some(code), _) => {
-                let pool = || {
+                let pool = |blocks| {
                     (0..pools)
                         .map(|_| {
                             Q8Pool::new(
-                                num_blocks,
+                                blocks,
                                 layout.num_kv_heads,
                                 layout.block_size,
                                 layout.head_dim,
@@ -338,10 +382,14 @@ impl KvCache {
                         })
                         .collect()
                 };
+                let v_blocks = match layout.rows {
+                    KvRows::PerHead => num_blocks,
+                    KvRows::Latent => 0,
+                };
                 Storage::Q8 {
                     code,
-                    k: pool(),
-                    v: pool(),
+                    k: pool(num_blocks),
+                    v: pool(v_blocks),
                 }
             }
         };
@@ -392,23 +440,25 @@ impl KvCache {
         ((block as usize * l.num_kv_heads + head) * l.block_size + slot) * l.head_dim
     }
 
-    /// One layer's K and V, for attention.
+    /// One layer's K and V, for attention. A latent layout's values are
+    /// its keys' rows.
     pub fn layer(&self, layer: usize) -> LayerView<'_> {
         let layer = self.groups.slot(layer);
+        let latent = self.layout.rows == KvRows::Latent;
         LayerView(match &self.storage {
             Storage::F32 { k, v } => View::F32 {
                 k: &k[layer],
-                v: &v[layer],
+                v: if latent { &k[layer] } else { &v[layer] },
             },
             Storage::Half { half, k, v } => View::Half {
                 half: *half,
                 k: &k[layer],
-                v: &v[layer],
+                v: if latent { &k[layer] } else { &v[layer] },
             },
             Storage::Q8 { code, k, v } => View::Q8 {
                 code: *code,
                 k: &k[layer],
-                v: &v[layer],
+                v: if latent { &k[layer] } else { &v[layer] },
             },
         })
     }
@@ -417,10 +467,13 @@ impl KvCache {
     pub fn copy_block(&mut self, copy: BlockCopy) {
         let n = self.layout.block_elems();
         let (s, d) = (copy.src as usize, copy.dst as usize);
+        // A latent layout's V pools are empty.
+        let with_v = self.layout.rows == KvRows::PerHead;
         match &mut self.storage {
-            Storage::F32 { k, v } => copy_in_pools(k, v, s * n..(s + 1) * n, d * n),
-            Storage::Half { k, v, .. } => copy_in_pools(k, v, s * n..(s + 1) * n, d * n),
+            Storage::F32 { k, v } => copy_in_pools(k, v, with_v, s * n..(s + 1) * n, d * n),
+            Storage::Half { k, v, .. } => copy_in_pools(k, v, with_v, s * n..(s + 1) * n, d * n),
             Storage::Q8 { k, v, .. } => {
+                let v = if with_v { &mut v[..] } else { &mut [] };
                 for pool in k.iter_mut().chain(v.iter_mut()) {
                     pool.copy_block(s, d, n);
                 }
@@ -431,10 +484,21 @@ impl KvCache {
     /// One block's K and V in one layer (`[kv_head][slot][head_dim]` each),
     /// in f32, e.g. to send it to another worker: borrowed from an f32
     /// cache, widened from a 16-bit one, dequantized from an 8-bit one.
+    /// A latent layout's V is empty.
     pub fn block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         let layer = self.groups.slot(layer);
         let n = self.layout.block_elems();
         let s = block as usize * n;
+        if self.layout.rows == KvRows::Latent {
+            let k = match &self.storage {
+                Storage::F32 { k, .. } => Cow::Borrowed(&k[layer][s..s + n]),
+                Storage::Half { half, k, .. } => Cow::Owned(half.decode(&k[layer][s..s + n])),
+                Storage::Q8 { code, k, .. } => {
+                    Cow::Owned(k[layer].read_block(*code, block as usize, n))
+                }
+            };
+            return (k, Cow::Borrowed(&[]));
+        }
         match &self.storage {
             Storage::F32 { k, v } => (
                 Cow::Borrowed(&k[layer][s..s + n]),
@@ -460,21 +524,29 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
-        let n = self.layout.block_elems();
+        let (n, nv) = (self.layout.block_elems(), self.layout.value_elems());
         if layer >= self.layout.num_layers
             || block as usize >= self.num_blocks
             || k.len() != n
-            || v.len() != n
+            || v.len() != nv
         {
             return Err(KvError::BadBlockWrite {
                 layer,
                 block,
-                len: k.len().max(v.len()),
-                expected: n,
+                len: k.len() + v.len(),
+                expected: n + nv,
             });
         }
         let s = block as usize * n;
         let layer = self.groups.slot(layer);
+        if nv == 0 {
+            match &mut self.storage {
+                Storage::F32 { k: kp, .. } => kp[layer][s..s + n].copy_from_slice(k),
+                Storage::Half { half, k: kp, .. } => half.encode_into(k, &mut kp[layer][s..s + n]),
+                Storage::Q8 { code, k: kp, .. } => kp[layer].write_block(*code, block as usize, k),
+            }
+            return Ok(());
+        }
         match &mut self.storage {
             Storage::F32 { k: kp, v: vp } => {
                 kp[layer][s..s + n].copy_from_slice(k);
@@ -493,12 +565,25 @@ impl KvCache {
     }
 
     /// Writes one token's K and V rows (`[kv_head][head_dim]`) at `slot` of
-    /// `block` in `layer`.
+    /// `block` in `layer`. A latent layout's `v` is empty.
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
         let layer = self.groups.slot(layer);
         let d = self.layout.head_dim;
         let heads = self.layout.num_kv_heads;
         let bs = self.layout.block_size;
+        if self.layout.rows == KvRows::Latent {
+            let o = (block as usize * bs + slot) * d;
+            match &mut self.storage {
+                Storage::F32 { k: kp, .. } => kp[layer][o..o + d].copy_from_slice(&k[..d]),
+                Storage::Half { half, k: kp, .. } => {
+                    half.encode_into(&k[..d], &mut kp[layer][o..o + d])
+                }
+                Storage::Q8 { code, k: kp, .. } => {
+                    kp[layer].write_row(*code, block as usize, slot, bs, &k[..d])
+                }
+            }
+            return;
+        }
         match &mut self.storage {
             Storage::F32 { k: kp, v: vp } => {
                 for h in 0..heads {
@@ -529,9 +614,11 @@ impl KvCache {
 fn copy_in_pools<T: Copy>(
     k: &mut [Vec<T>],
     v: &mut [Vec<T>],
+    with_v: bool,
     src: std::ops::Range<usize>,
     dst: usize,
 ) {
+    let v = if with_v { v } else { &mut [] };
     for pool in k.iter_mut().chain(v.iter_mut()) {
         pool.copy_within(src.clone(), dst);
     }
@@ -684,6 +771,7 @@ mod tests {
     #[test]
     fn write_lands_in_the_right_block_and_head() {
         let layout = KvLayout {
+            rows: KvRows::PerHead,
             num_layers: 2,
             num_kv_heads: 2,
             head_dim: 3,

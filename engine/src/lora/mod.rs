@@ -166,6 +166,15 @@ impl LoraAdapter {
     /// refusing (by name) what does not fit it or what tandem does not run.
     pub fn load(name: &str, dir: &Path, config: &ModelConfig, max_rank: usize) -> Result<Self> {
         let bad = |msg: String| EngineError::InvalidCheckpoint(format!("adapter `{name}`: {msg}"));
+        if config.arch.mla.is_some() {
+            // Its projections are not q/k/v/o per head; an adapter of them
+            // would have nothing to apply to.
+            return Err(EngineError::Unsupported(format!(
+                "adapter `{name}`: LoRA on a model with multi-head latent attention \
+                 ({})",
+                config.architecture.hf_name()
+            )));
+        }
         let cfg_path = dir.join("adapter_config.json");
         let cfg_bytes = read(&cfg_path, "a PEFT adapter's config")?;
         let cfg: Value =

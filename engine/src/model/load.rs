@@ -2,15 +2,16 @@
 //! [`ArchSpec`](crate::arch::ArchSpec) describes it: split or fused
 //! projections, the norms its placement needs, and a dense or sparse MLP.
 
-use crate::arch::{ExpertStorage, LayerTensor, MoeSpec, Projections, QkNorm, TensorNames};
+use crate::arch::{ExpertStorage, LayerTensor, MlaSpec, MoeSpec, Projections, QkNorm, TensorNames};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::quant::hf::HfQuantization;
 use crate::weights::WeightStore;
 
 use super::linear::{FusedPart, Linear, Split};
+use super::mla::{LatentAttention, LatentQuery};
 use super::mlp::{DenseMlp, Mlp, SharedExpert, SparseMlp};
-use super::Layer;
+use super::{AttnProj, Layer};
 
 /// Which shard of each projection this rank loads.
 pub(super) struct LayerSplits {
@@ -218,19 +219,71 @@ impl Source<'_> {
             Some(inter) => {
                 let [g, u, d] =
                     [T::SharedGate, T::SharedUp, T::SharedDown].map(|t| names.layer(i, t));
+                let gate = match moe.shared_gated {
+                    true => Some(self.ws.matrix(
+                        &names.layer_weight(i, T::SharedExpertGate)?,
+                        1,
+                        h,
+                    )?),
+                    false => None,
+                };
                 Some(SharedExpert {
                     mlp: self.gated([g?, u?, d?], inter, &splits.shared)?,
-                    gate: self
-                        .ws
-                        .matrix(&names.layer_weight(i, T::SharedExpertGate)?, 1, h)?,
+                    gate,
                 })
             }
         };
-        Ok(SparseMlp::new(
-            router,
-            (splits.experts.start, experts),
-            shared,
-            moe,
+        let mut sparse = SparseMlp::new(router, (splits.experts.start, experts), shared, moe);
+        if moe.choice_bias {
+            let name = names.layer(i, T::RouterChoiceBias)?;
+            sparse.choice_bias = Some(self.ws.vector(&name, moe.num_experts)?);
+        }
+        Ok(sparse)
+    }
+
+    /// Layer `i`'s latent attention, this rank's query heads of it: the
+    /// query's rows and `kv_b_proj`'s for those heads; the latent's
+    /// projection and norm whole (every rank keeps the whole latent).
+    fn latent_attention(
+        &self,
+        i: usize,
+        mla: &MlaSpec,
+        splits: &LayerSplits,
+    ) -> Result<LatentAttention> {
+        use LayerTensor as T;
+        let (c, names) = (self.config, self.names);
+        let h = c.hidden_size;
+        let q_rows = c.num_heads * mla.qk_head_dim();
+        let (whole, q_cols) = (&Split::Whole, &splits.q_cols);
+        let q = match mla.q_lora_rank {
+            None => LatentQuery::Direct(self.linear(&names.layer(i, T::Q)?, q_rows, h, q_cols)?),
+            Some(rank) => LatentQuery::LowRank {
+                a: self.linear(&names.layer(i, T::QA)?, rank, h, whole)?,
+                norm: norm_vector(c, self.ws, &names.layer_weight(i, T::QANorm)?, rank)?,
+                b: self.linear(&names.layer(i, T::QB)?, q_rows, rank, q_cols)?,
+            },
+        };
+        let kv_a = self.linear(&names.layer(i, T::KvA)?, mla.latent_width(), h, whole)?;
+        let kv_a_norm = norm_vector(
+            c,
+            self.ws,
+            &names.layer_weight(i, T::KvANorm)?,
+            mla.kv_lora_rank,
+        )?;
+        let per_head = mla.qk_nope_head_dim + mla.v_head_dim;
+        let heads = splits.heads.clone();
+        let kv_b = self.ws.matrix_rows(
+            &names.layer_weight(i, T::KvB)?,
+            c.num_heads * per_head,
+            mla.kv_lora_rank,
+            heads.start * per_head..heads.end * per_head,
+        )?;
+        Ok(LatentAttention::new(
+            mla.clone(),
+            heads.len(),
+            q,
+            (kv_a, kv_a_norm),
+            kv_b,
         ))
     }
 
@@ -249,22 +302,28 @@ impl Source<'_> {
             _ => (d, d),
         };
         let qk_norm = spec.qk_norm != QkNorm::None;
-        let (q, k, v) = match spec.qkv {
-            Projections::Split => (
+        let proj = match (&spec.mla, spec.qkv) {
+            (Some(mla), _) => AttnProj::Latent(Box::new(self.latent_attention(i, mla, splits)?)),
+            (None, Projections::Split) => AttnProj::Heads(Box::new([
                 self.linear(&names.layer(i, T::Q)?, q_out, h, &splits.q_cols)?,
                 self.linear(&names.layer(i, T::K)?, kv_out, h, &splits.kv_cols)?,
                 self.linear(&names.layer(i, T::V)?, kv_out, h, &splits.kv_cols)?,
-            ),
-            Projections::Fused => {
+            ])),
+            (None, Projections::Fused) => {
                 let kv = &splits.kv_cols;
                 let [q, k, v] = parts(self.fused(
                     i,
                     T::Qkv,
                     &[(q_out, &splits.q_cols), (kv_out, kv), (kv_out, kv)],
                 )?)?;
-                (q, k, v)
+                AttnProj::Heads(Box::new([q, k, v]))
             }
         };
+        let o_in = match &spec.mla {
+            Some(mla) => c.num_heads * mla.v_head_dim,
+            None => q_out,
+        };
+
         let mlp = match spec.moe.as_ref().filter(|m| m.is_sparse(i)) {
             Some(moe) => Mlp::Sparse(Box::new(self.sparse_mlp(i, moe, splits)?)),
             None => Mlp::Dense(Box::new(self.dense_mlp(i, &splits.inter)?)),
@@ -282,10 +341,8 @@ impl Source<'_> {
         Ok(Layer {
             sinks,
             attn_norm: optional_norm(inputs, T::AttnNorm, h)?,
-            q,
-            k,
-            v,
-            o: self.linear(&names.layer(i, T::O)?, h, q_out, &splits.o_rows)?,
+            proj,
+            o: self.linear(&names.layer(i, T::O)?, h, o_in, &splits.o_rows)?,
             q_norm: optional_norm(qk_norm, T::QNorm, q_norm_len)?,
             k_norm: optional_norm(qk_norm, T::KNorm, k_norm_len)?,
             attn_out_norm: optional_norm(outputs, T::AttnOutNorm, h)?,

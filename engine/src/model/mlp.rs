@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use crate::arch::{Activation, MoeSpec, Routing};
+use crate::arch::{Activation, GroupScore, MoeSpec, Routing};
 use crate::kernels::{self, clamped_swiglu_mul, gelu_tanh_mul, silu_mul, MatmulPolicy};
 use crate::weights::Matrix;
 
@@ -79,11 +79,12 @@ impl DenseMlp {
     }
 }
 
-/// Qwen2-MoE's always-on expert and its `[1, hidden]` sigmoid gate.
+/// The always-on expert: Qwen2-MoE's with its `[1, hidden]` sigmoid
+/// gate, DeepSeek's ungated.
 #[derive(Debug)]
 pub(super) struct SharedExpert {
     pub(super) mlp: DenseMlp,
-    pub(super) gate: Matrix,
+    pub(super) gate: Option<Matrix>,
 }
 
 /// A mixture of experts.
@@ -92,6 +93,9 @@ pub(super) struct SparseMlp {
     /// `[num_experts, hidden]`, replicated on every tensor-parallel rank.
     pub(super) router: Matrix,
     pub(super) router_bias: Option<Vec<f32>>,
+    /// Added to the scores to choose experts, not to weight them
+    /// (DeepSeek-V3's `e_score_correction_bias`).
+    pub(super) choice_bias: Option<Vec<f32>>,
     /// This rank's experts (all of them without expert parallelism),
     /// `first_expert` onwards.
     pub(super) experts: Vec<DenseMlp>,
@@ -124,6 +128,7 @@ impl SparseMlp {
         Self {
             router,
             router_bias,
+            choice_bias: None,
             experts,
             first_expert,
             shared,
@@ -147,7 +152,13 @@ impl SparseMlp {
         let mut logits = vec![0.0f32; m * e];
         let bias = self.router_bias.as_deref();
         kernels::linear(input, m, &self.router, bias, policy, &mut logits);
-        let routes = route(&logits, e, self.top_k, self.routing);
+        let routes = route(
+            &logits,
+            e,
+            self.top_k,
+            self.routing,
+            self.choice_bias.as_deref(),
+        );
         for (counter, w) in self.routed.iter().zip(routes.starts.windows(2)) {
             counter.fetch_add((w[1] - w[0]) as u64, Ordering::Relaxed);
         }
@@ -217,7 +228,8 @@ impl SparseMlp {
         out
     }
 
-    /// `out += sigmoid(gate · x) · shared(x)`, row by row.
+    /// `out += sigmoid(gate · x) · shared(x)` (or `shared(x)` ungated), row
+    /// by row.
     fn add_shared(
         &self,
         shared: &SharedExpert,
@@ -237,9 +249,12 @@ impl SparseMlp {
             .mlp
             .forward(x, m, (act, policy), none, scratch, &mut y);
         let mut g = vec![0.0f32; m];
-        kernels::linear(x, m, &shared.gate, None, policy, &mut g);
+        if let Some(gate) = &shared.gate {
+            kernels::linear(x, m, gate, None, policy, &mut g);
+        }
+        let gated = shared.gate.is_some();
         for ((row, src), &g) in out.chunks_exact_mut(hsz).zip(y.chunks_exact(hsz)).zip(&g) {
-            let s = 1.0 / (1.0 + (-g).exp());
+            let s = if gated { 1.0 / (1.0 + (-g).exp()) } else { 1.0 };
             for (o, &v) in row.iter_mut().zip(src) {
                 *o += s * v;
             }
@@ -257,29 +272,64 @@ impl SparseMlp {
 
 /// Each row of `logits` (`num_experts` wide) picks its `top_k` experts,
 /// then the picks are sorted by expert (rows ascending within one).
-pub(super) fn route(logits: &[f32], num_experts: usize, top_k: usize, routing: Routing) -> Routes {
+/// `choice_bias` ([`Routing::Grouped`]) is added to the scores for the
+/// choice only.
+pub(super) fn route(
+    logits: &[f32],
+    num_experts: usize,
+    top_k: usize,
+    routing: Routing,
+    choice_bias: Option<&[f32]>,
+) -> Routes {
     let m = logits.len() / num_experts;
     let mut picks: Vec<(u32, f32)> = Vec::with_capacity(m * top_k);
     let mut probs = vec![0.0f32; num_experts];
+    let mut choice = vec![0.0f32; num_experts];
     let mut order: Vec<usize> = Vec::with_capacity(num_experts);
     for row in logits.chunks_exact(num_experts) {
-        let renormalize = match routing {
-            Routing::SoftmaxTopK { renormalize } => renormalize,
+        let (renormalize, scale) = match routing {
+            Routing::SoftmaxTopK { renormalize } => (renormalize, 1.0),
             // A softmax over the top k logits is the softmax over all of
             // them, restricted to those k and renormalised.
-            Routing::TopKSoftmax => true,
+            Routing::TopKSoftmax => (true, 1.0),
+            Routing::Grouped {
+                renormalize, scale, ..
+            } => (renormalize, scale),
         };
-        softmax_into(row, &mut probs);
+        match routing {
+            Routing::Grouped { sigmoid: true, .. } => {
+                for (p, &l) in probs.iter_mut().zip(row) {
+                    *p = 1.0 / (1.0 + (-l).exp());
+                }
+            }
+            _ => softmax_into(row, &mut probs),
+        }
+        choice.copy_from_slice(&probs);
+        if let Some(bias) = choice_bias {
+            for (c, b) in choice.iter_mut().zip(bias) {
+                *c += b;
+            }
+        }
+        if let Routing::Grouped {
+            groups,
+            topk_groups,
+            group_score,
+            ..
+        } = routing
+        {
+            keep_best_groups(&mut choice, groups, topk_groups, group_score);
+        }
         order.clear();
         order.extend(0..num_experts);
-        // Largest first; equal probabilities keep the lower expert first.
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        // Largest first; equal scores keep the lower expert first.
+        order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
         let top = &order[..top_k];
         let norm = match renormalize {
-            true => top.iter().map(|&e| probs[e]).sum::<f32>(),
+            // transformers' DeepSeek-V3 adds 1e-20 to the sum.
+            true => top.iter().map(|&e| probs[e]).sum::<f32>() + 1e-20,
             false => 1.0,
         };
-        picks.extend(top.iter().map(|&e| (e as u32, probs[e] / norm)));
+        picks.extend(top.iter().map(|&e| (e as u32, probs[e] / norm * scale)));
     }
     // Counting sort by expert; a stable pass keeps rows ascending.
     let mut starts = vec![0usize; num_experts + 1];
@@ -302,6 +352,37 @@ pub(super) fn route(logits: &[f32], num_experts: usize, top_k: usize, routing: R
         starts,
         rows,
         weights,
+    }
+}
+
+/// Masks (to `-inf`) every expert outside the `keep` best of `groups`
+/// equal groups, each ranked by `score`.
+fn keep_best_groups(choice: &mut [f32], groups: usize, keep: usize, score: GroupScore) {
+    if groups <= 1 || keep >= groups {
+        return;
+    }
+    let per = choice.len() / groups;
+    let rank = |g: &[f32]| -> f32 {
+        match score {
+            GroupScore::Max => g.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            GroupScore::TopTwoSum => {
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &x in g {
+                    if x > a {
+                        (a, b) = (x, a);
+                    } else if x > b {
+                        b = x;
+                    }
+                }
+                a + b
+            }
+        }
+    };
+    let ranks: Vec<f32> = choice.chunks_exact(per).map(rank).collect();
+    let mut order: Vec<usize> = (0..groups).collect();
+    order.sort_by(|&a, &b| ranks[b].total_cmp(&ranks[a]).then(a.cmp(&b)));
+    for &g in &order[keep..] {
+        choice[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
     }
 }
 
@@ -375,7 +456,13 @@ impl Mlp {
     pub(super) fn routing_bytes(&self) -> usize {
         match self {
             Self::Dense(_) => 0,
-            Self::Sparse(s) => s.router.bytes() + s.shared.as_ref().map_or(0, |x| x.gate.bytes()),
+            Self::Sparse(s) => {
+                s.router.bytes()
+                    + s.shared
+                        .as_ref()
+                        .and_then(|x| x.gate.as_ref())
+                        .map_or(0, Matrix::bytes)
+            }
         }
     }
 }
@@ -391,7 +478,7 @@ mod tests {
     fn routes_are_sorted_by_expert_with_softmax_weights() {
         // Row 0 prefers experts 2 then 0; row 1 prefers 0 then 1.
         let logits = [1.0, 0.0, 3.0, 2.0f32.ln(), 0.0, 0.0];
-        let r = route(&logits, 3, 2, RAW);
+        let r = route(&logits, 3, 2, RAW, None);
         assert_eq!(r.starts, vec![0, 2, 3, 4]);
         assert_eq!(r.rows, vec![0, 1, 1, 0]);
         let e = |x: f32| x.exp();
@@ -406,7 +493,7 @@ mod tests {
     #[test]
     fn renormalised_top_k_weights_sum_to_one() {
         let logits = [0.3, -1.0, 2.0, 0.7, 0.1, 0.0, -0.5, 1.5];
-        let r = route(&logits, 4, 2, RENORM);
+        let r = route(&logits, 4, 2, RENORM, None);
         let mut per_row = [0.0f32; 2];
         for (&row, &w) in r.rows.iter().zip(&r.weights) {
             per_row[row as usize] += w;
@@ -416,9 +503,44 @@ mod tests {
         }
     }
 
+    /// DeepSeek-V3's routing: the bias moves the choice, not the weight;
+    /// only the best group's experts may be chosen.
+    #[test]
+    fn grouped_routing_chooses_with_the_bias_and_weighs_without_it() {
+        let v3 = Routing::Grouped {
+            sigmoid: true,
+            groups: 2,
+            topk_groups: 1,
+            group_score: GroupScore::TopTwoSum,
+            renormalize: false,
+            scale: 2.0,
+        };
+        // Group 0 (experts 0, 1) outscores group 1 (2, 3) only with the
+        // bias, which also lifts expert 1 over expert 0.
+        let logits = [1.0, 0.5, 1.2, 1.1f32];
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let unbiased = route(&logits, 4, 1, v3, None);
+        assert_eq!(unbiased.starts, vec![0, 0, 0, 1, 1], "expert 2");
+        let bias = [0.0, 0.5, 0.0, 0.0];
+        let r = route(&logits, 4, 1, v3, Some(&bias));
+        assert_eq!(r.starts, vec![0, 0, 1, 1, 1], "expert 1");
+        assert!((r.weights[0] - 2.0 * sig(0.5)).abs() < 1e-6);
+        // V2's group_limited_greedy ranks groups by their best expert.
+        let v2 = Routing::Grouped {
+            sigmoid: false,
+            groups: 2,
+            topk_groups: 1,
+            group_score: GroupScore::Max,
+            renormalize: false,
+            scale: 1.0,
+        };
+        let r = route(&[3.0, 0.0, 2.0, 2.0], 4, 2, v2, None);
+        assert_eq!(r.starts, vec![0, 1, 2, 2, 2], "both from group 0");
+    }
+
     #[test]
     fn equal_logits_pick_the_lower_experts() {
-        let r = route(&[0.0; 4], 4, 2, RAW);
+        let r = route(&[0.0; 4], 4, 2, RAW, None);
         assert_eq!(r.starts, vec![0, 1, 2, 2, 2]);
     }
 }

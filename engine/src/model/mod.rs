@@ -22,20 +22,22 @@
 use std::path::Path;
 
 use crate::arch::LayerAttention;
-use crate::attention::{paged_attention, AttnSeq, Scoring};
+use crate::attention::AttnSeq;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{
     self, add_in_place, linear_residual_int4, rms_norm, rms_norm_in_place, scale_in_place,
     softcap_in_place, MatmulPolicy, RopeTable,
 };
-use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
-use crate::lora::{LoraAdapter, LoraRows, LoraTarget};
+use crate::kv_cache::{BlockId, KvCache, KvLayout, KvRows, SlidingLayers, FREED};
+use crate::lora::{LoraAdapter, LoraRows};
 use crate::quant::hf::HfQuantization;
 use crate::quant::ResidualInt4;
 
+mod attend;
 mod linear;
 mod load;
+mod mla;
 mod mlp;
 mod quantize;
 mod step;
@@ -44,17 +46,18 @@ use crate::shard::{NoPeers, ShardPeers, ShardSpec};
 use crate::weights::{DType, Matrix, WeightStore};
 use linear::{Linear, LinearWeight, Split};
 use load::{norm_vector, LayerSplits, MlpSplit, Source};
+use mla::LatentAttention;
 use mlp::Mlp;
 use step::Step;
+
+pub use mla::MlaForm;
 
 /// One decoder layer. Optional norms are those the family's placement or
 /// q/k norm adds; every choice a step needs is a field, resolved at load.
 #[derive(Debug)]
 struct Layer {
     attn_norm: Option<Vec<f32>>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    proj: AttnProj,
     o: Linear,
     /// Norms of queries and keys: `head_dim` wide (per head) or the whole
     /// projection wide ([`QkNorm`]).
@@ -69,18 +72,43 @@ struct Layer {
     sinks: Option<Vec<f32>>,
 }
 
+/// How a layer projects its input to attention.
+#[derive(Debug)]
+enum AttnProj {
+    /// Queries, keys and values per head (`q`, `k`, `v`).
+    Heads(Box<[Linear; 3]>),
+    /// Multi-head latent attention ([`mla`]).
+    Latent(Box<LatentAttention>),
+}
+
 impl Layer {
     /// Every linear layer, named for messages (the MoE router, kept dense,
     /// is not one).
     fn linears(&self) -> impl Iterator<Item = (String, &Linear)> {
-        let attention = [
-            ("q_proj", &self.q),
-            ("k_proj", &self.k),
-            ("v_proj", &self.v),
-            ("o_proj", &self.o),
-        ];
+        let mut attention = match &self.proj {
+            AttnProj::Heads(qkv) => {
+                let [q, k, v] = &**qkv;
+                vec![("q_proj", q), ("k_proj", k), ("v_proj", v)]
+            }
+            AttnProj::Latent(mla) => mla.linears(),
+        };
+        attention.push(("o_proj", &self.o));
         let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
         attention.chain(self.mlp.linears())
+    }
+
+    /// As [`linears`](Self::linears), to change them (INT4).
+    fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut Linear)> {
+        let mut attention = match &mut self.proj {
+            AttnProj::Heads(qkv) => {
+                let [q, k, v] = &mut **qkv;
+                vec![("q_proj", q), ("k_proj", k), ("v_proj", v)]
+            }
+            AttnProj::Latent(mla) => mla.linears_mut(),
+        };
+        attention.push(("o_proj", &mut self.o));
+        let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
+        attention.chain(self.mlp.linears_mut())
     }
 }
 
@@ -102,6 +130,8 @@ pub struct Model {
     matmul: MatmulPolicy,
     /// The part of the model this rank holds (all of it unless sharded).
     shard: ShardSpec,
+    /// Which form latent attention runs in ([`MlaForm`]).
+    mla_form: MlaForm,
     _weights: WeightStore,
 }
 
@@ -254,10 +284,17 @@ impl Model {
             }
         };
         let moe = c.arch.moe.as_ref();
+        // Latent attention splits by whole query heads too: the query's
+        // rows and `kv_b_proj`'s per head, `o_proj`'s inputs per head's
+        // value; the latent's own projection is replicated.
+        let (q_width, v_width) = match &c.arch.mla {
+            Some(m) => (m.qk_head_dim(), m.v_head_dim),
+            None => (d, d),
+        };
         let splits = LayerSplits {
-            q_cols: outputs(&qh, d),
+            q_cols: outputs(&qh, q_width),
             kv_cols: outputs(&kvh, d),
-            o_rows: inputs(&qh, d),
+            o_rows: inputs(&qh, v_width),
             heads: qh.clone(),
             inter: mlp(c.intermediate_size),
             expert: {
@@ -325,6 +362,7 @@ impl Model {
             local_rope,
             matmul: MatmulPolicy::default(),
             shard,
+            mla_form: MlaForm::Auto,
             _weights: ws,
         })
     }
@@ -351,6 +389,12 @@ impl Model {
         Ok(())
     }
 
+    /// Sets which form latent attention runs in (DeepSeek-V2/V3; nothing
+    /// else reads it): both compute the same attention ([`MlaForm`]).
+    pub fn set_mla_form(&mut self, form: MlaForm) {
+        self.mla_form = form;
+    }
+
     /// Chooses speed or batch invariance for the matrix products.
     pub fn set_matmul_policy(&mut self, policy: MatmulPolicy) {
         self.matmul = policy;
@@ -373,10 +417,16 @@ impl Model {
     /// not one layer grouping.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         let whole = self.shard.layers.len() == self.shard.total_layers;
+        let (rows, _, head_dim) = self.config.kv_rows();
+        let num_kv_heads = match rows {
+            KvRows::PerHead => self.shard.kv_heads(&self.config).len(),
+            KvRows::Latent => 1,
+        };
         KvLayout {
+            rows,
             num_layers: self.layers.len(),
-            num_kv_heads: self.shard.kv_heads(&self.config).len(),
-            head_dim: self.config.head_dim,
+            num_kv_heads,
+            head_dim,
             block_size,
             sliding: match whole {
                 true => SlidingLayers::from_windows(self.layers.iter().map(|l| l.attention.window)),
@@ -575,78 +625,6 @@ impl Model {
             return Ok(None);
         }
         Ok(Some(self.logits(batch, &step.seqs, &x)))
-    }
-
-    /// Norm, q/k/v, q/k norms, RoPE, the K/V write, attention, output
-    /// projection (all-reduced), output norm, residual add.
-    fn attention_block(
-        &self,
-        li: usize,
-        layer: &Layer,
-        x: &mut [f32],
-        s: &mut Step<'_>,
-        kv: &mut KvCache,
-        peers: &mut dyn ShardPeers,
-    ) -> Result<()> {
-        let (t, d, eps) = (s.rows, self.config.head_dim, self.config.rms_norm_eps);
-        let (q_out, kv_out) = (s.heads.num_heads * d, s.heads.num_kv_heads * d);
-        input_norm(x, layer.attn_norm.as_deref(), eps, &mut s.h);
-        layer.q.forward(&s.h, t, self.matmul, &mut s.q);
-        layer.k.forward(&s.h, t, self.matmul, &mut s.k);
-        layer.v.forward(&s.h, t, self.matmul, &mut s.v);
-        let lora = s.lora.layer(li);
-        lora.apply(LoraTarget::Q, &s.h, &mut s.q);
-        lora.apply(LoraTarget::K, &s.h, &mut s.k);
-        lora.apply(LoraTarget::V, &s.h, &mut s.v);
-        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-            rms_norm_in_place(&mut s.q, qn, eps);
-            rms_norm_in_place(&mut s.k, kn, eps);
-        }
-        let (rope, cos, sin) = match (&self.local_rope, layer.attention.local_rope) {
-            (Some(local), true) => (local, &s.local_cos, &s.local_sin),
-            _ => (&self.rope, &s.cos, &s.sin),
-        };
-        let half = d / 2;
-        for i in 0..t {
-            let (cs, sn) = (
-                &cos[i * half..(i + 1) * half],
-                &sin[i * half..(i + 1) * half],
-            );
-            rope.apply(&mut s.q[i * q_out..(i + 1) * q_out], d, cs, sn);
-            rope.apply(&mut s.k[i * kv_out..(i + 1) * kv_out], d, cs, sn);
-        }
-        let bs = kv.layout().block_size;
-        let (groups, group) = (kv.groups().num_groups(), kv.groups().group(li));
-        for seq in &s.seqs {
-            for j in 0..seq.len {
-                let pos = seq.start_pos + j;
-                let row = seq.row + j;
-                kv.write(
-                    li,
-                    seq.blocks[pos / bs * groups + group],
-                    pos % bs,
-                    &s.k[row * kv_out..(row + 1) * kv_out],
-                    &s.v[row * kv_out..(row + 1) * kv_out],
-                );
-            }
-        }
-        let scoring = Scoring {
-            scale: self.config.arch.attn_scale * rope.score_factor(),
-            softcap: self.config.arch.attn_softcap,
-            window: layer.attention.window,
-            sinks: layer.sinks.as_deref(),
-        };
-        paged_attention(&s.q, kv, li, &s.seqs, s.heads, scoring, &mut s.attn);
-        layer.o.forward(&s.attn, t, self.matmul, &mut s.proj);
-        s.lora.layer(li).apply(LoraTarget::O, &s.attn, &mut s.proj);
-        if self.shard.tp_size > 1 {
-            peers.all_reduce(&mut s.proj)?;
-        }
-        if let Some(n) = &layer.attn_out_norm {
-            rms_norm_in_place(&mut s.proj, n, eps);
-        }
-        self.residual_add(x, &mut s.proj);
-        Ok(())
     }
 
     /// Norm, the MLP (dense, or routed to experts), all-reduced, output

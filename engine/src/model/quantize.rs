@@ -35,14 +35,7 @@ impl Model {
         let steps = self.layers.len() + usize::from(self.shard.computes_logits());
         let task = crate::progress::Task::begin("quantizing to INT4", steps as u64);
         for (i, l) in self.layers.iter_mut().enumerate() {
-            let attention = [
-                ("q_proj", &mut l.q),
-                ("k_proj", &mut l.k),
-                ("v_proj", &mut l.v),
-                ("o_proj", &mut l.o),
-            ];
-            let attention = attention.into_iter().map(|(n, l)| (n.to_string(), l));
-            for (name, lin) in attention.chain(l.mlp.linears_mut()) {
+            for (name, lin) in l.linears_mut() {
                 lin.quantize(config, &format!("layer {i} {name}"))?;
             }
             task.step();

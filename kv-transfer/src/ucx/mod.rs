@@ -330,7 +330,7 @@ impl Transport for UcxTransport {
         sink: Arc<dyn KvSink>,
     ) -> Result<Listener, TransferError> {
         layout.validate()?;
-        let slot_bytes = 2 * layout.block_layer_bytes();
+        let slot_bytes = layout.block_payload_bytes();
         let pool_slots = u64::from(sink.num_blocks()) * u64::from(layout.num_layers);
         let slots = self.config.region_slots(slot_bytes) as u64;
         let slots = u32::try_from(slots.min(pool_slots.max(1))).unwrap_or(u32::MAX);
@@ -412,12 +412,12 @@ impl Transport for UcxTransport {
                     )))
                 }
             };
-            if offer.slot_bytes as usize != 2 * layout.block_layer_bytes() || offer.slots == 0 {
+            if offer.slot_bytes as usize != layout.block_payload_bytes() || offer.slots == 0 {
                 return Err(TransferError::Protocol(format!(
                     "{endpoint} offered {} slots of {} bytes; the layout needs slots of {}",
                     offer.slots,
                     offer.slot_bytes,
-                    2 * layout.block_layer_bytes()
+                    layout.block_payload_bytes()
                 )));
             }
             let connected = self
@@ -603,10 +603,13 @@ async fn write_loop(mut ctx: WriteCtx) {
                                 bytes: block.k,
                                 remote_addr: slot_addr,
                             });
-                            puts.push(rt::Put {
-                                bytes: block.v,
-                                remote_addr: slot_addr + plan.block_layer_bytes as u64,
-                            });
+                            // A latent layout has no V.
+                            if !block.v.is_empty() {
+                                puts.push(rt::Put {
+                                    bytes: block.v,
+                                    remote_addr: slot_addr + plan.block_layer_bytes as u64,
+                                });
+                            }
                             cursor = (cursor + 1) % plan.slots;
                         }
                         messages.push(if plan.rendezvous {
@@ -992,6 +995,7 @@ impl Receiver<'_> {
                 }
                 self.core.begin(transfer)?;
                 let half = self.ctx.layout.block_layer_bytes();
+                let v_bytes = self.ctx.layout.value_bytes();
                 for _ in 0..count {
                     let (layer, block, slot) = (b.get_u32_le(), b.get_u32_le(), b.get_u32_le());
                     if slot >= self.ctx.slots {
@@ -1003,7 +1007,7 @@ impl Receiver<'_> {
                     let at = slot as usize * self.ctx.slot_bytes;
                     let (Some(k), Some(v)) = (
                         self.region.read(at, half),
-                        self.region.read(at + half, half),
+                        self.region.read(at + half, v_bytes),
                     ) else {
                         return Err(TransferError::Protocol(format!("slot {slot} out of range")));
                     };

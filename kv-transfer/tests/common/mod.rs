@@ -33,6 +33,7 @@ pub const WAIT: Duration = Duration::from_secs(10);
 
 pub fn layout() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::PerHead,
         num_layers: 4,
         num_kv_heads: 2,
         head_dim: 8,
@@ -213,12 +214,12 @@ pub fn pattern(transfer: u64, layer: u32, block: u32, which: u8, len: usize) -> 
 }
 
 pub fn block(layout: &KvLayoutDescriptor, transfer: u64, layer: u32, dst: u32) -> BlockWrite {
-    let len = layout.block_layer_bytes();
+    let (len, v_len) = (layout.block_layer_bytes(), layout.value_bytes());
     BlockWrite {
         layer,
         dst_block: dst,
         k: Bytes::from(pattern(transfer, layer, dst, 0, len)),
-        v: Bytes::from(pattern(transfer, layer, dst, 1, len)),
+        v: Bytes::from(pattern(transfer, layer, dst, 1, v_len)),
     }
 }
 

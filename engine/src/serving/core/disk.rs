@@ -175,10 +175,10 @@ impl EngineCore {
         Ok(())
     }
 
-    /// f32 values of one block in the disk tier: every layer's K then V.
+    /// f32 values of one block in the disk tier: every layer's K then V
+    /// (a latent layout's rows alone).
     pub fn disk_block_values(&self) -> usize {
-        let layout = self.backend.kv_layout();
-        layout.num_layers * 2 * layout.block_elems()
+        self.backend.kv_layout().block_values()
     }
 
     /// Asks the tier for the blocks of `seq`'s prompt after the pool's
@@ -264,10 +264,14 @@ impl EngineCore {
         if table.num_tokens() != from * bs || table.append(n * bs).is_err() {
             return 0; // dropping the table returns its blocks
         }
-        let per_layer = self.backend.kv_layout().block_elems();
+        let layout = self.backend.kv_layout();
+        let (per_layer, keys) = (
+            layout.block_elems() + layout.value_elems(),
+            layout.block_elems(),
+        );
         for (&block, values) in table.blocks()[from..].iter().zip(&loaded.blocks) {
-            for (layer, kv) in values.chunks_exact(2 * per_layer).enumerate() {
-                let (k, v) = kv.split_at(per_layer);
+            for (layer, kv) in values.chunks_exact(per_layer).enumerate() {
+                let (k, v) = kv.split_at(keys);
                 if let Err(e) = self.backend.write_block(layer, block, k, v) {
                     tracing::warn!(error = %e, block, layer, "restoring a KV block from disk failed");
                     return 0;
@@ -295,12 +299,11 @@ impl EngineCore {
             return;
         };
         let layout = self.backend.kv_layout();
-        let per_layer = layout.block_elems();
         'blocks: for r in named {
             if disk.tier.knows(r.hash) || !allocator.holds(r.block, r.hash) {
                 continue;
             }
-            let mut values = Vec::with_capacity(layout.num_layers * 2 * per_layer);
+            let mut values = Vec::with_capacity(layout.block_values());
             for layer in 0..layout.num_layers {
                 match kv.read_block(layer, r.block) {
                     Ok((k, v)) => {
