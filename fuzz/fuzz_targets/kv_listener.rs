@@ -30,6 +30,7 @@ const NUM_BLOCKS: u32 = 8;
 
 fn layout() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::PerHead,
         num_layers: 2,
         num_kv_heads: 1,
         head_dim: 4,

@@ -538,6 +538,7 @@ mod tests {
             "shared_expert_intermediate_size": 48,
             "n_routed_experts": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8, "v_head_dim": 16, "q_lora_rank": 24,
+            "n_group": 2, "topk_group": 1,
         });
         for family in FAMILIES {
             for &(class, architecture) in family.classes {
