@@ -11,7 +11,6 @@ use tokio::io::AsyncWriteExt;
 
 fn block_size_32() -> KvLayoutDescriptor {
     KvLayoutDescriptor {
-        rows: tandem_kv_transfer::KvRows::PerHead,
         block_size: 32,
         ..layout()
     }
@@ -65,6 +64,31 @@ async fn tcp_dtype_mismatch_names_dtype() {
         .expect_err("refused");
     assert!(
         err.to_string().contains("dtype bf16 here, f32 at the peer"),
+        "{err}"
+    );
+}
+
+/// A latent layout (one row per token, no V) against a per-head one of the
+/// same width: the handshake names the rows.
+#[tokio::test]
+async fn tcp_latent_against_per_head_rows_is_refused_by_name() {
+    let transport = TcpTransport::new("t");
+    let sink = RecordingSink::new(16);
+    let listener = transport
+        .listen("127.0.0.1:0", layout(), sink.clone())
+        .await
+        .expect("listen");
+    let latent = KvLayoutDescriptor {
+        rows: tandem_kv_transfer::KvRows::Latent,
+        ..layout()
+    };
+    let err = transport
+        .connect(listener.endpoint(), latent)
+        .await
+        .expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("rows latent here, per-head K and V at the peer"),
         "{err}"
     );
 }

@@ -28,7 +28,7 @@ use rayon::prelude::*;
 
 use crate::arch::MlaSpec;
 use crate::attention::{paged_attention, AttnSeq, Heads, Scoring};
-use crate::kernels::{dot_f32, rms_norm_in_place, MatmulPolicy, RopeTable};
+use crate::kernels::{axpy_f32, dot_f32, rms_norm_in_place, MatmulPolicy, RopeTable};
 use crate::kv_cache::{unrotate_row, KvCache};
 use crate::weights::Matrix;
 
@@ -37,6 +37,9 @@ use super::linear::Linear;
 /// transformers' `DeepseekV3RMSNorm` default, which `q_a_layernorm` and
 /// `kv_a_layernorm` are built with (not the config's `rms_norm_eps`).
 const LATENT_NORM_EPS: f32 = 1e-6;
+
+/// Queries per expanded-form task (one head each).
+const QUERY_TILE: usize = 32;
 
 /// Which form of the attention a step runs (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -265,9 +268,7 @@ impl LatentAttention {
                 let (lat, pe) = dst.split_at_mut(rank);
                 for (i, &qi) in src[..nope].iter().enumerate() {
                     let w = &self.w_uk[(h * nope + i) * rank..(h * nope + i + 1) * rank];
-                    for (l, &wv) in lat.iter_mut().zip(w) {
-                        *l += qi * wv;
-                    }
+                    axpy_f32(lat, qi, w);
                 }
                 pe.copy_from_slice(&src[nope..]);
             });
@@ -302,7 +303,9 @@ impl LatentAttention {
 
     /// The expanded form over `seqs`: each sequence's cached latents
     /// through `kv_b_proj` into per-head keys and values, then causal
-    /// attention with the full `qk_nope + qk_rope` keys.
+    /// attention with the full `qk_nope + qk_rope` keys. Keys and values
+    /// are laid out head by head, so a task (one head, a tile of queries)
+    /// streams contiguous rows.
     fn expanded(
         &self,
         q: &[f32],
@@ -312,56 +315,91 @@ impl LatentAttention {
         out: &mut [f32],
     ) {
         let s = &self.spec;
-        let (heads, qk) = (self.num_heads, s.qk_head_dim());
+        let (heads, qk, vd) = (self.num_heads, s.qk_head_dim(), s.v_head_dim);
+        for seq in seqs {
+            let ctx = seq.start_pos + seq.len;
+            let (keys, values) = self.expand(kv, step, seq, ctx);
+            let tiles: Vec<(usize, usize)> = (0..heads)
+                .flat_map(|h| (0..seq.len).step_by(QUERY_TILE).map(move |j| (h, j)))
+                .collect();
+            let out_ptr = crate::kernels::OutPtr(out.as_mut_ptr());
+            let out_len = out.len();
+            tiles.into_par_iter().for_each(|(h, j0)| {
+                let ptr = out_ptr;
+                let (keys, values) = (&keys[h * ctx * qk..], &values[h * ctx * vd..]);
+                let mut scores = vec![0.0f32; ctx];
+                for j in j0..(j0 + QUERY_TILE).min(seq.len) {
+                    let row = seq.row + j;
+                    let qh = &q[(row * heads + h) * qk..(row * heads + h + 1) * qk];
+                    let visible = seq.start_pos + j + 1;
+                    let mut max = f32::NEG_INFINITY;
+                    for (p, sc) in scores[..visible].iter_mut().enumerate() {
+                        *sc = dot_f32(qh, &keys[p * qk..(p + 1) * qk]) * step.scale;
+                        max = max.max(*sc);
+                    }
+                    // SAFETY: each task writes only rows of its own queries
+                    // and head, inside `out` (sliced below); tasks differ
+                    // in head or in query tile.
+                    let all = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
+                    let acc = &mut all[(row * heads + h) * vd..(row * heads + h + 1) * vd];
+                    acc.fill(0.0);
+                    let mut sum = 0.0f32;
+                    for (p, &sc) in scores[..visible].iter().enumerate() {
+                        let w = (sc - max).exp();
+                        sum += w;
+                        axpy_f32(acc, w, &values[p * vd..(p + 1) * vd]);
+                    }
+                    let inv = 1.0 / sum;
+                    for a in acc.iter_mut() {
+                        *a *= inv;
+                    }
+                }
+            });
+        }
+    }
+
+    /// A sequence's first `ctx` latents expanded through `kv_b_proj`:
+    /// keys `[head][pos][qk_nope + qk_rope]` (the shared rotated part
+    /// appended to each head's) and values `[head][pos][v]`.
+    fn expand(
+        &self,
+        kv: &KvCache,
+        step: &MlaStep<'_, '_>,
+        seq: &AttnSeq<'_>,
+        ctx: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let s = &self.spec;
+        let heads = self.num_heads;
         let (rank, nope, vd, width) = (
             s.kv_lora_rank,
             s.qk_nope_head_dim,
             s.v_head_dim,
             s.latent_width(),
         );
-        for seq in seqs {
-            let ctx = seq.start_pos + seq.len;
-            let rows = self.cached_rows(kv, step.layer, seq, ctx);
-            let mut c = vec![0.0f32; ctx * rank];
-            for (dst, src) in c.chunks_exact_mut(rank).zip(rows.chunks_exact(width)) {
-                dst.copy_from_slice(&src[..rank]);
-            }
-            let per_head = nope + vd;
-            let mut kvx = vec![0.0f32; ctx * heads * per_head];
-            crate::kernels::linear(&c, ctx, &self.kv_b, None, step.matmul, &mut kvx);
-            let mut results = vec![0.0f32; seq.len * heads * vd];
-            results
-                .par_chunks_mut(vd)
-                .enumerate()
-                .for_each(|(jh, acc)| {
-                    let (j, h) = (jh / heads, jh % heads);
-                    let row = seq.row + j;
-                    let qh = &q[(row * heads + h) * qk..(row * heads + h + 1) * qk];
-                    let visible = seq.start_pos + j + 1;
-                    let scores: Vec<f32> = (0..visible)
-                        .map(|p| {
-                            let k = &kvx[(p * heads + h) * per_head..][..nope];
-                            let pe = &rows[p * width + rank..(p + 1) * width];
-                            (dot_f32(&qh[..nope], k) + dot_f32(&qh[nope..], pe)) * step.scale
-                        })
-                        .collect();
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0.0f32;
-                    for (p, &sc) in scores.iter().enumerate() {
-                        let w = (sc - max).exp();
-                        sum += w;
-                        let v = &kvx[(p * heads + h) * per_head + nope..][..vd];
-                        for (a, &x) in acc.iter_mut().zip(v) {
-                            *a += w * x;
-                        }
-                    }
-                    for a in acc.iter_mut() {
-                        *a /= sum;
-                    }
-                });
-            let span = seq.row * heads * vd..(seq.row + seq.len) * heads * vd;
-            out[span].copy_from_slice(&results);
+        let qk = s.qk_head_dim();
+        let rows = self.cached_rows(kv, step.layer, seq, ctx);
+        let mut c = vec![0.0f32; ctx * rank];
+        for (dst, src) in c.chunks_exact_mut(rank).zip(rows.chunks_exact(width)) {
+            dst.copy_from_slice(&src[..rank]);
         }
+        let per_head = nope + vd;
+        let mut kvx = vec![0.0f32; ctx * heads * per_head];
+        crate::kernels::linear(&c, ctx, &self.kv_b, None, step.matmul, &mut kvx);
+        let mut keys = vec![0.0f32; heads * ctx * qk];
+        let mut values = vec![0.0f32; heads * ctx * vd];
+        keys.par_chunks_mut(ctx * qk)
+            .zip(values.par_chunks_mut(ctx * vd))
+            .enumerate()
+            .for_each(|(h, (k, v))| {
+                for p in 0..ctx {
+                    let src = &kvx[(p * heads + h) * per_head..(p * heads + h + 1) * per_head];
+                    let key = &mut k[p * qk..(p + 1) * qk];
+                    key[..nope].copy_from_slice(&src[..nope]);
+                    key[nope..].copy_from_slice(&rows[p * width + rank..(p + 1) * width]);
+                    v[p * vd..(p + 1) * vd].copy_from_slice(&src[nope..]);
+                }
+            });
+        (keys, values)
     }
 
     /// A sequence's first `ctx` cached latent rows, in f32 and unrotated.
