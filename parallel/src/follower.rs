@@ -8,8 +8,8 @@ use tandem_engine::kernels::{MatmulPolicy, GEMV_MAX_ROWS};
 use tandem_engine::{BlockCopy, KvCache, KvCacheDtype, Model, SeqInput};
 
 use crate::peers::{CommPeers, CommStats};
-use crate::protocol::{encode_ready, Command};
-use crate::{fingerprint, ParallelError, Parallelism};
+use crate::protocol::{encode_ready, Command, OwnedSeq};
+use crate::{fingerprint, ParallelError, Parallelism, Place};
 
 /// Runs rank `comm.rank()` until the leader says `Shutdown` (`Ok`) or is
 /// gone (`Err`): loads its shard of the checkpoint at `dir` when the leader
@@ -31,6 +31,45 @@ pub fn run_follower(
         )));
     }
     let place = par.place(rank);
+    let (model, kv) = set_up(dir, par, place, &mut *comm)?;
+    // Small steps run as one job on a pool of this rank's own (as the
+    // leader's engine runs them on rayon's), so their row kernels start
+    // without waking this thread. A private pool, because the job blocks in
+    // collectives: ranks sharing a process (tests) must not starve each
+    // other's kernels of threads.
+    let small_steps = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(move |i| format!("rank{rank}-{i}"))
+        .build()
+        .map_err(|e| ParallelError::Setup(format!("starting rank {rank}'s compute pool: {e}")))?;
+    tracing::info!(
+        rank,
+        stage = place.stage,
+        tp_rank = place.tp_rank,
+        layers = ?model.shard().layers,
+        weight_bytes = model.weight_bytes(),
+        "rank ready"
+    );
+    Follower {
+        comm,
+        par,
+        place,
+        model,
+        kv,
+        stats: CommStats::default(),
+        small_steps,
+    }
+    .serve()
+}
+
+/// Waits for the leader's `Setup`, loads this rank's shard and KV pool, and
+/// answers whether it is ready (a model fingerprint check).
+fn set_up(
+    dir: &Path,
+    par: Parallelism,
+    place: Place,
+    comm: &mut dyn Communicator,
+) -> Result<(Model, KvCache), ParallelError> {
     let Command::Setup {
         block_size,
         num_blocks,
@@ -58,95 +97,111 @@ pub fn run_follower(
         0,
         &encode_ready(&prepared.as_ref().map(|_| ()).map_err(Clone::clone)),
     )?;
-    let (mut model, mut kv) = prepared.map_err(ParallelError::Setup)?;
-    let layers = model.shard().layers.clone();
-    let local = |layer: usize| {
+    prepared.map_err(ParallelError::Setup)
+}
+
+/// A ready rank: its shard, its part of the pool, its links.
+struct Follower {
+    comm: Box<dyn Communicator>,
+    par: Parallelism,
+    place: Place,
+    model: Model,
+    kv: KvCache,
+    stats: CommStats,
+    small_steps: rayon::ThreadPool,
+}
+
+impl Follower {
+    /// Executes the leader's commands until `Shutdown`.
+    fn serve(mut self) -> Result<(), ParallelError> {
+        loop {
+            match Command::decode(&self.comm.recv_idle(0)?)? {
+                Command::Step { micro_batches } => self.step(&micro_batches)?,
+                Command::Copy { src, dst } => {
+                    self.in_pool(src)?;
+                    self.in_pool(dst)?;
+                    self.kv.copy_block(BlockCopy { src, dst });
+                }
+                Command::Write { layer, block, k, v } => {
+                    self.in_pool(block)?;
+                    let layer = self.local(layer)?;
+                    self.kv
+                        .write_block(layer, block, &k, &v)
+                        .map_err(|e| ParallelError::Protocol(e.to_string()))?;
+                }
+                Command::Read { layer, block } => {
+                    self.in_pool(block)?;
+                    let (k, v) = self.kv.block(self.local(layer)?, block);
+                    let mut both = k.into_owned();
+                    both.extend_from_slice(&v);
+                    self.comm.send_f32(0, &both)?;
+                }
+                Command::BatchInvariant(on) => self
+                    .model
+                    .set_matmul_policy(MatmulPolicy::batch_invariant(on)),
+                Command::Shutdown => return Ok(()),
+                Command::Setup { .. } => {
+                    return Err(ParallelError::Protocol("Setup sent twice".into()))
+                }
+            }
+        }
+    }
+
+    /// One step's micro-batches through this rank's stage; the last
+    /// stage's TP rank 0 sends the logits after the whole step (see the
+    /// crate docs).
+    fn step(&mut self, micro_batches: &[Vec<OwnedSeq>]) -> Result<(), ParallelError> {
+        let rows: usize = micro_batches.iter().flatten().map(|s| s.tokens.len()).sum();
+        let Self {
+            comm,
+            par,
+            place,
+            model,
+            kv,
+            stats,
+            small_steps,
+        } = self;
+        let mut run = || {
+            let mut logits = Vec::new();
+            let mut peers = CommPeers::new(&mut **comm, *par, *place, stats);
+            for mb in micro_batches {
+                let inputs: Vec<SeqInput<'_>> = mb.iter().map(|s| s.input()).collect();
+                if let Some(l) = model.forward_stage(&inputs, kv, &mut peers, &mut |_, _| {})? {
+                    logits.push(l);
+                }
+            }
+            Ok::<_, ParallelError>(logits)
+        };
+        let logits = if rows <= GEMV_MAX_ROWS {
+            small_steps.install(run)?
+        } else {
+            run()?
+        };
+        for l in logits {
+            comm.send_f32(0, l.rows())?;
+        }
+        Ok(())
+    }
+
+    /// `layer`'s index in this rank's part of the pool.
+    fn local(&self, layer: usize) -> Result<usize, ParallelError> {
+        let layers = &self.model.shard().layers;
         layer
             .checked_sub(layers.start)
             .filter(|_| layers.contains(&layer))
             .ok_or_else(|| {
                 ParallelError::Protocol(format!("layer {layer} is not on this rank ({layers:?})"))
             })
-    };
-    let in_pool = |b: u32| {
-        if (b as usize) < num_blocks {
+    }
+
+    fn in_pool(&self, b: u32) -> Result<(), ParallelError> {
+        let n = self.kv.num_blocks();
+        if (b as usize) < n {
             Ok(())
         } else {
             Err(ParallelError::Protocol(format!(
-                "block {b} is outside the pool ({num_blocks} blocks)"
+                "block {b} is outside the pool ({n} blocks)"
             )))
-        }
-    };
-    let mut stats = CommStats::default();
-    // Small steps run as one job on a pool of this rank's own (as the
-    // leader's engine runs them on rayon's), so their row kernels start
-    // without waking this thread. A private pool, because the job blocks in
-    // collectives: ranks sharing a process (tests) must not starve each
-    // other's kernels of threads.
-    let small_steps = rayon::ThreadPoolBuilder::new()
-        .num_threads(rayon::current_num_threads())
-        .thread_name(move |i| format!("rank{rank}-{i}"))
-        .build()
-        .map_err(|e| ParallelError::Setup(format!("starting rank {rank}'s compute pool: {e}")))?;
-    tracing::info!(
-        rank,
-        stage = place.stage,
-        tp_rank = place.tp_rank,
-        ?layers,
-        weight_bytes = model.weight_bytes(),
-        "rank ready"
-    );
-    loop {
-        match Command::decode(&comm.recv_idle(0)?)? {
-            Command::Step { micro_batches } => {
-                let rows: usize = micro_batches.iter().flatten().map(|s| s.tokens.len()).sum();
-                let mut run = || {
-                    let mut logits = Vec::new();
-                    let mut peers = CommPeers::new(&mut *comm, par, place, &mut stats);
-                    for mb in &micro_batches {
-                        let inputs: Vec<SeqInput<'_>> = mb.iter().map(|s| s.input()).collect();
-                        if let Some(l) =
-                            model.forward_stage(&inputs, &mut kv, &mut peers, &mut |_, _| {})?
-                        {
-                            logits.push(l);
-                        }
-                    }
-                    Ok::<_, ParallelError>(logits)
-                };
-                let logits = if rows <= GEMV_MAX_ROWS {
-                    small_steps.install(run)?
-                } else {
-                    run()?
-                };
-                // Sent after the whole step: see the crate docs.
-                for l in logits {
-                    comm.send_f32(0, l.rows())?;
-                }
-            }
-            Command::Copy { src, dst } => {
-                in_pool(src)?;
-                in_pool(dst)?;
-                kv.copy_block(BlockCopy { src, dst });
-            }
-            Command::Write { layer, block, k, v } => {
-                in_pool(block)?;
-                kv.write_block(local(layer)?, block, &k, &v)
-                    .map_err(|e| ParallelError::Protocol(e.to_string()))?;
-            }
-            Command::Read { layer, block } => {
-                in_pool(block)?;
-                let (k, v) = kv.block(local(layer)?, block);
-                let mut both = k.into_owned();
-                both.extend_from_slice(&v);
-                comm.send_f32(0, &both)?;
-            }
-            Command::BatchInvariant(on) => {
-                model.set_matmul_policy(MatmulPolicy::batch_invariant(on))
-            }
-            Command::Shutdown => return Ok(()),
-            Command::Setup { .. } => {
-                return Err(ParallelError::Protocol("Setup sent twice".into()))
-            }
         }
     }
 }

@@ -31,7 +31,7 @@ use tandem_engine::serving::{
     EngineHandle, ExportedBlock, KvExport, PrefillMode, Prompt, PromptLogprobs, Request,
     RequestEvent,
 };
-use tandem_engine::{KvGroups, FREED};
+use tandem_engine::{KvGroups, TokenLogprob, FREED};
 use tandem_kv_transfer::{BlockWrite, KvLayoutDescriptor, Session, TransferId, Transport};
 use tandem_proto::worker::v1 as wv1;
 use tandem_server::{layout, status_from_engine};
@@ -325,11 +325,9 @@ impl PrefillService {
         Ok(Some(r.lora.clone()))
     }
 
-    async fn prefill_inner(
-        &self,
-        r: wv1::PrefillRequest,
-        span: tracing::Span,
-    ) -> Result<Response<wv1::PrefillReply>, Status> {
+    /// The caller's layout and destination blocks, checked against this
+    /// worker's: the first block to send.
+    fn check_geometry(&self, r: &wv1::PrefillRequest) -> Result<usize, Status> {
         let theirs = r
             .layout
             .as_ref()
@@ -348,33 +346,26 @@ impl PrefillService {
                 r.dst_blocks.len()
             )));
         }
-        let lora = self.check_lora(&r)?;
-        let session = self.session(&r.transfer_endpoint).await?;
-        let transfer = TransferId(r.transfer_id);
-        let mut guard = AbortOnDrop {
-            session: session.clone(),
-            transfer,
-            writer: None,
-            armed: true,
-        };
-        let (tx, mut rx) = unbounded_channel::<Vec<BlockWrite>>();
-        let writer_session = session.clone();
-        let kv_span = tracing::info_span!(
-            "kv_transfer",
-            transfer = r.transfer_id,
-            endpoint = %r.transfer_endpoint,
-            bytes = tracing::field::Empty,
-            block_layers = tracing::field::Empty,
-        );
-        let transfer_started = Instant::now();
+        Ok(from_block)
+    }
+
+    /// The task that forwards exported batches to `session` until the
+    /// exporter's channel closes: the block-layers it sent.
+    fn spawn_writer(
+        &self,
+        session: Arc<dyn Session>,
+        transfer: TransferId,
+        mut batches: tokio::sync::mpsc::UnboundedReceiver<Vec<BlockWrite>>,
+        kv_span: tracing::Span,
+    ) -> WriterTask {
         let metrics = self.metrics.clone();
-        guard.writer = Some(tokio::spawn(
+        tokio::spawn(
             async move {
                 let (mut sent, mut sent_bytes) = (0usize, 0usize);
-                while let Some(batch) = rx.recv().await {
+                while let Some(batch) = batches.recv().await {
                     let n = batch.len();
                     let bytes: usize = batch.iter().map(|b| b.k.len() + b.v.len()).sum();
-                    writer_session.write(transfer, batch).await?;
+                    session.write(transfer, batch).await?;
                     sent += n;
                     sent_bytes += bytes;
                     metrics.sent_bytes.add(bytes as u64);
@@ -385,8 +376,50 @@ impl PrefillService {
                 span.record("bytes", sent_bytes);
                 Ok::<usize, tandem_kv_transfer::TransferError>(sent)
             }
-            .instrument(kv_span.clone()),
-        ));
+            .instrument(kv_span),
+        )
+    }
+
+    /// Runs `req` (an export) to its end: the prompt tokens it found cached
+    /// and the prompt's scores, if asked.
+    async fn run_export(&self, req: Request) -> Result<(usize, Vec<TokenLogprob>), Status> {
+        let mut events = self.engine.submit(req).map_err(status_from_engine)?;
+        let mut scores = Vec::new();
+        loop {
+            match events.next().await {
+                Some(RequestEvent::PromptLogprobs(lps)) => scores = lps,
+                Some(RequestEvent::Finished(s)) => return Ok((s.usage.cached_tokens, scores)),
+                Some(RequestEvent::Error(e)) => return Err(tandem_server::status_from_failure(e)),
+                Some(_) => {}
+                None => return Err(Status::unavailable("the engine stopped")),
+            }
+        }
+    }
+
+    async fn prefill_inner(
+        &self,
+        r: wv1::PrefillRequest,
+        span: tracing::Span,
+    ) -> Result<Response<wv1::PrefillReply>, Status> {
+        let from_block = self.check_geometry(&r)?;
+        let lora = self.check_lora(&r)?;
+        let session = self.session(&r.transfer_endpoint).await?;
+        let transfer = TransferId(r.transfer_id);
+        let (tx, rx) = unbounded_channel::<Vec<BlockWrite>>();
+        let kv_span = tracing::info_span!(
+            "kv_transfer",
+            transfer = r.transfer_id,
+            endpoint = %r.transfer_endpoint,
+            bytes = tracing::field::Empty,
+            block_layers = tracing::field::Empty,
+        );
+        let transfer_started = Instant::now();
+        let mut guard = AbortOnDrop {
+            session: session.clone(),
+            transfer,
+            writer: Some(self.spawn_writer(session.clone(), transfer, rx, kv_span.clone())),
+            armed: true,
+        };
         let exporter = Arc::new(Exporter {
             from_block,
             dst_blocks: r.dst_blocks,
@@ -409,17 +442,7 @@ impl PrefillService {
             top: top as usize,
             next_token: Some(r.last_token),
         });
-        let mut events = self.engine.submit(req).map_err(status_from_engine)?;
-        let mut scores = Vec::new();
-        let cached = loop {
-            match events.next().await {
-                Some(RequestEvent::PromptLogprobs(lps)) => scores = lps,
-                Some(RequestEvent::Finished(s)) => break s.usage.cached_tokens,
-                Some(RequestEvent::Error(e)) => return Err(tandem_server::status_from_failure(e)),
-                Some(_) => {}
-                None => return Err(Status::unavailable("the engine stopped")),
-            }
-        };
+        let (cached, scores) = self.run_export(req).await?;
         // The engine dropped its exporter with the finished request, which
         // closed the channel: the writer ends once it has sent everything.
         // (Awaited in place: cancelled meanwhile, the guard still stops it.)

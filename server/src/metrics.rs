@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use tandem_engine::serving::{EngineHandle, RequestSummary};
+use tandem_engine::serving::{EngineHandle, EngineStats, RequestSummary};
 use tandem_telemetry::metrics::{
     Counter, Family, Histogram, Registry, Scrape, LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,
 };
@@ -181,176 +181,191 @@ pub fn register_transport(
 pub fn register_engine(registry: &Registry, engine: EngineHandle) {
     registry.collector(move |s| {
         let st = engine.stats();
-        s.gauge(
-            "tandem_num_requests_waiting",
-            "Requests waiting for admission (the engine's queue depth).",
-            &[],
-            st.waiting as f64,
-        );
-        s.gauge(
-            "tandem_num_requests_running",
-            "Sequences in the running batch.",
-            &[],
-            st.running as f64,
-        );
-        s.gauge(
-            "tandem_num_requests_parked",
-            "Requests waiting for a remote prefill's KV blocks.",
-            &[],
-            st.parked as f64,
-        );
-        s.gauge(
-            "tandem_kv_cache_capacity_blocks",
-            "KV blocks in the pool.",
-            &[],
-            st.num_blocks as f64,
-        );
-        if let Some(reg) = engine.lora() {
-            let adapters = reg.list();
-            let resident = adapters.iter().filter(|a| a.resident).count();
-            let help = "LoRA adapters known (loadable) and resident (in memory).";
-            s.gauge(
-                "tandem_lora_adapters",
-                help,
-                &[("state", "known")],
-                adapters.len() as f64,
-            );
-            s.gauge(
-                "tandem_lora_adapters",
-                help,
-                &[("state", "resident")],
-                resident as f64,
-            );
-        }
-        let used = st.num_blocks.saturating_sub(st.free_blocks);
-        let help = "KV blocks by state: used (referenced by a sequence) or free.";
-        s.gauge(
-            "tandem_kv_cache_blocks",
-            help,
-            &[("state", "used")],
-            used as f64,
-        );
-        s.gauge(
-            "tandem_kv_cache_blocks",
-            help,
-            &[("state", "free")],
-            st.free_blocks as f64,
-        );
-        s.gauge(
-            "tandem_kv_cache_cached_blocks",
-            "KV blocks holding a prefix-cache entry (in use or free).",
-            &[],
-            st.cached_blocks as f64,
-        );
-        s.gauge(
-            "tandem_kv_cache_usage_ratio",
-            "Share of the KV pool in use.",
-            &[],
-            if st.num_blocks == 0 {
-                0.0
-            } else {
-                used as f64 / st.num_blocks as f64
-            },
-        );
-        for (layer, experts) in &st.routed_tokens {
-            let layer = layer.to_string();
-            for (expert, &tokens) in experts.iter().enumerate() {
-                s.counter(
-                    "tandem_moe_routed_tokens_total",
-                    "Tokens routed to each expert of each mixture-of-experts layer \
-                     (a token counts once per expert it chose).",
-                    &[("layer", &layer), ("expert", &expert.to_string())],
-                    tokens as f64,
-                );
-            }
-        }
-        s.counter(
-            "tandem_prefix_cache_queries_total",
-            "Prompt blocks looked up in the prefix cache at admission.",
-            &[],
-            st.prefix.queried_blocks as f64,
-        );
-        s.counter(
-            "tandem_prefix_cache_hits_total",
-            "Prompt blocks found in the prefix cache at admission.",
-            &[],
-            st.prefix.hit_blocks as f64,
-        );
-        s.counter(
-            "tandem_prefix_cache_evictions_total",
-            "Cached blocks whose entry was dropped to reuse the block.",
-            &[],
-            st.prefix.evicted_blocks as f64,
-        );
-        s.gauge(
-            "tandem_prefix_cache_hit_ratio",
-            "Prefix-cache hits over lookups since start (blocks).",
-            &[],
-            if st.prefix.queried_blocks == 0 {
-                0.0
-            } else {
-                st.prefix.hit_blocks as f64 / st.prefix.queried_blocks as f64
-            },
-        );
-        s.counter(
-            "tandem_engine_steps_total",
-            "Engine steps (one forward pass each).",
-            &[],
-            st.steps as f64,
-        );
-        s.counter(
-            "tandem_engine_preemptions_total",
-            "Sequences preempted (recomputed later) for lack of blocks.",
-            &[],
-            st.preemptions as f64,
-        );
-        s.counter(
-            "tandem_engine_computed_tokens_total",
-            "Tokens run through the model (prefill and decode).",
-            &[],
-            st.computed_tokens as f64,
-        );
-        if let Some(disk) = &st.disk {
-            disk_metrics(s, disk);
-        }
-        let spec = st.speculation;
-        s.counter(
-            "tandem_spec_drafted_tokens_total",
-            "Speculative decoding: drafted tokens sent for verification.",
-            &[],
-            spec.drafted as f64,
-        );
-        s.counter(
-            "tandem_spec_accepted_tokens_total",
-            "Speculative decoding: drafted tokens the target accepted.",
-            &[],
-            spec.accepted as f64,
-        );
-        s.counter(
-            "tandem_spec_verifications_total",
-            "Speculative decoding: sequences' drafts scored in one forward pass.",
-            &[],
-            spec.verifications as f64,
-        );
-        s.gauge(
-            "tandem_spec_acceptance_rate",
-            "Accepted over drafted tokens since start.",
-            &[],
-            spec.acceptance_rate(),
-        );
-        s.gauge(
-            "tandem_spec_mean_accepted_length",
-            "Drafts accepted per verification since start.",
-            &[],
-            spec.mean_accepted_len(),
-        );
-        s.gauge(
-            "tandem_spec_draft_kv_blocks_used",
-            "KV blocks the draft model holds in its own pool.",
-            &[],
-            st.draft_blocks as f64,
-        );
+        queue_and_pool_metrics(s, &st, &engine);
+        cache_and_step_metrics(s, &st);
+        speculation_metrics(s, &st);
     });
+}
+
+/// Requests by state, the KV pool's blocks, LoRA adapters.
+fn queue_and_pool_metrics(s: &mut Scrape, st: &EngineStats, engine: &EngineHandle) {
+    s.gauge(
+        "tandem_num_requests_waiting",
+        "Requests waiting for admission (the engine's queue depth).",
+        &[],
+        st.waiting as f64,
+    );
+    s.gauge(
+        "tandem_num_requests_running",
+        "Sequences in the running batch.",
+        &[],
+        st.running as f64,
+    );
+    s.gauge(
+        "tandem_num_requests_parked",
+        "Requests waiting for a remote prefill's KV blocks.",
+        &[],
+        st.parked as f64,
+    );
+    s.gauge(
+        "tandem_kv_cache_capacity_blocks",
+        "KV blocks in the pool.",
+        &[],
+        st.num_blocks as f64,
+    );
+    if let Some(reg) = engine.lora() {
+        let adapters = reg.list();
+        let resident = adapters.iter().filter(|a| a.resident).count();
+        let help = "LoRA adapters known (loadable) and resident (in memory).";
+        s.gauge(
+            "tandem_lora_adapters",
+            help,
+            &[("state", "known")],
+            adapters.len() as f64,
+        );
+        s.gauge(
+            "tandem_lora_adapters",
+            help,
+            &[("state", "resident")],
+            resident as f64,
+        );
+    }
+    let used = st.num_blocks.saturating_sub(st.free_blocks);
+    let help = "KV blocks by state: used (referenced by a sequence) or free.";
+    s.gauge(
+        "tandem_kv_cache_blocks",
+        help,
+        &[("state", "used")],
+        used as f64,
+    );
+    s.gauge(
+        "tandem_kv_cache_blocks",
+        help,
+        &[("state", "free")],
+        st.free_blocks as f64,
+    );
+    s.gauge(
+        "tandem_kv_cache_cached_blocks",
+        "KV blocks holding a prefix-cache entry (in use or free).",
+        &[],
+        st.cached_blocks as f64,
+    );
+    s.gauge(
+        "tandem_kv_cache_usage_ratio",
+        "Share of the KV pool in use.",
+        &[],
+        if st.num_blocks == 0 {
+            0.0
+        } else {
+            used as f64 / st.num_blocks as f64
+        },
+    );
+}
+
+/// Expert routing, the prefix cache, steps and tokens, the disk tier.
+fn cache_and_step_metrics(s: &mut Scrape, st: &EngineStats) {
+    for (layer, experts) in &st.routed_tokens {
+        let layer = layer.to_string();
+        for (expert, &tokens) in experts.iter().enumerate() {
+            s.counter(
+                "tandem_moe_routed_tokens_total",
+                "Tokens routed to each expert of each mixture-of-experts layer \
+                 (a token counts once per expert it chose).",
+                &[("layer", &layer), ("expert", &expert.to_string())],
+                tokens as f64,
+            );
+        }
+    }
+    s.counter(
+        "tandem_prefix_cache_queries_total",
+        "Prompt blocks looked up in the prefix cache at admission.",
+        &[],
+        st.prefix.queried_blocks as f64,
+    );
+    s.counter(
+        "tandem_prefix_cache_hits_total",
+        "Prompt blocks found in the prefix cache at admission.",
+        &[],
+        st.prefix.hit_blocks as f64,
+    );
+    s.counter(
+        "tandem_prefix_cache_evictions_total",
+        "Cached blocks whose entry was dropped to reuse the block.",
+        &[],
+        st.prefix.evicted_blocks as f64,
+    );
+    s.gauge(
+        "tandem_prefix_cache_hit_ratio",
+        "Prefix-cache hits over lookups since start (blocks).",
+        &[],
+        if st.prefix.queried_blocks == 0 {
+            0.0
+        } else {
+            st.prefix.hit_blocks as f64 / st.prefix.queried_blocks as f64
+        },
+    );
+    s.counter(
+        "tandem_engine_steps_total",
+        "Engine steps (one forward pass each).",
+        &[],
+        st.steps as f64,
+    );
+    s.counter(
+        "tandem_engine_preemptions_total",
+        "Sequences preempted (recomputed later) for lack of blocks.",
+        &[],
+        st.preemptions as f64,
+    );
+    s.counter(
+        "tandem_engine_computed_tokens_total",
+        "Tokens run through the model (prefill and decode).",
+        &[],
+        st.computed_tokens as f64,
+    );
+    if let Some(disk) = &st.disk {
+        disk_metrics(s, disk);
+    }
+}
+
+/// Speculative decoding's drafts and acceptance.
+fn speculation_metrics(s: &mut Scrape, st: &EngineStats) {
+    let spec = st.speculation;
+    s.counter(
+        "tandem_spec_drafted_tokens_total",
+        "Speculative decoding: drafted tokens sent for verification.",
+        &[],
+        spec.drafted as f64,
+    );
+    s.counter(
+        "tandem_spec_accepted_tokens_total",
+        "Speculative decoding: drafted tokens the target accepted.",
+        &[],
+        spec.accepted as f64,
+    );
+    s.counter(
+        "tandem_spec_verifications_total",
+        "Speculative decoding: sequences' drafts scored in one forward pass.",
+        &[],
+        spec.verifications as f64,
+    );
+    s.gauge(
+        "tandem_spec_acceptance_rate",
+        "Accepted over drafted tokens since start.",
+        &[],
+        spec.acceptance_rate(),
+    );
+    s.gauge(
+        "tandem_spec_mean_accepted_length",
+        "Drafts accepted per verification since start.",
+        &[],
+        spec.mean_accepted_len(),
+    );
+    s.gauge(
+        "tandem_spec_draft_kv_blocks_used",
+        "KV blocks the draft model holds in its own pool.",
+        &[],
+        st.draft_blocks as f64,
+    );
 }
 
 /// The KV disk tier's gauges and counters (`--kv-disk`).

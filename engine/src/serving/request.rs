@@ -249,85 +249,14 @@ pub(crate) fn validate(
     adapters: Option<&LoraRegistry>,
     limits: &Limits,
 ) -> Result<ValidRequest> {
-    req.sampling.validate()?;
-    if let Some(n) = req.sampling.logprobs {
-        if n > MAX_LOGPROBS {
-            return Err(invalid(format!(
-                "logprobs must be at most {MAX_LOGPROBS}, got {n}"
-            )));
-        }
-    }
-    if let Some(p) = &req.prompt_logprobs {
-        if p.top > MAX_LOGPROBS {
-            return Err(invalid(format!(
-                "prompt_logprobs must be at most {MAX_LOGPROBS}, got {}",
-                p.top
-            )));
-        }
-        if p.next_token
-            .is_some_and(|t| t as usize >= limits.vocab_size)
-        {
-            return Err(invalid(
-                "prompt_logprobs: the next token is outside the vocabulary".into(),
-            ));
-        }
-    }
-    if req.n == 0 || req.n > limits.max_num_seqs {
-        return Err(invalid(format!(
-            "n must be between 1 and {} (max_num_seqs), got {}",
-            limits.max_num_seqs, req.n
-        )));
-    }
-    // A remotely prefilled request may fork choices (after its last prompt
-    // token is computed here); an export computes the prompt only.
-    if matches!(req.prefill, PrefillMode::Export { .. }) && req.n != 1 {
-        return Err(invalid(format!(
-            "n must be 1 for a prefill-only request, got {}",
-            req.n
-        )));
-    }
-    if let Some(beam) = &req.beam {
-        check_beam(beam, &req, limits)?;
-    }
-    if req.max_tokens == Some(0) {
-        return Err(invalid("max_tokens must be at least 1, got 0".into()));
-    }
+    check_choices(&req, limits)?;
     if !req.stop.is_empty() && tokenizer.is_none() {
         return Err(invalid(
             "stop: stop strings need a tokenizer and the model has none".into(),
         ));
     }
     let stop = StopStrings::new(req.stop)?;
-    if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-        return Err(invalid(format!(
-            "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {}",
-            req.stop_token_ids.len()
-        )));
-    }
-    let prompt_ids = match req.prompt {
-        Prompt::Text(text) => {
-            if text.is_empty() {
-                return Err(invalid("prompt: the prompt text is empty".into()));
-            }
-            let tok = tokenizer.ok_or_else(|| {
-                invalid("prompt.text: the model has no tokenizer; send token ids".into())
-            })?;
-            tok.encode(&text)?
-        }
-        Prompt::Tokens(ids) => ids,
-    };
-    if prompt_ids.is_empty() {
-        return Err(invalid("prompt: the prompt has no tokens".into()));
-    }
-    if let Some(&bad) = prompt_ids
-        .iter()
-        .find(|&&t| t as usize >= limits.vocab_size)
-    {
-        return Err(invalid(format!(
-            "prompt.token_ids: token id {bad} is outside the vocabulary (size {})",
-            limits.vocab_size
-        )));
-    }
+    let prompt_ids = prompt_ids(req.prompt, tokenizer, limits)?;
     if let Some(&bad) = req
         .stop_token_ids
         .iter()
@@ -338,38 +267,7 @@ pub(crate) fn validate(
             limits.vocab_size
         )));
     }
-    let len = prompt_ids.len();
-    if len >= limits.max_model_len {
-        return Err(invalid(format!(
-            "prompt: {len} tokens leave no room to generate within max_model_len {}",
-            limits.max_model_len
-        )));
-    }
-    let room = limits.max_model_len - len;
-    let max_tokens = match req.max_tokens {
-        Some(t) if t > room => {
-            return Err(invalid(format!(
-                "max_tokens: prompt ({len} tokens) + max_tokens ({t}) exceeds max_model_len {}",
-                limits.max_model_len
-            )))
-        }
-        Some(t) => t,
-        None => room,
-    };
-    // One sequence must fit the whole pool, or it could never finish.
-    let need = limits.footprint.peak(
-        len,
-        len + max_tokens,
-        limits.max_prefill_chunk,
-        limits.block_size,
-    );
-    if need > limits.num_blocks {
-        return Err(invalid(format!(
-            "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
-             but the whole cache holds {}; lower max_tokens",
-            limits.num_blocks
-        )));
-    }
+    let max_tokens = token_budget(prompt_ids.len(), req.max_tokens, limits)?;
     if let Some(r) = &req.resume {
         let refused_by = if req.beam.is_some() {
             Some("beam search")
@@ -427,6 +325,124 @@ pub(crate) fn validate(
         resume: req.resume,
         span: req.span,
     })
+}
+
+/// The sampling settings, logprob counts, `n`, beams, `max_tokens` and
+/// stop ids, before anything is tokenized.
+fn check_choices(req: &Request, limits: &Limits) -> Result<()> {
+    req.sampling.validate()?;
+    if let Some(n) = req.sampling.logprobs {
+        if n > MAX_LOGPROBS {
+            return Err(invalid(format!(
+                "logprobs must be at most {MAX_LOGPROBS}, got {n}"
+            )));
+        }
+    }
+    if let Some(p) = &req.prompt_logprobs {
+        if p.top > MAX_LOGPROBS {
+            return Err(invalid(format!(
+                "prompt_logprobs must be at most {MAX_LOGPROBS}, got {}",
+                p.top
+            )));
+        }
+        if p.next_token
+            .is_some_and(|t| t as usize >= limits.vocab_size)
+        {
+            return Err(invalid(
+                "prompt_logprobs: the next token is outside the vocabulary".into(),
+            ));
+        }
+    }
+    if req.n == 0 || req.n > limits.max_num_seqs {
+        return Err(invalid(format!(
+            "n must be between 1 and {} (max_num_seqs), got {}",
+            limits.max_num_seqs, req.n
+        )));
+    }
+    // A remotely prefilled request may fork choices (after its last prompt
+    // token is computed here); an export computes the prompt only.
+    if matches!(req.prefill, PrefillMode::Export { .. }) && req.n != 1 {
+        return Err(invalid(format!(
+            "n must be 1 for a prefill-only request, got {}",
+            req.n
+        )));
+    }
+    if let Some(beam) = &req.beam {
+        check_beam(beam, req, limits)?;
+    }
+    if req.max_tokens == Some(0) {
+        return Err(invalid("max_tokens must be at least 1, got 0".into()));
+    }
+    if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(invalid(format!(
+            "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {}",
+            req.stop_token_ids.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The prompt's token ids (text tokenized), none outside the vocabulary.
+fn prompt_ids(prompt: Prompt, tokenizer: Option<&Tokenizer>, limits: &Limits) -> Result<Vec<u32>> {
+    let ids = match prompt {
+        Prompt::Text(text) => {
+            if text.is_empty() {
+                return Err(invalid("prompt: the prompt text is empty".into()));
+            }
+            let tok = tokenizer.ok_or_else(|| {
+                invalid("prompt.text: the model has no tokenizer; send token ids".into())
+            })?;
+            tok.encode(&text)?
+        }
+        Prompt::Tokens(ids) => ids,
+    };
+    if ids.is_empty() {
+        return Err(invalid("prompt: the prompt has no tokens".into()));
+    }
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= limits.vocab_size) {
+        return Err(invalid(format!(
+            "prompt.token_ids: token id {bad} is outside the vocabulary (size {})",
+            limits.vocab_size
+        )));
+    }
+    Ok(ids)
+}
+
+/// `max_tokens` (the room left in the context when not given), checked
+/// against the context and against the whole pool: one sequence must fit
+/// it, or it could never finish.
+fn token_budget(len: usize, asked: Option<usize>, limits: &Limits) -> Result<usize> {
+    if len >= limits.max_model_len {
+        return Err(invalid(format!(
+            "prompt: {len} tokens leave no room to generate within max_model_len {}",
+            limits.max_model_len
+        )));
+    }
+    let room = limits.max_model_len - len;
+    let max_tokens = match asked {
+        Some(t) if t > room => {
+            return Err(invalid(format!(
+                "max_tokens: prompt ({len} tokens) + max_tokens ({t}) exceeds max_model_len {}",
+                limits.max_model_len
+            )))
+        }
+        Some(t) => t,
+        None => room,
+    };
+    let need = limits.footprint.peak(
+        len,
+        len + max_tokens,
+        limits.max_prefill_chunk,
+        limits.block_size,
+    );
+    if need > limits.num_blocks {
+        return Err(invalid(format!(
+            "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
+             but the whole cache holds {}; lower max_tokens",
+            limits.num_blocks
+        )));
+    }
+    Ok(max_tokens)
 }
 
 /// Beam search scores raw logprobs and ends beams at tokens: what would

@@ -1,5 +1,6 @@
 //! Unit tests of the UCX wire pieces that need no peer.
 
+use super::send::contiguous;
 use super::*;
 
 #[test]
