@@ -82,10 +82,12 @@ use std::time::Duration;
 
 mod frame;
 mod link;
+mod setup;
 mod shm;
 mod tcp;
 
-pub use tcp::{Rendezvous, TcpComm};
+pub use setup::Rendezvous;
+pub use tcp::TcpComm;
 
 /// Collective and point-to-point operations among the ranks of one worker.
 /// Ranks are 0..world_size; `group` arguments are sorted rank lists that contain
