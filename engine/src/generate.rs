@@ -77,17 +77,10 @@ pub struct GenerateOutput {
     pub tpot: Option<Duration>,
 }
 
-/// Runs one request to completion, calling `on_token` for each new token.
-pub fn generate(
-    model: &Model,
-    eos_token_ids: &[u32],
-    req: &GenerateRequest,
-    opts: GenerateOptions,
-    mut on_token: impl FnMut(&Sampled) -> Result<()>,
-) -> Result<GenerateOutput> {
-    let start = Instant::now();
+/// The prompt fits the vocabulary and leaves room in the context; the chunk
+/// is positive.
+fn check(model: &Model, prompt: &[u32], opts: &GenerateOptions) -> Result<()> {
     let cfg = model.config();
-    let prompt = &req.prompt_ids;
     if prompt.is_empty() {
         return Err(EngineError::InvalidRequest("the prompt is empty".into()));
     }
@@ -109,6 +102,21 @@ pub fn generate(
             "prefill chunk must be positive".into(),
         ));
     }
+    Ok(())
+}
+
+/// Runs one request to completion, calling `on_token` for each new token.
+pub fn generate(
+    model: &Model,
+    eos_token_ids: &[u32],
+    req: &GenerateRequest,
+    opts: GenerateOptions,
+    mut on_token: impl FnMut(&Sampled) -> Result<()>,
+) -> Result<GenerateOutput> {
+    let start = Instant::now();
+    let cfg = model.config();
+    let prompt = &req.prompt_ids;
+    check(model, prompt, &opts)?;
     let mut sampler = Sampler::new(req.sampling.clone(), prompt)?;
     // The context limit caps the output; hitting it is a `length` finish.
     let max_new = req.max_tokens.min(cfg.max_context() - prompt.len());
