@@ -88,7 +88,7 @@ pub enum Device {
     Cuda,
 }
 
-fn parse_kv_cache_dtype(s: &str) -> Result<tandem_engine::KvCacheDtype, String> {
+pub(crate) fn parse_kv_cache_dtype(s: &str) -> Result<tandem_engine::KvCacheDtype, String> {
     s.parse()
 }
 

@@ -12,10 +12,10 @@ use clap::Args;
 use serde_json::json;
 use tandem_engine::capacity::{
     checkpoint_weight_bytes, checkpoint_weight_bytes_int4, format_bytes, format_count,
-    parameter_counts, parse_memory_size, weight_bytes_per_rank, Capacity, CapacityPlan, KvDtype,
+    parameter_counts, parse_memory_size, weight_bytes_per_rank, Capacity, CapacityPlan,
     ParamCounts, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 };
-use tandem_engine::ModelConfig;
+use tandem_engine::{KvCacheDtype, ModelConfig};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -30,11 +30,11 @@ pub struct PlanArgs {
     /// max_position_embeddings, extended by its rope scaling).
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// What the KV cache stores: f32, bf16, f16, fp8 or int8 (the 8-bit
-    /// ones with an f16 scale per token and KV head, as the CPU engine
-    /// stores `--kv-dtype int8` / `fp8-e4m3`).
-    #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
-    kv_dtype: KvDtype,
+    /// What the KV cache stores: f32, bf16, f16, int8 or fp8-e4m3 (the
+    /// 8-bit ones with an f16 scale per token and KV head), as
+    /// the serving commands' `--kv-dtype` spells them.
+    #[arg(long, default_value = "f32", value_parser = crate::engine_args::parse_kv_cache_dtype)]
+    kv_dtype: KvCacheDtype,
     /// Plan for weights quantized at load (`tandem serve --quantize int4`).
     #[arg(long, value_enum)]
     quantize: Option<crate::engine_args::Quantize>,
@@ -99,10 +99,6 @@ impl DiskPlan {
             self.file_bytes
         )
     }
-}
-
-fn parse_kv_dtype(s: &str) -> Result<KvDtype, tandem_engine::capacity::CapacityError> {
-    s.parse()
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {

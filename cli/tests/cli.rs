@@ -363,7 +363,7 @@ fn plan_json_follows_the_capacity_formula() {
     let scales = 2 * layers * kv_heads * 32 * 2;
     let pool_blocks = (memory - weights - activations) / (32 * kv_per_token + scales);
     assert_eq!(p["memory_bytes"], memory);
-    assert_eq!(p["kv_dtype"], "fp8");
+    assert_eq!(p["kv_dtype"], "fp8-e4m3");
     assert_eq!(p["kv_bytes_per_token"], kv_per_token);
     assert_eq!(p["activation_bytes"], activations);
     assert_eq!(p["pool_blocks"], pool_blocks);

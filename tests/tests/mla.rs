@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use tandem_engine::capacity::{CapacityPlan, KvDtype};
+use tandem_engine::capacity::CapacityPlan;
 use tandem_engine::kernels::log_softmax;
 use tandem_engine::serving::{EngineConfig, EngineCore, KvPoolSize};
 use tandem_engine::{
@@ -159,7 +159,7 @@ fn a_pool_of_the_same_bytes_holds_more_tokens_than_per_head_kv() {
     assert!((ratio - 4.8).abs() < 1e-9, "{ratio}");
     // The planner's pool, and the live engine's pool from the same bytes.
     let mut plan = CapacityPlan::new(64 << 20, 1 << 20);
-    plan.kv_dtype = KvDtype::F32;
+    plan.kv_dtype = KvCacheDtype::F32;
     plan.max_num_batched_tokens = 64;
     let (latent, per_head) = (
         plan.plan(&cfg).expect("plan"),

@@ -155,14 +155,18 @@ fn kv_capacity(
     cfg: &tandem_engine::ModelConfig,
     memory: u64,
 ) -> Result<serde_json::Value> {
-    use tandem_engine::capacity::{activation_bytes, CapacityPlan, KvDtype};
+    use tandem_engine::capacity::{activation_bytes, CapacityPlan};
     use tandem_engine::serving::{EngineConfig, EngineCore, KvPoolSize};
     use tandem_engine::KvCacheDtype;
 
     let plan = CapacityPlan::new(0, 0);
     let activations = activation_bytes(cfg, plan.max_num_batched_tokens, plan.max_num_seqs);
     let mut planned = serde_json::Map::new();
-    for dtype in [KvDtype::Bf16, KvDtype::Int8, KvDtype::Fp8] {
+    for dtype in [
+        KvCacheDtype::Bf16,
+        KvCacheDtype::Int8,
+        KvCacheDtype::Fp8E4m3,
+    ] {
         let c = CapacityPlan {
             kv_dtype: dtype,
             ..CapacityPlan::new(memory + activations, 0)
@@ -194,7 +198,7 @@ fn kv_capacity(
         "planned_blocks": planned,
         "live_pool_blocks": live,
         "planned_int8_over_bf16": ratio("int8", "bf16"),
-        "planned_fp8_over_bf16": ratio("fp8", "bf16"),
+        "planned_fp8_over_bf16": ratio("fp8-e4m3", "bf16"),
         "live_int8_over_16bit": live_ratio,
     }))
 }

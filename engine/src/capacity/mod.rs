@@ -33,9 +33,9 @@ use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
-use std::str::FromStr;
 
 use crate::config::ModelConfig;
+use crate::kv_cache::KvCacheDtype;
 
 mod params;
 use crate::error::{EngineError, Result};
@@ -47,79 +47,6 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 /// Most sequences in one forward step unless told otherwise.
 pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
-
-/// The element type the KV cache stores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum KvDtype {
-    /// What the CPU engine stores today.
-    #[default]
-    F32,
-    Bf16,
-    F16,
-    /// One byte per element (e4m3 or e5m2; the size is the same), plus an
-    /// f16 scale per (layer, token, KV head) as the CPU engine stores it.
-    Fp8,
-    /// One byte per element plus an f16 scale per (layer, token, KV head).
-    Int8,
-}
-
-impl KvDtype {
-    /// Every dtype, in the order `tandem plan --help` lists them.
-    pub const ALL: [KvDtype; 5] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8, Self::Int8];
-
-    /// Bytes per stored element.
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::Bf16 | Self::F16 => 2,
-            Self::Fp8 | Self::Int8 => 1,
-        }
-    }
-
-    /// Bytes of scales per (layer, token, KV head), for K and for V each.
-    pub fn scale_bytes(self) -> usize {
-        match self {
-            Self::F32 | Self::Bf16 | Self::F16 => 0,
-            Self::Fp8 | Self::Int8 => 2,
-        }
-    }
-
-    /// The canonical lower-case name (`f32`, `bf16`, `f16`, `fp8`, `int8`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-            Self::F16 => "f16",
-            Self::Fp8 => "fp8",
-            Self::Int8 => "int8",
-        }
-    }
-}
-
-impl fmt::Display for KvDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for KvDtype {
-    type Err = CapacityError;
-
-    /// Accepts the canonical names and common spellings (`float32`, `fp32`,
-    /// `bfloat16`, `float16`, `fp16`, `half`, `f8`, `fp8_e4m3`, `fp8_e5m2`),
-    /// in any case.
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "fp32" | "float32" | "float" => Ok(Self::F32),
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "f16" | "fp16" | "float16" | "half" => Ok(Self::F16),
-            "fp8" | "f8" | "fp8_e4m3" | "fp8-e4m3" | "fp8_e5m2" | "float8_e4m3fn"
-            | "float8_e5m2" => Ok(Self::Fp8),
-            "int8" | "i8" => Ok(Self::Int8),
-            _ => Err(CapacityError::InvalidKvDtype(s.to_string())),
-        }
-    }
-}
 
 /// Why a plan cannot be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -153,16 +80,13 @@ pub enum CapacityError {
          e.g. 16GiB, 512MiB, 1.5GB, 1000000"
     )]
     InvalidMemorySize(String),
-    /// A KV dtype name did not parse.
-    #[error("unknown KV dtype `{0}` (expected f32, bf16, f16, fp8 or int8)")]
-    InvalidKvDtype(String),
 }
 
 /// Bytes of K and V that one token occupies across all layers:
 /// `2 × num_layers × num_kv_heads × head_dim × dtype.bytes()`, or for a
 /// latent cache (multi-head latent attention) `num_layers × (kv_lora_rank +
 /// qk_rope_head_dim) × dtype.bytes()`.
-pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: KvDtype) -> u64 {
+pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: KvCacheDtype) -> u64 {
     cfg.num_layers as u64 * cfg.kv_values_per_token_layer() as u64 * dtype.bytes() as u64
 }
 
@@ -230,7 +154,7 @@ pub struct CapacityPlan {
     /// Most sequences per forward step (default [`DEFAULT_MAX_NUM_SEQS`]).
     pub max_num_seqs: usize,
     /// What the KV cache stores (default f32, as the CPU engine does).
-    pub kv_dtype: KvDtype,
+    pub kv_dtype: KvCacheDtype,
 }
 
 /// The outcome of [`CapacityPlan::plan`].
@@ -239,7 +163,7 @@ pub struct Capacity {
     pub memory_bytes: u64,
     pub weight_bytes: u64,
     pub activation_bytes: u64,
-    pub kv_dtype: KvDtype,
+    pub kv_dtype: KvCacheDtype,
     pub kv_bytes_per_token: u64,
     pub block_size: usize,
     /// `block_size × kv_bytes_per_token`, plus the 8-bit dtypes' scales
@@ -284,7 +208,7 @@ impl CapacityPlan {
             max_model_len: None,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
-            kv_dtype: KvDtype::default(),
+            kv_dtype: KvCacheDtype::default(),
         }
     }
 

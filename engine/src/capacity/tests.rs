@@ -56,12 +56,12 @@ fn sliding_window_layers_hold_their_window_only() {
 fn kv_bytes_per_token_by_dtype() {
     let cfg = tiny();
     // 2 × 2 layers × 2 heads × 16 dims = 128 elements.
-    assert_eq!(kv_bytes_per_token(&cfg, KvDtype::F32), 512);
-    assert_eq!(kv_bytes_per_token(&cfg, KvDtype::Bf16), 256);
-    assert_eq!(kv_bytes_per_token(&cfg, KvDtype::F16), 256);
-    assert_eq!(kv_bytes_per_token(&cfg, KvDtype::Fp8), 128);
+    assert_eq!(kv_bytes_per_token(&cfg, KvCacheDtype::F32), 512);
+    assert_eq!(kv_bytes_per_token(&cfg, KvCacheDtype::Bf16), 256);
+    assert_eq!(kv_bytes_per_token(&cfg, KvCacheDtype::F16), 256);
+    assert_eq!(kv_bytes_per_token(&cfg, KvCacheDtype::Fp8E4m3), 128);
     assert_eq!(
-        kv_bytes_per_token(&cfg, KvDtype::F32),
+        kv_bytes_per_token(&cfg, KvCacheDtype::F32),
         cfg.kv_bytes_per_token() as u64
     );
 }
@@ -94,7 +94,7 @@ fn plan_with_hand_computed_numbers() {
     assert_eq!(c.max_concurrent_seqs, 40);
 
     let c = CapacityPlan {
-        kv_dtype: KvDtype::Fp8,
+        kv_dtype: KvCacheDtype::Fp8E4m3,
         block_size: 32,
         max_model_len: Some(100),
         ..plan.clone()
@@ -118,7 +118,7 @@ fn eight_bit_kv_doubles_the_pool_of_a_sixteen_bit_one() {
     let cfg = tiny();
     let plan = CapacityPlan::new(1 << 30, 0);
     let bf16 = CapacityPlan {
-        kv_dtype: KvDtype::Bf16,
+        kv_dtype: KvCacheDtype::Bf16,
         ..plan.clone()
     }
     .plan(&cfg)
@@ -133,15 +133,15 @@ fn eight_bit_kv_doubles_the_pool_of_a_sixteen_bit_one() {
     };
     assert_eq!(
         bf16.bytes_per_block as usize,
-        crate::KvCacheDtype::Bf16.block_bytes(&layout)
+        KvCacheDtype::Bf16.block_bytes(&layout)
     );
     assert_eq!(
-        crate::KvCacheDtype::F16.block_bytes(&layout) * 2,
-        crate::KvCacheDtype::F32.block_bytes(&layout)
+        KvCacheDtype::F16.block_bytes(&layout) * 2,
+        KvCacheDtype::F32.block_bytes(&layout)
     );
     for (dtype, engine) in [
-        (KvDtype::Int8, crate::KvCacheDtype::Int8),
-        (KvDtype::Fp8, crate::KvCacheDtype::Fp8E4m3),
+        (KvCacheDtype::Int8, KvCacheDtype::Int8),
+        (KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E4m3),
     ] {
         let c = CapacityPlan {
             kv_dtype: dtype,
@@ -244,13 +244,13 @@ fn memory_sizes_parse() {
 
 #[test]
 fn kv_dtypes_parse_and_print() {
-    for d in KvDtype::ALL {
-        assert_eq!(d.name().parse::<KvDtype>(), Ok(d));
+    for d in KvCacheDtype::ALL {
+        assert_eq!(d.name().parse::<KvCacheDtype>(), Ok(d));
         assert_eq!(d.to_string(), d.name());
     }
-    assert_eq!("BFloat16".parse::<KvDtype>(), Ok(KvDtype::Bf16));
-    assert_eq!("fp8_e4m3".parse::<KvDtype>(), Ok(KvDtype::Fp8));
-    assert!("int4".parse::<KvDtype>().is_err());
+    assert_eq!("BFloat16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Bf16));
+    assert_eq!("fp8".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Fp8E4m3));
+    assert!("int4".parse::<KvCacheDtype>().is_err());
 }
 
 #[test]

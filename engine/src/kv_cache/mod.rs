@@ -190,6 +190,23 @@ impl KvCacheDtype {
         }
     }
 
+    /// Bytes per stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+            Self::Int8 | Self::Fp8E4m3 => 1,
+        }
+    }
+
+    /// Bytes of scale per stored row (an 8-bit dtype's f16 scale).
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            Self::F32 | Self::Bf16 | Self::F16 => 0,
+            Self::Int8 | Self::Fp8E4m3 => 2,
+        }
+    }
+
     /// Bytes of K and V, all layers, for one block of `layout` (codes and
     /// scales).
     pub fn block_bytes(self, layout: &KvLayout) -> usize {
@@ -226,11 +243,11 @@ impl std::str::FromStr for KvCacheDtype {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "f32" | "fp32" | "float32" | "float" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             "f16" | "fp16" | "float16" | "half" => Ok(Self::F16),
             "int8" | "i8" => Ok(Self::Int8),
-            "fp8-e4m3" | "fp8_e4m3" | "fp8" | "e4m3" => Ok(Self::Fp8E4m3),
+            "fp8-e4m3" | "fp8_e4m3" | "fp8" | "f8" | "e4m3" | "float8_e4m3fn" => Ok(Self::Fp8E4m3),
             other => Err(format!(
                 "unknown KV cache dtype `{other}` (expected f32, bf16, f16, int8 or fp8-e4m3)"
             )),
