@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tandem_discovery::{MembershipEvent, Role as RecordRole, WorkerRecord};
+use tandem_discovery::{MembershipEvent, WorkerRecord};
 use tandem_router::{Cluster, Role};
 
 /// What the worker pool must do after one membership change.
@@ -31,14 +31,7 @@ pub struct PoolChange {
 /// Worker ids and the addresses they registered.
 #[derive(Debug, Default)]
 pub struct AddressBook {
-    by_id: HashMap<(RecordRole, String), String>,
-}
-
-fn pool_role(r: RecordRole) -> Role {
-    match r {
-        RecordRole::Prefill => Role::Prefill,
-        RecordRole::Decode => Role::Decode,
-    }
+    by_id: HashMap<(Role, String), String>,
 }
 
 impl AddressBook {
@@ -53,13 +46,13 @@ impl AddressBook {
         let old = self.by_id.insert(key, record.addr.clone());
         let remove = old.filter(|old| *old != record.addr && !self.held(old));
         PoolChange {
-            add: Some((pool_role(record.role), record.addr.clone())),
+            add: Some((record.role, record.addr.clone())),
             remove,
         }
     }
 
     /// A worker's record is gone (deregistered, expired, deleted).
-    pub fn down(&mut self, role: RecordRole, id: &str) -> PoolChange {
+    pub fn down(&mut self, role: Role, id: &str) -> PoolChange {
         let remove = self
             .by_id
             .remove(&(role, id.to_string()))
@@ -131,7 +124,7 @@ mod tests {
 
     fn record(id: &str, addr: &str) -> WorkerRecord {
         WorkerRecord {
-            role: RecordRole::Decode,
+            role: Role::Decode,
             id: id.into(),
             addr: addr.into(),
             payload: Vec::new(),
@@ -146,12 +139,9 @@ mod tests {
         let change = book.up(&record("d-new", "127.0.0.1:7001"));
         assert_eq!(change.remove, None);
         // ... and the old id's expiry must not take the address away.
+        assert_eq!(book.down(Role::Decode, "d-old"), PoolChange::default());
         assert_eq!(
-            book.down(RecordRole::Decode, "d-old"),
-            PoolChange::default()
-        );
-        assert_eq!(
-            book.down(RecordRole::Decode, "d-new").remove.as_deref(),
+            book.down(Role::Decode, "d-new").remove.as_deref(),
             Some("127.0.0.1:7001")
         );
     }
@@ -175,14 +165,14 @@ mod tests {
         let mut book = AddressBook::default();
         book.up(&record("w", "127.0.0.1:7001"));
         let prefill = WorkerRecord {
-            role: RecordRole::Prefill,
+            role: Role::Prefill,
             ..record("w", "127.0.0.1:7002")
         };
         book.up(&prefill);
         assert_eq!(
-            book.down(RecordRole::Prefill, "w").remove.as_deref(),
+            book.down(Role::Prefill, "w").remove.as_deref(),
             Some("127.0.0.1:7002")
         );
-        assert_eq!(book.down(RecordRole::Prefill, "w"), PoolChange::default());
+        assert_eq!(book.down(Role::Prefill, "w"), PoolChange::default());
     }
 }

@@ -23,12 +23,9 @@ use tonic::transport::Channel;
 
 use crate::index::KvIndex;
 
-/// Which pool a worker serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
+/// Which pool a worker serves: membership's own type, so a record's role
+/// needs no conversion on its way to the pool.
+pub use tandem_discovery::Role;
 
 /// One worker as the router sees it.
 #[derive(Debug)]
