@@ -192,3 +192,29 @@ impl BenchModel {
         })
     }
 }
+
+/// Engine-measured TTFT (the `Finished` message's timings) of one greedy
+/// 1-token request through the gRPC server at `addr`.
+pub async fn engine_ttft(addr: &str, prompt: Vec<u32>) -> anyhow::Result<f64> {
+    use tandem_proto::v1;
+    let mut c = v1::generation_client::GenerationClient::connect(format!("http://{addr}")).await?;
+    let req = v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
+            ids: prompt,
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        max_tokens: Some(1),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await?.into_inner();
+    while let Some(msg) = s.message().await? {
+        if let Some(v1::generate_response::Event::Finished(f)) = msg.event {
+            return Ok(f.timings.map_or(0.0, |t| t.ttft_s));
+        }
+    }
+    anyhow::bail!("no Finished message")
+}

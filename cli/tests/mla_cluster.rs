@@ -6,10 +6,7 @@
 
 use std::path::Path;
 
-use tandem_proto::v1;
-use tandem_proto::v1::generation_client::GenerationClient;
-use tandem_proto::worker::ROUTED_PREFILL_HEADER;
-use tandem_tests::cluster::{all_blocks_free, Started};
+use tandem_tests::cluster::{all_blocks_free, greedy, Started};
 use tandem_tests::prometheus::scrape;
 
 fn tandem() -> &'static Path {
@@ -73,34 +70,9 @@ fn prompt() -> Vec<u32> {
 fn generate(cluster: &Started) -> (Vec<u32>, bool) {
     let rt = tandem_tests::cluster::runtime();
     rt.block_on(async {
-        let mut c = GenerationClient::connect(format!("http://{}", cluster.addr))
-            .await
-            .expect("connect");
-        let resp = c
-            .generate(v1::GenerateRequest {
-                prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
-                    ids: prompt(),
-                })),
-                sampling: Some(v1::SamplingParams {
-                    temperature: Some(0.0),
-                    ..Default::default()
-                }),
-                max_tokens: Some(12),
-                ignore_eos: true,
-                ..Default::default()
-            })
-            .await
-            .expect("generate");
-        let remote = resp.metadata().get(ROUTED_PREFILL_HEADER).is_some();
-        let mut stream = resp.into_inner();
-        let mut tokens = Vec::new();
-        while let Some(msg) = stream.message().await.expect("stream") {
-            if let Some(v1::generate_response::Event::Delta(d)) = msg.event {
-                tokens.extend(d.token_ids);
-            }
-        }
+        let out = greedy(&cluster.addr, prompt(), 12).await.expect("generate");
         all_blocks_free(cluster).await;
-        (tokens, remote)
+        (out.tokens, out.prefill.is_some())
     })
 }
 

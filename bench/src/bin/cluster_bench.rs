@@ -24,8 +24,6 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_proto::v1;
-use tandem_proto::v1::generation_client::GenerationClient;
 
 #[derive(Parser, Debug)]
 #[command(about = "tandem cluster benchmark (JSON output)")]
@@ -102,30 +100,6 @@ fn up(args: &Args, model: &str, extra: &[&str]) -> Result<Up> {
     bail!("tandem up exited before listening")
 }
 
-/// Engine-measured TTFT of one greedy 1-token request.
-async fn ttft(addr: &str, prompt: Vec<u32>) -> Result<f64> {
-    let mut c = GenerationClient::connect(format!("http://{addr}")).await?;
-    let req = v1::GenerateRequest {
-        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
-            ids: prompt,
-        })),
-        sampling: Some(v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        max_tokens: Some(1),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await?.into_inner();
-    while let Some(msg) = s.message().await? {
-        if let Some(v1::generate_response::Event::Finished(f)) = msg.event {
-            return Ok(f.timings.map_or(0.0, |t| t.ttft_s));
-        }
-    }
-    bail!("no Finished message")
-}
-
 struct Rng(u64);
 impl Rng {
     fn next(&mut self, m: u64) -> u32 {
@@ -171,10 +145,10 @@ fn main() -> Result<()> {
         let t: Vec<f64> = rt.block_on(async {
             // One warm-up request (page cache, connections), not counted.
             let warm: Vec<u32> = (0..64).map(|i| i + 1).collect();
-            ttft(&cluster.1, warm).await?;
+            tandem_bench::engine_ttft(&cluster.1, warm).await?;
             let mut t = Vec::new();
             for p in &prompts {
-                t.push(ttft(&cluster.1, p.clone()).await?);
+                t.push(tandem_bench::engine_ttft(&cluster.1, p.clone()).await?);
             }
             Ok::<_, anyhow::Error>(t)
         })?;
@@ -206,7 +180,7 @@ fn main() -> Result<()> {
         let t: Vec<f64> = rt.block_on(async {
             let mut t = Vec::new();
             for (_, p) in &work {
-                t.push(ttft(&cluster.1, p.clone()).await?);
+                t.push(tandem_bench::engine_ttft(&cluster.1, p.clone()).await?);
                 // Let the KV events reach the router between requests.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

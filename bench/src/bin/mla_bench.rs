@@ -17,11 +17,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Parser;
 use serde_json::json;
-use tandem_proto::v1;
-use tandem_proto::v1::generation_client::GenerationClient;
 use tandem_tests::cluster::Started;
 use tandem_tests::prometheus::scrape;
 
@@ -38,30 +36,6 @@ struct Args {
     prompts: usize,
     #[arg(long)]
     out: Option<PathBuf>,
-}
-
-/// Engine-measured TTFT of one greedy 1-token request.
-async fn ttft(addr: &str, prompt: Vec<u32>) -> Result<f64> {
-    let mut c = GenerationClient::connect(format!("http://{addr}")).await?;
-    let req = v1::GenerateRequest {
-        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
-            ids: prompt,
-        })),
-        sampling: Some(v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        max_tokens: Some(1),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await?.into_inner();
-    while let Some(msg) = s.message().await? {
-        if let Some(v1::generate_response::Event::Finished(f)) = msg.event {
-            return Ok(f.timings.map_or(0.0, |t| t.ttft_s));
-        }
-    }
-    bail!("no Finished message")
 }
 
 fn received_bytes(cluster: &Started) -> f64 {
@@ -106,11 +80,11 @@ fn measure(
     );
     rt.block_on(async {
         // A warm-up request (page cache, connections), not counted.
-        ttft(&cluster.addr, (1..65).collect()).await?;
+        tandem_bench::engine_ttft(&cluster.addr, (1..65).collect()).await?;
         let before = received_bytes(&cluster);
         let mut t = Vec::new();
         for p in prompts {
-            t.push(ttft(&cluster.addr, p.clone()).await?);
+            t.push(tandem_bench::engine_ttft(&cluster.addr, p.clone()).await?);
         }
         let bytes = (received_bytes(&cluster) - before) / prompts.len().max(1) as f64;
         Ok((t, bytes))
