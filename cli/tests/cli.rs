@@ -439,7 +439,7 @@ fn plan_rejects_budgets_and_lengths_that_cannot_work() {
         ],
         tmp.path(),
     );
-    assert_clean_error(&out, "unknown KV dtype");
+    assert_clean_error(&out, "unknown KV cache dtype `int4`");
 }
 
 /// `tandem plan` on a Gemma 3 checkpoint (a windowed and a global layer,
