@@ -111,6 +111,13 @@ pub fn kv_bytes_per_token(cfg: &ModelConfig, dtype: KvCacheDtype) -> u64 {
 /// each of its `k` picks the gathered input and output rows (`2·hidden`)
 /// and the expert's gate and up features (`2·I_expert`).
 ///
+/// Multi-head latent attention (`model/mla.rs`) replaces q, k, v and the
+/// attention output by, per token, the query (`H·qk`), the latent row
+/// (`L`), the absorbed form's folded queries and sums (`2·H·L`) and the
+/// values (`H·v`); and, for the one sequence at a time the expanded form
+/// runs, every position of the context expanded into keys and values
+/// (`context × H × (qk + v + nope + v)`, with `kv_b_proj`'s output).
+///
 /// Layers run in turn and reuse these buffers, so this is the peak; the KV
 /// cache itself is counted separately.
 pub fn activation_bytes(
@@ -122,8 +129,23 @@ pub fn activation_bytes(
     let s = max_num_seqs.min(max_num_batched_tokens) as u64;
     let q = (cfg.num_heads * cfg.head_dim) as u64;
     let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
-    let mut per_token =
-        2 * cfg.hidden_size as u64 + q + 2 * kv + q + 2 * cfg.intermediate_size as u64;
+    let residual_and_mlp = 2 * cfg.hidden_size as u64 + 2 * cfg.intermediate_size as u64;
+    let (attention, per_step) = match &cfg.arch.mla {
+        None => (q + 2 * kv + q, 0),
+        Some(m) => {
+            let h = cfg.num_heads as u64;
+            let (qk, v, nope) = (
+                m.qk_head_dim() as u64,
+                m.v_head_dim as u64,
+                m.qk_nope_head_dim as u64,
+            );
+            let latent = m.latent_width() as u64;
+            let per_token = h * qk + latent + 2 * h * latent + h * v;
+            let expanded = cfg.max_context() as u64 * h * (qk + v + nope + v);
+            (per_token, expanded)
+        }
+    };
+    let mut per_token = residual_and_mlp + attention;
     if let Some(m) = &cfg.arch.moe {
         // Router logits, each pick's gathered input and output rows, and
         // its gate and up features.
@@ -132,7 +154,7 @@ pub fn activation_bytes(
             + picks * (2 * cfg.hidden_size as u64 + 2 * m.expert_intermediate as u64);
     }
     let f32_bytes = std::mem::size_of::<f32>() as u64;
-    f32_bytes * (t * per_token + s * cfg.vocab_size as u64)
+    f32_bytes * (t * per_token + s * cfg.vocab_size as u64 + per_step)
 }
 
 /// The inputs of a capacity plan. [`CapacityPlan::new`] fills in the

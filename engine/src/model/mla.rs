@@ -229,7 +229,18 @@ impl LatentAttention {
     /// pairs neighbours), scaled by `factor`.
     fn rotate(&self, part: &mut [f32], rope: &RopeTable, cos: &[f32], sin: &[f32], factor: f32) {
         if self.spec.rope_interleave {
-            let pairs: Vec<f32> = part.to_vec();
+            // `(x0, x1), (x2, x3)…` → `(x0, x2…, x1, x3…)`: then the pairs
+            // are `(x_i, x_{i + d/2})`, as `RopeTable::apply` rotates them.
+            let mut stack = [0.0f32; 128];
+            let mut heap = Vec::new();
+            let pairs: &mut [f32] = match part.len() <= stack.len() {
+                true => &mut stack[..part.len()],
+                false => {
+                    heap.resize(part.len(), 0.0);
+                    &mut heap
+                }
+            };
+            pairs.copy_from_slice(part);
             let half = part.len() / 2;
             for i in 0..half {
                 part[i] = pairs[2 * i];
