@@ -47,7 +47,10 @@ pub struct Worker {
     pub active_requests: AtomicUsize,
     /// Blocks of the router's requests in flight (estimate).
     pub inflight_blocks: AtomicUsize,
-    /// Blocks in use as the worker last reported.
+    /// Blocks in use as the worker last reported, less this router's own
+    /// requests in flight then: those are counted live in
+    /// `inflight_blocks`, so a report that caught one of them mid-flight
+    /// neither counts it twice nor keeps counting it once it has ended.
     pub reported_blocks: AtomicUsize,
     /// What it measured of its own speeds, as it last reported.
     measured: Mutex<Measured>,
@@ -476,7 +479,9 @@ async fn probe(cluster: Arc<Cluster>, w: Arc<Worker>) {
                         info.adapters = std::mem::take(&mut r.adapters);
                     }
                     let used = r.num_blocks.saturating_sub(r.free_blocks) as usize;
-                    w.reported_blocks.store(used, Ordering::Relaxed);
+                    let own = w.inflight_blocks.load(Ordering::Relaxed);
+                    w.reported_blocks
+                        .store(used.saturating_sub(own), Ordering::Relaxed);
                     *lock(&w.measured) = Measured::from_report(&r);
                     true
                 }
