@@ -146,12 +146,12 @@ fn routing(c: &FamilyInput<'_>, v3: bool, experts: usize, top_k: usize) -> Resul
         let groups = moe::size(c, "n_group")?;
         let topk_groups = moe::size(c, "topk_group")?;
         if !experts.is_multiple_of(groups) || topk_groups > groups {
-            return Err(invalid(format!(
+            return Err(moe::invalid(format!(
                 "{experts} experts in n_group {groups} groups, topk_group {topk_groups}"
             )));
         }
         if top_k > topk_groups * (experts / groups) {
-            return Err(invalid(format!(
+            return Err(moe::invalid(format!(
                 "num_experts_per_tok {top_k} is more than the {} experts of topk_group groups",
                 topk_groups * (experts / groups)
             )));
@@ -169,7 +169,7 @@ fn routing(c: &FamilyInput<'_>, v3: bool, experts: usize, top_k: usize) -> Resul
         }
     };
     if v3 && experts / groups < 2 {
-        return Err(invalid(format!(
+        return Err(moe::invalid(format!(
             "V3 ranks groups by their two best experts; {groups} groups of {experts} have fewer"
         )));
     }
@@ -207,8 +207,4 @@ fn attn_scale(json: &Value, qk_head_dim: usize) -> f32 {
         }
         _ => base as f32,
     }
-}
-
-fn invalid(what: String) -> EngineError {
-    EngineError::InvalidCheckpoint(format!("mixture-of-experts config: {what}"))
 }

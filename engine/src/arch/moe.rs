@@ -163,6 +163,6 @@ fn missing(what: String) -> EngineError {
     EngineError::InvalidCheckpoint(format!("mixture-of-experts config has no {what}"))
 }
 
-fn invalid(what: String) -> EngineError {
+pub(crate) fn invalid(what: String) -> EngineError {
     EngineError::InvalidCheckpoint(format!("mixture-of-experts config: {what}"))
 }

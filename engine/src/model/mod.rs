@@ -29,7 +29,7 @@ use crate::kernels::{
     self, add_in_place, linear_residual_int4, rms_norm, rms_norm_in_place, scale_in_place,
     softcap_in_place, MatmulPolicy, RopeTable,
 };
-use crate::kv_cache::{BlockId, KvCache, KvLayout, KvRows, SlidingLayers, FREED};
+use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::lora::{LoraAdapter, LoraRows};
 use crate::quant::hf::HfQuantization;
 use crate::quant::ResidualInt4;
@@ -418,14 +418,12 @@ impl Model {
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         let whole = self.shard.layers.len() == self.shard.total_layers;
         let (rows, _, head_dim) = self.config.kv_rows();
-        let num_kv_heads = match rows {
-            KvRows::PerHead => self.shard.kv_heads(&self.config).len(),
-            KvRows::Latent => 1,
-        };
+        // A latent is one KV head (`ModelConfig::num_kv_heads` is 1), which
+        // every tensor-parallel rank keeps whole.
         KvLayout {
             rows,
             num_layers: self.layers.len(),
-            num_kv_heads,
+            num_kv_heads: self.shard.kv_heads(&self.config).len(),
             head_dim,
             block_size,
             sliding: match whole {
