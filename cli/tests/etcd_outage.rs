@@ -94,7 +94,11 @@ fn a_frozen_etcd_does_not_stop_serving_and_membership_resyncs_after() {
         let until = Instant::now() + Duration::from_secs(3 * TTL_S);
         let (mut served, mut decodes) = (0u32, BTreeSet::new());
         while Instant::now() < until {
-            let o = greedy(&cluster.addr, prompt(served % 5), 6)
+            // Every fifth request repeats the reference prompt; the rest are
+            // new prompts, so ties spread them over both decode workers
+            // (rendezvous hashing of each prompt's first block).
+            let i = if served % 5 == 0 { 0 } else { 1000 + served };
+            let o = greedy(&cluster.addr, prompt(i), 6)
                 .await
                 .unwrap_or_else(|s| panic!("request {served} failed while etcd was frozen: {s}"));
             if served % 5 == 0 {
