@@ -104,9 +104,9 @@ pub fn run_certs(args: CertsArgs) -> Result<()> {
     let certs = tandem_security::write_dev_certs(&args.out, &args.hosts)
         .with_context(|| format!("writing certificates to {}", args.out.display()))?;
     println!("ca {}", certs.ca.display());
-    for c in tandem_security::COMPONENTS {
-        let t = certs.config(c);
-        println!("{c} {} {}", t.cert.display(), t.key.display());
+    for role in tandem_security::PeerRole::ALL {
+        let t = certs.config(role);
+        println!("{role} {} {}", t.cert.display(), t.key.display());
     }
     eprintln!(
         "certificates for {} written to {} (the CA key is not kept; rerun to re-issue)",

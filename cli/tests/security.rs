@@ -8,7 +8,7 @@ use std::time::Duration;
 use tandem_proto::v1;
 use tandem_proto::v1::generation_client::GenerationClient;
 use tandem_proto::worker::ROUTED_PREFILL_HEADER;
-use tandem_security::{LoadedTls, TlsConfig};
+use tandem_security::{LoadedTls, PeerRole, TlsConfig};
 use tandem_tests::cluster::Started;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
@@ -186,8 +186,8 @@ fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
     let prefill = cluster.prefill[0].clone();
     let token = environ_var(cluster.pids[&decode], "TANDEM_CLUSTER_TOKEN").expect("token");
     let credential = tandem_security::ClusterCredential::derive(&token);
-    let channel = |component: &str, addr: &str| {
-        let tls = TlsConfig::in_dir(certs, component).load().expect("cert");
+    let channel = |role: PeerRole, addr: &str| {
+        let tls = TlsConfig::in_dir(certs, role).load().expect("cert");
         let endpoint = tandem_security::tls::endpoint(Some(&tls), addr).expect("endpoint");
         credential.channel(endpoint.connect_lazy())
     };
@@ -197,7 +197,8 @@ fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
         resume: None,
     };
     tandem_tests::cluster::runtime().block_on(async {
-        let mut as_client = wv1::decode_client::DecodeClient::new(channel("client", &decode));
+        let mut as_client =
+            wv1::decode_client::DecodeClient::new(channel(PeerRole::Client, &decode));
         let denied = as_client.generate(routed()).await.expect_err("client role");
         assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
         assert!(
@@ -205,12 +206,12 @@ fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
             "{denied:?}"
         );
         assert!(denied.message().contains("holds client"), "{denied:?}");
-        let mut public = GenerationClient::new(channel("client", &decode));
+        let mut public = GenerationClient::new(channel(PeerRole::Client, &decode));
         let denied = public.generate(request()).await.expect_err("client role");
         assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
 
         let mut prefill_client =
-            wv1::prefill_client::PrefillClient::new(channel("client", &prefill));
+            wv1::prefill_client::PrefillClient::new(channel(PeerRole::Client, &prefill));
         let denied = prefill_client
             .prefill(wv1::PrefillRequest::default())
             .await
@@ -221,7 +222,8 @@ fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
             "{denied:?}"
         );
 
-        let mut as_router = wv1::decode_client::DecodeClient::new(channel("router", &decode));
+        let mut as_router =
+            wv1::decode_client::DecodeClient::new(channel(PeerRole::Router, &decode));
         let mut stream = as_router
             .generate(routed())
             .await
@@ -250,14 +252,14 @@ fn mtls_cluster_refuses_clients_without_a_cluster_certificate_or_api_key() {
     let certs = dir.path().join("certs");
     let cluster = up_tls(&model, &certs);
     let addr = cluster.addr.clone();
-    let ours = TlsConfig::in_dir(&certs, "client")
+    let ours = TlsConfig::in_dir(&certs, PeerRole::Client)
         .load()
         .expect("client cert");
     let ca = std::fs::read(certs.join("ca.pem")).expect("ca");
     // Another CA's client certificate, presented to a server it trusts.
     let other_dir = dir.path().join("other-ca");
     tandem_security::write_dev_certs(&other_dir, &[]).expect("other CA");
-    let other = TlsConfig::in_dir(&other_dir, "client")
+    let other = TlsConfig::in_dir(&other_dir, PeerRole::Client)
         .load()
         .expect("other");
     let foreign = LoadedTls::from_pem(
@@ -645,9 +647,9 @@ fn certs_writes_a_ca_and_component_certificates() {
     );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(stdout.starts_with("ca "), "{stdout}");
-    for c in tandem_security::COMPONENTS {
-        assert!(stdout.contains(&format!("\n{c} ")), "{stdout}");
-        TlsConfig::in_dir(&out, c).load().expect("loads");
+    for role in PeerRole::ALL {
+        assert!(stdout.contains(&format!("\n{role} ")), "{stdout}");
+        TlsConfig::in_dir(&out, role).load().expect("loads");
     }
     assert!(String::from_utf8_lossy(&run.stderr).contains("router.internal"));
     assert!(!out.join("ca.key").exists(), "the CA key is not kept");

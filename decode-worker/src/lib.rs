@@ -51,8 +51,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill};
-use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferId};
+use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill, RemotePrefillError};
+use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferFailure, TransferId, WriteRefused};
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
 use tandem_security::{ClusterChannel, ClusterCredential, PeerRole};
@@ -151,12 +151,15 @@ impl TransferTickets {
     }
 
     /// Draws a fresh ticket for the engine's `transfer`.
-    pub fn issue(&self, transfer: u64) -> Result<u64, String> {
-        let mut open = self.open.lock().map_err(|_| "tickets poisoned")?;
+    pub fn issue(&self, transfer: u64) -> Result<u64, PrefillStartError> {
+        let mut open = self
+            .open
+            .lock()
+            .map_err(|_| PrefillStartError::TicketsPoisoned)?;
         loop {
             let mut bytes = [0u8; 8];
             ring::rand::SecureRandom::fill(&self.random, &mut bytes)
-                .map_err(|_| "no secure randomness for a transfer ticket")?;
+                .map_err(|_| PrefillStartError::NoRandomness)?;
             let ticket = u64::from_le_bytes(bytes);
             if let std::collections::hash_map::Entry::Vacant(e) = open.entry(ticket) {
                 e.insert(transfer);
@@ -188,6 +191,23 @@ impl TransferTickets {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Why a remote prefill could not start (the engine then prefills locally).
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillStartError {
+    #[error("the transfer tickets' lock is poisoned")]
+    TicketsPoisoned,
+    #[error("no secure randomness for a transfer ticket")]
+    NoRandomness,
+    #[error("the prefill clients' lock is poisoned")]
+    ClientsPoisoned,
+    #[error("prefill worker {addr}: {source}")]
+    Endpoint {
+        addr: String,
+        #[source]
+        source: tandem_security::TlsError,
+    },
 }
 
 /// Delivers received blocks to the engine thread, for open tickets only.
@@ -234,16 +254,13 @@ impl KvSink for EngineSink {
         block: u32,
         k: &[u8],
         v: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), WriteRefused> {
         let Some(engine_transfer) = self.tickets.lookup(transfer.0) else {
             tracing::warn!(
                 ticket = transfer.0,
                 "KV block for a transfer this worker did not open; refused"
             );
-            return Err(format!(
-                "transfer {} was not opened by this worker",
-                transfer.0
-            ));
+            return Err(WriteRefused::UnknownTransfer(transfer));
         };
         self.metrics.received_bytes.add((k.len() + v.len()) as u64);
         self.metrics.received_blocks.inc();
@@ -253,8 +270,9 @@ impl KvSink for EngineSink {
         Ok(())
     }
 
-    fn finish(&self, transfer: TransferId, outcome: Result<(), String>) {
+    fn finish(&self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
         if let Some(engine_transfer) = self.tickets.retire(transfer.0) {
+            let outcome = outcome.map_err(|f| RemotePrefillError::Transfer(Box::new(f)));
             self.engine.finish_remote_prefill(engine_transfer, outcome);
         }
     }
@@ -350,13 +368,22 @@ impl GrpcPrefiller {
         self
     }
 
-    fn client(&self, addr: &str) -> Result<PrefillClient<ClusterChannel<Channel>>, String> {
-        let mut clients = self.clients.lock().map_err(|_| "client cache poisoned")?;
+    fn client(
+        &self,
+        addr: &str,
+    ) -> Result<PrefillClient<ClusterChannel<Channel>>, PrefillStartError> {
+        let mut clients = self
+            .clients
+            .lock()
+            .map_err(|_| PrefillStartError::ClientsPoisoned)?;
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
         let channel = tandem_security::tls::endpoint(self.tls.as_ref(), addr)
-            .map_err(|e| format!("prefill worker {addr}: {e}"))?
+            .map_err(|source| PrefillStartError::Endpoint {
+                addr: addr.to_string(),
+                source,
+            })?
             .connect_lazy();
         let c = PrefillClient::new(self.credential.channel(channel));
         clients.insert(addr.to_string(), c.clone());
@@ -400,7 +427,8 @@ impl RemotePrefiller for GrpcPrefiller {
                 pspan.record("outcome", "failed");
                 self.metrics.remote_prefills.with(&["failed"]).inc();
                 tracing::warn!(parent: &pspan, error = %e, "remote prefill not started");
-                engine.finish_remote_prefill(transfer, Err(e));
+                engine
+                    .finish_remote_prefill(transfer, Err(RemotePrefillError::NotStarted(e.into())));
                 return PrefillGuard::default();
             }
         };
@@ -471,20 +499,15 @@ impl RemotePrefiller for GrpcPrefiller {
                     // peer that replies without finishing would otherwise
                     // leave the request parked for ever.
                     tickets.retire(ticket);
-                    engine.finish_remote_prefill(
-                        transfer,
-                        Err("the prefill worker replied without finishing the transfer".into()),
-                    );
+                    engine.finish_remote_prefill(transfer, Err(RemotePrefillError::Unfinished));
                 }
                 Err(status) => {
                     metrics.remote_prefills.with(&["failed"]).inc();
                     tracing::Span::current().record("outcome", "failed");
                     tracing::warn!(transfer, error = %status.message(), "remote prefill failed");
                     tickets.retire(ticket);
-                    engine.finish_remote_prefill(
-                        transfer,
-                        Err(format!("prefill worker: {}", status.message())),
-                    );
+                    let failed = RemotePrefillError::PrefillWorker(status.message().to_string());
+                    engine.finish_remote_prefill(transfer, Err(failed));
                 }
             }
         };

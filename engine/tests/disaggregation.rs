@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, Prompt, RemotePrefill, Request,
-    RequestEvent,
+    EngineConfig, EngineCore, ExportedBlock, KvExport, KvWriteError, PrefillMode, Prompt,
+    RemotePrefill, RemotePrefillError, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -256,10 +256,14 @@ fn short_prompts_stay_local_and_failed_transfers_fall_back() {
     let stray = (0..64)
         .find(|b| !rp.blocks.contains(b))
         .expect("a stray block");
-    assert!(decode
-        .write_kv(rp.transfer, 0, stray, &vec![0.0; n], &vec![0.0; n])
-        .is_err());
-    decode.finish_remote_prefill(rp.transfer, Err("prefill worker died".into()));
+    assert!(matches!(
+        decode.write_kv(rp.transfer, 0, stray, &vec![0.0; n], &vec![0.0; n]),
+        Err(KvWriteError::NotADestination { block, .. }) if block == stray
+    ));
+    decode.finish_remote_prefill(
+        rp.transfer,
+        Err(RemotePrefillError::PrefillWorker("died".into())),
+    );
     assert_eq!(tokens_of(&run(&mut decode, &mut rx)), want);
     let s = decode.stats();
     assert_eq!(s.free_blocks, s.num_blocks);
@@ -338,9 +342,10 @@ fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
     // The blocks may now belong to someone else: a late write is refused
     // and a late end of transfer changes nothing.
     let n = 2 * 16 * 16;
-    assert!(decode
-        .write_kv(rp.transfer, 0, rp.blocks[0], &vec![1.0; n], &vec![1.0; n])
-        .is_err());
+    assert!(matches!(
+        decode.write_kv(rp.transfer, 0, rp.blocks[0], &vec![1.0; n], &vec![1.0; n]),
+        Err(KvWriteError::NotParked(t)) if t == rp.transfer
+    ));
     decode.finish_remote_prefill(rp.transfer, Ok(()));
     decode.check_accounting().expect("books");
     assert!(!decode.has_work());

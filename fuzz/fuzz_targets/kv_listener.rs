@@ -23,7 +23,10 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use tandem_kv_transfer::tcp::TcpTransport;
-use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, KvSink, Listener, TransferId, Transport};
+use tandem_kv_transfer::{
+    KvDtype, KvLayoutDescriptor, KvSink, Listener, TransferFailure, TransferId, Transport,
+    WriteRefused,
+};
 
 const TOKEN: &[u8] = b"fuzz-token";
 const NUM_BLOCKS: u32 = 8;
@@ -55,7 +58,7 @@ impl KvSink for CheckingSink {
         block: u32,
         k: &[u8],
         v: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), WriteRefused> {
         let l = layout();
         assert!(layer < l.num_layers, "write to layer {layer}");
         assert!(block < NUM_BLOCKS, "write to block {block}");
@@ -64,7 +67,7 @@ impl KvSink for CheckingSink {
         Ok(())
     }
 
-    fn finish(&self, _: TransferId, _: Result<(), String>) {}
+    fn finish(&self, _: TransferId, _: Result<(), TransferFailure>) {}
 }
 
 struct Server {

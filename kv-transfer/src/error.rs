@@ -104,3 +104,55 @@ impl TransferError {
         }
     }
 }
+
+/// Why a [`KvSink`](crate::KvSink) refused a block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    /// No transfer of this id is open at the receiver: the sender was not
+    /// the peer it was opened for.
+    #[error("transfer {0} was not opened by this receiver")]
+    UnknownTransfer(TransferId),
+    /// The block is not one of the transfer's destinations.
+    #[error("block {0} is not a destination of this transfer")]
+    NotADestination(u32),
+    /// The block's K or V has another length than the layout's.
+    #[error("a block of {got} bytes where the layout has {want}")]
+    WrongLength {
+        /// The bytes received.
+        got: usize,
+        /// The bytes the layout says.
+        want: usize,
+    },
+}
+
+/// Why a transfer failed at the receiver: what its sink's `finish` is told
+/// (the sender hears the same as the `DONE` frame's message).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferFailure {
+    /// A block for a layer the layout does not have.
+    #[error("layer {layer} out of range: the layout has {layers} layers")]
+    LayerOutOfRange {
+        /// The layer sent.
+        layer: u32,
+        /// The layout's layers.
+        layers: u32,
+    },
+    /// A block past the receiver's pool.
+    #[error("destination block {block} out of range: the receiver has {blocks} blocks")]
+    BlockOutOfRange {
+        /// The block sent.
+        block: u32,
+        /// The receiver's blocks.
+        blocks: u32,
+    },
+    /// The sink refused a block.
+    #[error(transparent)]
+    Refused(#[from] WriteRefused),
+    /// The sender aborted the transfer.
+    #[error("aborted by the sender")]
+    Aborted,
+    /// The connection ended with the transfer open (why, as the transport
+    /// or the sender's `CLOSE` frame says).
+    #[error("{0}")]
+    ConnectionLost(String),
+}

@@ -83,7 +83,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use error::TransferError;
+pub use error::{TransferError, TransferFailure, WriteRefused};
 pub use layout::{KvDtype, KvLayoutDescriptor, KvRows, MAX_BLOCK_LAYER_BYTES};
 
 /// Names one transfer (typically one request's prompt) on a session. The
@@ -142,11 +142,11 @@ pub trait KvSink: Send + Sync {
         block: u32,
         k: &[u8],
         v: &[u8],
-    ) -> Result<(), String>;
+    ) -> Result<(), WriteRefused>;
 
     /// Called exactly once per transfer the sink has seen: `Ok` after all its
     /// writes were delivered, `Err` if it was aborted, refused or cut off.
-    fn finish(&self, transfer: TransferId, outcome: Result<(), String>);
+    fn finish(&self, transfer: TransferId, outcome: Result<(), TransferFailure>);
 
     /// Told about every connection-level failure on the receiving side: a
     /// refused handshake (wrong token, layout mismatch), a protocol error.

@@ -25,7 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::{
-    BlockWrite, KvLayoutDescriptor, KvSink, Session, TransferCounts, TransferError, TransferId,
+    BlockWrite, KvLayoutDescriptor, KvSink, Session, TransferCounts, TransferError,
+    TransferFailure, TransferId,
 };
 
 /// What a session asks its carrier to deliver, in order.
@@ -448,9 +449,10 @@ impl ReceiverCore {
         Ok(())
     }
 
-    fn fail(&mut self, transfer: TransferId, reason: String) -> Option<Done> {
+    fn fail(&mut self, transfer: TransferId, failure: TransferFailure) -> Option<Done> {
         self.transfers.insert(transfer, RxState::Failed);
-        self.sink.finish(transfer, Err(reason.clone()));
+        let reason = failure.to_string();
+        self.sink.finish(transfer, Err(failure));
         Some((transfer, Err(reason)))
     }
 
@@ -469,22 +471,16 @@ impl ReceiverCore {
             return None;
         }
         if layer >= self.num_layers {
-            let reason = format!(
-                "layer {layer} out of range: the layout has {} layers",
-                self.num_layers
-            );
-            return self.fail(transfer, reason);
+            let layers = self.num_layers;
+            return self.fail(transfer, TransferFailure::LayerOutOfRange { layer, layers });
         }
         if block >= self.num_blocks {
-            let reason = format!(
-                "destination block {block} out of range: the receiver has {} blocks",
-                self.num_blocks
-            );
-            return self.fail(transfer, reason);
+            let blocks = self.num_blocks;
+            return self.fail(transfer, TransferFailure::BlockOutOfRange { block, blocks });
         }
         match self.sink.write(transfer, layer, block, k, v) {
             Ok(()) => None,
-            Err(reason) => self.fail(transfer, reason),
+            Err(refused) => self.fail(transfer, refused.into()),
         }
     }
 
@@ -502,8 +498,7 @@ impl ReceiverCore {
     /// The sender aborted `transfer`.
     pub(crate) fn abort(&mut self, transfer: TransferId) {
         if let Some(RxState::Open) = self.forget(transfer) {
-            self.sink
-                .finish(transfer, Err("aborted by the sender".to_string()));
+            self.sink.finish(transfer, Err(TransferFailure::Aborted));
         }
     }
 
@@ -513,7 +508,10 @@ impl ReceiverCore {
         self.counters.receiving.fetch_sub(open, Ordering::Relaxed);
         for (transfer, state) in self.transfers.drain() {
             if let RxState::Open = state {
-                self.sink.finish(transfer, Err(reason.to_string()));
+                self.sink.finish(
+                    transfer,
+                    Err(TransferFailure::ConnectionLost(reason.to_string())),
+                );
             }
         }
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::{block, layout, raw_handshake, test_nonce, RecordingSink, WAIT};
 use tandem_kv_transfer::inproc::InProcTransport;
 use tandem_kv_transfer::tcp::{TcpConfig, TcpTransport};
-use tandem_kv_transfer::{Session, TransferError, TransferId, Transport};
+use tandem_kv_transfer::{Session, TransferError, TransferFailure, TransferId, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -198,7 +198,10 @@ async fn wrong_payload_length_is_a_protocol_error_and_fails_open_transfers() {
     read_to_close(&mut raw).await;
     assert!(sink.wait_peer_error().await[0].contains("the layout needs"));
     let outcome = sink.wait_finish(TransferId(5)).await;
-    assert!(outcome.is_err_and(|e| e.contains("protocol error")));
+    assert!(
+        matches!(&outcome, Err(TransferFailure::ConnectionLost(m)) if m.contains("protocol error")),
+        "{outcome:?}"
+    );
     assert_eq!(sink.writes_of(TransferId(5)).len(), 1);
     assert_still_serving(&transport, listener.endpoint(), &sink).await;
 }
@@ -231,7 +234,13 @@ async fn out_of_range_block_from_a_raw_peer_fails_the_transfer_not_the_connectio
     assert_eq!(done[0], 0x81);
     assert_eq!(done[13], 1, "failed");
     let outcome = sink.wait_finish(TransferId(9)).await;
-    assert!(outcome.is_err_and(|e| e.contains("destination block 64 out of range")));
+    assert_eq!(
+        outcome,
+        Err(TransferFailure::BlockOutOfRange {
+            block: 64,
+            blocks: 64
+        })
+    );
     assert!(sink.writes_of(TransferId(9)).is_empty());
     assert!(
         sink.peer_errors().is_empty(),

@@ -1,8 +1,8 @@
 //! The development CA (`tandem certs`, `tandem up --tls`).
 //!
 //! [`write_dev_certs`] makes a fresh CA and one certificate per component
-//! ([`COMPONENTS`]: the router, the prefill and decode workers, and a client
-//! for people and tests), each signed by the CA, and writes them as PEM:
+//! (one per [`PeerRole`]: the router, the prefill and decode workers, and a
+//! client for people and tests), each signed by the CA, and writes them as PEM:
 //! `ca.pem`, and `NAME.pem` + `NAME.key` per component. Every component
 //! certificate is valid for both TLS server and client authentication
 //! (workers are both: a decode worker serves the router and calls prefill
@@ -26,10 +26,6 @@ use rcgen::{
 };
 
 use crate::roles::PeerRole;
-
-/// The certificates `write_dev_certs` issues, by file name stem (each
-/// carries the role of the same name).
-pub const COMPONENTS: [&str; 4] = ["router", "prefill", "decode", "client"];
 
 /// Errors writing the dev certificates.
 #[derive(Debug, thiserror::Error)]
@@ -59,9 +55,9 @@ pub struct DevCerts {
 }
 
 impl DevCerts {
-    /// The TLS settings of one component (`router`, `prefill`, ...).
-    pub fn config(&self, component: &str) -> crate::TlsConfig {
-        crate::TlsConfig::in_dir(&self.dir, component)
+    /// The TLS settings of the component holding `role`.
+    pub fn config(&self, role: PeerRole) -> crate::TlsConfig {
+        crate::TlsConfig::in_dir(&self.dir, role)
     }
 }
 
@@ -101,16 +97,15 @@ pub fn write_dev_certs(dir: &Path, extra_hosts: &[String]) -> Result<DevCerts, C
             hosts.push(h.clone());
         }
     }
-    for component in COMPONENTS {
+    for role in PeerRole::ALL {
+        let component = role.as_str();
         let mut params = CertificateParams::new(hosts.clone())
             .map_err(generate(&format!("{component} SANs")))?;
-        if let Some(role) = PeerRole::from_name(component) {
-            let uri = role
-                .uri()
-                .try_into()
-                .map_err(generate(&format!("{component} role URI")))?;
-            params.subject_alt_names.push(SanType::URI(uri));
-        }
+        let uri = role
+            .uri()
+            .try_into()
+            .map_err(generate(&format!("{component} role URI")))?;
+        params.subject_alt_names.push(SanType::URI(uri));
         params
             .distinguished_name
             .push(DnType::CommonName, format!("tandem {component}"));
@@ -173,15 +168,15 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let certs = write_dev_certs(dir.path(), &["worker-0.tandem".to_string()]).expect("certs");
         assert!(certs.hosts.contains(&"worker-0.tandem".to_string()));
-        for c in COMPONENTS {
-            let pem = std::fs::read(dir.path().join(format!("{c}.pem"))).expect("pem");
+        for role in PeerRole::ALL {
+            let pem = std::fs::read(dir.path().join(format!("{role}.pem"))).expect("pem");
             let der = pem_to_der(&pem);
             assert_eq!(
                 crate::roles::roles_in_certificate(&der),
-                vec![PeerRole::from_name(c).expect("a role")],
-                "{c}"
+                vec![role],
+                "{role}"
             );
-            let loaded = certs.config(c).load().expect("loads");
+            let loaded = certs.config(role).load().expect("loads");
             // Both roles' settings build from the material.
             let _ = loaded.server();
             let _ = loaded.endpoint("127.0.0.1:1").expect("endpoint");

@@ -33,7 +33,7 @@ pub mod roles;
 pub mod tls;
 
 pub use api_keys::{ApiKeyError, ApiKeyInterceptor, ApiKeys};
-pub use certs::{write_dev_certs, DevCerts, COMPONENTS};
+pub use certs::{write_dev_certs, DevCerts};
 pub use cluster_auth::{
     ClusterAuthInterceptor, ClusterChannel, ClusterCredential, CLUSTER_AUTH_HEADER,
     DEV_CLUSTER_TOKEN,

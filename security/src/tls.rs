@@ -94,13 +94,13 @@ impl TlsConfig {
         TlsConfigBuilder::default()
     }
 
-    /// The component's files under a directory written by
-    /// [`write_dev_certs`](crate::write_dev_certs): `NAME.pem`, `NAME.key`
-    /// and `ca.pem`.
-    pub fn in_dir(dir: &Path, component: &str) -> Self {
+    /// The files of the component holding `role` under a directory
+    /// written by [`write_dev_certs`](crate::write_dev_certs): `ROLE.pem`,
+    /// `ROLE.key` and `ca.pem`.
+    pub fn in_dir(dir: &Path, role: crate::PeerRole) -> Self {
         Self {
-            cert: dir.join(format!("{component}.pem")),
-            key: dir.join(format!("{component}.key")),
+            cert: dir.join(format!("{role}.pem")),
+            key: dir.join(format!("{role}.key")),
             ca: dir.join("ca.pem"),
         }
     }
@@ -245,12 +245,12 @@ mod tests {
     #[test]
     fn load_names_the_missing_file() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let err = TlsConfig::in_dir(dir.path(), "router")
+        let err = TlsConfig::in_dir(dir.path(), crate::PeerRole::Router)
             .load()
             .expect_err("no files");
         assert!(err.to_string().contains("router.pem"), "{err}");
         std::fs::write(dir.path().join("router.pem"), "not pem").expect("write");
-        let err = TlsConfig::in_dir(dir.path(), "router")
+        let err = TlsConfig::in_dir(dir.path(), crate::PeerRole::Router)
             .load()
             .expect_err("not pem");
         assert!(matches!(err, TlsError::NotPem { .. }), "{err}");

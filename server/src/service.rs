@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use futures_util::Stream;
 use tandem_engine::serving::{
-    EngineHandle, FailureScope, PrefillMode, RemotePrefill, RequestEvent, RequestFailure,
-    RequestStream, Resume, ResumedChoice,
+    EngineHandle, FailureScope, PrefillMode, RemotePrefill, RemotePrefillError, RequestEvent,
+    RequestFailure, RequestStream, Resume, ResumedChoice,
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
@@ -244,9 +244,10 @@ impl CallState {
                         &self.span,
                     )),
                     // Nobody to ask: compute it here.
-                    _ => self
-                        .engine
-                        .finish_remote_prefill(rp.transfer, Err("no prefill worker".into())),
+                    _ => self.engine.finish_remote_prefill(
+                        rp.transfer,
+                        Err(RemotePrefillError::NoPrefillWorker),
+                    ),
                 }
                 continue;
             }

@@ -52,7 +52,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -65,7 +65,10 @@ use tandem_kv_transfer::tcp::TcpTransport;
 use tandem_kv_transfer::ucx::{
     batch_slots, UcxConfig, UcxDataPath, UcxTransport, MAX_NOTICE_BLOCKS, UCX_TUNING,
 };
-use tandem_kv_transfer::{BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferId, Transport};
+use tandem_kv_transfer::{
+    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, TransferFailure, TransferId, Transport,
+    WriteRefused,
+};
 
 /// How long each of the two copies runs per round.
 const COPY_SECONDS: f64 = 0.3;
@@ -165,23 +168,26 @@ impl KvSink for BenchSink {
         block: u32,
         k: &[u8],
         v: &[u8],
-    ) -> Result<(), String> {
-        if k.len() != self.half || v.len() != self.half {
-            return Err("wrong length".into());
+    ) -> Result<(), WriteRefused> {
+        for got in [k.len(), v.len()] {
+            if got != self.half {
+                let want = self.half;
+                return Err(WriteRefused::WrongLength { got, want });
+            }
         }
         if self.copy {
             let at = (layer as usize * POOL_BLOCKS as usize + block as usize) * 2 * self.half;
-            let mut pool = self.pool.lock().map_err(|_| "poisoned".to_string())?;
+            let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
             let slot = pool
                 .get_mut(at..at + 2 * self.half)
-                .ok_or_else(|| "out of range".to_string())?;
+                .ok_or(WriteRefused::NotADestination(block))?;
             slot[..self.half].copy_from_slice(k);
             slot[self.half..].copy_from_slice(v);
         }
         Ok(())
     }
 
-    fn finish(&self, _: TransferId, outcome: Result<(), String>) {
+    fn finish(&self, _: TransferId, outcome: Result<(), TransferFailure>) {
         if outcome.is_ok() {
             self.finished.fetch_add(1, Ordering::Relaxed);
         }

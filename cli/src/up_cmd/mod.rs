@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use tandem_security::PeerRole;
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
@@ -155,8 +156,8 @@ impl TlsDir {
     }
 
     /// The `--tls-*` flags of one component.
-    fn args(&self, component: &str) -> Vec<String> {
-        crate::security_args::TlsArgs::to_args(&self.certs.config(component))
+    fn args(&self, role: PeerRole) -> Vec<String> {
+        crate::security_args::TlsArgs::to_args(&self.certs.config(role))
     }
 }
 
@@ -518,10 +519,11 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     if !args.no_metrics {
         common.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
     }
-    let worker = |role: &str| worker_args(role, &args, &model, &membership, &common, tls.as_ref());
+    let worker =
+        |role: PeerRole| worker_args(role, &args, &model, &membership, &common, tls.as_ref());
     // (role, gRPC address, metrics address) of every process.
     let mut metrics: Vec<(&str, String, String)> = Vec::new();
-    let mut decode = worker("decode-worker");
+    let mut decode = worker(PeerRole::Decode);
     decode.extend([
         "--remote-prefill-threshold".into(),
         args.remote_prefill_threshold.to_string(),
@@ -538,7 +540,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         .as_deref()
         .map(|d| (d, args.kv_disk_size.as_str()));
     let decodes = pool.start("decode-worker", &decode, args.decode, kv_disk)?;
-    let mut prefill = worker("prefill-worker");
+    let mut prefill = worker(PeerRole::Prefill);
     prefill.extend(args.prefill_args.iter().cloned());
     let prefills = pool.start("prefill-worker", &prefill, args.prefill, kv_disk)?;
     let decode_addrs: Vec<String> = decodes.iter().map(|d| d.0.clone()).collect();
@@ -588,10 +590,10 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     watch(&mut children, &stop)
 }
 
-/// A worker's command line: `role` on the cluster's model, membership,
-/// logs and certificates, then `--worker-arg`s.
+/// A worker's command line: `ROLE-worker` on the cluster's model,
+/// membership, logs and `role`'s certificate, then `--worker-arg`s.
 fn worker_args(
-    role: &str,
+    role: PeerRole,
     args: &UpArgs,
     model: &str,
     membership: &[String],
@@ -599,7 +601,7 @@ fn worker_args(
     tls: Option<&TlsDir>,
 ) -> Vec<String> {
     let mut a = vec![
-        role.to_string(),
+        format!("{role}-worker"),
         "--model".into(),
         model.to_string(),
         "--kv-cache-memory".into(),
@@ -610,7 +612,7 @@ fn worker_args(
     a.extend(membership.iter().cloned());
     a.extend(common.iter().cloned());
     if let Some(t) = tls {
-        a.extend(t.args(role.trim_end_matches("-worker")));
+        a.extend(t.args(role));
     }
     a.extend(args.lora.iter().map(|l| format!("--lora={l}")));
     a.extend(args.worker_args.iter().cloned());
@@ -693,7 +695,7 @@ fn router_args(
         router.push("--debug-routing-headers".into());
     }
     if let Some(t) = tls {
-        router.extend(t.args("router"));
+        router.extend(t.args(PeerRole::Router));
     }
     if let Some(f) = &args.api_keys.api_keys_file {
         router.extend(["--api-keys-file".into(), f.display().to_string()]);

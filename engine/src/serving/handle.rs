@@ -50,7 +50,7 @@ enum Command {
     },
     FinishRemote {
         transfer: u64,
-        outcome: std::result::Result<(), String>,
+        outcome: std::result::Result<(), super::RemotePrefillError>,
     },
     RemotePromptLogprobs {
         transfer: u64,
@@ -254,7 +254,11 @@ impl EngineHandle {
     }
 
     /// Ends remote prefill `transfer` (after all its `write_kv` calls).
-    pub fn finish_remote_prefill(&self, transfer: u64, outcome: std::result::Result<(), String>) {
+    pub fn finish_remote_prefill(
+        &self,
+        transfer: u64,
+        outcome: std::result::Result<(), super::RemotePrefillError>,
+    ) {
         let _ = self
             .commands
             .send(Command::FinishRemote { transfer, outcome });

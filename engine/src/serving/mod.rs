@@ -34,6 +34,7 @@ mod core;
 mod handle;
 mod kv_feed;
 mod output;
+mod remote;
 pub mod request;
 mod resume;
 mod scheduler;
@@ -44,6 +45,7 @@ pub use handle::{EngineHandle, RequestStream};
 pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
 };
+pub use remote::{KvWriteError, RemotePrefillError};
 pub use request::{
     BeamSearch, ChoiceSummary, EarlyStopping, ExportedBlock, FailureScope, KvExport, Limits,
     LoraRef, PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent,

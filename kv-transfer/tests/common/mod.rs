@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tandem_kv_transfer::{
-    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, Listener, Session, TransferError, TransferId,
-    Transport,
+    BlockWrite, KvDtype, KvLayoutDescriptor, KvSink, Listener, Session, TransferError,
+    TransferFailure, TransferId, Transport, WriteRefused,
 };
 
 /// Listens on `bind` with `sink` and connects one session to the listener
@@ -57,7 +57,7 @@ pub struct Delivered {
 #[derive(Debug, Default)]
 struct State {
     writes: Vec<Delivered>,
-    finishes: Vec<(TransferId, Result<(), String>)>,
+    finishes: Vec<(TransferId, Result<(), TransferFailure>)>,
     peer_errors: Vec<String>,
 }
 
@@ -101,7 +101,7 @@ impl RecordingSink {
             .collect()
     }
 
-    pub fn finishes(&self) -> Vec<(TransferId, Result<(), String>)> {
+    pub fn finishes(&self) -> Vec<(TransferId, Result<(), TransferFailure>)> {
         self.lock().finishes.clone()
     }
 
@@ -115,7 +115,7 @@ impl RecordingSink {
     }
 
     /// Waits (bounded) for `transfer`'s finish and checks it came exactly once.
-    pub async fn wait_finish(&self, transfer: TransferId) -> Result<(), String> {
+    pub async fn wait_finish(&self, transfer: TransferId) -> Result<(), TransferFailure> {
         let found = wait_for(|| {
             let s = self.lock();
             s.finishes
@@ -158,9 +158,9 @@ impl KvSink for RecordingSink {
         block: u32,
         k: &[u8],
         v: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), WriteRefused> {
         if self.refuse_block == Some(block) {
-            return Err(format!("block {block} is not allocated to this request"));
+            return Err(WriteRefused::NotADestination(block));
         }
         let mut s = self.lock();
         s.writes.push(Delivered {
@@ -173,7 +173,7 @@ impl KvSink for RecordingSink {
         Ok(())
     }
 
-    fn finish(&self, transfer: TransferId, outcome: Result<(), String>) {
+    fn finish(&self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
         self.lock().finishes.push((transfer, outcome));
     }
 

@@ -2,6 +2,7 @@
 //! parked sequence's destination blocks, and the transfer's end.
 
 use crate::kv_cache::BlockId;
+use crate::serving::{KvWriteError, RemotePrefillError};
 
 use super::EngineCore;
 
@@ -15,11 +16,9 @@ impl EngineCore {
         block: BlockId,
         k: &[f32],
         v: &[f32],
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), KvWriteError> {
         let Some(blocks) = self.scheduler.parked_blocks(transfer) else {
-            return Err(format!(
-                "no remote prefill {transfer} is waiting for blocks"
-            ));
+            return Err(KvWriteError::NotParked(transfer));
         };
         // A block holds one layer group's layers: layer `layer` may land
         // only in its own group's entries.
@@ -29,13 +28,15 @@ impl EngineCore {
             .skip(groups.group(layer))
             .step_by(groups.num_groups());
         if !own.any(|&b| b == block) {
-            return Err(format!(
-                "block {block} is not a destination of layer {layer} in remote prefill {transfer}"
-            ));
+            return Err(KvWriteError::NotADestination {
+                transfer,
+                layer,
+                block,
+            });
         }
         self.backend
             .write_block(layer, block, k, v)
-            .map_err(|e| e.to_string())?;
+            .map_err(KvWriteError::Backend)?;
         self.scheduler.record_remote_write(transfer, layer, block);
         Ok(())
     }
@@ -46,7 +47,7 @@ impl EngineCore {
     pub fn finish_remote_prefill(
         &mut self,
         transfer: u64,
-        outcome: std::result::Result<(), String>,
+        outcome: std::result::Result<(), RemotePrefillError>,
     ) {
         if !self.scheduler.is_parked(transfer) {
             return; // aborted, or already finished
@@ -58,9 +59,7 @@ impl EngineCore {
             .scheduler
             .missing_remote_writes(transfer, self.backend.kv_layout().num_layers);
         let outcome = match outcome {
-            Ok(()) if missing > 0 => Err(format!(
-                "the transfer ended with {missing} block-layers never written"
-            )),
+            Ok(()) if missing > 0 => Err(RemotePrefillError::Incomplete(missing)),
             other => other,
         };
         if outcome.is_ok() {
