@@ -40,7 +40,9 @@ pub(crate) enum Command {
     Abort(TransferId),
 }
 
-/// The receiver's verdict on one transfer.
+/// The receiver's verdict on one transfer, as the `DONE` frame carries it:
+/// a [`TransferFailure`]'s message, since the sender only reports it (as
+/// [`TransferError::Failed`]) and another build's variants may differ.
 pub(crate) type Done = (TransferId, Result<(), String>);
 
 /// Queued commands per session before `write` waits.

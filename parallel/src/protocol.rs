@@ -279,7 +279,8 @@ impl Command {
     }
 }
 
-/// A follower's answer to `Setup`: ready, or why not.
+/// A follower's answer to `Setup`: ready, or why not (its error's message:
+/// the leader only reports it, in `ParallelError::Setup`).
 pub(crate) fn encode_ready(result: &Result<(), String>) -> Vec<u8> {
     let mut w = Writer::default();
     match result {

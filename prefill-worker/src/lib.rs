@@ -332,7 +332,9 @@ impl PrefillService {
             .layout
             .as_ref()
             .ok_or_else(|| Status::invalid_argument("layout: required"))
-            .and_then(|l| layout::from_proto(l).map_err(Status::invalid_argument))?;
+            .and_then(|l| {
+                layout::from_proto(l).map_err(|e| Status::invalid_argument(format!("layout: {e}")))
+            })?;
         self.layout
             .check_compatible(&theirs)
             .map_err(|e| Status::failed_precondition(format!("KV layout mismatch: {e}")))?;

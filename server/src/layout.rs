@@ -2,7 +2,7 @@
 //! handshake descriptor, and the worker protocol's message.
 
 use tandem_engine::{KvLayout, SlidingLayers};
-use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, KvRows};
+use tandem_kv_transfer::{KvDtype, KvLayoutDescriptor, KvRows, TransferError};
 use tandem_proto::worker::v1 as wv1;
 
 /// The transfer descriptor of an engine layout (the CPU engine stores f32).
@@ -56,12 +56,16 @@ pub fn to_proto(d: &KvLayoutDescriptor) -> wv1::KvLayout {
 }
 
 /// The descriptor of a wire message; unknown dtypes are an error.
-pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, String> {
+pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, TransferError> {
     let dtype = match p.dtype.as_str() {
         "f32" => KvDtype::F32,
         "bf16" => KvDtype::Bf16,
         "f16" => KvDtype::F16,
-        other => return Err(format!("unknown KV dtype {other:?}")),
+        other => {
+            return Err(TransferError::InvalidLayout(format!(
+                "unknown KV dtype {other:?}"
+            )))
+        }
     };
     Ok(KvLayoutDescriptor {
         rows: match p.latent {

@@ -361,7 +361,7 @@ impl EngineCore {
         let (seqs, ended) = match self.first_choices(id, &req, resume.as_ref()) {
             Ok(v) => v,
             Err(e) => {
-                let _ = sink.send(RequestEvent::Error(RequestFailure::request(e)));
+                let _ = sink.send(RequestEvent::Error(RequestFailure::request(e.to_string())));
                 return;
             }
         };

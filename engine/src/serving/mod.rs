@@ -51,7 +51,7 @@ pub use request::{
     LoraRef, PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent,
     RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
-pub use resume::{Resume, ResumedChoice};
+pub use resume::{ReplayError, Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 pub use tandem_kv_disk::format::HEADER_BYTES as DISK_HEADER_BYTES;
 pub use tandem_kv_disk::{

@@ -155,3 +155,23 @@ mod tests {
         assert!(error(&ok, &beams).contains("beam search"));
     }
 }
+
+/// Why a request's choices could not be set up: a resumed choice whose
+/// tokens do not replay (the request fails; nothing was streamed).
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The request's sampling parameters were refused.
+    #[error("sampling: {0}")]
+    Sampler(#[source] EngineError),
+    /// A replayed token the grammar or the detokenizer refused.
+    #[error("resume: choice {index}, token {at}: {source}")]
+    Token {
+        index: u32,
+        at: usize,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The choice ended before its last replayed token.
+    #[error("resume: choice {index}, token {at}: the choice ended here, before its last token")]
+    EndedEarly { index: u32, at: usize },
+}

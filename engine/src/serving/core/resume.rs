@@ -2,11 +2,13 @@
 //! worker it began on (see [`crate::serving::Resume`]), and the hand-over
 //! that ends a draining worker's requests so they can be resumed elsewhere.
 
+use crate::error::EngineError;
 use crate::generate::FinishReason;
 use crate::sampling::Sampler;
 
 use super::super::output::TextOutput;
 use super::super::request::{ChoiceSummary, RequestEvent, RequestFailure, ValidRequest};
+use super::super::resume::ReplayError;
 use super::super::scheduler::Sequence;
 use super::super::Resume;
 use super::emit::EndRule;
@@ -31,11 +33,11 @@ impl EngineCore {
         req: &ValidRequest,
         index: u32,
         tokens: &[u32],
-    ) -> Result<Replayed, String> {
+    ) -> Result<Replayed, ReplayError> {
         let mut params = req.sampling.clone();
         // Choice `i` of `n` samples with seed + i, as when it forks.
         params.seed = params.seed.map(|x| x.wrapping_add(u64::from(index)));
-        let mut sampler = Sampler::new(params, &req.prompt_ids).map_err(|e| e.to_string())?;
+        let mut sampler = Sampler::new(params, &req.prompt_ids).map_err(ReplayError::Sampler)?;
         sampler.replay(tokens);
         let tokenizer = self.tokenizer.as_deref();
         let mut text = tokenizer.map(|_| TextOutput::new(&req.prompt_ids, &req.stop));
@@ -48,17 +50,30 @@ impl EngineCore {
             max_tokens: req.max_tokens,
             max_model_len: self.limits.max_model_len,
         };
-        let at =
-            |k: usize, e: &dyn std::fmt::Display| format!("resume: choice {index}, token {k}: {e}");
+        let at = |at: usize| {
+            move |e: EngineError| ReplayError::Token {
+                index,
+                at,
+                source: Box::new(e),
+            }
+        };
         for (k, &token) in tokens.iter().enumerate() {
             let grammar_done = match seq.constraint.as_deref_mut() {
-                Some(c) => c.commit(token).map_err(|e| at(k, &e))?.stopped,
+                Some(c) => {
+                    c.commit(token)
+                        .map_err(|e| ReplayError::Token {
+                            index,
+                            at: k,
+                            source: Box::new(e),
+                        })?
+                        .stopped
+                }
                 None => false,
             };
             seq.tokens.push(token);
             let mut end = None;
             if let (Some(out), Some(tok)) = (text.as_mut(), tokenizer) {
-                let update = out.push(tok, token).map_err(|e| at(k, &e))?;
+                let update = out.push(tok, token).map_err(at(k))?;
                 end = update
                     .matched_stop
                     .map(|stop| (FinishReason::Stop, Some(stop)));
@@ -69,7 +84,7 @@ impl EngineCore {
                 continue;
             };
             if k + 1 < tokens.len() {
-                return Err(at(k, &"the choice ended here, before its last token"));
+                return Err(ReplayError::EndedEarly { index, at: k });
             }
             return Ok(Replayed::Ended(ChoiceSummary {
                 index,
@@ -90,10 +105,10 @@ impl EngineCore {
         id: u64,
         req: &ValidRequest,
         resume: Option<&Resume>,
-    ) -> std::result::Result<(Vec<Sequence>, Vec<ChoiceSummary>), String> {
+    ) -> std::result::Result<(Vec<Sequence>, Vec<ChoiceSummary>), ReplayError> {
         let Some(resume) = resume else {
-            let sampler =
-                Sampler::new(req.sampling.clone(), &req.prompt_ids).map_err(|e| e.to_string())?;
+            let sampler = Sampler::new(req.sampling.clone(), &req.prompt_ids)
+                .map_err(ReplayError::Sampler)?;
             // Beams are decoded when the search ends.
             let text = self
                 .tokenizer
