@@ -321,10 +321,6 @@ pub struct DecodeWorkerArgs {
     /// Where prefill workers push KV blocks (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     transfer_addr: String,
-    /// Prefill remotely only when at least this many prompt tokens are not
-    /// cached here.
-    #[arg(long, default_value_t = 256)]
-    remote_prefill_threshold: usize,
     /// Wait this long for a prefill worker's answer (plus the per-1k-token
     /// allowance) before prefilling locally: a frozen prefill worker costs
     /// a request this much, not forever.
@@ -400,7 +396,6 @@ pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
             cluster_token,
             transfer_bind: args.transfer_addr,
             advertise_host: w.advertise_host,
-            remote_prefill_threshold: args.remote_prefill_threshold,
             remote_prefill_deadline: tandem_decode_worker::PrefillDeadline {
                 base: Duration::from_millis(args.remote_prefill_timeout_ms),
                 per_1k_tokens: Duration::from_millis(args.remote_prefill_timeout_per_1k_tokens_ms),

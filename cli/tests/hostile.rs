@@ -209,7 +209,10 @@ fn workers_refuse_calls_without_the_cluster_credential() {
         let refused = routed
             .generate(wv1::RoutedGenerateRequest {
                 request: Some(generate()),
-                prefill_worker: prefill.clone(),
+                prefill: Some(wv1::PrefillPlacement {
+                    worker: prefill.clone(),
+                    min_uncached_tokens: 1,
+                }),
                 resume: None,
             })
             .await

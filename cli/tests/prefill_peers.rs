@@ -88,8 +88,7 @@ async fn serve_peer(peer: Peer) -> String {
     addr
 }
 
-/// A decode worker (remote prefill from 8 tokens) serving `/metrics` on
-/// the returned address.
+/// A decode worker serving `/metrics` on the returned address.
 fn decode_worker(model: &Path) -> (Started, String) {
     let metrics = format!("127.0.0.1:{}", free_port());
     let worker = tandem_tests::cluster::start_with_env(
@@ -102,8 +101,6 @@ fn decode_worker(model: &Path) -> (Started, String) {
             "127.0.0.1:0",
             "--num-kv-blocks",
             "128",
-            "--remote-prefill-threshold",
-            "8",
             "--batch-invariant",
             "--metrics-addr",
             &metrics,
@@ -159,7 +156,7 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 
 /// A greedy `Decode.Generate` on the decode worker, as the router sends
 /// it: the cluster credential, and the prefill peer named in the typed
-/// `prefill_worker` field.
+/// `prefill` placement (remote prefill from 8 uncached tokens).
 fn call(prompt: &[u32], prefill: Option<&str>) -> tonic::Request<wv1::RoutedGenerateRequest> {
     tonic::Request::new(wv1::RoutedGenerateRequest {
         request: Some(v1::GenerateRequest {
@@ -174,7 +171,10 @@ fn call(prompt: &[u32], prefill: Option<&str>) -> tonic::Request<wv1::RoutedGene
             ignore_eos: true,
             ..Default::default()
         }),
-        prefill_worker: prefill.unwrap_or_default().to_string(),
+        prefill: prefill.map(|worker| wv1::PrefillPlacement {
+            worker: worker.to_string(),
+            min_uncached_tokens: 8,
+        }),
         resume: None,
     })
 }

@@ -193,7 +193,7 @@ fn assert_worker_calls_need_a_worker_role(cluster: &Started, certs: &Path) {
     };
     let routed = || wv1::RoutedGenerateRequest {
         request: Some(request()),
-        prefill_worker: String::new(),
+        prefill: None,
         resume: None,
     };
     tandem_tests::cluster::runtime().block_on(async {

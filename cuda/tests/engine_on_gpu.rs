@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use tandem_cuda::{gpu_count, CudaModel, CudaOptions, DeviceDType};
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, Prompt, RemotePrefill, Request,
-    RequestEvent,
+    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, PrefillPlacement, Prompt,
+    RemotePrefill, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType, ModelConfig};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -193,7 +193,13 @@ fn disaggregated(decode: &mut EngineCore, prefill: &mut EngineCore, prompt: &[u3
     decode
         .add_request(
             0,
-            request(prompt, PrefillMode::Remote { min_uncached: 16 }),
+            request(
+                prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 16,
+                }),
+            ),
             tx,
         )
         .expect("valid");

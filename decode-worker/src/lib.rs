@@ -2,16 +2,18 @@
 //!
 //! It serves the worker-internal `Decode.Generate` to the router (and the
 //! public `Generate`, which always prefills here, to cluster members). A
-//! request whose `RoutedGenerateRequest.prefill_worker` names a prefill
-//! worker is admitted in remote-prefill mode: the engine reuses this worker's own prefix cache,
-//! allocates blocks for the rest of the prompt and parks the request; this
-//! crate then calls the prefill worker's `Prefill` with those block ids and
-//! this worker's transfer endpoint. Blocks arrive through the transport into
+//! request whose `RoutedGenerateRequest.prefill` places its prompt on
+//! another worker is admitted in remote-prefill mode: the engine reuses
+//! this worker's own prefix cache, allocates blocks for the rest of the
+//! prompt and parks the request; the request's engine stream then hands it
+//! to this crate's [`GrpcPrefiller`] (the engine's `RemotePrefiller`),
+//! which calls the placed worker's `Prefill` with those block ids and this
+//! worker's transfer endpoint. Blocks arrive through the transport into
 //! [`EngineSink`], which hands them to the engine thread in order; the
 //! transfer's end resumes the request, which computes its last prompt token
 //! here and decodes in the continuous batch. If the prefill worker fails,
-//! the engine prefills locally. Short prompts (fewer uncached tokens than
-//! the threshold) never leave this worker.
+//! the engine prefills locally. Short prompts (fewer uncached tokens here
+//! than the placement's threshold, the router's) never leave this worker.
 //!
 //! Observability: the call to the prefill worker runs in a
 //! `remote_prefill` span (a child of the request's `generate` span) whose
@@ -51,12 +53,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_engine::serving::{EngineHandle, PrefillMode, RemotePrefill, RemotePrefillError};
+use tandem_engine::serving::{
+    EngineHandle, PrefillGuard, RemotePrefill, RemotePrefillError, RemotePrefiller,
+};
 use tandem_kv_transfer::{KvLayoutDescriptor, KvSink, TransferFailure, TransferId, WriteRefused};
 use tandem_proto::worker::v1 as wv1;
 use tandem_proto::worker::v1::prefill_client::PrefillClient;
 use tandem_security::{ClusterChannel, ClusterCredential, PeerRole};
-use tandem_server::{layout, PrefillGuard, RemotePrefiller};
+use tandem_server::layout;
 use tandem_telemetry::metrics::{Counter, Family, Gauge, Histogram, Registry, LATENCY_BUCKETS};
 use tonic::transport::Channel;
 use tracing::Instrument;
@@ -313,8 +317,6 @@ impl PrefillDeadline {
 /// Asks prefill workers over gRPC.
 #[derive(Debug)]
 pub struct GrpcPrefiller {
-    /// Remote prefill only when at least this many prompt tokens are uncached.
-    threshold: usize,
     /// Where prefill workers push to.
     transfer_endpoint: String,
     layout: KvLayoutDescriptor,
@@ -334,7 +336,6 @@ pub struct GrpcPrefiller {
 
 impl GrpcPrefiller {
     pub fn new(
-        threshold: usize,
         transfer_endpoint: String,
         layout: KvLayoutDescriptor,
         metrics: DecodeMetrics,
@@ -343,7 +344,6 @@ impl GrpcPrefiller {
         credential: ClusterCredential,
     ) -> Self {
         Self {
-            threshold,
             transfer_endpoint,
             layout,
             clients: Mutex::new(HashMap::new()),
@@ -392,12 +392,6 @@ impl GrpcPrefiller {
 }
 
 impl RemotePrefiller for GrpcPrefiller {
-    fn mode(&self, _prefill_worker: &str) -> PrefillMode {
-        PrefillMode::Remote {
-            min_uncached: self.threshold,
-        }
-    }
-
     fn start(
         &self,
         request_id: &str,
@@ -511,7 +505,8 @@ impl RemotePrefiller for GrpcPrefiller {
                 }
             }
         };
-        PrefillGuard::new(tokio::spawn(task.instrument(pspan)))
+        let task = tokio::spawn(task.instrument(pspan));
+        PrefillGuard::on_drop(move || task.abort())
     }
 }
 
@@ -527,8 +522,6 @@ pub struct DecodeWorkerConfig {
     /// address and its transfer endpoint, when it differs from the bound
     /// addresses (e.g. `0.0.0.0`).
     pub advertise_host: Option<String>,
-    /// Remote prefill only from this many uncached prompt tokens.
-    pub remote_prefill_threshold: usize,
     /// How long to wait for a prefill worker before prefilling locally.
     pub remote_prefill_deadline: PrefillDeadline,
     /// How KV blocks arrive (`--kv-transport`); prefill workers must use
@@ -601,7 +594,6 @@ pub async fn run(
     let peer_costs = tandem_server::PeerFetchCosts::default();
     let prefiller = Arc::new(
         GrpcPrefiller::new(
-            config.remote_prefill_threshold,
             endpoint,
             layout,
             metrics,
@@ -615,8 +607,9 @@ pub async fn run(
     tandem_server::register_engine(registry, engine.clone());
     // Generate is for the router alone: a client that learns this
     // worker's address must not get around the router's API keys.
+    engine.set_remote_prefiller(prefiller);
     let generation = Arc::new(
-        tandem_server::GenerationService::with_prefiller(engine.clone(), prefiller)
+        tandem_server::GenerationService::new(engine.clone())
             .with_metrics(tandem_server::ServingMetrics::register(registry)),
     );
     // With TLS, only a certificate with the router's role may call.

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, KvPoolSize, PrefillMode, Prompt, Request,
-    RequestEvent, RequestSummary, ResponseFormat,
+    EngineConfig, EngineCore, ExportedBlock, KvExport, KvPoolSize, PrefillMode, PrefillPlacement,
+    Prompt, Request, RequestEvent, RequestSummary, ResponseFormat,
 };
 use tandem_engine::{synth, Checkpoint, DType, EngineError, FinishReason, SamplingParams};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -498,7 +498,10 @@ fn remote_prefill_samples_the_first_token_under_the_constraint() {
     let mut r = Request::new(Prompt::Tokens(prompt), 100);
     r.sampling.temperature = 1.0;
     r.sampling.seed = Some(9);
-    r.prefill = PrefillMode::Remote { min_uncached: 16 };
+    r.prefill = PrefillMode::Remote(PrefillPlacement {
+        worker: "prefill".into(),
+        min_uncached: 16,
+    });
     r.response_format = Some(ResponseFormat::JsonSchema(schema.to_string()));
     let id = decode.add(r);
     decode.core.step();

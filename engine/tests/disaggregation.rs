@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, KvWriteError, PrefillMode, Prompt,
-    RemotePrefill, RemotePrefillError, Request, RequestEvent,
+    EngineConfig, EngineCore, ExportedBlock, KvExport, KvWriteError, PrefillMode, PrefillPlacement,
+    Prompt, RemotePrefill, RemotePrefillError, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -137,7 +137,13 @@ fn remote_prefill_gives_the_colocated_tokens() {
     decode
         .add_request(
             0,
-            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            request(
+                &prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 16,
+                }),
+            ),
             tx,
         )
         .expect("valid");
@@ -193,7 +199,13 @@ fn cached_prefixes_on_either_side_shrink_the_transfer() {
     decode
         .add_request(
             0,
-            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            request(
+                &prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 16,
+                }),
+            ),
             tx,
         )
         .expect("valid");
@@ -230,7 +242,13 @@ fn short_prompts_stay_local_and_failed_transfers_fall_back() {
     decode
         .add_request(
             0,
-            request(&prompt, PrefillMode::Remote { min_uncached: 64 }),
+            request(
+                &prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 64,
+                }),
+            ),
             tx,
         )
         .expect("valid");
@@ -246,7 +264,13 @@ fn short_prompts_stay_local_and_failed_transfers_fall_back() {
     decode
         .add_request(
             1,
-            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            request(
+                &prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 16,
+                }),
+            ),
             tx,
         )
         .expect("valid");
@@ -286,7 +310,13 @@ fn a_transfer_ended_without_all_its_blocks_is_prefilled_here() {
         decode
             .add_request(
                 0,
-                request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+                request(
+                    &prompt,
+                    PrefillMode::Remote(PrefillPlacement {
+                        worker: "prefill".into(),
+                        min_uncached: 16,
+                    }),
+                ),
                 tx,
             )
             .expect("valid");
@@ -330,7 +360,13 @@ fn aborting_a_parked_request_frees_its_blocks_and_refuses_late_writes() {
     decode
         .add_request(
             0,
-            request(&prompt, PrefillMode::Remote { min_uncached: 16 }),
+            request(
+                &prompt,
+                PrefillMode::Remote(PrefillPlacement {
+                    worker: "prefill".into(),
+                    min_uncached: 16,
+                }),
+            ),
             tx,
         )
         .expect("valid");

@@ -316,7 +316,7 @@ impl tandem_engine::serving::KvExport for Collected {
 
 #[test]
 fn a_remote_prefill_moves_each_groups_blocks_and_skips_what_left_the_window() {
-    use tandem_engine::serving::PrefillMode;
+    use tandem_engine::serving::{PrefillMode, PrefillPlacement};
     let tmp = tempfile::tempdir().expect("tempdir");
     write_gemma3(tmp.path());
     let long: Vec<u32> = prompt(9)[..1000].to_vec();
@@ -326,7 +326,10 @@ fn a_remote_prefill_moves_each_groups_blocks_and_skips_what_left_the_window() {
 
     let mut decode = Driver::new(tmp.path(), 2000, false);
     let mut remote = request(long.clone());
-    remote.prefill = PrefillMode::Remote { min_uncached: 16 };
+    remote.prefill = PrefillMode::Remote(PrefillPlacement {
+        worker: "prefill".into(),
+        min_uncached: 16,
+    });
     let id = decode.add(remote);
     decode.core.step();
     let rp = match decode.streams[0].1.try_recv() {

@@ -56,6 +56,8 @@ pub(crate) struct Resume {
     /// Each choice's tokens so far, by index.
     pub(crate) tokens: BTreeMap<u32, Vec<u32>>,
     pub(crate) attempts_left: u32,
+    /// A pull's placement threshold (the router's remote-prefill one).
+    pub(crate) min_uncached_tokens: u32,
 }
 
 impl Resume {
@@ -65,6 +67,7 @@ impl Resume {
         request: &v1::GenerateRequest,
         deadline: Option<Instant>,
         block_size: usize,
+        min_uncached_tokens: u32,
     ) -> Resume {
         Resume {
             cluster,
@@ -76,6 +79,7 @@ impl Resume {
             streamed: false,
             tokens: BTreeMap::new(),
             attempts_left: MAX_MIGRATIONS,
+            min_uncached_tokens,
         }
     }
 
@@ -270,7 +274,10 @@ impl Proxy {
             // replayed tokens where it lands: mostly cached nowhere.
             let mut forward = Request::new(RoutedGenerateRequest {
                 request: Some(req),
-                prefill_worker: kv_source.clone().unwrap_or_default(),
+                prefill: kv_source.clone().map(|worker| wv1::PrefillPlacement {
+                    worker,
+                    min_uncached_tokens: resume.min_uncached_tokens,
+                }),
                 resume: replay,
             });
             tandem_telemetry::propagation::inject(&self.span, forward.metadata_mut());
@@ -392,7 +399,7 @@ mod tests {
     }
 
     fn resume(req: &v1::GenerateRequest) -> Resume {
-        Resume::for_request(Cluster::new(Duration::from_millis(100)), req, None, 16)
+        Resume::for_request(Cluster::new(Duration::from_millis(100)), req, None, 16, 1)
     }
 
     fn delta(index: u32, token_ids: Vec<u32>) -> v1::GenerateResponse {

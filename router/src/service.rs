@@ -19,7 +19,7 @@ use futures_util::Stream;
 use tandem_block_hash::BlockHash;
 use tandem_proto::v1;
 use tandem_proto::worker::v1::decode_client::DecodeClient;
-use tandem_proto::worker::v1::RoutedGenerateRequest;
+use tandem_proto::worker::v1::{self as wv1, RoutedGenerateRequest};
 use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
 use tandem_tokenizer::Tokenizer;
 use tonic::metadata::MetadataValue;
@@ -283,6 +283,21 @@ impl v1::generation_server::Generation for RouterService {
 }
 
 impl RouterService {
+    /// The placement that sends a prompt's prefill to `worker`: the decode
+    /// worker asks it only if the prompt's uncached part still reaches the
+    /// threshold against its own cache.
+    fn placement(&self, worker: &str) -> wv1::PrefillPlacement {
+        wv1::PrefillPlacement {
+            worker: worker.to_string(),
+            min_uncached_tokens: self.min_uncached_tokens(),
+        }
+    }
+
+    /// The remote-prefill threshold as placements carry it.
+    fn min_uncached_tokens(&self) -> u32 {
+        u32::try_from(self.remote_prefill_threshold.max(1)).unwrap_or(u32::MAX)
+    }
+
     /// Conditional disaggregation: a prefill worker only for a long
     /// uncached part and an unsaturated prefill pool, and why. `n > 1`
     /// choices go remote too: the decode engine forks them off choice 0 once
@@ -389,6 +404,7 @@ impl RouterService {
             &req,
             timeout.map(|t| started + t),
             bs,
+            self.min_uncached_tokens(),
         ));
         let prefill_load = picked
             .prefill
@@ -398,11 +414,7 @@ impl RouterService {
             span,
             started,
             timeout,
-            prefill_worker: picked
-                .prefill
-                .as_ref()
-                .map(|p| p.addr.clone())
-                .unwrap_or_default(),
+            prefill: picked.prefill.as_ref().map(|p| self.placement(&p.addr)),
         };
         let (upstream, decode, decode_load) = self
             .call_decode(picked.decode, &req, &call, prompt_len.div_ceil(bs))
@@ -589,8 +601,8 @@ struct Forward<'a> {
     span: &'a tracing::Span,
     started: Instant,
     timeout: Option<Duration>,
-    /// The prefill worker named in the call ("" for none).
-    prefill_worker: String,
+    /// The remote prefill named in the call, if any.
+    prefill: Option<wv1::PrefillPlacement>,
 }
 
 impl Forward<'_> {
@@ -600,7 +612,7 @@ impl Forward<'_> {
     fn request(&self, req: v1::GenerateRequest) -> Result<Request<RoutedGenerateRequest>, Status> {
         let mut forward = Request::new(RoutedGenerateRequest {
             request: Some(req),
-            prefill_worker: self.prefill_worker.clone(),
+            prefill: self.prefill.clone(),
             resume: None,
         });
         tandem_telemetry::propagation::inject(self.span, forward.metadata_mut());

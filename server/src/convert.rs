@@ -201,8 +201,9 @@ pub fn event_to_proto(
             })
         }
         RequestEvent::Error(e) => return Err(e),
-        // Only requests that ask for remote prefill see this, and this
-        // service never asks.
+        // The engine's stream hands remote prefills to the decode worker's
+        // prefiller, and without one a remote placement is made local: only
+        // an engine core driven directly emits this.
         RequestEvent::RemotePrefill(_) => {
             return Err(RequestFailure::engine(
                 "unexpected remote-prefill event on a colocated request",

@@ -34,9 +34,7 @@ pub use convert::{
 };
 pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use peer_costs::PeerFetchCosts;
-pub use service::{
-    status_from_engine, status_from_failure, GenerationService, PrefillGuard, RemotePrefiller,
-};
+pub use service::{status_from_engine, status_from_failure, GenerationService};
 pub use worker_service::{
     adapters as worker_adapters, shutdown_ending_feeds, FeedsEnd, WorkerService,
 };

@@ -1,14 +1,15 @@
 //! The `tandem.v1.Generation` service over an [`EngineHandle`].
 //!
 //! The same service fronts the colocated server and decode workers. A
-//! decode worker also serves the worker-internal `tandem.worker.v1.Decode`
-//! (the router's `RoutedGenerateRequest`, whose typed `prefill_worker` names
-//! the prefill worker the router chose) and adds a [`RemotePrefiller`]: it
-//! picks each request's [`PrefillMode`] from that target and, when the
-//! engine parks a request for remote prefill, starts the transfer. The
+//! decode worker also serves the worker-internal `tandem.worker.v1.Decode`:
+//! the router's `RoutedGenerateRequest`, whose typed `prefill` placement
+//! becomes the request's [`PrefillMode::Remote`]. The engine's stream starts
+//! that prefill through the decode worker's prefiller (see
+//! `tandem_engine::serving::remote`); this service only translates. The
 //! public `Generate` always prefills locally: nothing a client sends can
-//! point a worker at a prefill peer. The transfer's guard lives in the response stream, so a
-//! client that goes away cancels the prefill as well as the request.
+//! point a worker at a prefill peer. Dropping the response stream (a client
+//! that went away) drops the engine's stream, which cancels the prefill as
+//! well as the request.
 //!
 //! Observability: each call gets a `generate` span (a child of the
 //! caller's span when the call carries a W3C `traceparent`) that lives as
@@ -23,8 +24,8 @@ use std::time::Duration;
 
 use futures_util::Stream;
 use tandem_engine::serving::{
-    EngineHandle, FailureScope, PrefillMode, RemotePrefill, RemotePrefillError, RequestEvent,
-    RequestFailure, RequestStream, Resume, ResumedChoice,
+    EngineHandle, FailureScope, PrefillMode, PrefillPlacement, RequestEvent, RequestFailure,
+    RequestStream, Resume, ResumedChoice,
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1;
@@ -35,60 +36,10 @@ use tonic::{Request, Response, Status};
 use crate::convert::{event_to_proto, request_from_proto};
 use crate::metrics::{Outcome, ServingMetrics};
 
-/// Gets prompts prefilled by another worker (decode workers only).
-pub trait RemotePrefiller: Send + Sync + std::fmt::Debug + 'static {
-    /// Where the prompt of a call the router sent to `prefill_worker` is
-    /// computed.
-    fn mode(&self, prefill_worker: &str) -> PrefillMode;
-
-    /// Starts a remote prefill the engine asked for. It must end with
-    /// `engine.finish_remote_prefill(prefill.transfer, ..)` (directly or
-    /// through the transport); dropping the guard cancels it. `span` is the
-    /// request's: the prefill's own span is its child, and its context goes
-    /// to the prefill worker.
-    fn start(
-        &self,
-        request_id: &str,
-        prefill_worker: &str,
-        prefill: RemotePrefill,
-        engine: EngineHandle,
-        span: &tracing::Span,
-    ) -> PrefillGuard;
-}
-
-/// Cancels a remote prefill task when dropped.
-#[derive(Debug, Default)]
-pub struct PrefillGuard(Option<tokio::task::JoinHandle<()>>);
-
-impl PrefillGuard {
-    /// Guards a spawned task.
-    pub fn new(task: tokio::task::JoinHandle<()>) -> Self {
-        Self(Some(task))
-    }
-}
-
-impl PrefillGuard {
-    /// Lets the task run to its end instead of cancelling it (once the
-    /// request is finished, its transfer is over and only the reply is
-    /// still on its way).
-    pub fn detach(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for PrefillGuard {
-    fn drop(&mut self) {
-        if let Some(t) = self.0.take() {
-            t.abort();
-        }
-    }
-}
-
 /// Serves `Generate` from a local engine.
 #[derive(Debug, Clone)]
 pub struct GenerationService {
     engine: EngineHandle,
-    prefiller: Option<Arc<dyn RemotePrefiller>>,
     metrics: Arc<ServingMetrics>,
 }
 
@@ -98,16 +49,7 @@ impl GenerationService {
     pub fn new(engine: EngineHandle) -> Self {
         Self {
             engine,
-            prefiller: None,
             metrics: ServingMetrics::register(&tandem_telemetry::Registry::new()),
-        }
-    }
-
-    /// Prefills remotely where `prefiller` says so.
-    pub fn with_prefiller(engine: EngineHandle, prefiller: Arc<dyn RemotePrefiller>) -> Self {
-        Self {
-            prefiller: Some(prefiller),
-            ..Self::new(engine)
         }
     }
 
@@ -167,11 +109,6 @@ struct CallState {
     events: RequestStream,
     request_id: String,
     ended: bool,
-    /// The prefill worker the router named (`Decode.Generate`), if any.
-    prefill_worker: Option<String>,
-    engine: EngineHandle,
-    prefiller: Option<Arc<dyn RemotePrefiller>>,
-    prefills: Vec<PrefillGuard>,
     /// The call's span: ends when the stream is dropped.
     span: tracing::Span,
     metrics: Arc<ServingMetrics>,
@@ -222,61 +159,41 @@ impl CallState {
         }
     }
 
-    /// The next message for the client, handling remote-prefill events.
+    /// The next message for the client.
     async fn next_event(&mut self) -> Option<Result<v1::GenerateResponse, Status>> {
         if self.ended {
             return None;
         }
-        loop {
-            let Some(ev) = self.events.next().await else {
-                self.end(Outcome::Error);
-                return Some(Err(Status::unavailable(
-                    "the engine stopped before the request ended",
-                )));
-            };
-            if let RequestEvent::RemotePrefill(rp) = ev {
-                match (&self.prefiller, &self.prefill_worker) {
-                    (Some(p), Some(target)) => self.prefills.push(p.start(
-                        &self.request_id,
-                        target,
-                        rp,
-                        self.engine.clone(),
-                        &self.span,
-                    )),
-                    // Nobody to ask: compute it here.
-                    _ => self.engine.finish_remote_prefill(
-                        rp.transfer,
-                        Err(RemotePrefillError::NoPrefillWorker),
-                    ),
-                }
-                continue;
+        let Some(ev) = self.events.next().await else {
+            self.end(Outcome::Error);
+            return Some(Err(Status::unavailable(
+                "the engine stopped before the request ended",
+            )));
+        };
+        match &ev {
+            RequestEvent::Finished(summary) => {
+                self.metrics.finished(summary, self.lora.as_deref());
+                self.end(Outcome::Finished);
             }
-            match &ev {
-                RequestEvent::Finished(summary) => {
-                    self.metrics.finished(summary, self.lora.as_deref());
-                    self.end(Outcome::Finished);
-                    self.prefills.drain(..).for_each(PrefillGuard::detach);
-                }
-                RequestEvent::Error(e) if e.scope == FailureScope::HandedOver => {
-                    tracing::info!(parent: &self.span, "request handed over");
-                    self.end(Outcome::HandedOver);
-                }
-                RequestEvent::Error(e) => {
-                    tracing::warn!(parent: &self.span, error = %e, "request failed");
+            RequestEvent::Error(e) if e.scope == FailureScope::HandedOver => {
+                tracing::info!(parent: &self.span, "request handed over");
+                self.end(Outcome::HandedOver);
+            }
+            RequestEvent::Error(e) => {
+                tracing::warn!(parent: &self.span, error = %e, "request failed");
+                self.end(Outcome::Error);
+            }
+            _ => {}
+        }
+        Some(match event_to_proto(&self.request_id, ev) {
+            Ok(msg) => Ok(msg),
+            Err(e) => {
+                if !self.ended {
                     self.end(Outcome::Error);
                 }
-                _ => {}
+                Err(status_from_failure(e))
             }
-            return Some(match event_to_proto(&self.request_id, ev) {
-                Ok(msg) => Ok(msg),
-                Err(e) => {
-                    if !self.ended {
-                        self.end(Outcome::Error);
-                    }
-                    Err(status_from_failure(e))
-                }
-            });
-        }
+        })
     }
 }
 
@@ -308,20 +225,26 @@ impl wv1::decode_server::Decode for GenerationService {
                 "RoutedGenerateRequest.request is required",
             ));
         };
-        let target = Some(routed.prefill_worker).filter(|w| !w.is_empty());
+        let placement = routed
+            .prefill
+            .filter(|p| !p.worker.is_empty())
+            .map(|p| PrefillPlacement {
+                worker: p.worker,
+                min_uncached: p.min_uncached_tokens.max(1) as usize,
+            });
         let resume = routed.resume.map(resume_from_proto).transpose()?;
-        self.serve(metadata, inner, target, resume).await
+        self.serve(metadata, inner, placement, resume).await
     }
 }
 
 impl GenerationService {
-    /// One call: `prefill_worker` is the router's placement (`None` from the
-    /// public API, or when the router chose local prefill).
+    /// One call: `placement` is the router's (`None` from the public API,
+    /// or when the router chose local prefill).
     async fn serve(
         &self,
         metadata: MetadataMap,
         request: v1::GenerateRequest,
-        prefill_worker: Option<String>,
+        placement: Option<PrefillPlacement>,
         resume: Option<Resume>,
     ) -> Result<Response<ResponseStream>, Status> {
         let deadline = tandem_proto::deadline::grpc_timeout(&metadata)
@@ -347,12 +270,9 @@ impl GenerationService {
         }
         req.resume = resume;
         span.record("request_id", req.request_id.as_str());
-        if let (Some(p), Some(target)) = (&self.prefiller, &prefill_worker) {
-            req.prefill = p.mode(target);
-            span.record(
-                "remote_prefill",
-                matches!(req.prefill, PrefillMode::Remote { .. }),
-            );
+        span.record("remote_prefill", placement.is_some());
+        if let Some(placement) = placement {
+            req.prefill = PrefillMode::Remote(placement);
         }
         let request_id = req.request_id.clone();
         let lora = req.lora.clone();
@@ -388,10 +308,6 @@ impl GenerationService {
             events,
             request_id,
             ended: false,
-            prefill_worker,
-            engine: self.engine.clone(),
-            prefiller: self.prefiller.clone(),
-            prefills: Vec::new(),
             span,
             metrics: self.metrics.clone(),
             deadline,

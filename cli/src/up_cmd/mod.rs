@@ -524,10 +524,6 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     // (role, gRPC address, metrics address) of every process.
     let mut metrics: Vec<(&str, String, String)> = Vec::new();
     let mut decode = worker(PeerRole::Decode);
-    decode.extend([
-        "--remote-prefill-threshold".into(),
-        args.remote_prefill_threshold.to_string(),
-    ]);
     decode.extend(args.decode_args.iter().cloned());
     let mut pool = Pool {
         children: &mut children,

@@ -379,8 +379,8 @@ impl EngineCore {
             seq.scores_prompt = score.is_some();
             match &req.prefill {
                 PrefillMode::Local => {}
-                PrefillMode::Remote { min_uncached } => {
-                    seq.remote_min_uncached = Some(*min_uncached)
+                PrefillMode::Remote(placement) => {
+                    seq.remote_min_uncached = Some(placement.min_uncached)
                 }
                 PrefillMode::Export { sink, from_block } => {
                     seq.export = Some(Export {

@@ -31,7 +31,8 @@ use crate::tokenizer::Tokenizer;
 use super::constrained::Grammars;
 use super::core::{EngineCore, EngineStats};
 use super::kv_feed::{KvFeed, KvFeedSlots, KvSubscription, TooManyKvSubscribers};
-use super::request::{validate, Limits, Request, RequestEvent, ValidRequest};
+use super::remote::{PrefillGuard, RemotePrefiller};
+use super::request::{validate, Limits, PrefillMode, Request, RequestEvent, ValidRequest};
 
 enum Command {
     Add {
@@ -81,6 +82,9 @@ struct Shared {
     disk: Option<tandem_kv_disk::DiskStatsReader>,
     /// Why the engine stopped, once its backend failed for good.
     failure: Mutex<Option<String>>,
+    /// Who starts remote prefills (a decode worker's); without one, a
+    /// request placed remotely is prefilled here.
+    prefiller: Mutex<Option<Arc<dyn RemotePrefiller>>>,
 }
 
 /// The retry hint of a refused request: about how long a full queue takes
@@ -140,6 +144,7 @@ impl EngineHandle {
             waiting: AtomicUsize::new(0),
             kv_feed_slots: KvFeedSlots::default(),
             failure: Mutex::new(None),
+            prefiller: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
         let loop_shared = shared.clone();
@@ -197,11 +202,12 @@ impl EngineHandle {
     }
 
     /// Validates a request and queues it. Errors name the field at fault.
-    pub fn submit(&self, req: Request) -> Result<RequestStream> {
+    pub fn submit(&self, mut req: Request) -> Result<RequestStream> {
         if let Some(why) = self.failure() {
             return Err(EngineError::Stopped(why));
         }
         // Compiles the response format here, on the caller's thread.
+        let remote = self.remote_call(&mut req);
         let valid = validate(
             req,
             self.shared.tokenizer.as_deref(),
@@ -238,6 +244,7 @@ impl EngineHandle {
             events,
             commands: self.commands.clone(),
             done: false,
+            remote,
         })
     }
 
@@ -251,6 +258,37 @@ impl EngineHandle {
             k,
             v,
         });
+    }
+
+    /// Starts every later request placed on another worker
+    /// ([`PrefillMode::Remote`]) through `prefiller`. Without one such
+    /// requests are prefilled here.
+    pub fn set_remote_prefiller(&self, prefiller: Arc<dyn RemotePrefiller>) {
+        if let Ok(mut p) = self.shared.prefiller.lock() {
+            *p = Some(prefiller);
+        }
+    }
+
+    /// The prefill call of a request placed remotely, when this engine has
+    /// a prefiller; otherwise the request is made local.
+    fn remote_call(&self, req: &mut Request) -> Option<RemoteCall> {
+        let PrefillMode::Remote(placement) = &req.prefill else {
+            return None;
+        };
+        let prefiller = self.shared.prefiller.lock().ok().and_then(|p| p.clone());
+        let Some(prefiller) = prefiller else {
+            tracing::debug!(worker = %placement.worker, "no remote prefiller: prefilling here");
+            req.prefill = PrefillMode::Local;
+            return None;
+        };
+        Some(RemoteCall {
+            prefiller,
+            engine: self.clone(),
+            request_id: req.request_id.clone(),
+            worker: placement.worker.clone(),
+            span: req.span.clone(),
+            guards: Vec::new(),
+        })
     }
 
     /// Ends remote prefill `transfer` (after all its `write_kv` calls).
@@ -306,42 +344,77 @@ impl EngineHandle {
     }
 }
 
-/// One request's events. Dropping it before the end aborts the request.
+/// One request's events. Dropping it before the end aborts the request
+/// (and cancels its remote prefill).
 #[derive(Debug)]
 pub struct RequestStream {
     id: u64,
     events: UnboundedReceiver<RequestEvent>,
     commands: Sender<Command>,
     done: bool,
+    /// A request placed on another worker, with a prefiller to ask it.
+    remote: Option<RemoteCall>,
+}
+
+/// What a remotely placed request's stream needs to start its prefill.
+#[derive(Debug)]
+struct RemoteCall {
+    prefiller: Arc<dyn RemotePrefiller>,
+    engine: EngineHandle,
+    request_id: String,
+    worker: String,
+    span: tracing::Span,
+    /// The prefills started (one; again after a preemption).
+    guards: Vec<PrefillGuard>,
 }
 
 impl RequestStream {
-    fn note(&mut self, ev: Option<RequestEvent>) -> Option<RequestEvent> {
-        if matches!(
-            ev,
-            None | Some(RequestEvent::Finished(_) | RequestEvent::Error(_))
-        ) {
-            self.done = true;
+    /// The event to hand out, or `None` when it was consumed here (a
+    /// remote prefill, started through the prefiller).
+    fn note(&mut self, ev: Option<RequestEvent>) -> Option<Option<RequestEvent>> {
+        let ev = match (ev, self.remote.as_mut()) {
+            (Some(RequestEvent::RemotePrefill(prefill)), Some(r)) => {
+                let guard =
+                    r.prefiller
+                        .start(&r.request_id, &r.worker, prefill, r.engine.clone(), &r.span);
+                r.guards.push(guard);
+                return None;
+            }
+            (ev, _) => ev,
+        };
+        match &ev {
+            None | Some(RequestEvent::Error(_)) => self.done = true,
+            Some(RequestEvent::Finished(_)) => {
+                self.done = true;
+                if let Some(r) = self.remote.as_mut() {
+                    r.guards.drain(..).for_each(PrefillGuard::detach);
+                }
+            }
+            _ => {}
         }
-        ev
+        Some(ev)
     }
 
     /// The next event; `None` after the last.
     pub async fn next(&mut self) -> Option<RequestEvent> {
-        if self.done {
-            return None;
+        while !self.done {
+            let ev = self.events.recv().await;
+            if let Some(ev) = self.note(ev) {
+                return ev;
+            }
         }
-        let ev = self.events.recv().await;
-        self.note(ev)
+        None
     }
 
     /// The next event, blocking this thread (not for async contexts).
     pub fn blocking_next(&mut self) -> Option<RequestEvent> {
-        if self.done {
-            return None;
+        while !self.done {
+            let ev = self.events.blocking_recv();
+            if let Some(ev) = self.note(ev) {
+                return ev;
+            }
         }
-        let ev = self.events.blocking_recv();
-        self.note(ev)
+        None
     }
 
     /// Cancels the request now.

@@ -11,12 +11,14 @@
 //!   channel. Each request gets a [`RequestStream`] of [`RequestEvent`]s;
 //!   dropping the stream aborts the request, which frees its blocks at once.
 //!
-//! Disaggregation hooks, all without networking: a decode worker asks for
-//! [`PrefillMode::Remote`] and gets a [`RemotePrefill`] event naming the
-//! blocks to fill, feeds received blocks through `write_kv` and ends with
-//! `finish_remote_prefill`; a prefill worker runs [`PrefillMode::Export`]
-//! requests whose [`KvExport`] sink sees each layer's blocks as soon as the
-//! layer is computed.
+//! Disaggregation hooks, all without networking: a request placed on
+//! another worker ([`PrefillMode::Remote`]) parks, and its stream hands the
+//! [`RemotePrefill`] naming the blocks to fill to the handle's
+//! [`RemotePrefiller`] (the decode worker's); received blocks come back
+//! through `write_kv` and the transfer ends with `finish_remote_prefill`
+//! ([`remote`]). A prefill worker runs [`PrefillMode::Export`] requests
+//! whose [`KvExport`] sink sees each layer's blocks as soon as the layer is
+//! computed.
 //!
 //! Routers follow each engine's prefix cache through a bounded feed
 //! ([`KvFeed`], at most [`MAX_KV_SUBSCRIBERS`] at once, each dropped when
@@ -34,7 +36,7 @@ mod core;
 mod handle;
 mod kv_feed;
 mod output;
-mod remote;
+pub mod remote;
 pub mod request;
 mod resume;
 mod scheduler;
@@ -45,11 +47,11 @@ pub use handle::{EngineHandle, RequestStream};
 pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
 };
-pub use remote::{KvWriteError, RemotePrefillError};
+pub use remote::{KvWriteError, PrefillGuard, RemotePrefillError, RemotePrefiller};
 pub use request::{
     BeamSearch, ChoiceSummary, EarlyStopping, ExportedBlock, FailureScope, KvExport, Limits,
-    LoraRef, PrefillMode, Prompt, PromptLogprobs, RemotePrefill, Request, RequestEvent,
-    RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
+    LoraRef, PrefillMode, PrefillPlacement, Prompt, PromptLogprobs, RemotePrefill, Request,
+    RequestEvent, RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
 };
 pub use resume::{ReplayError, Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};

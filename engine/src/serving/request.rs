@@ -54,13 +54,16 @@ pub enum PrefillMode {
     /// Here: the colocated default.
     #[default]
     Local,
-    /// By a prefill worker, when at least `min_uncached` prompt tokens are
-    /// not in this engine's prefix cache (shorter ones run here). The engine
-    /// allocates the blocks, emits [`RequestEvent::RemotePrefill`], accepts
-    /// the blocks through `write_kv` and resumes the request at
-    /// `finish_remote_prefill`; it computes the last prompt token itself, so
-    /// sampling stays here. A failed transfer falls back to local prefill.
-    Remote { min_uncached: usize },
+    /// By another worker, as placed, when at least `min_uncached` prompt
+    /// tokens are not in this engine's prefix cache (shorter ones run
+    /// here). The engine allocates the blocks, hands a [`RemotePrefill`] to
+    /// the handle's [`RemotePrefiller`](super::RemotePrefiller) (or emits it
+    /// as [`RequestEvent::RemotePrefill`] from an [`EngineCore`](super::EngineCore)
+    /// driven directly), accepts the blocks through `write_kv` and resumes
+    /// the request at `finish_remote_prefill`; it computes the last prompt
+    /// token itself, so sampling stays here. A failed transfer falls back
+    /// to local prefill.
+    Remote(PrefillPlacement),
     /// Compute the prompt's K/V, hand every block from logical index
     /// `from_block` on to `sink` layer by layer, and stop: nothing is
     /// sampled, and the stream ends with a `Finished` without choices.
@@ -544,6 +547,18 @@ impl RequestFailure {
             message: message.into(),
         }
     }
+}
+
+/// Where a request's prompt comes from when another worker computes it
+/// (the router's placement).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillPlacement {
+    /// The worker (`host:port`) that computes the prompt (a prefill worker)
+    /// or holds its blocks (a draining or peer decode worker).
+    pub worker: String,
+    /// Remote only when at least this many prompt tokens are not cached
+    /// here.
+    pub min_uncached: usize,
 }
 
 /// What a prefill worker must compute and where the blocks go.
