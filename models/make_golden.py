@@ -30,6 +30,21 @@ from transformers import LlamaForCausalLM
 
 import corpus
 
+
+def _golden_module():
+    """tests/golden/make_golden.py, by path (this file has the same name)."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "tests", "golden", "make_golden.py")
+    spec = importlib.util.spec_from_file_location("golden_fixtures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+golden = _golden_module()
+
 GEN_TOKENS = 16
 TOP_N = 8
 CASES = 3
@@ -51,27 +66,9 @@ CANDIDATES = [
 REPO = os.path.dirname(corpus.HERE)
 
 
-@torch.no_grad()
 def greedy(model, prompt):
-    # Identical to tests/golden/make_golden.py's loop: a full forward per step.
-    ids = list(prompt)
-    steps = []
-    for _ in range(GEN_TOKENS):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(lp, TOP_N)
-        tok = int(top.indices[0])
-        sorted_lp = torch.sort(lp, descending=True).values
-        steps.append(
-            {
-                "token": tok,
-                "logprob": float(lp[tok]),
-                "top": [[int(i), float(v)] for i, v in zip(top.indices, top.values)],
-                "gap": float(sorted_lp[0] - sorted_lp[1]),
-            }
-        )
-        ids.append(tok)
-    return steps
+    """The golden fixtures' greedy loop (a full forward per step), shared."""
+    return golden.greedy(model, prompt, tokens=GEN_TOKENS, top_n=TOP_N)
 
 
 def fixture(model_dir, name):

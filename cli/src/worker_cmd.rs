@@ -342,78 +342,102 @@ pub fn exit_on_stdin_eof() {
     });
 }
 
-pub fn run_prefill(args: WorkerArgs) -> Result<()> {
-    if args.exit_on_stdin_eof {
-        exit_on_stdin_eof();
+/// What a worker command has once its engine runs and its server is bound
+/// and registered.
+struct Launched {
+    engine: crate::engine_args::StartedEngine,
+    registry: tandem_telemetry::Registry,
+    bound: Bound,
+    /// Its id in membership.
+    id: String,
+    cluster_token: String,
+    tls: Option<tandem_security::LoadedTls>,
+    /// Resolves on SIGINT/SIGTERM once the worker has left membership and
+    /// drained (a decode worker hands its requests over first).
+    shutdown: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+}
+
+impl WorkerArgs {
+    /// Starts the engine, serves metrics, binds and registers as `role`,
+    /// then runs `serve` until the shutdown it is given resolves: the part
+    /// both workers share.
+    fn launch<F, Fut>(self, role: tandem_discovery::Role, serve: F) -> Result<()>
+    where
+        F: FnOnce(Self, Launched) -> Fut,
+        Fut: std::future::Future<Output = Result<()>>,
+    {
+        if self.exit_on_stdin_eof {
+            exit_on_stdin_eof();
+        }
+        let tls = self.tls.load()?;
+        let cluster_token = self.cluster_token.load()?;
+        let engine = start_engine(self.model.as_deref(), &self.engine)?;
+        runtime()?.block_on(async move {
+            let registry = tandem_telemetry::Registry::new();
+            self.metrics.start(&registry).await?;
+            let signal = shutdown_signal();
+            let (bound, id, reg) = self.bind_and_register(role).await?;
+            let hand_over = role == tandem_discovery::Role::Decode;
+            let shutdown = Box::pin(leave_then_drain(
+                signal,
+                reg,
+                engine.handle.clone(),
+                hand_over,
+            ));
+            let launched = Launched {
+                engine,
+                registry,
+                bound,
+                id,
+                cluster_token,
+                tls,
+                shutdown,
+            };
+            serve(self, launched).await
+        })
     }
-    let tls = args.tls.load()?;
-    let cluster_token = args.cluster_token.load()?;
-    let engine = start_engine(args.model.as_deref(), &args.engine)?;
-    runtime()?.block_on(async move {
-        let registry = tandem_telemetry::Registry::new();
-        args.metrics.start(&registry).await?;
-        let signal = shutdown_signal();
-        let (bound, id, reg) = args
-            .bind_and_register(tandem_discovery::Role::Prefill)
-            .await?;
+}
+
+pub fn run_prefill(args: WorkerArgs) -> Result<()> {
+    args.launch(tandem_discovery::Role::Prefill, |w, l| async move {
         let config = PrefillWorkerConfig {
-            id,
-            model: engine.model_name,
-            cluster_token,
-            advertise_host: args.advertise_host,
-            kv_transport: args.kv_transport,
-            tls,
+            id: l.id,
+            model: l.engine.model_name,
+            cluster_token: l.cluster_token,
+            advertise_host: w.advertise_host,
+            kv_transport: w.kv_transport,
+            tls: l.tls,
         };
-        tandem_prefill_worker::run(
-            engine.handle.clone(),
-            engine.kv_layout,
-            bound,
-            config,
-            &registry,
-            leave_then_drain(signal, reg, engine.handle.clone(), false),
-        )
-        .await?;
+        let (handle, layout) = (l.engine.handle, l.engine.kv_layout);
+        tandem_prefill_worker::run(handle, layout, l.bound, config, &l.registry, l.shutdown)
+            .await?;
         Ok(())
     })
 }
 
 pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
-    let w = args.worker;
-    if w.exit_on_stdin_eof {
-        exit_on_stdin_eof();
-    }
-    let tls = w.tls.load()?;
-    let cluster_token = w.cluster_token.load()?;
-    let engine = start_engine(w.model.as_deref(), &w.engine)?;
-    runtime()?.block_on(async move {
-        let registry = tandem_telemetry::Registry::new();
-        w.metrics.start(&registry).await?;
-        let signal = shutdown_signal();
-        let (bound, id, reg) = w.bind_and_register(tandem_discovery::Role::Decode).await?;
-        let config = DecodeWorkerConfig {
-            id,
-            model: engine.model_name,
-            cluster_token,
-            transfer_bind: args.transfer_addr,
-            advertise_host: w.advertise_host,
-            remote_prefill_deadline: tandem_decode_worker::PrefillDeadline {
-                base: Duration::from_millis(args.remote_prefill_timeout_ms),
-                per_1k_tokens: Duration::from_millis(args.remote_prefill_timeout_per_1k_tokens_ms),
-            },
-            kv_transport: w.kv_transport,
-            tls,
-        };
-        tandem_decode_worker::run(
-            engine.handle.clone(),
-            engine.kv_layout,
-            bound,
-            config,
-            &registry,
-            leave_then_drain(signal, reg, engine.handle.clone(), true),
-        )
-        .await?;
-        Ok(())
-    })
+    let deadline = tandem_decode_worker::PrefillDeadline {
+        base: Duration::from_millis(args.remote_prefill_timeout_ms),
+        per_1k_tokens: Duration::from_millis(args.remote_prefill_timeout_per_1k_tokens_ms),
+    };
+    let transfer_bind = args.transfer_addr;
+    args.worker
+        .launch(tandem_discovery::Role::Decode, |w, l| async move {
+            let config = DecodeWorkerConfig {
+                id: l.id,
+                model: l.engine.model_name,
+                cluster_token: l.cluster_token,
+                transfer_bind,
+                advertise_host: w.advertise_host,
+                remote_prefill_deadline: deadline,
+                kv_transport: w.kv_transport,
+                tls: l.tls,
+            };
+            let (handle, layout) = (l.engine.handle, l.engine.kv_layout);
+            tandem_decode_worker::run(handle, layout, l.bound, config, &l.registry, l.shutdown)
+                .await?;
+            Ok(())
+        })
 }
 
 #[derive(Args, Debug)]

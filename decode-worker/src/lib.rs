@@ -575,21 +575,17 @@ pub async fn run(
     // Routers' KV-event feeds end when the shutdown begins, so the drain
     // is not held open by them.
     let (shutdown, feeds_end) = tandem_server::shutdown_ending_feeds(shutdown);
-    let limits = engine.limits();
-    let info = wv1::WorkerInfo {
+    let info = tandem_server::WorkerIdentity {
         id: config.id,
-        role: wv1::Role::Decode as i32,
+        role: wv1::Role::Decode,
+        model: config.model,
         address: tandem_server::advertised_addr(
             config.advertise_host.as_deref(),
             bound.local_addr(),
         ),
-        model: config.model,
-        layout: Some(layout::to_proto(&layout)),
         transfer_endpoint: endpoint.clone(),
-        num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
-        max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
-        adapters: tandem_server::worker_adapters(&engine),
-    };
+    }
+    .info(&engine, &layout);
     let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
     let peer_costs = tandem_server::PeerFetchCosts::default();
     let prefiller = Arc::new(
@@ -631,21 +627,10 @@ pub async fn run(
     // A draining decode worker's requests go on elsewhere: their new
     // worker pulls the KV from here, through the same `Prefill` a prefill
     // worker serves (computing only what is not cached: a last partial
-    // block). For decode workers alone, as on a prefill worker.
-    let pull_guard = credential
-        .interceptor()
-        .require_roles(config.tls.is_some(), &[PeerRole::Decode]);
-    services.add(
-        tonic::service::interceptor::InterceptedService::new(
-            wv1::prefill_server::PrefillServer::new(
-                tandem_prefill_worker::PrefillService::new(engine.clone(), transport, layout)
-                    .with_metrics(tandem_prefill_worker::PrefillMetrics::register(registry)),
-            ),
-            pull_guard,
-        ),
-        "tandem.worker.v1.Prefill",
-        wv1::FILE_DESCRIPTOR_SET,
-    );
+    // block).
+    let pull = tandem_prefill_worker::PrefillService::new(engine.clone(), transport, layout)
+        .with_metrics(tandem_prefill_worker::PrefillMetrics::register(registry));
+    tandem_prefill_worker::add_guarded(&mut services, pull, &credential, config.tls.is_some());
     services.add(
         wv1::worker_server::WorkerServer::new(
             tandem_server::WorkerService::new(engine, info)

@@ -286,6 +286,28 @@ pub(crate) struct ChannelSession {
     pub(crate) _tasks: Vec<AbortOnDrop>,
 }
 
+impl ChannelSession {
+    /// The session over a connected carrier: `commands` feed its writer
+    /// task, `acks` is its ack reader (aborted with the session).
+    pub(crate) fn new(
+        endpoint: &str,
+        layout: KvLayoutDescriptor,
+        peer_num_blocks: u32,
+        commands: mpsc::Sender<Command>,
+        completions: Arc<Completions>,
+        acks: JoinHandle<()>,
+    ) -> Self {
+        Self {
+            endpoint: endpoint.to_string(),
+            layout,
+            peer_num_blocks,
+            commands,
+            completions,
+            _tasks: vec![AbortOnDrop(acks)],
+        }
+    }
+}
+
 impl std::fmt::Debug for ChannelSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")

@@ -157,6 +157,42 @@ pub(crate) fn timeout_error(during: &'static str, limit: Duration) -> TransferEr
 }
 
 /// Maps a read error to a lost connection (EOF mid-message included).
+/// A TCP listener on `bind` and the address it got (the port, when `bind`
+/// asked for 0): the receiving side of both transports.
+pub(crate) async fn bind_listener(bind: &str) -> Result<(TcpListener, String), TransferError> {
+    let listener = TcpListener::bind(bind)
+        .await
+        .map_err(|e| TransferError::BadEndpoint {
+            endpoint: bind.to_string(),
+            reason: format!("cannot listen: {e}"),
+        })?;
+    let endpoint = listener
+        .local_addr()
+        .map_err(|e| TransferError::io("reading the listener's address", &e))?
+        .to_string();
+    Ok((listener, endpoint))
+}
+
+/// A TCP connection to `endpoint` within the connect timeout, with Nagle
+/// off (each frame is sent whole), split for the writer and ack tasks:
+/// the sending side of both transports (UCX's control channel is TCP).
+pub(crate) async fn dial(
+    endpoint: &str,
+    config: &TcpConfig,
+) -> Result<(OwnedReadHalf, OwnedWriteHalf), TransferError> {
+    let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(endpoint))
+        .await
+        .map_err(|_| timeout_error("connecting", config.connect_timeout))?
+        .map_err(|e| TransferError::BadEndpoint {
+            endpoint: endpoint.to_string(),
+            reason: format!("cannot connect: {e}"),
+        })?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| TransferError::io("setting TCP_NODELAY", &e))?;
+    Ok(stream.into_split())
+}
+
 pub(crate) fn lost(peer: &str, err: &std::io::Error) -> TransferError {
     if err.kind() == std::io::ErrorKind::UnexpectedEof {
         TransferError::ConnectionLost(format!("{peer} closed the connection mid-message"))
@@ -179,16 +215,7 @@ impl Transport for TcpTransport {
     ) -> Result<Listener, TransferError> {
         self.check_config()?;
         layout.validate()?;
-        let listener = TcpListener::bind(bind)
-            .await
-            .map_err(|e| TransferError::BadEndpoint {
-                endpoint: bind.to_string(),
-                reason: format!("cannot listen: {e}"),
-            })?;
-        let endpoint = listener
-            .local_addr()
-            .map_err(|e| TransferError::io("reading the listener's address", &e))?
-            .to_string();
+        let (listener, endpoint) = bind_listener(bind).await?;
         let ctx = Arc::new(ListenCtx {
             layout,
             sink,
@@ -213,17 +240,7 @@ impl Transport for TcpTransport {
         self.check_config()?;
         layout.validate()?;
         let config = &self.config;
-        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(endpoint))
-            .await
-            .map_err(|_| timeout_error("connecting", config.connect_timeout))?
-            .map_err(|e| TransferError::BadEndpoint {
-                endpoint: endpoint.to_string(),
-                reason: format!("cannot connect: {e}"),
-            })?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| TransferError::io("setting TCP_NODELAY", &e))?;
-        let (mut reader, mut writer) = stream.into_split();
+        let (mut reader, mut writer) = dial(endpoint, config).await?;
         let num_blocks = tokio::time::timeout(
             config.handshake_timeout,
             client_handshake(
@@ -250,14 +267,14 @@ impl Transport for TcpTransport {
             endpoint.to_string(),
         ));
         let acks = tokio::spawn(ack_loop(reader, completions.clone(), endpoint.to_string()));
-        Ok(Box::new(ChannelSession {
-            endpoint: endpoint.to_string(),
+        Ok(Box::new(ChannelSession::new(
+            endpoint,
             layout,
-            peer_num_blocks: num_blocks,
+            num_blocks,
             commands,
             completions,
-            _tasks: vec![AbortOnDrop(acks)],
-        }))
+            acks,
+        )))
     }
 }
 

@@ -511,6 +511,29 @@ pub enum PrefillWorkerError {
     Serve(#[from] tandem_server::ServeError),
 }
 
+/// Adds `Prefill` to `services`, for decode workers alone: the cluster
+/// credential and, with TLS, a certificate with the decode role. A prefill
+/// worker serves it, and so does a decode worker (a draining one's requests
+/// are pulled from it).
+pub fn add_guarded(
+    services: &mut tandem_server::Services,
+    prefill: PrefillService,
+    credential: &tandem_security::ClusterCredential,
+    tls: bool,
+) {
+    let guard = credential
+        .interceptor()
+        .require_roles(tls, &[tandem_security::PeerRole::Decode]);
+    services.add(
+        tonic::service::interceptor::InterceptedService::new(
+            wv1::prefill_server::PrefillServer::new(prefill),
+            guard,
+        ),
+        "tandem.worker.v1.Prefill",
+        wv1::FILE_DESCRIPTOR_SET,
+    );
+}
+
 /// Serves `Prefill` and `Worker` on `bound` until `shutdown`.
 pub async fn run(
     engine: EngineHandle,
@@ -527,40 +550,23 @@ pub async fn run(
     // Routers' KV-event feeds end when the shutdown begins, so the drain
     // is not held open by them.
     let (shutdown, feeds_end) = tandem_server::shutdown_ending_feeds(shutdown);
-    let limits = engine.limits();
-    let info = wv1::WorkerInfo {
+    let info = tandem_server::WorkerIdentity {
         id: config.id,
-        role: wv1::Role::Prefill as i32,
+        role: wv1::Role::Prefill,
+        model: config.model,
         address: tandem_server::advertised_addr(
             config.advertise_host.as_deref(),
             bound.local_addr(),
         ),
-        model: config.model,
-        layout: Some(layout::to_proto(&layout)),
         transfer_endpoint: String::new(),
-        num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
-        max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
-        adapters: tandem_server::worker_adapters(&engine),
-    };
+    }
+    .info(&engine, &layout);
     tandem_server::register_engine(registry, engine.clone());
     let mut services = tandem_server::Services::default();
-    // Prefill is for decode workers alone: the cluster credential and, with
-    // TLS, a certificate with the decode role.
     let credential = tandem_security::ClusterCredential::derive(&config.cluster_token);
-    let guard = credential
-        .interceptor()
-        .require_roles(config.tls.is_some(), &[tandem_security::PeerRole::Decode]);
-    services.add(
-        tonic::service::interceptor::InterceptedService::new(
-            wv1::prefill_server::PrefillServer::new(
-                PrefillService::new(engine.clone(), transport, layout)
-                    .with_metrics(PrefillMetrics::register(registry)),
-            ),
-            guard,
-        ),
-        "tandem.worker.v1.Prefill",
-        wv1::FILE_DESCRIPTOR_SET,
-    );
+    let prefill = PrefillService::new(engine.clone(), transport, layout)
+        .with_metrics(PrefillMetrics::register(registry));
+    add_guarded(&mut services, prefill, &credential, config.tls.is_some());
     services.add(
         wv1::worker_server::WorkerServer::new(
             tandem_server::WorkerService::new(engine, info).with_feeds_end(feeds_end),

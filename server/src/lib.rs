@@ -36,7 +36,7 @@ pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use peer_costs::PeerFetchCosts;
 pub use service::{status_from_engine, status_from_failure, GenerationService};
 pub use worker_service::{
-    adapters as worker_adapters, shutdown_ending_feeds, FeedsEnd, WorkerService,
+    adapters as worker_adapters, shutdown_ending_feeds, FeedsEnd, WorkerIdentity, WorkerService,
 };
 
 /// Errors of the server.

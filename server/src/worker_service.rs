@@ -90,6 +90,42 @@ impl WorkerService {
     }
 }
 
+/// Who a worker is, as its `Worker.Info` tells the router.
+#[derive(Debug, Clone)]
+pub struct WorkerIdentity {
+    pub id: String,
+    pub role: wv1::Role,
+    /// The model it serves, by name.
+    pub model: String,
+    /// Where peers reach its gRPC server ([`crate::advertised_addr`]).
+    pub address: String,
+    /// Where it receives KV blocks (decode workers; empty otherwise).
+    pub transfer_endpoint: String,
+}
+
+impl WorkerIdentity {
+    /// Its `WorkerInfo`: the identity, the KV layout, and the engine's
+    /// limits and adapters now.
+    pub fn info(
+        self,
+        engine: &EngineHandle,
+        layout: &tandem_kv_transfer::KvLayoutDescriptor,
+    ) -> wv1::WorkerInfo {
+        let limits = engine.limits();
+        wv1::WorkerInfo {
+            id: self.id,
+            role: self.role as i32,
+            address: self.address,
+            model: self.model,
+            layout: Some(crate::layout::to_proto(layout)),
+            transfer_endpoint: self.transfer_endpoint,
+            num_blocks: u32::try_from(limits.num_blocks).unwrap_or(u32::MAX),
+            max_model_len: u32::try_from(limits.max_model_len).unwrap_or(u32::MAX),
+            adapters: adapters(engine),
+        }
+    }
+}
+
 /// The LoRA adapters an engine serves now, as the router sees them.
 pub fn adapters(engine: &EngineHandle) -> Vec<wv1::Adapter> {
     let Some(reg) = engine.lora() else {

@@ -24,9 +24,8 @@
 //! the GEMM's O(m·n·k).
 
 use half::f16;
-use rayon::prelude::*;
 
-use super::{int4_simd, linear_gemm, MatmulPolicy, OutPtr, GEMV_MAX_ROWS};
+use super::{int4_simd, linear_gemm, MatmulPolicy, GEMV_MAX_ROWS};
 use crate::quant::{nibble, zero_point, Int4Matrix, ResidualInt4};
 use crate::weights::{Matrix, WeightData};
 
@@ -208,16 +207,7 @@ pub(crate) fn linear_int4_rows(
     kernel: int4_simd::Kernel,
 ) {
     let n = w.rows();
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(4).max(4);
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let r0 = c * chunk;
-        let r1 = (r0 + chunk).min(n);
-        let ptr = out_ptr;
-        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1, a range
-        // no other task touches; `out` outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+    super::par_row_ranges(n, m, out, |r0, r1, out| {
         let rows = Int4Rows {
             packed: w.packed_rows(r0, r1),
             scales: w.scale_rows(r0, r1),

@@ -96,24 +96,39 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
-fn linear_rows(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
+/// Splits the `n` output rows of a linear over `m` tokens into ranges
+/// over rayon's pool (several per thread for balance, multiples of the
+/// 4-row micro tile) and runs `rows(r0, r1, out)` on each: the row kernels
+/// of every weight format share it. `out` is the whole m×n result (row
+/// stride `n`); a task must write only columns `r0..r1` of it.
+pub(crate) fn par_row_ranges(
+    n: usize,
+    m: usize,
+    out: &mut [f32],
+    rows: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
+    assert!(out.len() >= m * n, "the output holds m × n values");
     let threads = rayon::current_num_threads().max(1);
-    // Several chunks per thread for balance; multiples of the 4-row micro tile.
     let chunk = (n.div_ceil(threads * 4)).next_multiple_of(4).max(4);
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;
         let r1 = (r0 + chunk).min(n);
         let ptr = out_ptr;
-        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1, a range
-        // no other task touches; `out` outlives the parallel loop.
+        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1 (the
+        // contract of `rows`), a range no other task touches; `out` holds
+        // m × n values (checked above) and outlives the parallel loop.
         let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
-        match &w.data {
-            WeightData::F32(d) => simd::rows_f32(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
-            WeightData::Bf16(d) => simd::rows_bf16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
-            WeightData::F16(d) => simd::rows_f16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
-        }
+        rows(r0, r1, out);
+    });
+}
+
+fn linear_rows(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    par_row_ranges(n, m, out, |r0, r1, out| match &w.data {
+        WeightData::F32(d) => simd::rows_f32(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+        WeightData::Bf16(d) => simd::rows_bf16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+        WeightData::F16(d) => simd::rows_f16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
     });
 }
 

@@ -92,7 +92,7 @@ use async_trait::async_trait;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
 use crate::protocol;
@@ -339,16 +339,7 @@ impl Transport for UcxTransport {
         let pool_slots = u64::from(sink.num_blocks()) * u64::from(layout.num_layers);
         let slots = self.config.region_slots(slot_bytes) as u64;
         let slots = u32::try_from(slots.min(pool_slots.max(1))).unwrap_or(u32::MAX);
-        let listener = TcpListener::bind(bind)
-            .await
-            .map_err(|e| TransferError::BadEndpoint {
-                endpoint: bind.to_string(),
-                reason: format!("cannot listen: {e}"),
-            })?;
-        let endpoint = listener
-            .local_addr()
-            .map_err(|e| TransferError::io("reading the listener's address", &e))?
-            .to_string();
+        let (listener, endpoint) = crate::tcp::bind_listener(bind).await?;
         let ctx = Arc::new(ListenCtx {
             layout,
             sink,
@@ -376,17 +367,7 @@ impl Transport for UcxTransport {
     ) -> Result<Box<dyn Session>, TransferError> {
         layout.validate()?;
         let config = &self.config.tcp;
-        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(endpoint))
-            .await
-            .map_err(|_| timeout_error("connecting", config.connect_timeout))?
-            .map_err(|e| TransferError::BadEndpoint {
-                endpoint: endpoint.to_string(),
-                reason: format!("cannot connect: {e}"),
-            })?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| TransferError::io("setting TCP_NODELAY", &e))?;
-        let (mut reader, mut writer) = stream.into_split();
+        let (mut reader, mut writer) = crate::tcp::dial(endpoint, config).await?;
         let limit = config.handshake_timeout;
         let (num_blocks, offer, connected) = tokio::time::timeout(limit, async {
             let num_blocks = client_handshake(
@@ -477,14 +458,14 @@ impl Transport for UcxTransport {
             dead_tx,
             endpoint.to_string(),
         ));
-        Ok(Box::new(ChannelSession {
-            endpoint: endpoint.to_string(),
+        Ok(Box::new(ChannelSession::new(
+            endpoint,
             layout,
-            peer_num_blocks: num_blocks,
+            num_blocks,
             commands,
             completions,
-            _tasks: vec![AbortOnDrop(acks)],
-        }))
+            acks,
+        )))
     }
 }
 
