@@ -6,11 +6,11 @@
 //! `cargo test --release -p tandem-cuda --features cuda` on a GPU machine.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tandem_cuda::{gpu_count, CudaModel, CudaOptions, DeviceDType};
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, PrefillMode, PrefillPlacement, Prompt,
+    CollectedExport, EngineConfig, EngineCore, PrefillMode, PrefillPlacement, Prompt,
     RemotePrefill, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType, ModelConfig};
@@ -171,22 +171,6 @@ fn qwen3_on_the_gpu_gives_the_cpu_tokens() {
     }
 }
 
-/// One exported block: (layer, logical block, k, v).
-type Block = (usize, usize, Vec<f32>, Vec<f32>);
-
-/// Every exported block, in order.
-#[derive(Debug, Default)]
-struct Collected(Mutex<Vec<Block>>);
-
-impl KvExport for Collected {
-    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
-        let mut all = self.0.lock().expect("lock");
-        for b in blocks {
-            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
-        }
-    }
-}
-
 /// Remote prefill from `prefill` into `decode`, returning the decode tokens.
 fn disaggregated(decode: &mut EngineCore, prefill: &mut EngineCore, prompt: &[u32]) -> Vec<u32> {
     let (tx, rx) = unbounded_channel();
@@ -209,7 +193,7 @@ fn disaggregated(decode: &mut EngineCore, prefill: &mut EngineCore, prompt: &[u3
         Some(RequestEvent::RemotePrefill(rp)) => rp.clone(),
         other => panic!("expected a remote prefill, got {other:?}"),
     };
-    let sink = Arc::new(Collected::default());
+    let sink = Arc::new(CollectedExport::default());
     let (ptx, prx) = unbounded_channel();
     let mut req = request(
         &rp.tokens,
@@ -221,7 +205,7 @@ fn disaggregated(decode: &mut EngineCore, prefill: &mut EngineCore, prompt: &[u3
     req.max_tokens = None;
     prefill.add_request(1, req, ptx).expect("valid export");
     run_all(prefill, &mut [prx]);
-    for (layer, logical, k, v) in sink.0.lock().expect("lock").iter() {
+    for (layer, logical, k, v) in sink.take().iter() {
         decode
             .write_kv(rp.transfer, *layer, rp.blocks[*logical], k, v)
             .expect("a destination block");

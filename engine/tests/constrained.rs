@@ -7,11 +7,11 @@
 //! logprobs, invalid formats refused at admission, and the mask timings.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, KvPoolSize, PrefillMode, PrefillPlacement,
-    Prompt, Request, RequestEvent, RequestSummary, ResponseFormat,
+    CollectedExport, EngineConfig, EngineCore, KvPoolSize, PrefillMode, PrefillPlacement, Prompt,
+    Request, RequestEvent, RequestSummary, ResponseFormat,
 };
 use tandem_engine::{synth, Checkpoint, DType, EngineError, FinishReason, SamplingParams};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -472,22 +472,6 @@ fn preempted_constrained_sequences_resume_in_their_grammar() {
     }
 }
 
-/// One exported block: (layer, logical block, k, v).
-type Block = (usize, usize, Vec<f32>, Vec<f32>);
-
-/// Every exported block, in order.
-#[derive(Debug, Default)]
-struct Collected(Mutex<Vec<Block>>);
-
-impl KvExport for Collected {
-    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
-        let mut all = self.0.lock().expect("lock");
-        for b in blocks {
-            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
-        }
-    }
-}
-
 #[test]
 fn remote_prefill_samples_the_first_token_under_the_constraint() {
     let (_tmp, ck) = checkpoint();
@@ -516,7 +500,7 @@ fn remote_prefill_samples_the_first_token_under_the_constraint() {
     };
     // The prefill side: an export request (it never samples, and ignores
     // the format).
-    let sink = Arc::new(Collected::default());
+    let sink = Arc::new(CollectedExport::default());
     let mut exp = Request::new(Prompt::Tokens(rp.tokens.clone()), 1);
     exp.max_tokens = None;
     exp.prefill = PrefillMode::Export {
@@ -534,7 +518,7 @@ fn remote_prefill_samples_the_first_token_under_the_constraint() {
         0,
         "the prefill side computes no mask"
     );
-    for (layer, logical, k, v) in sink.0.lock().expect("lock").iter() {
+    for (layer, logical, k, v) in sink.take().iter() {
         decode
             .core
             .write_kv(rp.transfer, *layer, rp.blocks[*logical], k, v)

@@ -3,30 +3,14 @@
 //! export mode, and the exported blocks are fed back in. The decode core
 //! must then produce exactly the tokens of colocated serving.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, ExportedBlock, KvExport, KvWriteError, PrefillMode, PrefillPlacement,
-    Prompt, RemotePrefill, RemotePrefillError, Request, RequestEvent,
+    CollectedExport, EngineConfig, EngineCore, KvWriteError, PrefillMode, PrefillPlacement, Prompt,
+    RemotePrefill, RemotePrefillError, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
-
-/// One exported block: (layer, logical block, k, v).
-type Block = (usize, usize, Vec<f32>, Vec<f32>);
-
-/// Every exported block, in order.
-#[derive(Debug, Default)]
-struct Collected(Mutex<Vec<Block>>);
-
-impl KvExport for Collected {
-    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
-        let mut all = self.0.lock().expect("lock");
-        for b in blocks {
-            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
-        }
-    }
-}
 
 fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -90,8 +74,8 @@ fn colocated(ck: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
 }
 
 /// Runs the prefill side of `rp` on `prefill` and returns the exported blocks.
-fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<Block> {
-    let sink = Arc::new(Collected::default());
+fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<tandem_engine::serving::OwnedBlock> {
+    let sink = Arc::new(CollectedExport::default());
     let from_block = rp.cached_tokens / 16;
     let (tx, mut rx) = unbounded_channel();
     let mut req = request(
@@ -114,8 +98,7 @@ fn export(prefill: &mut EngineCore, id: u64, rp: &RemotePrefill) -> Vec<Block> {
         s.free_blocks, s.num_blocks,
         "the prefill side keeps no block"
     );
-    let out = std::mem::take(&mut *sink.0.lock().expect("lock"));
-    out
+    sink.take()
 }
 
 fn parked(events: &[RequestEvent]) -> RemotePrefill {
@@ -465,7 +448,7 @@ fn an_export_whose_blocks_cannot_be_read_fails_instead_of_sending_holes() {
         &EngineConfig::default(),
     )
     .expect("core");
-    let sink = Arc::new(Collected::default());
+    let sink = Arc::new(CollectedExport::default());
     let prompt: Vec<u32> = (0..40).map(|i| (i * 3 + 1) % 256).collect();
     let (tx, mut rx) = unbounded_channel();
     let mut req = request(
@@ -485,7 +468,7 @@ fn an_export_whose_blocks_cannot_be_read_fails_instead_of_sending_holes() {
         }
         other => panic!("the export should fail, got {other:?}"),
     }
-    assert!(sink.0.lock().expect("lock").is_empty(), "no block sent");
+    assert!(sink.take().is_empty(), "no block sent");
     let s = prefill.stats();
     assert_eq!(s.free_blocks, s.num_blocks, "no block leaked");
 }

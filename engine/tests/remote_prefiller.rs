@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_engine::serving::{
-    EngineConfig, EngineCore, EngineHandle, ExportedBlock, KvExport, PrefillGuard, PrefillMode,
+    CollectedExport, EngineConfig, EngineCore, EngineHandle, PrefillGuard, PrefillMode,
     PrefillPlacement, Prompt, RemotePrefill, RemotePrefiller, Request, RequestEvent,
 };
 use tandem_engine::{synth, Checkpoint, DType};
@@ -73,21 +73,6 @@ fn tokens_of(events: &[RequestEvent]) -> Vec<u32> {
         .collect()
 }
 
-/// One exported block-layer: layer, logical block, K, V.
-type Block = (usize, usize, Vec<f32>, Vec<f32>);
-
-#[derive(Debug, Default)]
-struct Collected(Mutex<Vec<Block>>);
-
-impl KvExport for Collected {
-    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
-        let mut all = self.0.lock().expect("lock");
-        for b in blocks {
-            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
-        }
-    }
-}
-
 /// Computes the prompt on a second engine core at once and writes its
 /// blocks into the asking engine; records what it was asked and whether
 /// its guard cancelled.
@@ -116,7 +101,7 @@ impl RemotePrefiller for Exporting {
             .lock()
             .expect("lock")
             .push((request_id.to_string(), worker.to_string()));
-        let sink = Arc::new(Collected::default());
+        let sink = Arc::new(CollectedExport::default());
         let from_block = prefill.cached_tokens / 16;
         let mut export = Request::new(Prompt::Tokens(prefill.tokens.clone()), 1);
         export.max_tokens = None;
@@ -130,7 +115,7 @@ impl RemotePrefiller for Exporting {
         while core.has_work() {
             core.step();
         }
-        for (layer, logical, k, v) in sink.0.lock().expect("lock").drain(..) {
+        for (layer, logical, k, v) in sink.take() {
             let block = prefill.blocks[logical - from_block];
             engine.write_kv(prefill.transfer, layer, block, k, v);
         }

@@ -298,25 +298,9 @@ fn blocks_a_window_freed_serve_a_second_4k_request() {
     assert_eq!(d.core.stats().preemptions, 0, "both fit once windows free");
 }
 
-/// One exported block: (layer, logical block, K, V).
-type Block = (usize, usize, Vec<f32>, Vec<f32>);
-
-/// Collects what an export hands over.
-#[derive(Debug, Default)]
-struct Collected(std::sync::Mutex<Vec<Block>>);
-
-impl tandem_engine::serving::KvExport for Collected {
-    fn layer_ready(&self, layer: usize, blocks: &[tandem_engine::serving::ExportedBlock<'_>]) {
-        let mut all = self.0.lock().expect("lock");
-        for b in blocks {
-            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
-        }
-    }
-}
-
 #[test]
 fn a_remote_prefill_moves_each_groups_blocks_and_skips_what_left_the_window() {
-    use tandem_engine::serving::{PrefillMode, PrefillPlacement};
+    use tandem_engine::serving::{CollectedExport, PrefillMode, PrefillPlacement};
     let tmp = tempfile::tempdir().expect("tempdir");
     write_gemma3(tmp.path());
     let long: Vec<u32> = prompt(9)[..1000].to_vec();
@@ -344,7 +328,7 @@ fn a_remote_prefill_moves_each_groups_blocks_and_skips_what_left_the_window() {
     // The prefill side runs the prompt in 256-token chunks, freeing its
     // windowed blocks as it goes.
     let mut prefill = Driver::new(tmp.path(), 2000, false);
-    let sink = Arc::new(Collected::default());
+    let sink = Arc::new(CollectedExport::default());
     let mut export = request(rp.tokens.clone());
     export.max_tokens = None;
     export.prefill = PrefillMode::Export {
@@ -353,7 +337,7 @@ fn a_remote_prefill_moves_each_groups_blocks_and_skips_what_left_the_window() {
     };
     prefill.add(export);
     prefill.run();
-    let blocks = std::mem::take(&mut *sink.0.lock().expect("lock"));
+    let blocks = sink.take();
     let global_layer = 5;
     let sent = |layer: usize| blocks.iter().filter(|b| b.0 == layer).map(|b| b.1).max();
     assert_eq!(sent(global_layer), Some(62));

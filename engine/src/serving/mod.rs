@@ -49,9 +49,10 @@ pub use kv_feed::{
 };
 pub use remote::{KvWriteError, PrefillGuard, RemotePrefillError, RemotePrefiller};
 pub use request::{
-    BeamSearch, ChoiceSummary, EarlyStopping, ExportedBlock, FailureScope, KvExport, Limits,
-    LoraRef, PrefillMode, PrefillPlacement, Prompt, PromptLogprobs, RemotePrefill, Request,
-    RequestEvent, RequestFailure, RequestSummary, Timings, TokenDelta, Usage, MAX_LOGPROBS,
+    BeamSearch, ChoiceSummary, CollectedExport, EarlyStopping, ExportedBlock, FailureScope,
+    KvExport, Limits, LoraRef, OwnedBlock, PrefillMode, PrefillPlacement, Prompt, PromptLogprobs,
+    RemotePrefill, Request, RequestEvent, RequestFailure, RequestSummary, Timings, TokenDelta,
+    Usage, MAX_LOGPROBS,
 };
 pub use resume::{ReplayError, Resume, ResumedChoice};
 pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};

@@ -48,6 +48,39 @@ pub struct ExportedBlock<'a> {
     pub v: &'a [f32],
 }
 
+/// One exported block-layer, owned: (layer, logical block, K, V).
+pub type OwnedBlock = (usize, usize, Vec<f32>, Vec<f32>);
+
+/// A [`KvExport`] that keeps every block in memory, in order: a prefill
+/// handed over in process, where no transport is wanted (tests, the GPU
+/// engine's parity checks).
+#[derive(Debug, Default)]
+pub struct CollectedExport(std::sync::Mutex<Vec<OwnedBlock>>);
+
+impl CollectedExport {
+    /// The blocks exported so far, leaving none.
+    pub fn take(&self) -> Vec<OwnedBlock> {
+        std::mem::take(
+            &mut *self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
+impl KvExport for CollectedExport {
+    fn layer_ready(&self, layer: usize, blocks: &[ExportedBlock<'_>]) {
+        let mut all = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for b in blocks {
+            all.push((layer, b.logical, b.k.to_vec(), b.v.to_vec()));
+        }
+    }
+}
+
 /// Where a request's prompt K/V is computed.
 #[derive(Debug, Clone, Default)]
 pub enum PrefillMode {
