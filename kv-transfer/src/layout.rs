@@ -50,6 +50,19 @@ impl KvDtype {
         }
     }
 
+    /// The dtype [`Self::name`] names (how the gRPC layout message
+    /// carries it).
+    pub fn from_name(name: &str) -> Result<Self, TransferError> {
+        [KvDtype::F32, KvDtype::Bf16, KvDtype::F16]
+            .into_iter()
+            .find(|d| d.name() == name)
+            .ok_or_else(|| {
+                TransferError::InvalidLayout(format!(
+                    "unknown KV dtype {name:?} (known: f32, bf16, f16)"
+                ))
+            })
+    }
+
     /// The wire code.
     pub fn code(self) -> u8 {
         match self {

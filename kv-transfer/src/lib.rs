@@ -70,6 +70,7 @@
 //! transfer and awaiting its own `finish` concurrently.
 
 pub mod error;
+mod handshake;
 pub mod inproc;
 pub mod layout;
 mod protocol;

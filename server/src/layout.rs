@@ -57,16 +57,7 @@ pub fn to_proto(d: &KvLayoutDescriptor) -> wv1::KvLayout {
 
 /// The descriptor of a wire message; unknown dtypes are an error.
 pub fn from_proto(p: &wv1::KvLayout) -> Result<KvLayoutDescriptor, TransferError> {
-    let dtype = match p.dtype.as_str() {
-        "f32" => KvDtype::F32,
-        "bf16" => KvDtype::Bf16,
-        "f16" => KvDtype::F16,
-        other => {
-            return Err(TransferError::InvalidLayout(format!(
-                "unknown KV dtype {other:?}"
-            )))
-        }
-    };
+    let dtype = KvDtype::from_name(&p.dtype)?;
     Ok(KvLayoutDescriptor {
         rows: match p.latent {
             false => KvRows::PerHead,

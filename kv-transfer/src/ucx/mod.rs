@@ -95,14 +95,12 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
+use crate::handshake::{client_handshake, server_handshake};
 use crate::protocol;
 use crate::session::{
     AbortOnDrop, ChannelSession, Command, Completions, ReceiverCore, TransferCounters,
 };
-use crate::tcp::{
-    client_handshake, frame_len, linger_close, lost, read_header, send_done, server_handshake,
-    timeout_error, TcpConfig,
-};
+use crate::tcp::{frame_len, linger_close, lost, read_header, send_done, timeout_error, TcpConfig};
 use crate::{
     BlockWrite, KvLayoutDescriptor, KvSink, Listener, Session, TransferCounts, TransferError,
     TransferId, Transport,
