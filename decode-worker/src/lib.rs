@@ -601,9 +601,11 @@ pub async fn run(
         .with_costs(peer_costs.clone()),
     );
     tandem_server::register_engine(registry, engine.clone());
+    // Requests the router placed on a prefill worker start there through
+    // this worker's prefiller.
+    engine.set_remote_prefiller(prefiller);
     // Generate is for the router alone: a client that learns this
     // worker's address must not get around the router's API keys.
-    engine.set_remote_prefiller(prefiller);
     let generation = Arc::new(
         tandem_server::GenerationService::new(engine.clone())
             .with_metrics(tandem_server::ServingMetrics::register(registry)),
