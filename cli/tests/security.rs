@@ -616,7 +616,7 @@ fn forged_kv_peer_cannot_write_into_a_decode_workers_pool() {
                 .await
                 .expect_err("a transfer this worker never opened");
             assert!(
-                refused.to_string().contains("not opened by this worker"),
+                refused.to_string().contains("not opened by this receiver"),
                 "{refused}"
             );
         }
