@@ -371,7 +371,11 @@ impl WorkerArgs {
         }
         let tls = self.tls.load()?;
         let cluster_token = self.cluster_token.load()?;
-        let engine = start_engine(self.model.as_deref(), &self.engine)?;
+        let mut engine = start_engine(self.model.as_deref(), &self.engine)?;
+        // The other ranks of a `--tp`/`--pp` worker stop when this is
+        // dropped: held here until `serve` returns, whatever part of
+        // `engine` the serving future keeps.
+        let ranks = engine._ranks.take();
         runtime()?.block_on(async move {
             let registry = tandem_telemetry::Registry::new();
             self.metrics.start(&registry).await?;
@@ -393,7 +397,9 @@ impl WorkerArgs {
                 tls,
                 shutdown,
             };
-            serve(self, launched).await
+            let served = serve(self, launched).await;
+            drop(ranks);
+            served
         })
     }
 }

@@ -54,8 +54,9 @@ fn describe(refusals: &[(String, tonic::Status)]) -> String {
 }
 
 fn admitted(cluster: &Cluster) -> Vec<Arc<Worker>> {
-    let all = cluster.all();
-    all.into_iter()
+    let present = cluster.present();
+    present
+        .into_iter()
         .filter(|w| w.info.lock().map(|i| i.is_some()).unwrap_or(false))
         .collect()
 }

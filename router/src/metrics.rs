@@ -129,7 +129,7 @@ pub fn register_cluster(registry: &Registry, cluster: Arc<Cluster>) {
             &[],
             cluster.index.len() as f64,
         );
-        for w in cluster.all() {
+        for w in cluster.present() {
             for (peer, seconds) in w.measured().fetch_seconds_per_block {
                 s.gauge(
                     "tandem_router_peer_fetch_seconds_per_block",

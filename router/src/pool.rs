@@ -333,6 +333,15 @@ impl Cluster {
             .unwrap_or_else(|e| e.into_inner().clone())
     }
 
+    /// The workers in the membership now: [`Self::all`] without those
+    /// that left. A worker that leaves and comes back at the same address
+    /// is a new entry, so `all` can hold an address twice; this cannot.
+    pub fn present(&self) -> Vec<Arc<Worker>> {
+        let mut all = self.all();
+        all.retain(|w| !w.gone.load(Ordering::Relaxed));
+        all
+    }
+
     /// Adds a worker at `addr` and starts watching it. Adding a known
     /// address again does nothing.
     pub fn add(self: &Arc<Self>, role: Role, addr: &str) -> Result<(), BadWorkerAddress> {
@@ -623,5 +632,36 @@ async fn apply_feed(
             None => {}
         }
         last = Some(ev.seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that left and came back at the same address is two entries
+    /// of the worker table (slots are never reused); its per-worker metric
+    /// series must still appear once, as the exposition format requires.
+    #[tokio::test]
+    async fn a_rejoined_worker_is_present_once_and_one_series() {
+        let cluster = Cluster::new(Duration::from_secs(60));
+        cluster.add(Role::Decode, "127.0.0.1:9").expect("add");
+        cluster.remove("127.0.0.1:9");
+        cluster.add(Role::Decode, "127.0.0.1:9").expect("add again");
+        assert_eq!(cluster.all().len(), 2, "the one that left keeps its slot");
+        assert_eq!(cluster.present().len(), 1);
+        for w in cluster.all() {
+            lock(&w.measured)
+                .fetch_seconds_per_block
+                .insert("127.0.0.1:7".into(), 0.5);
+        }
+        let registry = tandem_telemetry::Registry::new();
+        crate::register_cluster(&registry, cluster);
+        let text = registry.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("tandem_router_peer_fetch_seconds_per_block{"))
+            .count();
+        assert_eq!(series, 1, "{text}");
     }
 }
