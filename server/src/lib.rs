@@ -35,9 +35,7 @@ pub use convert::{
 pub use metrics::{register_engine, register_transport, ServingMetrics};
 pub use peer_costs::PeerFetchCosts;
 pub use service::{status_from_engine, status_from_failure, GenerationService};
-pub use worker_service::{
-    adapters as worker_adapters, shutdown_ending_feeds, FeedsEnd, WorkerIdentity, WorkerService,
-};
+pub use worker_service::{shutdown_ending_feeds, FeedsEnd, WorkerIdentity, WorkerService};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]

@@ -74,10 +74,6 @@ impl std::fmt::Debug for PrefillGuard {
 /// Why a remote prefill did not deliver the prompt's KV.
 #[derive(Debug, thiserror::Error)]
 pub enum RemotePrefillError {
-    /// No prefill worker to ask (the request named none, or this worker
-    /// has no way to reach one).
-    #[error("no prefill worker")]
-    NoPrefillWorker,
     /// The call to the prefill worker could not start.
     #[error("not started: {0}")]
     NotStarted(#[source] Box<dyn std::error::Error + Send + Sync>),
