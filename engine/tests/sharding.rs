@@ -301,3 +301,35 @@ fn splits_that_do_not_divide_the_model_are_refused_by_name() {
     let layout = shard.kv_layout(16);
     assert_eq!((layout.num_layers, layout.num_kv_heads), (1, 1));
 }
+
+/// A GGUF file's quantized blocks split over ranks as they lie: a
+/// column-parallel rank keeps whole rows, a row-parallel one the blocks of
+/// its input range (block-aligned here), and each activation block is
+/// quantized as the whole model quantizes it, so only the all-reduce's
+/// float order differs.
+#[test]
+fn gguf_block_shards_give_the_whole_models_logits() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gguf");
+    for ty in ["q4_0", "q5_1", "q8_0"] {
+        let file = fixtures.join(format!("llama256_{ty}.gguf"));
+        let whole = run_sharded(&file, 1, 1);
+        let split = Model::load_split(
+            &file,
+            tandem_engine::shard::Split {
+                tp: 2,
+                tp_rank: 1,
+                pp: 1,
+                stage: 0,
+                ep: 1,
+            },
+        )
+        .expect("shard");
+        assert_eq!(
+            split.gguf_block_matrices(),
+            split.linear_matrices(),
+            "{ty}: every sharded linear layer keeps its blocks"
+        );
+        let d = max_diff(&whole, &run_sharded(&file, 2, 1));
+        assert!(d < 1e-4, "{ty} tp=2: logits differ by {d}");
+    }
+}

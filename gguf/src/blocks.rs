@@ -287,7 +287,7 @@ fn four_bit_group(ty: GgmlType, b: &[u8], g: usize) -> FourBitGroup {
 
 /// Sub-block `j`'s 6-bit scale and min from a K-quant's 12 packed bytes
 /// (ggml's `get_scale_min_k4`).
-fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
+pub fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (scales[j] & 63, scales[j + 4] & 63)
     } else {

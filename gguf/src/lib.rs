@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-pub use blocks::{dequantize, four_bit_groups, FourBitGroup, GgmlType};
+pub use blocks::{dequantize, four_bit_groups, k_scale_min, FourBitGroup, GgmlType};
 pub use error::{GgufError, Result};
 pub use parse::{parse, Header, TensorInfo};
 pub use value::Value;

@@ -1,8 +1,9 @@
 //! A GGUF file side by side with llama.cpp (built from the llama-cpp-python
 //! sdist) on the same file and cores: how often tandem's greedy choice is
 //! llama.cpp's, and batch-1 decode speed, for each way tandem can run the
-//! file (its blocks decoded to f16, the default; re-quantized to INT4 g32,
-//! `--quantize int4`).
+//! file: its blocks as stored (the default, `kernels::ggml`), decoded to
+//! f16 (`Model::decode_gguf_blocks`), and re-quantized to INT4 g32
+//! (`--quantize int4`).
 //!
 //! ```text
 //! cargo run --release -p tandem-bench --bin gguf-bench -- \
@@ -12,8 +13,9 @@
 //!
 //! Agreement: llama.cpp continues each prompt greedily (`llama-simple`, 64
 //! tokens); its text is tokenized by llama.cpp (`llama-tokenize`) and
-//! teacher-forced through tandem; a position agrees when tandem's argmax is
-//! llama.cpp's next token. Speed: rounds alternate `llama-bench -n 128`
+//! teacher-forced through tandem, 32 tokens a step (the decode path's
+//! kernels); a position agrees when tandem's argmax is llama.cpp's next
+//! token. Speed: rounds alternate `llama-bench -n 128`
 //! (generation from an empty context, llama.cpp's `tg128`) with tandem's
 //! decode steps at 64 tokens of context (`tandem_bench::decode_tok_s`);
 //! medians.
@@ -24,9 +26,9 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_engine::quant::eval::score;
+use tandem_engine::quant::eval::score_with;
 use tandem_engine::quant::Int4Config;
-use tandem_engine::Checkpoint;
+use tandem_engine::{Checkpoint, KvCacheDtype};
 
 #[derive(Parser, Debug)]
 #[command(about = "A GGUF file against llama.cpp: greedy agreement and decode speed (JSON)")]
@@ -100,11 +102,16 @@ fn llama_continuations(a: &Args) -> Result<Vec<(usize, Vec<u32>)>> {
 
 /// Share of continuation positions where the model's argmax is the next
 /// token of `seq`.
+/// Tokens per teacher-forced step: within the row kernels' batch sizes.
+const SCORE_CHUNK: usize = 32;
+
 fn agreement(ckpt: &Checkpoint, seqs: &[(usize, Vec<u32>)]) -> Result<(f64, usize)> {
     let vocab = ckpt.model.config().vocab_size;
     let (mut agree, mut total) = (0usize, 0usize);
     for (prompt_len, seq) in seqs {
-        let logits = score(&ckpt.model, seq)?;
+        // Fed 32 tokens a step, so every matmul takes the path decode steps
+        // take (the row kernels: int8 activations for blocks and INT4).
+        let logits = score_with(&ckpt.model, seq, KvCacheDtype::F32, SCORE_CHUNK)?;
         for i in *prompt_len..seq.len() {
             let row = &logits[(i - 1) * vocab..i * vocab];
             let top = row
@@ -151,27 +158,36 @@ fn llama_decode(a: &Args) -> Result<f64> {
 fn main() -> Result<()> {
     let a = Args::parse();
     let seqs = llama_continuations(&a)?;
-    let dense = Checkpoint::open(&a.model)?;
+    let blocks = Checkpoint::open(&a.model)?;
+    anyhow::ensure!(
+        blocks.model.gguf_block_matrices() > 0,
+        "{} holds no block-quantized linear layers",
+        a.model.display()
+    );
+    let mut dense = Checkpoint::open(&a.model)?;
+    dense.model.decode_gguf_blocks();
     let mut int4 = Checkpoint::open(&a.model)?;
     int4.model.quantize_int4(Int4Config::default())?;
-    let (dense_agree, positions) = agreement(&dense, &seqs)?;
+    let (blocks_agree, positions) = agreement(&blocks, &seqs)?;
+    let (dense_agree, _) = agreement(&dense, &seqs)?;
     let (int4_agree, _) = agreement(&int4, &seqs)?;
-    let (mut llama, mut f16, mut q) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut llama, mut b, mut f16, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..a.rounds {
         llama.push(llama_decode(&a)?);
+        b.push(tandem_decode(&blocks)?);
         f16.push(tandem_decode(&dense)?);
         q.push(tandem_decode(&int4)?);
     }
     use tandem_bench::median;
-    let (llama, f16, q) = (median(&llama), median(&f16), median(&q));
+    let (llama, b, f16, q) = (median(&llama), median(&b), median(&f16), median(&q));
     let report = json!({
         "model": a.model.display().to_string(),
         "threads": a.threads,
         "prompts": seqs.len(),
         "agreement_positions": positions,
-        "greedy_agreement_with_llama_cpp": {"f16": dense_agree, "int4_g32": int4_agree},
-        "decode_batch1_tok_s": {"llama_cpp_tg128": llama, "f16": f16, "int4_g32": q},
-        "decode_vs_llama_cpp": {"f16": f16 / llama, "int4_g32": q / llama},
+        "greedy_agreement_with_llama_cpp": {"blocks": blocks_agree, "f16": dense_agree, "int4_g32": int4_agree},
+        "decode_batch1_tok_s": {"llama_cpp_tg128": llama, "blocks": b, "f16": f16, "int4_g32": q},
+        "decode_vs_llama_cpp": {"blocks": b / llama, "f16": f16 / llama, "int4_g32": q / llama},
     });
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

@@ -63,6 +63,10 @@ struct Args {
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// A GGUF model's quantized blocks decoded to f16 (dense kernels)
+    /// rather than run as stored.
+    #[arg(long)]
+    decode_gguf_blocks: bool,
 }
 
 /// A precision mode: the KV cache's dtype and, for INT4, the group size.
@@ -242,8 +246,11 @@ fn answer(
     Ok(out)
 }
 
-fn load_mode(dir: &Path, m: Mode) -> Result<Model> {
+fn load_mode(dir: &Path, m: Mode, decode_blocks: bool) -> Result<Model> {
     let mut model = Model::load(dir)?;
+    if decode_blocks {
+        model.decode_gguf_blocks();
+    }
     if let Some(g) = m.int4_group {
         model.quantize_int4(Int4Config::new(g)?)?;
     }
@@ -277,7 +284,7 @@ fn main() -> Result<()> {
     let mut f32_ppl = None;
     for m in modes {
         let t0 = Instant::now();
-        let model = load_mode(&args.model, m)?;
+        let model = load_mode(&args.model, m, args.decode_gguf_blocks)?;
         let s = score_windows(&model, m, args.chunk, &reference.windows)?;
         let n = s.positions.max(1) as f64;
         let ppl = (s.nll_sum / n).exp();

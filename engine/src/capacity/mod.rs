@@ -402,13 +402,33 @@ pub fn format_bytes(bytes: u64) -> String {
 /// loading does: `model.safetensors`, or every shard named in
 /// `model.safetensors.index.json`.
 pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
-    sum_tensors(dir, &|_, _, stored| stored)
+    Ok(sum_tensors(dir, &|_, _, stored| stored)? + gguf_head_blocks(dir)?)
+}
+
+/// The bytes of a GGUF file's output head kept in its quantized blocks (the
+/// embedding's, when tied) besides its f16 copy: 0 for a float head or a
+/// safetensors checkpoint.
+fn gguf_head_blocks(dir: &Path) -> Result<u64> {
+    if !crate::gguf::is_gguf(dir) {
+        return Ok(0);
+    }
+    let g = crate::gguf::open(dir)?;
+    let map = crate::gguf::hf_tensor_names(&g)?;
+    let named = |want: &str| map.names.iter().find(|(hf, _)| hf == want);
+    let head = named("lm_head.weight").or_else(|| named("model.embed_tokens.weight"));
+    Ok(head
+        .and_then(|(_, name)| g.tensor(name))
+        .filter(|t| !t.ty.is_float())
+        .map_or(0, |t| (t.end - t.start) as u64))
 }
 
 /// Sums `bytes(name, shape, resident bytes)` over every tensor of a
 /// checkpoint: the safetensors headers of a directory, or a GGUF file's
-/// tensor table under the Hugging Face names (its quantized tensors count
-/// the f16 they are decoded to, [`crate::weights`]).
+/// tensor table under the Hugging Face names. A GGUF tensor's resident
+/// bytes are what loading keeps of it ([`crate::weights`]): float tensors
+/// as stored; a quantized linear layer's blocks as stored; anything else
+/// quantized (the embedding, the output head) decoded to f16. The head's
+/// blocks, which the logits run on, are [`gguf_head_blocks`].
 pub(crate) fn sum_tensors(dir: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
     if crate::gguf::is_gguf(dir) {
         let g = crate::gguf::open(dir)?;
@@ -419,9 +439,11 @@ pub(crate) fn sum_tensors(dir: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) 
             .filter_map(|(hf, name)| g.tensor(name).map(|t| (hf, t)))
             .map(|(hf, t)| {
                 let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
+                let (blocks, decoded) = ((t.end - t.start) as u64, 2 * t.len() as u64);
                 let resident = match t.ty.is_float() {
-                    true => (t.end - t.start) as u64,
-                    false => 2 * t.len() as u64,
+                    true => blocks,
+                    false if shape.len() == 2 && hf.ends_with("_proj.weight") => blocks,
+                    false => decoded,
                 };
                 bytes(hf, &shape, resident)
             })

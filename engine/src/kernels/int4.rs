@@ -58,6 +58,34 @@ pub struct Outlier {
 /// step. Measured on SmolLM2-135M (bench/RESULTS.md).
 const DOMINANCE: f32 = 2.0;
 
+/// What quantizing a group makes of its loudest entry.
+pub(crate) struct Loudest {
+    /// The loudest entry's index when it dominates: more than
+    /// [`DOMINANCE`] times the next loudest (it is then multiplied
+    /// exactly).
+    pub taken: Option<usize>,
+    /// The largest magnitude left in the integer path.
+    pub amax: f32,
+}
+
+/// Finds a group's loudest entry and whether it dominates the rest.
+pub(crate) fn loudest(x: &[f32]) -> Loudest {
+    let (mut at, mut first, mut second) = (0, 0f32, 0f32);
+    for (i, v) in x.iter().enumerate() {
+        let a = v.abs();
+        if a > first {
+            (second, first, at) = (first, a, i);
+        } else if a > second {
+            second = a;
+        }
+    }
+    let taken = (first > DOMINANCE * second).then_some(at);
+    Loudest {
+        taken,
+        amax: if taken.is_some() { second } else { first },
+    }
+}
+
 /// Quantizes `m` rows of `k` activations with one scale per `group` columns.
 ///
 /// A group whose loudest entry dominates the rest (a model's outlier
@@ -78,16 +106,7 @@ pub fn quantize_activations(x: &[f32], m: usize, k: usize, group: usize) -> Quan
         .zip(codes.chunks_exact_mut(group))
         .enumerate()
     {
-        let (mut top, mut first, mut second) = (0, 0f32, 0f32);
-        for (i, v) in xg.iter().enumerate() {
-            let a = v.abs();
-            if a > first {
-                (second, first, top) = (first, a, i);
-            } else if a > second {
-                second = a;
-            }
-        }
-        let taken = (first > DOMINANCE * second).then_some(top);
+        let Loudest { taken, amax } = loudest(xg);
         if let Some(i) = taken {
             let (token, col) = (gi / groups, gi % groups * group + i);
             outliers.push(Outlier {
@@ -96,7 +115,6 @@ pub fn quantize_activations(x: &[f32], m: usize, k: usize, group: usize) -> Quan
                 value: xg[i],
             });
         }
-        let amax = if taken.is_some() { second } else { first };
         let scale = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0f32;
@@ -147,11 +165,7 @@ pub fn linear_int4(
         linear_dequantized(x, m, (n, k), w.to_f32(), out);
     }
     if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
-        }
+        super::add_bias(out, n, b);
     }
 }
 

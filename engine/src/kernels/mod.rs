@@ -13,16 +13,19 @@
 //!   GEMM's O(m·n·k)).
 //!
 //! INT4 weights have their own kernels ([`int4`]): integer dot products
-//! against activations quantized to int8 per group.
+//! against activations quantized to int8 per group. So do GGUF-quantized
+//! weights kept in their file's blocks ([`ggml`]).
 //!
 //! Work is split over rayon's persistent pool: thread start-up would dominate
 //! the small matrices of small models.
 
+pub mod ggml;
 pub mod int4;
 mod int4_simd;
 pub mod rope;
 mod simd;
 
+pub use ggml::{linear_ggml, GgmlMatrix};
 pub use int4::{linear_int4, linear_residual_int4};
 pub use rope::RopeTable;
 
@@ -78,10 +81,15 @@ pub fn linear(
         linear_gemm(x, m, w, out);
     }
     if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
+        add_bias(out, n, b);
+    }
+}
+
+/// Adds `bias` to each of `out`'s rows of `n`.
+pub(crate) fn add_bias(out: &mut [f32], n: usize, bias: &[f32]) {
+    for row in out.chunks_exact_mut(n) {
+        for (o, b) in row.iter_mut().zip(bias) {
+            *o += b;
         }
     }
 }

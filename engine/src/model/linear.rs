@@ -1,17 +1,19 @@
-//! Linear layers: a dense or INT4 weight with an optional bias, loaded
-//! whole or as one tensor-parallel rank's part.
+//! Linear layers: a dense, INT4 or GGUF-block weight with an optional
+//! bias, loaded whole or as one tensor-parallel rank's part.
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{linear, linear_int4, MatmulPolicy};
+use crate::kernels::{linear, linear_ggml, linear_int4, GgmlMatrix, MatmulPolicy};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 use crate::weights::{Matrix, WeightStore};
 
-/// A linear layer's weight: dense in the checkpoint's dtype, or INT4.
+/// A linear layer's weight: dense in the checkpoint's dtype, INT4, or a
+/// GGUF file's quantized blocks as stored.
 #[derive(Debug)]
 pub(super) enum LinearWeight {
     Dense(Matrix),
     Int4(Int4Matrix),
+    Ggml(GgmlMatrix),
 }
 
 impl LinearWeight {
@@ -19,14 +21,33 @@ impl LinearWeight {
         match self {
             Self::Dense(m) => m.bytes(),
             Self::Int4(q) => q.bytes(),
+            Self::Ggml(g) => g.bytes(),
         }
     }
 
     pub(super) fn is_mapped(&self) -> bool {
         match self {
             Self::Dense(m) => m.is_mapped(),
-            Self::Int4(_) => false,
+            Self::Int4(_) | Self::Ggml(_) => false,
         }
+    }
+
+    /// Rows `rows` of a `[total_rows, cols]` weight: its GGUF blocks when
+    /// stored so, else dense.
+    fn rows(
+        ws: &WeightStore,
+        name: &str,
+        total_rows: usize,
+        cols: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Self> {
+        Ok(
+            match ws.quantized_rows(name, total_rows, cols, rows.clone())? {
+                Some(g) => Self::Ggml(g),
+                None if rows == (0..total_rows) => Self::Dense(ws.matrix(name, total_rows, cols)?),
+                None => Self::Dense(ws.matrix_rows(name, total_rows, cols, rows)?),
+            },
+        )
     }
 }
 
@@ -116,18 +137,21 @@ impl Linear {
                 "{prefix}: pre-quantized (AWQ/GPTQ) checkpoints run without tensor parallelism"
             ))),
             (None, Split::Whole) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix(&name, out, inp)?),
+                w: LinearWeight::rows(ws, &name, out, inp, 0..out)?,
                 b: ws.optional_vector(&bias, out)?,
             }),
             (None, Split::Outputs(rows)) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix_rows(&name, out, inp, rows.clone())?),
+                w: LinearWeight::rows(ws, &name, out, inp, rows.clone())?,
                 b: match ws.contains(&bias) {
                     true => Some(ws.vector_part(&bias, out, rows)?),
                     false => None,
                 },
             }),
             (None, Split::Inputs { range, keeps_bias }) => Ok(Self {
-                w: LinearWeight::Dense(ws.matrix_cols(&name, out, inp, range)?),
+                w: match ws.quantized_cols(&name, out, inp, range.clone())? {
+                    Some(g) => LinearWeight::Ggml(g),
+                    None => LinearWeight::Dense(ws.matrix_cols(&name, out, inp, range)?),
+                },
                 b: match keeps_bias {
                     true => ws.optional_vector(&bias, out)?,
                     false => None,
@@ -171,7 +195,7 @@ impl Linear {
         let name = format!("{prefix}.weight");
         let bias = format!("{prefix}.bias");
         Ok(Self {
-            w: LinearWeight::Dense(ws.matrix_rows(&name, total_rows, inp, rows.clone())?),
+            w: LinearWeight::rows(ws, &name, total_rows, inp, rows.clone())?,
             b: match ws.contains(&bias) {
                 true => Some(ws.vector_part(&bias, total_rows, rows)?),
                 false => None,
@@ -184,6 +208,7 @@ impl Linear {
         match &self.w {
             LinearWeight::Dense(m) => m.rows,
             LinearWeight::Int4(q) => q.rows(),
+            LinearWeight::Ggml(g) => g.rows(),
         }
     }
 
@@ -191,18 +216,35 @@ impl Linear {
         match &self.w {
             LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
             LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
+            LinearWeight::Ggml(w) => linear_ggml(x, m, w, self.b.as_deref(), policy, out),
         }
     }
 
-    /// Replaces a dense weight by its INT4 quantization.
+    /// Replaces a GGUF-block weight by its f16 decoding; whether it did.
+    pub(super) fn decode_blocks(&mut self) -> bool {
+        let LinearWeight::Ggml(g) = &self.w else {
+            return false;
+        };
+        self.w = LinearWeight::Dense(g.to_f16());
+        true
+    }
+
+    /// Replaces a dense or GGUF-block weight by its INT4 quantization.
     pub(super) fn quantize(&mut self, config: Int4Config, name: &str) -> Result<()> {
-        if let LinearWeight::Dense(m) = &self.w {
-            let q = Int4Matrix::quantize(m, config).map_err(|e| match e {
-                EngineError::Unsupported(msg) => EngineError::Unsupported(format!("{name}: {msg}")),
-                other => other,
-            })?;
-            self.w = LinearWeight::Int4(q);
-        }
+        let decoded;
+        let m = match &self.w {
+            LinearWeight::Dense(m) => m,
+            LinearWeight::Ggml(g) => {
+                decoded = g.to_dense();
+                &decoded
+            }
+            LinearWeight::Int4(_) => return Ok(()),
+        };
+        let q = Int4Matrix::quantize(m, config).map_err(|e| match e {
+            EngineError::Unsupported(msg) => EngineError::Unsupported(format!("{name}: {msg}")),
+            other => other,
+        })?;
+        self.w = LinearWeight::Int4(q);
         Ok(())
     }
 }

@@ -14,10 +14,11 @@
 //! the checkpoint has them (Qwen2's q/k/v, Llama's `attention_bias`), and a
 //! tied head reuses the embedding matrix. Nothing here names a tensor.
 //!
-//! A linear layer's weight is dense (the checkpoint's dtype, read in place)
-//! or INT4 ([`crate::quant`]): loaded so from an AWQ/GPTQ checkpoint, or
+//! A linear layer's weight is dense (the checkpoint's dtype, read in place),
+//! INT4 ([`crate::quant`]): loaded so from an AWQ/GPTQ checkpoint, or
 //! quantized at load by [`Model::quantize_int4`] (which also quantizes the
-//! output head; the embedding always stays dense).
+//! output head), or a GGUF file's quantized blocks as stored, head included
+//! ([`crate::kernels::ggml`]). The embedding always stays dense.
 
 use std::path::Path;
 
@@ -27,7 +28,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{
     self, add_in_place, linear_residual_int4, rms_norm, rms_norm_in_place, scale_in_place,
-    softcap_in_place, MatmulPolicy, RopeTable,
+    softcap_in_place, GgmlMatrix, MatmulPolicy, RopeTable,
 };
 use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::lora::{LoraAdapter, LoraRows};
@@ -112,6 +113,15 @@ impl Layer {
     }
 }
 
+/// The output head in a quantized form.
+#[derive(Debug)]
+enum QuantizedHead {
+    /// Quantized at load (`quantize_int4`) to about 8 bits ([`ResidualInt4`]).
+    Int4(ResidualInt4),
+    /// A GGUF file's head (or tied embedding) in its stored blocks.
+    Blocks(GgmlMatrix),
+}
+
 /// A loaded model.
 #[derive(Debug)]
 pub struct Model {
@@ -121,9 +131,8 @@ pub struct Model {
     final_norm: Vec<f32>,
     /// `None` when tied to the embedding.
     lm_head: Option<Matrix>,
-    /// The output head quantized at load (`quantize_int4`) to about 8 bits
-    /// ([`ResidualInt4`]), used instead of the dense one.
-    lm_head_int4: Option<ResidualInt4>,
+    /// The output head in a quantized form, used instead of the dense one.
+    quantized_head: Option<QuantizedHead>,
     rope: RopeTable,
     /// The sliding-window layers' RoPE, where it differs (Gemma 3).
     local_rope: Option<RopeTable>,
@@ -345,6 +354,15 @@ impl Model {
                 "tensor `{head_name}` is missing and tie_word_embeddings is false"
             )));
         };
+        // A GGUF file's quantized head runs in its blocks; the dense copy
+        // stays for what reads rows of it (INT4 re-quantization).
+        let head_source = match lm_head {
+            Some(_) => head_name,
+            None => names.embed(),
+        };
+        let quantized_head = ws
+            .quantized_rows(&head_source, c.vocab_size, h, 0..c.vocab_size)?
+            .map(QuantizedHead::Blocks);
         let rope = RopeTable::new(c);
         let local_rope = c
             .arch
@@ -357,7 +375,7 @@ impl Model {
             layers,
             final_norm,
             lm_head,
-            lm_head_int4: None,
+            quantized_head,
             rope,
             local_rope,
             matmul: MatmulPolicy::default(),
@@ -692,9 +710,15 @@ impl Model {
         }
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];
-        match &self.lm_head_int4 {
-            Some(head) => linear_residual_int4(&sel, rows.len(), head, self.matmul, &mut data),
-            None => kernels::linear(&sel, rows.len(), self.head(), None, self.matmul, &mut data),
+        let m = rows.len();
+        match &self.quantized_head {
+            Some(QuantizedHead::Int4(head)) => {
+                linear_residual_int4(&sel, m, head, self.matmul, &mut data)
+            }
+            Some(QuantizedHead::Blocks(head)) => {
+                kernels::linear_ggml(&sel, m, head, None, self.matmul, &mut data)
+            }
+            None => kernels::linear(&sel, m, self.head(), None, self.matmul, &mut data),
         }
         if let Some(divisor) = c.arch.logits_divisor {
             for v in &mut data {

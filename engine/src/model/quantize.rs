@@ -1,6 +1,6 @@
 //! Weights quantized at load (`--quantize int4`) and what they weigh.
 
-use super::{Layer, LinearWeight, Model};
+use super::{Layer, LinearWeight, Model, QuantizedHead};
 use crate::error::Result;
 use crate::quant::{Int4Config, ResidualInt4};
 
@@ -15,10 +15,11 @@ impl Model {
             })
             .sum();
         let head = match self.shard.computes_logits() {
-            true => self
-                .lm_head_int4
-                .as_ref()
-                .map_or_else(|| self.head().bytes(), ResidualInt4::bytes),
+            true => match &self.quantized_head {
+                Some(QuantizedHead::Int4(h)) => h.bytes(),
+                Some(QuantizedHead::Blocks(h)) => h.bytes(),
+                None => self.head().bytes(),
+            },
             false => 0,
         };
         layers + head
@@ -41,10 +42,39 @@ impl Model {
             task.step();
         }
         if self.shard.computes_logits() {
-            self.lm_head_int4 = Some(ResidualInt4::quantize(self.head(), config)?);
+            let head = ResidualInt4::quantize(self.head(), config)?;
+            self.quantized_head = Some(QuantizedHead::Int4(head));
             task.step();
         }
         Ok(())
+    }
+
+    /// Decodes every weight kept in GGUF blocks (linear layers and the
+    /// head) to f16, for the dense kernels: f32 activations against the
+    /// exact weights, at 16 bits a weight. Returns how many matrices it
+    /// decoded.
+    pub fn decode_gguf_blocks(&mut self) -> usize {
+        let mut decoded = 0;
+        for l in &mut self.layers {
+            for (_, lin) in l.linears_mut() {
+                decoded += usize::from(lin.decode_blocks());
+            }
+        }
+        if let Some(QuantizedHead::Blocks(_)) = self.quantized_head {
+            // The dense head (or tied embedding) is already loaded.
+            self.quantized_head = None;
+            decoded += 1;
+        }
+        decoded
+    }
+
+    /// How many of the linear layers' matrices are kept in GGUF blocks.
+    pub fn gguf_block_matrices(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(Layer::linears)
+            .filter(|(_, lin)| matches!(lin.w, LinearWeight::Ggml(_)))
+            .count()
     }
 
     /// How many of the linear layers' matrices are INT4 (out of

@@ -5,13 +5,14 @@
 //! - `F32`, `F16`, `BF16`: read in place, as a safetensors tensor is (Llama's
 //!   Q and K, whose rows llama.cpp permuted, are copied once in Hugging Face
 //!   row order; Gemma's norms, stored `1 + w`, are decoded to f32 less 1).
-//! - `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`: decoded to f16 when
-//!   loaded, only the rows a rank holds (a 16-bit matrix the dense kernels
-//!   read; `--quantize int4` re-quantizes it at load like any checkpoint).
-//!   Mapping the 4-bit blocks straight into the INT4 kernels' matrices was
-//!   tried and kept off: the codes carry over exactly, but the kernels'
-//!   int8 activations cost the tiny test model's top-1 agreement with
-//!   transformers 0.90–0.94 (bench/RESULTS.md, "GGUF").
+//! - `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q4_K`, `Q5_K`, `Q6_K`: a linear
+//!   layer's weight (and the output head) is kept in its blocks
+//!   ([`WeightStore::quantized_rows`], [`WeightStore::quantized_cols`]: a
+//!   copy of only the rows or block-aligned columns a rank holds) and run by
+//!   [`crate::kernels::ggml`]; `--quantize int4` re-quantizes it from its
+//!   decoded values like any checkpoint. Everything else read from a
+//!   quantized tensor (the embedding's rows, a column range that splits a
+//!   block) is decoded to f16.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,6 +24,7 @@ use tandem_gguf::GgmlType;
 
 use super::{Buf, Entry, Stored, WeightData, WeightStore};
 use crate::error::{EngineError, Result};
+use crate::kernels::GgmlMatrix;
 
 impl WeightStore {
     /// Opens a GGUF file (all shards of a split).
@@ -128,6 +130,81 @@ impl WeightStore {
                 WeightData::F16(Buf::from(out))
             }
         })
+    }
+}
+
+impl WeightStore {
+    /// Rows `rows` of a `[total_rows, cols]` tensor in its GGUF blocks, when
+    /// it is stored block-quantized; `None` for any other tensor (read it
+    /// with [`matrix_rows`](Self::matrix_rows)).
+    pub fn quantized_rows(
+        &self,
+        name: &str,
+        total_rows: usize,
+        cols: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<GgmlMatrix>> {
+        let e = self.entry(name, &[total_rows, cols])?;
+        let Some((ty, order)) = quantized(e) else {
+            return Ok(None);
+        };
+        if rows.start > rows.end || rows.end > total_rows {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "rows {rows:?} of tensor `{name}` are outside its {total_rows} rows"
+            )));
+        }
+        let row_bytes = ty.bytes_for(cols);
+        let bytes = &self.maps[e.file][e.start..e.end];
+        let mut data = Vec::with_capacity(rows.len() * row_bytes);
+        for r in rows.clone() {
+            let s = order.map_or(r, |o| o[r]);
+            data.extend_from_slice(&bytes[s * row_bytes..(s + 1) * row_bytes]);
+        }
+        GgmlMatrix::new(ty, rows.len(), cols, data).map(Some)
+    }
+
+    /// Columns `cols` of a `[rows, total_cols]` tensor in its GGUF blocks,
+    /// when it is stored block-quantized and the range starts and ends on
+    /// block boundaries; `None` otherwise (read it with
+    /// [`matrix_cols`](Self::matrix_cols)).
+    pub fn quantized_cols(
+        &self,
+        name: &str,
+        rows: usize,
+        total_cols: usize,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Option<GgmlMatrix>> {
+        let e = self.entry(name, &[rows, total_cols])?;
+        let Some((ty, order)) = quantized(e) else {
+            return Ok(None);
+        };
+        let block = ty.block_len();
+        if !cols.start.is_multiple_of(block)
+            || !cols.end.is_multiple_of(block)
+            || cols.end > total_cols
+        {
+            return Ok(None);
+        }
+        let row_bytes = ty.bytes_for(total_cols);
+        let (from, to) = (ty.bytes_for(cols.start), ty.bytes_for(cols.end));
+        let bytes = &self.maps[e.file][e.start..e.end];
+        let mut data = Vec::with_capacity(rows * (to - from));
+        for r in 0..rows {
+            let row = order.map_or(r, |o| o[r]) * row_bytes;
+            data.extend_from_slice(&bytes[row + from..row + to]);
+        }
+        GgmlMatrix::new(ty, rows, cols.len(), data).map(Some)
+    }
+}
+
+/// A block-quantized GGUF entry's type and row order (`None` for float or
+/// shifted tensors, which are decoded instead).
+fn quantized(e: &Entry) -> Option<(GgmlType, Option<&[usize]>)> {
+    match &e.stored {
+        Stored::Gguf { ty, rows, shift } if !ty.is_float() && *shift == 0.0 => {
+            Some((*ty, rows.as_deref()))
+        }
+        _ => None,
     }
 }
 

@@ -1,0 +1,192 @@
+use half::f16;
+
+use super::*;
+use crate::kernels::linear;
+
+const TYPES: [GgmlType; 8] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+struct Rng(u32);
+
+impl Rng {
+    fn next(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 17;
+        self.0 ^= self.0 << 5;
+        self.0
+    }
+
+    fn unit(&mut self) -> f32 {
+        (self.next() % 2001) as f32 / 1000.0 - 1.0
+    }
+}
+
+/// Byte offsets of a block's f16 scales (random bits there could be NaN).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => unreachable!(),
+    }
+}
+
+/// Random codes under sane scales: every bit pattern of the code fields
+/// is a valid block.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> GgmlMatrix {
+    let mut rng = Rng(seed.wrapping_mul(2654435761) | 1);
+    let mut data: Vec<u8> = (0..rows * ty.bytes_for(cols))
+        .map(|_| rng.next() as u8)
+        .collect();
+    for b in data.chunks_exact_mut(ty.block_bytes()) {
+        for &at in scale_offsets(ty) {
+            let s = f16::from_f32(0.002 + (rng.next() % 1000) as f32 * 2e-5);
+            b[at..at + 2].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    GgmlMatrix::new(ty, rows, cols, data).expect("whole blocks")
+}
+
+fn random_x(n: usize, seed: u32) -> Vec<f32> {
+    let mut rng = Rng(seed.wrapping_mul(40503) | 1);
+    (0..n).map(|_| rng.unit()).collect()
+}
+
+fn kernels() -> Vec<Kernel> {
+    let mut k = vec![Kernel::Scalar];
+    if Kernel::best() == Kernel::Avx2 {
+        k.push(Kernel::Avx2);
+    }
+    k
+}
+
+/// Every kernel's dot product is the exact one (decoded weights, f32
+/// activations) up to the int8 activations' rounding.
+#[test]
+fn dots_match_the_decoded_weights() {
+    let (rows, cols) = (8, 512);
+    for ty in TYPES {
+        let w = random_matrix(ty, rows, cols, 7);
+        let dense = w.to_f32();
+        let x = random_x(cols, 3);
+        let xa = Activations::quantize(&x, 1, cols, w.k_quant());
+        for kernel in kernels() {
+            for r in 0..rows {
+                let row = &dense[r * cols..(r + 1) * cols];
+                let exact: f32 = row.iter().zip(&x).map(|(a, b)| a * b).sum();
+                let scale: f32 = row.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+                let got = kernel.dot(ty, w.row(r), &xa, 0);
+                assert!(
+                    (got - exact).abs() <= 0.01 * scale + 1e-5,
+                    "{} {kernel:?} row {r}: {got} vs {exact} (Σ|wx| {scale})",
+                    ty.name()
+                );
+            }
+        }
+    }
+}
+
+/// One weight decoded alone is the block decoder's value.
+#[test]
+fn single_weights_decode_as_their_blocks_do() {
+    let cols = 512;
+    for ty in TYPES {
+        let w = random_matrix(ty, 2, cols, 17);
+        let dense = w.to_f32();
+        for r in 0..2 {
+            for col in 0..cols {
+                assert_eq!(
+                    scalar::weight_at(ty, w.row(r), col),
+                    dense[r * cols + col],
+                    "{} row {r} col {col}",
+                    ty.name()
+                );
+            }
+        }
+    }
+}
+
+/// The SIMD kernels compute the scalar reference's integer sums: only the
+/// float accumulation order differs.
+#[test]
+fn simd_kernels_match_the_scalar_reference() {
+    let (rows, cols) = (8, 1024);
+    for ty in TYPES {
+        let w = random_matrix(ty, rows, cols, 11);
+        let x = random_x(cols, 5);
+        let xa = Activations::quantize(&x, 1, cols, w.k_quant());
+        for kernel in kernels() {
+            // One row at a time, the eight-row tile of consecutive rows
+            // (scales gathered at a stride), and one of rows out of order.
+            let tile = kernel.dot_rows(ty, std::array::from_fn::<_, 8, _>(|r| w.row(r)), &xa, 0);
+            let order = [1, 0, 2, 3, 4, 5, 7, 6];
+            let shuffled = kernel.dot_rows(ty, order.map(|r| w.row(r)), &xa, 0);
+            for (r, &tiled) in tile.iter().enumerate() {
+                let want = Kernel::Scalar.dot(ty, w.row(r), &xa, 0);
+                let unordered = shuffled[order.iter().position(|&o| o == r).unwrap_or(r)];
+                for got in [kernel.dot(ty, w.row(r), &xa, 0), tiled, unordered] {
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "{} {kernel:?} row {r}: {got} vs {want}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `linear_ggml` at decode and prefill sizes against the dense kernel on
+/// the decoded matrix.
+#[test]
+fn linear_matches_the_dense_kernel_on_decoded_weights() {
+    let (n, k) = (40, 256);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w = random_matrix(ty, n, k, 13);
+        let dense = w.to_dense();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+        for m in [1, 3, GEMV_MAX_ROWS + 2] {
+            let mut x = random_x(m * k, m as u32);
+            // A loud channel in every token: the outlier path.
+            for t in 0..m {
+                x[t * k + 37] = 9.0;
+            }
+            let mut want = vec![0f32; m * n];
+            linear(&x, m, &dense, Some(&bias), MatmulPolicy::Fastest, &mut want);
+            let mut got = vec![0f32; m * n];
+            linear_ggml(&x, m, &w, Some(&bias), MatmulPolicy::Fastest, &mut got);
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let largest = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            // The row kernel's int8 activations against exact weights on
+            // both sides of the GEMM path.
+            let tolerance = if m > GEMV_MAX_ROWS { 1e-5 } else { 0.01 };
+            assert!(
+                worst <= tolerance * largest,
+                "{} m={m}: worst {worst} of {largest}",
+                ty.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_matrix_of_partial_blocks_is_refused() {
+    let err =
+        GgmlMatrix::new(GgmlType::Q4_K, 2, 128, vec![0; 144]).expect_err("128 columns of Q4_K");
+    assert!(err.to_string().contains("256-element blocks"), "{err}");
+    let err = GgmlMatrix::new(GgmlType::Q4_0, 2, 64, vec![0; 71]).expect_err("71 bytes of Q4_0");
+    assert!(err.to_string().contains("71 bytes"), "{err}");
+    assert!(GgmlMatrix::new(GgmlType::F16, 1, 1, vec![0; 2]).is_err());
+}
