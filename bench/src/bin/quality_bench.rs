@@ -33,7 +33,6 @@ use tandem_engine::kernels::log_softmax;
 use tandem_engine::quant::eval::score_with;
 use tandem_engine::quant::Int4Config;
 use tandem_engine::sampling::argmax;
-use tandem_engine::tokenizer::Tokenizer;
 use tandem_engine::{
     generate, GenerateOptions, GenerateRequest, KvCacheDtype, Model, SamplingParams,
 };
@@ -274,12 +273,9 @@ fn main() -> Result<()> {
             })
             .collect::<Result<_>>()?
     };
-    // The tokenizer alone: each mode loads its own model.
-    let tok_path = args.model.join("tokenizer.json");
-    let tokenizer = match tok_path.is_file() {
-        true => Some(Tokenizer::from_file(&tok_path)?),
-        false => None,
-    };
+    // The tokenizer alone (a directory's, or a GGUF file's own vocabulary):
+    // each mode loads its own model.
+    let tokenizer = tandem_engine::checkpoint::tokenizer_of(&args.model)?;
     let mut rows = Vec::new();
     let mut f32_ppl = None;
     for m in modes {

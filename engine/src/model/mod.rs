@@ -354,15 +354,19 @@ impl Model {
                 "tensor `{head_name}` is missing and tie_word_embeddings is false"
             )));
         };
-        // A GGUF file's quantized head runs in its blocks; the dense copy
-        // stays for what reads rows of it (INT4 re-quantization).
+        // A GGUF file's quantized head runs in its blocks (on the rank that
+        // computes logits); the dense copy stays for what reads rows of it
+        // (INT4 re-quantization).
         let head_source = match lm_head {
             Some(_) => head_name,
             None => names.embed(),
         };
-        let quantized_head = ws
-            .quantized_rows(&head_source, c.vocab_size, h, 0..c.vocab_size)?
-            .map(QuantizedHead::Blocks);
+        let quantized_head = match shard.computes_logits() {
+            true => ws
+                .quantized_rows(&head_source, c.vocab_size, h, 0..c.vocab_size)?
+                .map(QuantizedHead::Blocks),
+            false => None,
+        };
         let rope = RopeTable::new(c);
         let local_rope = c
             .arch
