@@ -400,60 +400,76 @@ pub fn format_bytes(bytes: u64) -> String {
 /// their headers alone (the 8-byte little-endian header length and the JSON
 /// header; the tensor data is never read or mapped). Finds the files as
 /// loading does: `model.safetensors`, or every shard named in
-/// `model.safetensors.index.json`.
+/// `model.safetensors.index.json`. For a GGUF file, what loading keeps
+/// ([`sum_gguf`]) plus the head's blocks, from its tensor table.
 pub fn checkpoint_weight_bytes(dir: &Path) -> Result<u64> {
-    Ok(sum_tensors(dir, &|_, _, stored| stored)? + gguf_head_blocks(dir)?)
+    let stored = |_: &str, _: &[u64], stored: u64| stored;
+    match gguf_table(dir)? {
+        Some((g, map)) => Ok(sum_gguf(&g, &map, &stored) + gguf_head_blocks(&g, &map)),
+        None => sum_tensors(dir, &stored),
+    }
 }
 
-/// The bytes of a GGUF file's output head kept in its quantized blocks (the
-/// embedding's, when tied) besides its f16 copy: 0 for a float head or a
+/// A GGUF file and its tensors' Hugging Face names; `None` for a
 /// safetensors checkpoint.
-fn gguf_head_blocks(dir: &Path) -> Result<u64> {
+fn gguf_table(dir: &Path) -> Result<Option<(tandem_gguf::Gguf, crate::gguf::TensorMap)>> {
     if !crate::gguf::is_gguf(dir) {
-        return Ok(0);
+        return Ok(None);
     }
     let g = crate::gguf::open(dir)?;
     let map = crate::gguf::hf_tensor_names(&g)?;
+    Ok(Some((g, map)))
+}
+
+/// The bytes of a GGUF file's output head kept in its quantized blocks (the
+/// embedding's, when tied) besides its f16 copy: 0 for a float head.
+fn gguf_head_blocks(g: &tandem_gguf::Gguf, map: &crate::gguf::TensorMap) -> u64 {
     let named = |want: &str| map.names.iter().find(|(hf, _)| hf == want);
     let head = named("lm_head.weight").or_else(|| named("model.embed_tokens.weight"));
-    Ok(head
-        .and_then(|(_, name)| g.tensor(name))
+    head.and_then(|(_, name)| g.tensor(name))
         .filter(|t| !t.ty.is_float())
-        .map_or(0, |t| (t.end - t.start) as u64))
+        .map_or(0, |t| (t.end - t.start) as u64)
 }
 
 /// Sums `bytes(name, shape, resident bytes)` over every tensor of a
 /// checkpoint: the safetensors headers of a directory, or a GGUF file's
-/// tensor table under the Hugging Face names. A GGUF tensor's resident
-/// bytes are what loading keeps of it ([`crate::weights`]): float tensors
-/// as stored; a quantized linear layer's blocks as stored; anything else
-/// quantized (the embedding, the output head) decoded to f16. The head's
-/// blocks, which the logits run on, are [`gguf_head_blocks`].
+/// tensor table ([`sum_gguf`]).
 pub(crate) fn sum_tensors(dir: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
-    if crate::gguf::is_gguf(dir) {
-        let g = crate::gguf::open(dir)?;
-        let map = crate::gguf::hf_tensor_names(&g)?;
-        return Ok(map
-            .names
-            .iter()
-            .filter_map(|(hf, name)| g.tensor(name).map(|t| (hf, t)))
-            .map(|(hf, t)| {
-                let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
-                let (blocks, decoded) = ((t.end - t.start) as u64, 2 * t.len() as u64);
-                let resident = match t.ty.is_float() {
-                    true => blocks,
-                    false if shape.len() == 2 && hf.ends_with("_proj.weight") => blocks,
-                    false => decoded,
-                };
-                bytes(hf, &shape, resident)
-            })
-            .sum());
+    if let Some((g, map)) = gguf_table(dir)? {
+        return Ok(sum_gguf(&g, &map, bytes));
     }
     let mut total = 0u64;
     for path in crate::weights::safetensors_files(dir)? {
         total += safetensors_data_bytes(&path, bytes)?;
     }
     Ok(total)
+}
+
+/// [`sum_tensors`] over a GGUF file's tensor table, under the Hugging Face
+/// names. A tensor's resident bytes are what loading keeps of it
+/// ([`crate::weights`]): float tensors as stored; a quantized linear layer's
+/// blocks as stored; anything else quantized (the embedding, the output
+/// head) decoded to f16. The head's blocks, which the logits run on, are
+/// [`gguf_head_blocks`].
+fn sum_gguf(
+    g: &tandem_gguf::Gguf,
+    map: &crate::gguf::TensorMap,
+    bytes: &dyn Fn(&str, &[u64], u64) -> u64,
+) -> u64 {
+    map.names
+        .iter()
+        .filter_map(|(hf, name)| g.tensor(name).map(|t| (hf, t)))
+        .map(|(hf, t)| {
+            let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
+            let (blocks, decoded) = ((t.end - t.start) as u64, 2 * t.len() as u64);
+            let resident = match t.ty.is_float() {
+                true => blocks,
+                false if shape.len() == 2 && hf.ends_with("_proj.weight") => blocks,
+                false => decoded,
+            };
+            bytes(hf, &shape, resident)
+        })
+        .sum()
 }
 
 /// As [`checkpoint_weight_bytes`], for the model quantized at load to INT4

@@ -25,7 +25,7 @@
 
 use half::f16;
 
-use super::{int4_simd, linear_gemm, MatmulPolicy, GEMV_MAX_ROWS};
+use super::{int4_simd, linear_gemm, MatmulPolicy};
 use crate::quant::{nibble, zero_point, Int4Matrix, ResidualInt4};
 use crate::weights::{Matrix, WeightData};
 
@@ -158,7 +158,7 @@ pub fn linear_int4(
     let (n, k) = (w.rows(), w.cols());
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+    if policy.uses_row_kernel(m) {
         let xa = quantize_activations(x, m, k, w.group_size());
         linear_int4_rows(&xa, m, w, out, int4_simd::best_kernel());
     } else {
@@ -181,7 +181,7 @@ pub fn linear_residual_int4(
     let (n, k) = (w.rows(), w.cols());
     debug_assert_eq!(out.len(), m * n);
     let [coarse, fine] = w.parts();
-    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+    if policy.uses_row_kernel(m) {
         let kernel = int4_simd::best_kernel();
         let xa = quantize_activations(x, m, k, coarse.group_size());
         linear_int4_rows(&xa, m, coarse, out, kernel);

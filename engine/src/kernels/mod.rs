@@ -53,6 +53,12 @@ pub enum MatmulPolicy {
 }
 
 impl MatmulPolicy {
+    /// Whether `m` token rows take the row kernel (every weight type's
+    /// kernels split so) rather than the GEMM.
+    pub fn uses_row_kernel(self, m: usize) -> bool {
+        m <= GEMV_MAX_ROWS || self == Self::BatchInvariant
+    }
+
     /// `BatchInvariant` when `on`, else the default.
     pub fn batch_invariant(on: bool) -> Self {
         if on {
@@ -75,7 +81,7 @@ pub fn linear(
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+    if policy.uses_row_kernel(m) {
         linear_rows(x, m, w, out);
     } else {
         linear_gemm(x, m, w, out);

@@ -44,7 +44,6 @@ impl LinearWeight {
         Ok(
             match ws.quantized_rows(name, total_rows, cols, rows.clone())? {
                 Some(g) => Self::Ggml(g),
-                None if rows == (0..total_rows) => Self::Dense(ws.matrix(name, total_rows, cols)?),
                 None => Self::Dense(ws.matrix_rows(name, total_rows, cols, rows)?),
             },
         )

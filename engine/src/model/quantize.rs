@@ -70,20 +70,20 @@ impl Model {
 
     /// How many of the linear layers' matrices are kept in GGUF blocks.
     pub fn gguf_block_matrices(&self) -> usize {
-        self.layers
-            .iter()
-            .flat_map(Layer::linears)
-            .filter(|(_, lin)| matches!(lin.w, LinearWeight::Ggml(_)))
-            .count()
+        self.count_linears(|w| matches!(w, LinearWeight::Ggml(_)))
     }
 
     /// How many of the linear layers' matrices are INT4 (out of
     /// [`linear_matrices`](Self::linear_matrices)).
     pub fn int4_matrices(&self) -> usize {
+        self.count_linears(|w| matches!(w, LinearWeight::Int4(_)))
+    }
+
+    fn count_linears(&self, is: impl Fn(&LinearWeight) -> bool) -> usize {
         self.layers
             .iter()
             .flat_map(Layer::linears)
-            .filter(|(_, lin)| matches!(lin.w, LinearWeight::Int4(_)))
+            .filter(|(_, lin)| is(&lin.w))
             .count()
     }
 

@@ -144,23 +144,7 @@ impl WeightStore {
         cols: usize,
         rows: std::ops::Range<usize>,
     ) -> Result<Option<GgmlMatrix>> {
-        let e = self.entry(name, &[total_rows, cols])?;
-        let Some((ty, order)) = quantized(e) else {
-            return Ok(None);
-        };
-        if rows.start > rows.end || rows.end > total_rows {
-            return Err(EngineError::InvalidCheckpoint(format!(
-                "rows {rows:?} of tensor `{name}` are outside its {total_rows} rows"
-            )));
-        }
-        let row_bytes = ty.bytes_for(cols);
-        let bytes = &self.maps[e.file][e.start..e.end];
-        let mut data = Vec::with_capacity(rows.len() * row_bytes);
-        for r in rows.clone() {
-            let s = order.map_or(r, |o| o[r]);
-            data.extend_from_slice(&bytes[s * row_bytes..(s + 1) * row_bytes]);
-        }
-        GgmlMatrix::new(ty, rows.len(), cols, data).map(Some)
+        self.quantized_part(name, [total_rows, cols], rows, 0..cols)
     }
 
     /// Columns `cols` of a `[rows, total_cols]` tensor in its GGUF blocks,
@@ -174,10 +158,30 @@ impl WeightStore {
         total_cols: usize,
         cols: std::ops::Range<usize>,
     ) -> Result<Option<GgmlMatrix>> {
-        let e = self.entry(name, &[rows, total_cols])?;
+        self.quantized_part(name, [rows, total_cols], 0..rows, cols)
+    }
+
+    /// Rows `rows` × columns `cols` of a `shape` tensor in its GGUF blocks
+    /// (each row's bytes of the blocks `cols` spans), or `None` for a
+    /// tensor not stored block-quantized or a column range that splits a
+    /// block. A whole row is always whole blocks (the parser checks).
+    fn quantized_part(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Option<GgmlMatrix>> {
+        let e = self.entry(name, &shape)?;
         let Some((ty, order)) = quantized(e) else {
             return Ok(None);
         };
+        let [total_rows, total_cols] = shape;
+        if rows.start > rows.end || rows.end > total_rows {
+            return Err(EngineError::InvalidCheckpoint(format!(
+                "rows {rows:?} of tensor `{name}` are outside its {total_rows} rows"
+            )));
+        }
         let block = ty.block_len();
         if !cols.start.is_multiple_of(block)
             || !cols.end.is_multiple_of(block)
@@ -188,12 +192,12 @@ impl WeightStore {
         let row_bytes = ty.bytes_for(total_cols);
         let (from, to) = (ty.bytes_for(cols.start), ty.bytes_for(cols.end));
         let bytes = &self.maps[e.file][e.start..e.end];
-        let mut data = Vec::with_capacity(rows * (to - from));
-        for r in 0..rows {
+        let mut data = Vec::with_capacity(rows.len() * (to - from));
+        for r in rows.clone() {
             let row = order.map_or(r, |o| o[r]) * row_bytes;
             data.extend_from_slice(&bytes[row + from..row + to]);
         }
-        GgmlMatrix::new(ty, rows, cols.len(), data).map(Some)
+        GgmlMatrix::new(ty, rows.len(), cols.len(), data).map(Some)
     }
 }
 

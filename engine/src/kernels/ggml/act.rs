@@ -148,9 +148,7 @@ impl Activations {
             true => Self::Q8K(rows.map(quantize_q8k).collect()),
         }
     }
-}
 
-impl Activations {
     /// Token row `t`'s entries taken out of the integer path.
     pub fn outliers(&self, t: usize) -> &[(usize, f32)] {
         match self {

@@ -1,5 +1,6 @@
 //! AVX2 dot products of GGUF-quantized rows with int8 activations: the
-//! integer sums of [`super::scalar`], 32 elements per instruction.
+//! integer sums of [`super::scalar`], 32 elements per instruction, eight
+//! rows at a time for the 32-element types.
 //!
 //! Codes are unpacked in registers to unsigned bytes in column order (a
 //! nibble mask and shift; fifth and sixth bits or-ed in from their planes)
@@ -16,18 +17,17 @@ use tandem_gguf::{k_scale_min, GgmlType};
 
 use super::act::{Q8KRow, Q8Row, QK8, QK_K};
 
-/// `Σ w·x` over `R` rows at once for the 32-element types: each activation
-/// block is loaded once for all of them, and the rows' accumulators are
-/// independent chains.
+/// `Σ w·x` over eight rows at once for the 32-element types: each
+/// activation block is loaded once for all of them, and the rows' integer
+/// sums are reduced together, so each block's scales, offset and float
+/// accumulate are one vector operation for all eight (the rows' f16 scales
+/// gathered into one register) rather than scalar work per row. A caller
+/// with fewer rows repeats one.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_q8_rows<const R: usize>(
-    ty: GgmlType,
-    rows: [&[u8]; R],
-    y: &Q8Row,
-) -> [f32; R] {
+pub(super) unsafe fn dot_q8_rows(ty: GgmlType, rows: [&[u8]; 8], y: &Q8Row) -> [f32; 8] {
     let blocks = y.d.len();
     for r in rows {
         assert_eq!(r.len(), blocks * ty.block_bytes(), "whole blocks for y");
@@ -37,90 +37,27 @@ pub(super) unsafe fn dot_q8_rows<const R: usize>(
     // checked above, so every load below lies inside a row's block `i` or
     // activation block `i`.
     unsafe {
-        if let Ok(eight) = <[&[u8]; 8]>::try_from(&rows[..]) {
-            let sums = match ty {
-                GgmlType::Q8_0 => legacy_rows8::<0>(eight, y),
-                GgmlType::Q4_0 => legacy_rows8::<1>(eight, y),
-                GgmlType::Q4_1 => legacy_rows8::<2>(eight, y),
-                GgmlType::Q5_0 => legacy_rows8::<3>(eight, y),
-                GgmlType::Q5_1 => legacy_rows8::<4>(eight, y),
-                _ => unreachable!("dot_q8 on {}", ty.name()),
-            };
-            return std::array::from_fn(|r| sums[r]);
-        }
         match ty {
-            GgmlType::Q8_0 => legacy_rows::<R, 0>(rows, y),
-            GgmlType::Q4_0 => legacy_rows::<R, 1>(rows, y),
-            GgmlType::Q4_1 => legacy_rows::<R, 2>(rows, y),
-            GgmlType::Q5_0 => legacy_rows::<R, 3>(rows, y),
-            GgmlType::Q5_1 => legacy_rows::<R, 4>(rows, y),
-            _ => unreachable!("dot_q8 on {}", ty.name()),
+            GgmlType::Q8_0 => legacy_rows8::<0>(rows, y),
+            GgmlType::Q4_0 => legacy_rows8::<1>(rows, y),
+            GgmlType::Q4_1 => legacy_rows8::<2>(rows, y),
+            GgmlType::Q5_0 => legacy_rows8::<3>(rows, y),
+            GgmlType::Q5_1 => legacy_rows8::<4>(rows, y),
+            _ => unreachable!("dot_q8_rows on {}", ty.name()),
         }
     }
 }
 
 /// [`dot_q8_rows`] for one type (`T`: `Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`,
-/// `Q5_1`), so the block's unpacking is straight-line code.
+/// `Q5_1`), so the block's unpacking is straight-line code; one
+/// horizontal-add tree gives the eight rows' integer sums in one register.
 ///
 /// # Safety
 /// As [`dot_q8_rows`], lengths checked.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_rows<const R: usize, const T: u8>(rows: [&[u8]; R], y: &Q8Row) -> [f32; R] {
+unsafe fn legacy_rows8<const T: u8>(rows: [&[u8]; 8], y: &Q8Row) -> [f32; 8] {
     // SAFETY: the caller checked every row to hold `y.d.len()` blocks of
     // this type's size and `y` to hold as many activation blocks.
-    unsafe {
-        let bytes = [34, 18, 20, 22, 24][usize::from(T)];
-        let low = _mm256_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut rest = [0f32; R];
-        for i in 0..y.d.len() {
-            let yv = _mm256_loadu_si256(y.q.as_ptr().add(i * QK8).cast());
-            let dy = *y.d.get_unchecked(i);
-            for r in 0..R {
-                let b = rows[r].as_ptr().add(i * bytes);
-                let dx = half_at(b);
-                let isum = match T {
-                    0 => {
-                        let x = _mm256_loadu_si256(b.add(2).cast());
-                        pair_sums(_mm256_sign_epi8(x, x), _mm256_sign_epi8(yv, x))
-                    }
-                    1 => {
-                        rest[r] -= dx * dy * (8 * *y.sum.get_unchecked(i)) as f32;
-                        pair_sums(nibbles(b.add(2), low), yv)
-                    }
-                    2 => {
-                        rest[r] += half_at(b.add(2)) * *y.s.get_unchecked(i);
-                        pair_sums(nibbles(b.add(4), low), yv)
-                    }
-                    3 => {
-                        rest[r] -= dx * dy * (16 * *y.sum.get_unchecked(i)) as f32;
-                        let q = _mm256_or_si256(nibbles(b.add(6), low), fifth_bits(b.add(2)));
-                        pair_sums(q, yv)
-                    }
-                    _ => {
-                        rest[r] += half_at(b.add(2)) * *y.s.get_unchecked(i);
-                        let q = _mm256_or_si256(nibbles(b.add(8), low), fifth_bits(b.add(4)));
-                        pair_sums(q, yv)
-                    }
-                };
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * dy), acc[r]);
-            }
-        }
-        std::array::from_fn(|r| hsum(acc[r]) + rest[r])
-    }
-}
-
-/// [`legacy_rows`] for eight rows, whose per-block sums are reduced
-/// together: one horizontal-add tree gives the eight rows' integer sums in
-/// one register, so each block's scales, offset and float accumulate are
-/// one vector operation for all eight (the rows' f16 scales gathered into
-/// one register) rather than scalar work per row.
-///
-/// # Safety
-/// As [`legacy_rows`].
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_rows8<const T: u8>(rows: [&[u8]; 8], y: &Q8Row) -> [f32; 8] {
-    // SAFETY: as in `legacy_rows`: every row holds `y.d.len()` blocks.
     unsafe {
         let bytes = [34, 18, 20, 22, 24][usize::from(T)];
         let low = _mm256_set1_epi8(0x0F);
@@ -232,11 +169,15 @@ fn reduce8(v: [__m256i; 8]) -> __m256i {
 /// `Σ w·x` over one row for the K-quants.
 ///
 /// # Safety
-/// As [`dot_q8`].
+/// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q8k(ty: GgmlType, w: &[u8], y: &Q8KRow) -> f32 {
-    // SAFETY: as in `dot_q8`; the block helpers read inside block `i`
-    // and the 256 activations at `yq`.
+    let blocks = y.d.len();
+    assert_eq!(w.len(), blocks * ty.block_bytes(), "whole blocks for y");
+    assert!(y.q.len() >= blocks * QK_K && y.bsums.len() >= blocks * 16);
+    // SAFETY: the CPU features are the caller's contract; with the lengths
+    // checked above, the block helpers read inside block `i` and the 256
+    // activations at `yq`.
     unsafe {
         let mut acc = _mm256_setzero_ps();
         let mut rest = 0f32;
@@ -351,18 +292,6 @@ unsafe fn q6k_block(b: &[u8], y: *const i8, bsums: &[i16]) -> (__m256i, i32) {
 #[target_feature(enable = "avx2,f16c")]
 fn half(b: &[u8], at: usize) -> f32 {
     let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-/// [`half`] at a pointer.
-///
-/// # Safety
-/// `at` points at 2 readable bytes.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn half_at(at: *const u8) -> f32 {
-    // SAFETY: the caller's contract.
-    let bits = u16::from_le(unsafe { at.cast::<u16>().read_unaligned() });
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 

@@ -25,7 +25,7 @@ mod scalar;
 
 use tandem_gguf::GgmlType;
 
-use super::{linear_gemm, MatmulPolicy, GEMV_MAX_ROWS};
+use super::{linear_gemm, MatmulPolicy};
 use crate::error::{EngineError, Result};
 use crate::weights::{Matrix, WeightData};
 use act::Activations;
@@ -111,20 +111,20 @@ impl GgmlMatrix {
         }
     }
 
-    /// The decoded matrix in f16, what the dense kernels read (exact for
-    /// every block type but rare values beyond f16's range).
+    /// The decoded matrix rounded to f16, what the dense kernels read (as
+    /// a GGUF file's quantized tensors were loaded before they ran in
+    /// their blocks).
     pub fn to_f16(&self) -> Matrix {
-        let values = self.to_f32();
+        let mut values = Vec::with_capacity(self.rows * self.cols);
+        let mut row = vec![0f32; self.cols];
+        for r in 0..self.rows {
+            tandem_gguf::dequantize(self.ty, self.row(r), &mut row);
+            values.extend(row.iter().map(|&v| half::f16::from_f32(v)));
+        }
         Matrix {
             rows: self.rows,
             cols: self.cols,
-            data: WeightData::F16(
-                values
-                    .iter()
-                    .map(|&v| half::f16::from_f32(v))
-                    .collect::<Vec<_>>()
-                    .into(),
-            ),
+            data: WeightData::F16(values.into()),
         }
     }
 
@@ -151,28 +151,23 @@ impl Kernel {
         }
     }
 
-    /// One weight row (`w`, `ty`'s blocks) dotted with activation row `t`.
-    fn dot(self, ty: GgmlType, w: &[u8], x: &Activations, t: usize) -> f32 {
-        self.dot_rows(ty, [w], x, t)[0]
-    }
-
-    /// `R` weight rows dotted with activation row `t`.
-    fn dot_rows<const R: usize>(
+    /// [`ROW_TILE`] weight rows (`ty`'s blocks) dotted with activation row
+    /// `t`.
+    fn dot_rows(
         self,
         ty: GgmlType,
-        w: [&[u8]; R],
+        w: [&[u8]; ROW_TILE],
         x: &Activations,
         t: usize,
-    ) -> [f32; R] {
+    ) -> [f32; ROW_TILE] {
         match (self, x) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is only chosen where the CPU has AVX2, FMA and
-            // F16C (`best`, and the tests' `is_supported` check).
+            // F16C (`best`, and the tests' `is_supported` check); the
+            // kernels check the rows' and activations' lengths.
             (Self::Avx2, Activations::Q8(rows)) => unsafe { avx2::dot_q8_rows(ty, w, &rows[t]) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above; the rows hold whole blocks matching the
-            // activations' length (`GgmlMatrix::new`, `linear_ggml`'s
-            // shape checks).
+            // SAFETY: as above.
             (Self::Avx2, Activations::Q8K(rows)) => {
                 w.map(|w| unsafe { avx2::dot_q8k(ty, w, &rows[t]) })
             }
@@ -194,7 +189,7 @@ pub fn linear_ggml(
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), m * k, "x holds m × k activations");
     assert_eq!(out.len(), m * n, "out holds m × n values");
-    if m <= GEMV_MAX_ROWS || policy == MatmulPolicy::BatchInvariant {
+    if policy.uses_row_kernel(m) {
         linear_ggml_rows(x, m, w, out, Kernel::best());
     } else {
         linear_gemm(x, m, &w.to_dense(), out);
@@ -217,21 +212,16 @@ fn linear_ggml_rows(x: &[f32], m: usize, w: &GgmlMatrix, out: &mut [f32], kernel
             .sum()
     };
     super::par_row_ranges(n, m, out, |r0, r1, out| {
-        let mut r = r0;
-        // Eight rows share each activation block's load.
-        while r + ROW_TILE <= r1 {
-            let rows = std::array::from_fn::<_, ROW_TILE, _>(|i| w.row(r + i));
+        // Eight rows share each activation block's load; a last tile of
+        // fewer repeats its last row.
+        for r in (r0..r1).step_by(ROW_TILE) {
+            let len = ROW_TILE.min(r1 - r);
+            let rows = std::array::from_fn(|i| w.row(r + i.min(len - 1)));
             for t in 0..m {
                 let values = kernel.dot_rows(w.ty, rows, &xa, t);
-                for (i, v) in values.into_iter().enumerate() {
+                for (i, v) in values.into_iter().take(len).enumerate() {
                     out[t * n + r + i] = v + exact(t, r + i);
                 }
-            }
-            r += ROW_TILE;
-        }
-        for r in r..r1 {
-            for t in 0..m {
-                out[t * n + r] = kernel.dot(w.ty, w.row(r), &xa, t) + exact(t, r);
             }
         }
     });
