@@ -11,11 +11,13 @@
 //!     --out bench/results/gguf-smollm2-q4_1.json
 //! ```
 //!
-//! Agreement: llama.cpp continues each prompt greedily (`llama-simple`, 64
-//! tokens); its text is tokenized by llama.cpp (`llama-tokenize`) and
-//! teacher-forced through tandem, 32 tokens a step (the decode path's
-//! kernels); a position agrees when tandem's argmax is llama.cpp's next
-//! token. Speed: rounds alternate `llama-bench -n 128`
+//! Agreement: llama.cpp continues each prompt greedily (64 tokens, by
+//! `bench/llama/greedy_ids.cpp`, compiled here against the given build:
+//! it prints the token ids llama.cpp generated, which re-tokenizing its
+//! text does not always give back) and the ids are teacher-forced through
+//! tandem, 32 tokens a step (the decode path's kernels); a position agrees
+//! when tandem's argmax is llama.cpp's next token. tandem's KV cache is
+//! f16 for it, llama.cpp's default. Speed: rounds alternate `llama-bench -n 128`
 //! (generation from an empty context, llama.cpp's `tg128`) with tandem's
 //! decode steps at 64 tokens of context (`tandem_bench::decode_tok_s`);
 //! medians.
@@ -35,7 +37,8 @@ use tandem_engine::{Checkpoint, KvCacheDtype};
 struct Args {
     #[arg(long)]
     model: PathBuf,
-    /// llama.cpp's `build/bin` (llama-simple, llama-tokenize, llama-bench).
+    /// llama.cpp's `build/bin` (`libllama.so`, `llama-bench`; its headers
+    /// two levels up).
     #[arg(long)]
     llama_cpp: PathBuf,
     /// Greedy tokens per prompt.
@@ -67,36 +70,52 @@ fn run(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// llama.cpp's token ids of `text` (its own BOS rule).
-fn llama_tokenize(bin: &Path, model: &Path, text: &str) -> Result<Vec<u32>> {
-    let out = run(Command::new(bin.join("llama-tokenize"))
-        .args(["-m"])
-        .arg(model)
-        .args(["--ids", "--log-disable", "-p", text]))?;
-    let line = out
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('['))
-        .context("no ids printed")?;
-    Ok(serde_json::from_str(line)?)
+/// Compiles `bench/llama/greedy_ids.cpp` against the llama.cpp whose
+/// `build/bin` is `bin` (its headers two levels up, as a CMake build of
+/// the sdist lays them out).
+fn build_greedy_ids(bin: &Path) -> Result<PathBuf> {
+    let root = bin.join("../..");
+    let include = root.join("include");
+    anyhow::ensure!(
+        include.join("llama.h").is_file(),
+        "no llama.h under {} (--llama-cpp should be llama.cpp's build/bin)",
+        include.display()
+    );
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("llama/greedy_ids.cpp");
+    let exe = std::env::temp_dir().join(format!("tandem-greedy-ids-{}", std::process::id()));
+    let bin = bin.canonicalize()?;
+    run(Command::new("c++")
+        .args(["-O2", "-std=c++17"])
+        .arg(format!("-I{}", include.display()))
+        .arg(format!("-I{}", root.join("ggml/include").display()))
+        .arg(&source)
+        .arg(format!("-L{}", bin.display()))
+        .arg("-lllama")
+        .arg(format!("-Wl,-rpath,{}", bin.display()))
+        .arg("-o")
+        .arg(&exe))?;
+    Ok(exe)
 }
 
-/// (prompt length, prompt + llama.cpp's greedy continuation) per prompt.
+/// (prompt length, prompt + llama.cpp's greedy continuation) per prompt,
+/// as the token ids llama.cpp generated.
 fn llama_continuations(a: &Args) -> Result<Vec<(usize, Vec<u32>)>> {
+    let exe = build_greedy_ids(&a.llama_cpp)?;
     let mut out = Vec::new();
     for p in PROMPTS {
-        let text = run(Command::new(a.llama_cpp.join("llama-simple"))
-            .arg("-m")
+        let printed = run(Command::new(&exe)
             .arg(&a.model)
-            .args(["-n", &a.tokens.to_string(), p]))?;
-        let prompt = llama_tokenize(&a.llama_cpp, &a.model, p)?;
-        let all = llama_tokenize(&a.llama_cpp, &a.model, &text)?;
-        if !all.starts_with(&prompt) {
-            eprintln!("skipping {p:?}: the continuation re-tokenizes across the prompt's end");
-            continue;
-        }
-        out.push((prompt.len(), all));
+            .arg(a.tokens.to_string())
+            .arg(p));
+        let printed = printed?;
+        let mut lines = printed.lines().map(serde_json::from_str::<Vec<u32>>);
+        let (Some(prompt), Some(continuation)) = (lines.next(), lines.next()) else {
+            bail!("greedy_ids printed {printed:?}");
+        };
+        let (prompt, continuation) = (prompt?, continuation?);
+        out.push((prompt.len(), [prompt, continuation].concat()));
     }
+    std::fs::remove_file(&exe).ok();
     Ok(out)
 }
 
@@ -110,8 +129,9 @@ fn agreement(ckpt: &Checkpoint, seqs: &[(usize, Vec<u32>)]) -> Result<(f64, usiz
     let (mut agree, mut total) = (0usize, 0usize);
     for (prompt_len, seq) in seqs {
         // Fed 32 tokens a step, so every matmul takes the path decode steps
-        // take (the row kernels: int8 activations for blocks and INT4).
-        let logits = score_with(&ckpt.model, seq, KvCacheDtype::F32, SCORE_CHUNK)?;
+        // take (the row kernels: int8 activations for blocks and INT4); keys
+        // and values kept in f16, as llama.cpp's default cache keeps them.
+        let logits = score_with(&ckpt.model, seq, KvCacheDtype::F16, SCORE_CHUNK)?;
         for i in *prompt_len..seq.len() {
             let row = &logits[(i - 1) * vocab..i * vocab];
             let top = row

@@ -428,7 +428,16 @@ fn gguf_head_blocks(g: &tandem_gguf::Gguf, map: &crate::gguf::TensorMap) -> u64 
     let head = named("lm_head.weight").or_else(|| named("model.embed_tokens.weight"));
     head.and_then(|(_, name)| g.tensor(name))
         .filter(|t| !t.ty.is_float())
-        .map_or(0, |t| (t.end - t.start) as u64)
+        .map_or(0, tiled_bytes)
+}
+
+/// What a quantized GGUF matrix takes as [`crate::kernels::GgmlMatrix`]
+/// tiles (the file's blocks, give or take the K-quants' unpacked scales).
+fn tiled_bytes(t: &tandem_gguf::TensorInfo) -> u64 {
+    match t.shape()[..] {
+        [rows, cols] => crate::kernels::GgmlMatrix::tiled_bytes(t.ty, rows, cols) as u64,
+        _ => (t.end - t.start) as u64,
+    }
 }
 
 /// Sums `bytes(name, shape, resident bytes)` over every tensor of a
@@ -448,7 +457,7 @@ pub(crate) fn sum_tensors(dir: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) 
 /// [`sum_tensors`] over a GGUF file's tensor table, under the Hugging Face
 /// names. A tensor's resident bytes are what loading keeps of it
 /// ([`crate::weights`]): float tensors as stored; a quantized linear layer's
-/// blocks as stored; anything else quantized (the embedding, the output
+/// blocks as tiles; anything else quantized (the embedding, the output
 /// head) decoded to f16. The head's blocks, which the logits run on, are
 /// [`gguf_head_blocks`].
 fn sum_gguf(
@@ -464,7 +473,7 @@ fn sum_gguf(
             let (blocks, decoded) = ((t.end - t.start) as u64, 2 * t.len() as u64);
             let resident = match t.ty.is_float() {
                 true => blocks,
-                false if shape.len() == 2 && hf.ends_with("_proj.weight") => blocks,
+                false if shape.len() == 2 && hf.ends_with("_proj.weight") => tiled_bytes(t),
                 false => decoded,
             };
             bytes(hf, &shape, resident)

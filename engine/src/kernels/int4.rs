@@ -56,7 +56,7 @@ pub struct Outlier {
 /// A group's loudest entry is an outlier when it is more than this many
 /// times the next loudest: taking it out then at least halves the group's
 /// step. Measured on SmolLM2-135M (bench/RESULTS.md).
-const DOMINANCE: f32 = 2.0;
+pub(crate) const DOMINANCE: f32 = 2.0;
 
 /// What quantizing a group makes of its loudest entry.
 pub(crate) struct Loudest {

@@ -121,9 +121,20 @@ pub(crate) fn par_row_ranges(
     out: &mut [f32],
     rows: impl Fn(usize, usize, &mut [f32]) + Sync,
 ) {
+    par_row_ranges_by(n, m, out, 4, rows);
+}
+
+/// [`par_row_ranges`] with every range starting at a multiple of `align`.
+pub(crate) fn par_row_ranges_by(
+    n: usize,
+    m: usize,
+    out: &mut [f32],
+    align: usize,
+    rows: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
     assert!(out.len() >= m * n, "the output holds m × n values");
     let threads = rayon::current_num_threads().max(1);
-    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(4).max(4);
+    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(align).max(align);
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;

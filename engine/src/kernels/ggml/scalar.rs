@@ -5,19 +5,30 @@
 //!
 //! Codes are kept unsigned; a type's offset (`Q4_0`'s 8, `Q5_0`'s 16,
 //! `Q6_K`'s 32) is taken out once per block against the activations'
-//! integer sums, which is the same integer as ggml's `Σ (q − o)·y`.
+//! integer sums, which is the same integer as ggml's `Σ (q − o)·y`. The
+//! K-quants' sums are scaled per 32 columns, the activations' block
+//! ([`super::act`]).
 
 use tandem_gguf::{k_scale_min, GgmlType};
 
-use super::act::{Q8KRow, Q8Row, QK8, QK_K};
+use super::act::{Q8Row, QK8, QK_K};
 
 #[inline]
 pub(super) fn half(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// `Σ w·x` over one row (`w`: the row's blocks) for the 32-element types.
-pub(super) fn dot_q8(ty: GgmlType, w: &[u8], y: &Q8Row) -> f32 {
+/// `Σ w·x` over one row (`w`: the row's blocks), the activations'
+/// outliers aside.
+pub(super) fn dot(ty: GgmlType, w: &[u8], y: &Q8Row) -> f32 {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => dot_k(ty, w, y),
+        _ => dot_q8(ty, w, y),
+    }
+}
+
+/// [`dot`] for the 32-element types.
+fn dot_q8(ty: GgmlType, w: &[u8], y: &Q8Row) -> f32 {
     let mut acc = 0f32;
     for (i, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
         let yq = &y.q[i * QK8..(i + 1) * QK8];
@@ -70,32 +81,32 @@ fn q5_dot(qh: &[u8], qs: &[u8], y: &[i8]) -> i32 {
         .sum()
 }
 
-/// `Σ w·x` over one row for the K-quants.
-pub(super) fn dot_q8k(ty: GgmlType, w: &[u8], y: &Q8KRow) -> f32 {
+/// [`dot`] for the K-quants: integer sums per sub-block, each 32 columns
+/// scaled by their activation block's scale.
+fn dot_k(ty: GgmlType, w: &[u8], y: &Q8Row) -> f32 {
     let mut acc = 0f32;
     for (i, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+        let at = i * QK_K / QK8;
+        let dy = &y.d[at..at + QK_K / QK8];
         let yq = &y.q[i * QK_K..(i + 1) * QK_K];
-        let bsums = &y.bsums[i * 16..(i + 1) * 16];
-        acc += y.d[i]
-            * match ty {
-                GgmlType::Q4_K | GgmlType::Q5_K => k4_block(ty, b, yq, bsums),
-                GgmlType::Q6_K => q6k_block(b, yq, bsums),
-                _ => unreachable!("dot_q8k on {}", ty.name()),
-            };
+        acc += match ty {
+            GgmlType::Q6_K => q6k_block(b, yq, &y.sums16[2 * at..2 * at + 16], dy),
+            _ => k4_block(ty, b, yq, dy, &y.s[at..at + QK_K / QK8]),
+        };
     }
     acc
 }
 
-/// A `Q4_K`/`Q5_K` block's dot product, less the activation scale:
-/// `d · Σ_g sc_g·Σ q·y − dmin · Σ_g m_g·Σ y`.
-fn k4_block(ty: GgmlType, b: &[u8], y: &[i8], bsums: &[i16]) -> f32 {
+/// A `Q4_K`/`Q5_K` block: `Σ_g d·sc_g·dy_g·Σ q·y − dmin·m_g·s_g` over its
+/// eight 32-column sub-blocks (`s_g`: the activations' scaled sum).
+fn k4_block(ty: GgmlType, b: &[u8], y: &[i8], dy: &[f32], sy: &[f32]) -> f32 {
     let (d, dmin) = (half(b, 0), half(b, 2));
     let scales = &b[4..16];
     let (qh, qs) = match ty {
         GgmlType::Q5_K => (Some(&b[16..48]), &b[48..176]),
         _ => (None, &b[16..144]),
     };
-    let (mut dots, mut mins) = (0i32, 0i32);
+    let (mut dots, mut mins) = (0f32, 0f32);
     for g in 0..8 {
         let (sc, m) = k_scale_min(scales, g);
         let low = &qs[(g / 2) * 32..(g / 2) * 32 + 32];
@@ -108,14 +119,15 @@ fn k4_block(ty: GgmlType, b: &[u8], y: &[i8], bsums: &[i16]) -> f32 {
                 i32::from(q) * i32::from(y[g * 32 + l])
             })
             .sum();
-        dots += i32::from(sc) * isum;
-        mins += i32::from(m) * (i32::from(bsums[2 * g]) + i32::from(bsums[2 * g + 1]));
+        dots += (i32::from(sc) * isum) as f32 * (d * dy[g]);
+        mins += f32::from(m) * sy[g];
     }
-    d * dots as f32 - dmin * mins as f32
+    dots - dmin * mins
 }
 
-/// A `Q6_K` block's dot product, less the activation scale.
-fn q6k_block(b: &[u8], y: &[i8], bsums: &[i16]) -> f32 {
+/// A `Q6_K` block: `Σ_b d·dy_b·Σ_{g∈b} sc_g·(Σ q·y − 32·Σ y)` over its
+/// 32-column blocks `b`, each two 16-column sub-blocks `g`.
+fn q6k_block(b: &[u8], y: &[i8], sums16: &[i16], dy: &[f32]) -> f32 {
     let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
     let mut sums = [0i32; 16];
     for (v, &yv) in y.iter().enumerate() {
@@ -124,14 +136,20 @@ fn q6k_block(b: &[u8], y: &[i8], bsums: &[i16]) -> f32 {
         let high = (qh[half * 32 + l] >> (2 * c)) & 0x03;
         sums[v / 16] += i32::from(low | (high << 4)) * i32::from(yv);
     }
-    let isum: i32 = (0..16)
-        .map(|g| i32::from(scales[g] as i8) * (sums[g] - 32 * i32::from(bsums[g])))
-        .sum();
-    half(b, 208) * isum as f32
+    let d = half(b, 208);
+    (0..8)
+        .map(|blk| {
+            let isum: i32 = (2 * blk..2 * blk + 2)
+                .map(|g| i32::from(scales[g] as i8) * (sums[g] - 32 * i32::from(sums16[g])))
+                .sum();
+            isum as f32 * (d * dy[blk])
+        })
+        .sum()
 }
 
-/// The weight at column `col` of a row of `ty` blocks, decoded alone (for
-/// the activations' outliers).
+/// The weight at column `col` of a row of `ty` blocks, decoded alone: the
+/// reference the tiles' [`super::tiles::weight_at`] is tested against.
+#[cfg(test)]
 pub(super) fn weight_at(ty: GgmlType, row: &[u8], col: usize) -> f32 {
     let n = ty.block_len();
     let b = &row[col / n * ty.block_bytes()..(col / n + 1) * ty.block_bytes()];

@@ -39,9 +39,9 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
     }
 }
 
-/// Random codes under sane scales: every bit pattern of the code fields
-/// is a valid block.
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> GgmlMatrix {
+/// Random codes under sane scales (every bit pattern of the code fields
+/// is a valid block): the file's row-major blocks and their tiles.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> (Vec<u8>, GgmlMatrix) {
     let mut rng = Rng(seed.wrapping_mul(2654435761) | 1);
     let mut data: Vec<u8> = (0..rows * ty.bytes_for(cols))
         .map(|_| rng.next() as u8)
@@ -52,7 +52,8 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> GgmlMatri
             b[at..at + 2].copy_from_slice(&s.to_le_bytes());
         }
     }
-    GgmlMatrix::new(ty, rows, cols, data).expect("whole blocks")
+    let w = GgmlMatrix::new(ty, rows, cols, data.clone()).expect("whole blocks");
+    (data, w)
 }
 
 fn random_x(n: usize, seed: u32) -> Vec<f32> {
@@ -60,19 +61,62 @@ fn random_x(n: usize, seed: u32) -> Vec<f32> {
     (0..n).map(|_| rng.unit()).collect()
 }
 
-impl Kernel {
-    /// One weight row dotted with activation row `t` (a tile of it alone).
-    fn dot(self, ty: GgmlType, w: &[u8], x: &Activations, t: usize) -> f32 {
-        self.dot_rows(ty, [w; ROW_TILE], x, t)[0]
+fn kernels() -> Vec<Kernel> {
+    super::super::int4_simd::supported_kernels()
+}
+
+/// The tiles hold every byte of the file's blocks: each row rebuilds
+/// exactly, rows past a whole tile included; they take the file's size
+/// (the K-quants' scales unpacked: 16 bytes for 12).
+#[test]
+fn tiles_rebuild_the_files_blocks() {
+    let (rows, cols) = (11, 512);
+    for ty in TYPES {
+        let (data, w) = random_matrix(ty, rows, cols, 23);
+        let row_bytes = ty.bytes_for(cols);
+        for r in 0..rows {
+            assert_eq!(
+                w.row_blocks(r),
+                data[r * row_bytes..(r + 1) * row_bytes],
+                "{} row {r}",
+                ty.name()
+            );
+        }
+        let per_block = match ty {
+            GgmlType::Q4_K | GgmlType::Q5_K => ty.block_bytes() + 4,
+            _ => ty.block_bytes(),
+        };
+        assert_eq!(
+            w.bytes(),
+            16 * cols / ty.block_len() * per_block,
+            "{}",
+            ty.name()
+        );
     }
 }
 
-fn kernels() -> Vec<Kernel> {
-    let mut k = vec![Kernel::Scalar];
-    if Kernel::best() == Kernel::Avx2 {
-        k.push(Kernel::Avx2);
+/// One weight decoded alone, in its tile, is the block decoder's value.
+#[test]
+fn single_weights_decode_as_their_blocks_do() {
+    let (rows, cols) = (9, 512);
+    for ty in TYPES {
+        let (data, w) = random_matrix(ty, rows, cols, 17);
+        let dense = w.to_f32();
+        let row_bytes = ty.bytes_for(cols);
+        for r in 0..rows {
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            for col in 0..cols {
+                let want = dense[r * cols + col];
+                assert_eq!(
+                    scalar::weight_at(ty, row, col),
+                    want,
+                    "{} {r},{col}",
+                    ty.name()
+                );
+                assert_eq!(w.weight_at(r, col), want, "{} tile {r},{col}", ty.name());
+            }
+        }
     }
-    k
 }
 
 /// Every kernel's dot product is the exact one (decoded weights, f32
@@ -81,16 +125,16 @@ fn kernels() -> Vec<Kernel> {
 fn dots_match_the_decoded_weights() {
     let (rows, cols) = (8, 512);
     for ty in TYPES {
-        let w = random_matrix(ty, rows, cols, 7);
+        let (_, w) = random_matrix(ty, rows, cols, 7);
         let dense = w.to_f32();
         let x = random_x(cols, 3);
-        let xa = Activations::quantize(&x, 1, cols, w.k_quant());
+        let xa = Activations::quantize(&x, 1, cols);
         for kernel in kernels() {
-            for r in 0..rows {
+            let got = w.dot_tile(kernel, 0, &xa, 0);
+            for (r, got) in got.into_iter().enumerate() {
                 let row = &dense[r * cols..(r + 1) * cols];
                 let exact: f32 = row.iter().zip(&x).map(|(a, b)| a * b).sum();
                 let scale: f32 = row.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-                let got = kernel.dot(ty, w.row(r), &xa, 0);
                 assert!(
                     (got - exact).abs() <= 0.01 * scale + 1e-5,
                     "{} {kernel:?} row {r}: {got} vs {exact} (Σ|wx| {scale})",
@@ -101,50 +145,45 @@ fn dots_match_the_decoded_weights() {
     }
 }
 
-/// One weight decoded alone is the block decoder's value.
-#[test]
-fn single_weights_decode_as_their_blocks_do() {
-    let cols = 512;
-    for ty in TYPES {
-        let w = random_matrix(ty, 2, cols, 17);
-        let dense = w.to_f32();
-        for r in 0..2 {
-            for col in 0..cols {
-                assert_eq!(
-                    scalar::weight_at(ty, w.row(r), col),
-                    dense[r * cols + col],
-                    "{} row {r} col {col}",
-                    ty.name()
-                );
-            }
-        }
-    }
-}
-
-/// The SIMD kernels compute the scalar reference's integer sums: only the
-/// float accumulation order differs.
+/// The SIMD kernels compute the scalar reference's integer sums on the
+/// file's own blocks: only the float accumulation order differs. Extreme
+/// activations (±127 codes) and a matrix of two tiles, the second partial.
 #[test]
 fn simd_kernels_match_the_scalar_reference() {
-    let (rows, cols) = (8, 1024);
+    let (rows, cols) = (13, 1024);
     for ty in TYPES {
-        let w = random_matrix(ty, rows, cols, 11);
-        let x = random_x(cols, 5);
-        let xa = Activations::quantize(&x, 1, cols, w.k_quant());
+        let (data, w) = random_matrix(ty, rows, cols, 11);
+        let row_bytes = ty.bytes_for(cols);
+        let mut x = random_x(2 * cols, 5);
+        for v in x[cols..].iter_mut() {
+            *v = v.signum();
+        }
+        // Outliers in both tokens, one per 256-column block, at varied places.
+        for col in [5, 300, 600, cols - 1] {
+            x[col] = 40.0;
+            x[cols + col] = -40.0;
+        }
+        let xa = Activations::quantize(&x, 2, cols);
         for kernel in kernels() {
-            // One row alone, the eight-row tile of consecutive rows
-            // (scales gathered at a stride), and one of rows out of order.
-            let tile = kernel.dot_rows(ty, std::array::from_fn(|r| w.row(r)), &xa, 0);
-            let order = [1, 0, 2, 3, 4, 5, 7, 6];
-            let shuffled = kernel.dot_rows(ty, order.map(|r| w.row(r)), &xa, 0);
-            for (r, &tiled) in tile.iter().enumerate() {
-                let want = Kernel::Scalar.dot(ty, w.row(r), &xa, 0);
-                let unordered = shuffled[order.iter().position(|&o| o == r).unwrap_or(r)];
-                for got in [kernel.dot(ty, w.row(r), &xa, 0), tiled, unordered] {
-                    assert!(
-                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
-                        "{} {kernel:?} row {r}: {got} vs {want}",
-                        ty.name()
-                    );
+            for t in 0..2 {
+                for tile in 0..2 {
+                    let got = w.dot_tile(kernel, tile, &xa, t);
+                    for (lane, got) in got.into_iter().enumerate().take(rows - tile * TILE) {
+                        let r = tile * TILE + lane;
+                        let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                        let dot = scalar::dot(ty, row, xa.row(t));
+                        assert_eq!(xa.outliers(t).len(), 4);
+                        let exact = xa.outliers(t).iter();
+                        let want = dot
+                            + exact
+                                .map(|&(c, v)| v * scalar::weight_at(ty, row, c))
+                                .sum::<f32>();
+                        assert!(
+                            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                            "{} {kernel:?} token {t} row {r}: {got} vs {want}",
+                            ty.name()
+                        );
+                    }
                 }
             }
         }
@@ -157,8 +196,8 @@ fn simd_kernels_match_the_scalar_reference() {
 fn linear_matches_the_dense_kernel_on_decoded_weights() {
     // 44 rows: every split of them over the pool leaves a partial tile.
     let (n, k) = (44, 256);
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
-        let w = random_matrix(ty, n, k, 13);
+    for ty in TYPES {
+        let (_, w) = random_matrix(ty, n, k, 13);
         let dense = w.to_dense();
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
         for m in [1, 3, GEMV_MAX_ROWS + 2] {
