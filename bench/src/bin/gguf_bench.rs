@@ -106,8 +106,7 @@ fn llama_continuations(a: &Args) -> Result<Vec<(usize, Vec<u32>)>> {
         let printed = run(Command::new(&exe)
             .arg(&a.model)
             .arg(a.tokens.to_string())
-            .arg(p));
-        let printed = printed?;
+            .arg(p))?;
         let mut lines = printed.lines().map(serde_json::from_str::<Vec<u32>>);
         let (Some(prompt), Some(continuation)) = (lines.next(), lines.next()) else {
             bail!("greedy_ids printed {printed:?}");

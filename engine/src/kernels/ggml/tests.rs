@@ -95,6 +95,38 @@ fn tiles_rebuild_the_files_blocks() {
     }
 }
 
+/// The interleaved runs land where the layout (and so the kernels) put
+/// the code sections, end the tile-block, and do not overlap.
+#[test]
+fn interleaved_runs_match_the_layout() {
+    for ty in TYPES {
+        let layout = TileLayout::of(ty);
+        let spans: Vec<(usize, usize)> = layout
+            .interleaved()
+            .iter()
+            .map(|&(_, len, to)| (to, to + TILE * len))
+            .collect();
+        let starts: Vec<usize> = spans.iter().map(|s| s.0).collect();
+        assert!(starts.contains(&layout.codes), "{}", ty.name());
+        if matches!(ty, GgmlType::Q5_K | GgmlType::Q6_K) {
+            assert!(
+                starts.contains(&layout.high.expect("high bits")),
+                "{}",
+                ty.name()
+            );
+        }
+        assert_eq!(
+            spans.iter().map(|s| s.1).max(),
+            Some(layout.bytes),
+            "{}",
+            ty.name()
+        );
+        if let [a, b] = spans[..] {
+            assert!(a.1 <= b.0 || b.1 <= a.0, "{} runs overlap", ty.name());
+        }
+    }
+}
+
 /// One weight decoded alone, in its tile, is the block decoder's value.
 #[test]
 fn single_weights_decode_as_their_blocks_do() {

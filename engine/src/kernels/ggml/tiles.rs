@@ -117,17 +117,18 @@ impl TileLayout {
         }
     }
 
-    /// The byte runs stored interleaved.
-    fn interleaved(&self) -> Vec<Interleaved> {
+    /// The byte runs stored interleaved (their tile offsets are those
+    /// [`of`](Self::of) gives `codes` and `high`).
+    pub(super) fn interleaved(&self) -> &'static [Interleaved] {
         match self.ty {
-            GgmlType::Q8_0 => vec![(2, 32, self.codes)],
-            GgmlType::Q4_0 => vec![(2, 16, self.codes)],
-            GgmlType::Q4_1 => vec![(4, 16, self.codes)],
-            GgmlType::Q5_0 => vec![(6, 16, self.codes)],
-            GgmlType::Q5_1 => vec![(8, 16, self.codes)],
-            GgmlType::Q4_K => vec![(16, 128, self.codes)],
-            GgmlType::Q5_K => vec![(16, 32, 160), (48, 128, self.codes)],
-            GgmlType::Q6_K => vec![(0, 128, self.codes), (128, 64, 1168)],
+            GgmlType::Q8_0 => &[(2, 32, 16)],
+            GgmlType::Q4_0 => &[(2, 16, 16)],
+            GgmlType::Q4_1 => &[(4, 16, 32)],
+            GgmlType::Q5_0 => &[(6, 16, 48)],
+            GgmlType::Q5_1 => &[(8, 16, 64)],
+            GgmlType::Q4_K => &[(16, 128, 160)],
+            GgmlType::Q5_K => &[(16, 32, 160), (48, 128, 416)],
+            GgmlType::Q6_K => &[(0, 128, 144), (128, 64, 1168)],
             _ => unreachable!("{} has no tile layout", self.ty.name()),
         }
     }
@@ -149,7 +150,7 @@ impl TileLayout {
         if let (Some(from), Some(to)) = (min, self.min) {
             dst[to + 2 * row..to + 2 * row + 2].copy_from_slice(&src[from..from + 2]);
         }
-        for (from, len, to) in self.interleaved() {
+        for &(from, len, to) in self.interleaved() {
             for o in 0..len {
                 dst[to + interleaved_at(row, o)] = src[from + o];
             }
@@ -188,7 +189,7 @@ impl TileLayout {
         if let (Some(to), Some(from)) = (min, self.min) {
             dst[to..to + 2].copy_from_slice(&src[from + 2 * row..from + 2 * row + 2]);
         }
-        for (to, len, from) in self.interleaved() {
+        for &(to, len, from) in self.interleaved() {
             for o in 0..len {
                 dst[to + o] = src[from + interleaved_at(row, o)];
             }
