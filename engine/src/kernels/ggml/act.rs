@@ -2,7 +2,9 @@
 //! CPU dot products take for `Q4_0`..`Q8_0` (`Q8_0`/`Q8_1`: an f16 scale
 //! and the block's scaled sum), with the sums per 16 besides for `Q6_K`.
 //!
-//! The rounding follows ggml's reference quantizer, with two changes:
+//! The rounding follows ggml's AVX2 quantizer (`d = max|x| / 127`, codes
+//! rounded to nearest, ties to even; an AVX2 form here, tested bit for bit
+//! against the portable one), with two changes:
 //! - a block's loudest entry, when it dominates the rest (twice the next,
 //!   [`loudest`]), is taken out of the integer path and multiplied exactly
 //!   (`outliers`), as the INT4 kernels do. Small real models have a few such
