@@ -29,7 +29,7 @@ macro_rules! tile_kernels {
             use std::arch::x86_64::*;
 
             use super::super::act::{Q8Row, QK8, QK_K};
-            use super::super::tiles::TILE;
+            use super::super::tiles::{TileLayout, TILE};
 
             #[inline]
             #[target_feature(enable = $features)]
@@ -191,19 +191,17 @@ macro_rules! tile_kernels {
             /// `Q4_1`, 3 `Q5_0`, 4 `Q5_1`) dotted with `y`.
             ///
             /// # Safety
-            /// The CPU has `$features`. (`tile` must hold `y.d.len()`
-            /// tile-blocks of the type's layout: checked.)
+            /// The CPU has `$features`; `layout` is `TileLayout::of` the
+            /// type, whose parts lie inside its `bytes` (tested). (`tile`
+            /// must hold `y.d.len()` tile-blocks: checked.)
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn legacy<const T: u8>(tile: &[u8], y: &Q8Row) -> [f32; TILE] {
-                // (tile-block bytes, mins, fifth-bit word, codes): the
-                // offsets of `TileLayout::of`.
-                let (bytes, min, high, codes) = match T {
-                    0 => (272, 0, 0, 16),
-                    1 => (144, 0, 0, 16),
-                    2 => (160, 16, 0, 32),
-                    3 => (176, 0, 16, 48),
-                    _ => (192, 16, 32, 64),
-                };
+            pub(crate) unsafe fn legacy<const T: u8>(
+                tile: &[u8],
+                layout: &TileLayout,
+                y: &Q8Row,
+            ) -> [f32; TILE] {
+                let (bytes, codes) = (layout.bytes, layout.codes);
+                let (min, high) = (layout.min.unwrap_or(0), layout.high.unwrap_or(0));
                 let blocks = y.d.len();
                 assert!(
                     tile.len() >= blocks * bytes,
@@ -303,9 +301,14 @@ macro_rules! tile_kernels {
             /// # Safety
             /// As [`legacy`].
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn k4<const FIVE: bool>(tile: &[u8], y: &Q8Row) -> [f32; TILE] {
-                let (bytes, codes) = if FIVE { (1440, 416) } else { (1184, 160) };
-                let (dmin, scales, mins, high) = (16, 32, 96, 160);
+            pub(crate) unsafe fn k4<const FIVE: bool>(
+                tile: &[u8],
+                layout: &TileLayout,
+                y: &Q8Row,
+            ) -> [f32; TILE] {
+                let (bytes, codes, high) = (layout.bytes, layout.codes, layout.high.unwrap_or(0));
+                let dmin = layout.min.unwrap_or(0);
+                let (scales, mins) = (layout.sub_scales.unwrap_or(0), layout.sub_mins.unwrap_or(0));
                 let per = QK_K / QK8;
                 let blocks = y.d.len() / per;
                 assert!(
@@ -396,8 +399,9 @@ macro_rules! tile_kernels {
             /// # Safety
             /// As [`legacy`].
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn q6k(tile: &[u8], y: &Q8Row) -> [f32; TILE] {
-                let (bytes, scales, codes, high) = (1680, 16, 144, 1168);
+            pub(crate) unsafe fn q6k(tile: &[u8], layout: &TileLayout, y: &Q8Row) -> [f32; TILE] {
+                let (bytes, codes, high) = (layout.bytes, layout.codes, layout.high.unwrap_or(0));
+                let scales = layout.sub_scales.unwrap_or(0);
                 let per = QK_K / QK8;
                 let blocks = y.d.len() / per;
                 assert!(

@@ -184,24 +184,24 @@ impl GgmlMatrix {
     /// this CPU supports; the portable one rebuilds the rows' blocks), the
     /// activation's outliers multiplied exactly.
     fn dot_tile(&self, kernel: Kernel, i: usize, x: &Activations, t: usize) -> [f32; TILE] {
-        let (tile, y) = (self.tile(i), x.row(t));
+        let (tile, l, y) = (self.tile(i), &self.layout, x.row(t));
         #[cfg(target_arch = "x86_64")]
         if kernel != Kernel::Scalar && is_supported(kernel) {
             macro_rules! run {
                 ($k:ident) => {
-                    // SAFETY: the CPU supports `$k` (checked above); each
-                    // kernel checks that the tile holds a tile-block per
-                    // activation block.
+                    // SAFETY: the CPU supports `$k` (checked above) and `l`
+                    // is the type's layout; each kernel checks that the
+                    // tile holds a tile-block per activation block.
                     unsafe {
                         match self.ty() {
-                            GgmlType::Q8_0 => avx2::$k::legacy::<0>(tile, y),
-                            GgmlType::Q4_0 => avx2::$k::legacy::<1>(tile, y),
-                            GgmlType::Q4_1 => avx2::$k::legacy::<2>(tile, y),
-                            GgmlType::Q5_0 => avx2::$k::legacy::<3>(tile, y),
-                            GgmlType::Q5_1 => avx2::$k::legacy::<4>(tile, y),
-                            GgmlType::Q4_K => avx2::$k::k4::<false>(tile, y),
-                            GgmlType::Q5_K => avx2::$k::k4::<true>(tile, y),
-                            GgmlType::Q6_K => avx2::$k::q6k(tile, y),
+                            GgmlType::Q8_0 => avx2::$k::legacy::<0>(tile, l, y),
+                            GgmlType::Q4_0 => avx2::$k::legacy::<1>(tile, l, y),
+                            GgmlType::Q4_1 => avx2::$k::legacy::<2>(tile, l, y),
+                            GgmlType::Q5_0 => avx2::$k::legacy::<3>(tile, l, y),
+                            GgmlType::Q5_1 => avx2::$k::legacy::<4>(tile, l, y),
+                            GgmlType::Q4_K => avx2::$k::k4::<false>(tile, l, y),
+                            GgmlType::Q5_K => avx2::$k::k4::<true>(tile, l, y),
+                            GgmlType::Q6_K => avx2::$k::q6k(tile, l, y),
                             ty => unreachable!("no tile kernel for {}", ty.name()),
                         }
                     }
@@ -213,7 +213,7 @@ impl GgmlMatrix {
                 _ => run!(avx2),
             };
         }
-        let _ = (kernel, tile, y);
+        let _ = (kernel, tile, l, y);
         std::array::from_fn(|lane| {
             let r = (i * TILE + lane).min(self.rows - 1);
             let row = self.row_blocks(r);

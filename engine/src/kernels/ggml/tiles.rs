@@ -234,8 +234,7 @@ pub fn interleaved_at(row: usize, o: usize) -> usize {
 /// decoded alone as ggml's block decoder does (for the activations'
 /// outliers).
 pub fn weight_at(layout: &TileLayout, b: &[u8], row: usize, j: usize) -> f32 {
-    let half =
-        |at: usize| half::f16::from_le_bytes([b[at + 2 * row], b[at + 2 * row + 1]]).to_f32();
+    let half = |at: usize| super::scalar::half(b, at + 2 * row);
     let code = |section: usize, o: usize| b[section + interleaved_at(row, o)];
     let d = half(layout.d);
     let min = || half(layout.min.unwrap_or(0));
