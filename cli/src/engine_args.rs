@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use tandem_engine::capacity::parse_memory_size;
-use tandem_engine::serving::{EngineConfig, KvPoolSize};
+use tandem_engine::serving::{EngineConfig, KvPoolSize, StepTimeLimit};
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
@@ -28,6 +28,13 @@ pub struct EngineArgs {
     /// Context limit (default: the model's context, `ModelConfig::max_context`).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// How long a step that carries decodes may take, which sizes the
+    /// prefill chunks joining it from the measured cost per token: `auto`
+    /// (the CPU default: 1.5x the same step without prefill, steps under
+    /// 20 ms never cut), a number of milliseconds, or `off` (the token
+    /// budget alone; the CUDA default).
+    #[arg(long, value_parser = parse_step_time_limit)]
+    max_step_ms: Option<tandem_engine::serving::StepTimeLimit>,
     /// Do not reuse the K/V of shared prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -46,13 +53,14 @@ pub struct EngineArgs {
     /// engine's numerics, bf16 is fast.
     #[arg(long, value_enum, default_value_t = GpuDtype::Bf16)]
     gpu_dtype: GpuDtype,
-    /// What the KV cache stores (CPU): f32; 16-bit `bf16` / `f16` (half of
-    /// f32's bytes); or 8-bit `int8` / `fp8-e4m3` codes with scales (a
-    /// quarter; `--kv-cache-memory` then holds four times the blocks).
-    /// README's engine-flags table gives each one's measured perplexity
-    /// cost.
-    #[arg(long, default_value = "f32", value_parser = parse_kv_cache_dtype)]
-    kv_dtype: tandem_engine::KvCacheDtype,
+    /// What the KV cache stores (CPU): `auto` (the checkpoint's weight
+    /// dtype: bf16 for a bf16 checkpoint, f16 for GGUF, f32 for f32); f32;
+    /// 16-bit `bf16` / `f16` (half of f32's bytes); or 8-bit `int8` /
+    /// `fp8-e4m3` codes with scales (a quarter; `--kv-cache-memory` then
+    /// holds four times the blocks). README's engine-flags table gives
+    /// each one's measured perplexity cost.
+    #[arg(long, default_value = "auto", value_parser = parse_kv_dtype_choice)]
+    kv_dtype: KvDtypeChoice,
     /// Keep every KV block of sliding-window layers (Gemma 2/3, Mistral)
     /// instead of freeing those that left the window: more memory, the same
     /// tokens.
@@ -88,8 +96,26 @@ pub enum Device {
     Cuda,
 }
 
-pub(crate) fn parse_kv_cache_dtype(s: &str) -> Result<tandem_engine::KvCacheDtype, String> {
+fn parse_step_time_limit(s: &str) -> Result<tandem_engine::serving::StepTimeLimit, String> {
     s.parse()
+        .map_err(|e: tandem_engine::serving::BadStepTimeLimit| e.to_string())
+}
+
+/// `--kv-dtype`: a dtype, or the checkpoint's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtypeChoice {
+    Auto,
+    Is(tandem_engine::KvCacheDtype),
+}
+
+pub(crate) fn parse_kv_dtype_choice(s: &str) -> Result<KvDtypeChoice, String> {
+    match s {
+        "auto" => Ok(KvDtypeChoice::Auto),
+        s => s
+            .parse()
+            .map(KvDtypeChoice::Is)
+            .map_err(|e| format!("{e}, or auto (the checkpoint's dtype)")),
+    }
 }
 
 /// Weight quantization applied at load.
@@ -106,8 +132,9 @@ pub enum GpuDtype {
 }
 
 impl EngineArgs {
-    /// The engine configuration these flags describe.
-    pub fn config(&self) -> Result<EngineConfig> {
+    /// The engine configuration these flags describe, for a checkpoint
+    /// whose weights are `weights` (what `--kv-dtype auto` follows).
+    pub fn config(&self, weights: tandem_engine::DType) -> Result<EngineConfig> {
         if self.block_size == 0 {
             bail!("--block-size must be positive");
         }
@@ -126,12 +153,15 @@ impl EngineArgs {
         if weight_quantization.is_some() && self.device == Device::Cuda {
             bail!("--quantize int4 runs on the CPU only (the CUDA backend has no INT4 kernels)");
         }
-        if self.kv_dtype != tandem_engine::KvCacheDtype::F32 && self.device == Device::Cuda {
-            bail!(
-                "--kv-dtype {} runs on the CPU only (use --gpu-dtype on a GPU)",
-                self.kv_dtype
-            );
-        }
+        let kv_cache_dtype = match (self.kv_dtype, self.device) {
+            (KvDtypeChoice::Is(d), Device::Cuda) if d != tandem_engine::KvCacheDtype::F32 => {
+                bail!("--kv-dtype {d} runs on the CPU only (use --gpu-dtype on a GPU)")
+            }
+            (KvDtypeChoice::Is(d), _) => d,
+            // The GPU's cache follows --gpu-dtype, not this setting.
+            (KvDtypeChoice::Auto, Device::Cuda) => tandem_engine::KvCacheDtype::F32,
+            (KvDtypeChoice::Auto, Device::Cpu) => tandem_engine::KvCacheDtype::for_weights(weights),
+        };
         Ok(EngineConfig {
             block_size: self.block_size,
             kv_pool,
@@ -143,8 +173,12 @@ impl EngineArgs {
             batch_invariant: self.batch_invariant,
             max_queued_requests: Some(self.max_queued_requests),
             weight_quantization,
-            kv_cache_dtype: self.kv_dtype,
+            kv_cache_dtype,
             keep_windowed_blocks: self.keep_windowed_blocks,
+            max_step_time: self.max_step_ms.unwrap_or(match self.device {
+                Device::Cpu => StepTimeLimit::AUTO,
+                Device::Cuda => StepTimeLimit::Off,
+            }),
         })
     }
 }
@@ -155,7 +189,7 @@ impl EngineArgs {
     fn kv_values(&self, config: &EngineConfig) -> String {
         let int4 = config.weight_quantization.map(|q| q.group_size);
         match self.device {
-            Device::Cpu => format!("cpu-{} int4={int4:?}", self.kv_dtype),
+            Device::Cpu => format!("cpu-{} int4={int4:?}", config.kv_cache_dtype),
             Device::Cuda => format!("cuda-{:?}", self.gpu_dtype),
         }
     }
@@ -193,9 +227,9 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         Some(d) => d.to_path_buf(),
         None => crate::default_model::default_model_dir()?,
     };
-    let config = args.config()?;
     let ckpt = tandem_engine::Checkpoint::open(&dir)
         .with_context(|| format!("loading model from {}", dir.display()))?;
+    let config = args.config(ckpt.model.weight_dtype())?;
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
     let parallel = args.parallel.parallelism()?;
     let mut ranks = None;

@@ -30,11 +30,12 @@ pub struct PlanArgs {
     /// max_position_embeddings, extended by its rope scaling).
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// What the KV cache stores: f32, bf16, f16, int8 or fp8-e4m3 (the
-    /// 8-bit ones with an f16 scale per token and KV head), as
-    /// the serving commands' `--kv-dtype` spells them.
-    #[arg(long, default_value = "f32", value_parser = crate::engine_args::parse_kv_cache_dtype)]
-    kv_dtype: KvCacheDtype,
+    /// What the KV cache stores: auto (the checkpoint's weight dtype, the
+    /// serving default), f32, bf16, f16, int8 or fp8-e4m3 (the 8-bit ones
+    /// with an f16 scale per token and KV head), as the serving commands'
+    /// `--kv-dtype` spells them.
+    #[arg(long, default_value = "auto", value_parser = crate::engine_args::parse_kv_dtype_choice)]
+    kv_dtype: crate::engine_args::KvDtypeChoice,
     /// Plan for weights quantized at load (`tandem serve --quantize int4`).
     #[arg(long, value_enum)]
     quantize: Option<crate::engine_args::Quantize>,
@@ -117,12 +118,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         None => checkpoint_weight_bytes(&dir),
     }
     .with_context(|| format!("reading the weight headers of {}", dir.display()))?;
+    let kv_dtype = match args.kv_dtype {
+        crate::engine_args::KvDtypeChoice::Is(d) => d,
+        crate::engine_args::KvDtypeChoice::Auto => KvCacheDtype::for_weights(
+            tandem_engine::capacity::checkpoint_weight_dtype(&dir)
+                .with_context(|| format!("reading the weight dtype of {}", dir.display()))?,
+        ),
+    };
     let plan = CapacityPlan {
         block_size: args.block_size,
         max_model_len: args.max_model_len,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
-        kv_dtype: args.kv_dtype,
+        kv_dtype,
         ..CapacityPlan::new(args.memory, weight_bytes)
     };
     let cap = plan.plan(&cfg).with_context(|| {

@@ -318,11 +318,12 @@ fn plan_json_follows_the_capacity_formula() {
         json_of(&tandem(&args, tmp.path()))
     };
 
-    // Defaults: f32 KV, 16-token blocks, 2048 batched tokens, 256 sequences,
-    // max_model_len = max_position_embeddings.
+    // Defaults: KV in the checkpoint's dtype (bf16 here, two bytes),
+    // 16-token blocks, 2048 batched tokens, 256 sequences, max_model_len =
+    // max_position_embeddings.
     let memory = 64u64 << 20;
     let p = run(&["--memory", "64MiB"]);
-    let kv_per_token = 2 * layers * kv_heads * head_dim * 4;
+    let kv_per_token = 2 * layers * kv_heads * head_dim * 2;
     let (q, kv) = (heads * head_dim, kv_heads * head_dim);
     let activations = 4 * (2048 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 256 * vocab);
     let pool_blocks = (memory - weights - activations) / (16 * kv_per_token);
@@ -330,7 +331,7 @@ fn plan_json_follows_the_capacity_formula() {
     assert_eq!(p["memory_bytes"], memory);
     assert_eq!(p["weight_bytes"], weights);
     assert_eq!(p["activation_bytes"], activations);
-    assert_eq!(p["kv_dtype"], "f32");
+    assert_eq!(p["kv_dtype"], "bf16");
     assert_eq!(p["kv_bytes_per_token"], kv_per_token);
     assert_eq!(p["bytes_per_block"], 16 * kv_per_token);
     assert_eq!(p["pool_blocks"], pool_blocks);

@@ -87,15 +87,7 @@ pub fn paged_attention(
     } = heads;
     let stride = num_heads * d;
     let group = num_heads / num_kv_heads;
-    let Scoring {
-        scale,
-        softcap,
-        window,
-        sinks,
-    } = scoring;
     let bs = kv.layout().block_size;
-    let view = kv.layer(layer);
-    let (groups, layer_group) = (kv.groups().num_groups(), kv.groups().group(layer));
 
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
@@ -107,86 +99,232 @@ pub fn paged_attention(
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
     let out_len = out.len();
-    tasks.into_par_iter().for_each(|(s, h, t0, t1)| {
-        let seq = &seqs[s];
-        let kvh = h / group;
-        let ptr = out_ptr;
-        let mut scores = vec![0.0f32; bs];
-        let mut row_buf = vec![0.0f32; d];
-        let rotated = view.rotated();
-        let mut q_rot = vec![0.0f32; if rotated { d } else { 0 }];
-        for t in t0..t1 {
-            let row = seq.row + t;
-            let mut qv = &q[row * stride + h * d..row * stride + (h + 1) * d];
-            if rotated {
-                // Keys are stored rotated: (HDq)·(HDk) = q·k.
-                q_rot.copy_from_slice(qv);
-                rotate_row(&mut q_rot);
-                qv = &q_rot;
-            }
-            // SAFETY: this task alone writes row `row`, head `h`; the range
-            // lies inside `out` (checked by the slice bounds below).
+    let rows = LayerRows {
+        kv,
+        view: kv.layer(layer),
+        scoring,
+        d,
+        stride,
+        bs,
+        groups: kv.groups().num_groups(),
+        layer_group: kv.groups().group(layer),
+    };
+    tasks.into_par_iter().for_each_init(
+        || TileScratch::new(bs, d),
+        |scratch, (s, h, t0, t1)| {
+            let seq = &seqs[s];
+            // The whole pointer, not its field (a field alone is not Sync).
+            let ptr = out_ptr;
+            // SAFETY: this task alone writes rows `seq.row + t0..t1`, head
+            // `h`, of `out` (tasks partition (sequence, head, query tile));
+            // `out` outlives the parallel loop and `out_len` is its length.
             let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
-            let acc = &mut o[row * stride + h * d..row * stride + (h + 1) * d];
-            acc.fill(0.0);
-            let pos = seq.start_pos + t;
-            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
-            let mut kpos = lo;
-            while kpos <= pos {
-                let b = kpos / bs;
-                let slot0 = kpos % bs;
-                let slot1 = (bs).min(slot0 + pos + 1 - kpos);
-                let block = seq.blocks[b * groups + layer_group];
-                let base_row = kv.offset(block, kvh, 0) / d;
-                let mut bmax = f32::NEG_INFINITY;
-                for (slot, score) in scores.iter_mut().enumerate().take(slot1).skip(slot0) {
-                    let (kr, k_scale) = view.key(base_row + slot, &mut row_buf);
-                    let sc = dot_f32(qv, kr) * (scale * k_scale);
-                    let sc = match softcap {
-                        Some(cap) => cap * (sc / cap).tanh(),
-                        None => sc,
-                    };
-                    *score = sc;
-                    bmax = bmax.max(sc);
-                }
-                if bmax > m {
-                    let c = (m - bmax).exp();
-                    l *= c;
-                    for a in acc.iter_mut() {
-                        *a *= c;
-                    }
-                    m = bmax;
-                }
-                for (slot, &score) in scores.iter().enumerate().take(slot1).skip(slot0) {
-                    let p = (score - m).exp();
-                    l += p;
-                    let (vr, v_scale) = view.value(base_row + slot, &mut row_buf);
-                    axpy_f32(acc, p * v_scale, vr);
-                }
-                kpos += slot1 - slot0;
+            let tile = QueryTile {
+                seq,
+                head: h,
+                kv_head: h / group,
+                t0,
+                t1,
+            };
+            attend_tile(q, &rows, &tile, scratch, o);
+        },
+    );
+}
+
+/// One layer's K/V rows and how they are scored, for [`attend_tile`].
+struct LayerRows<'a> {
+    kv: &'a KvCache,
+    view: crate::kv_cache::LayerView<'a>,
+    scoring: Scoring<'a>,
+    d: usize,
+    stride: usize,
+    bs: usize,
+    groups: usize,
+    layer_group: usize,
+}
+
+/// One task: queries `t0..t1` of one sequence under one query head.
+struct QueryTile<'s, 'b> {
+    seq: &'s AttnSeq<'b>,
+    head: usize,
+    kv_head: usize,
+    t0: usize,
+    t1: usize,
+}
+
+/// A task's buffers, reused across the tasks one thread runs.
+struct TileScratch {
+    /// Decoded K then V rows of one block (16- and 8-bit caches).
+    rows: Vec<f32>,
+    /// Their factors (8-bit scales; 1 otherwise).
+    row_scales: Vec<f32>,
+    /// Each query's scores, then softmax weights, over the block's slots.
+    probs: Vec<f32>,
+    /// Running max and normaliser per query.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// The queries, rotated for an 8-bit cache.
+    q_rot: Vec<f32>,
+}
+
+impl TileScratch {
+    fn new(bs: usize, d: usize) -> Self {
+        Self {
+            rows: vec![0.0; bs * d],
+            row_scales: vec![0.0; bs],
+            probs: vec![0.0; QUERY_TILE * bs],
+            m: vec![0.0; QUERY_TILE],
+            l: vec![0.0; QUERY_TILE],
+            q_rot: vec![0.0; QUERY_TILE * d],
+        }
+    }
+}
+
+/// Attention for one query tile, block by block: each K and V block is
+/// decoded once for the tile's queries (not once per query), then every
+/// query runs the online-softmax step over the slots it sees. Per query
+/// the arithmetic and its order are the one-query-at-a-time loop's, so
+/// results do not depend on the tiling.
+fn attend_tile(
+    q: &[f32],
+    layer: &LayerRows<'_>,
+    tile: &QueryTile<'_, '_>,
+    sc: &mut TileScratch,
+    out: &mut [f32],
+) {
+    let LayerRows {
+        kv,
+        ref view,
+        scoring,
+        d,
+        stride,
+        bs,
+        groups,
+        layer_group,
+    } = *layer;
+    let (seq, h) = (tile.seq, tile.head);
+    let n = tile.t1 - tile.t0;
+    let rotated = view.rotated();
+    let pos_of = |i: usize| seq.start_pos + tile.t0 + i;
+    let lo_of = |i: usize| {
+        scoring
+            .window
+            .map_or(0, |w| (pos_of(i) + 1).saturating_sub(w))
+    };
+    let query = |i: usize| {
+        let row = seq.row + tile.t0 + i;
+        row * stride + h * d..row * stride + (h + 1) * d
+    };
+    if rotated {
+        // Keys are stored rotated: (HDq)·(HDk) = q·k.
+        for i in 0..n {
+            let qr = &mut sc.q_rot[i * d..(i + 1) * d];
+            qr.copy_from_slice(&q[query(i)]);
+            rotate_row(qr);
+        }
+    }
+    for i in 0..n {
+        out[query(i)].fill(0.0);
+    }
+    sc.m[..n].fill(f32::NEG_INFINITY);
+    sc.l[..n].fill(0.0);
+    // Keys any query of the tile sees: the first query's window start to
+    // the last query's position.
+    let (lo, hi) = (lo_of(0), pos_of(n - 1));
+    for b in lo / bs..=hi / bs {
+        let block = seq.blocks[b * groups + layer_group];
+        let base_row = kv.offset(block, tile.kv_head, 0) / d;
+        // Slots of this block inside [lo, hi].
+        let first = (b * bs).max(lo) - b * bs;
+        let end = ((b + 1) * bs).min(hi + 1) - b * bs;
+        let span = end - first;
+        let keys = view.key_rows(
+            base_row + first,
+            &mut sc.rows[..span * d],
+            &mut sc.row_scales[..span],
+        );
+        // Each query's visible slots of the block, as `first..end`-relative
+        // indices; empty when the block is outside its window or future.
+        let visible = |i: usize| {
+            let (qlo, qhi) = (
+                lo_of(i).max(b * bs + first),
+                pos_of(i).min(b * bs + end - 1),
+            );
+            (qlo <= qhi).then(|| (qlo - b * bs - first, qhi + 1 - b * bs - first))
+        };
+        for i in 0..n {
+            let Some((s0, s1)) = visible(i) else {
+                continue;
+            };
+            let qv = if rotated {
+                &sc.q_rot[i * d..(i + 1) * d]
+            } else {
+                &q[query(i)]
+            };
+            let probs = &mut sc.probs[i * bs..i * bs + span];
+            let mut bmax = f32::NEG_INFINITY;
+            for j in s0..s1 {
+                let s = dot_f32(qv, &keys[j * d..(j + 1) * d]) * (scoring.scale * sc.row_scales[j]);
+                let s = match scoring.softcap {
+                    Some(cap) => cap * (s / cap).tanh(),
+                    None => s,
+                };
+                probs[j] = s;
+                bmax = bmax.max(s);
             }
-            if let Some(sink) = sinks.map(|s| s[h]) {
-                // The sink joins the denominator; rescale first if it is the
-                // largest logit, so nothing overflows.
-                if sink > m {
-                    let c = (m - sink).exp();
-                    l = l * c + 1.0;
-                    for a in acc.iter_mut() {
-                        *a *= c;
-                    }
-                } else {
-                    l += (sink - m).exp();
+            let acc = &mut out[query(i)];
+            if bmax > sc.m[i] {
+                let c = (sc.m[i] - bmax).exp();
+                sc.l[i] *= c;
+                for a in acc.iter_mut() {
+                    *a *= c;
                 }
+                sc.m[i] = bmax;
             }
-            let inv = 1.0 / l;
-            for a in acc.iter_mut() {
-                *a *= inv;
-            }
-            if rotated {
-                // The values summed were rotated.
-                unrotate_row(acc);
+            for p in &mut probs[s0..s1] {
+                *p = (*p - sc.m[i]).exp();
+                sc.l[i] += *p;
             }
         }
-    });
+        let values = view.value_rows(
+            base_row + first,
+            &mut sc.rows[..span * d],
+            &mut sc.row_scales[..span],
+        );
+        for i in 0..n {
+            let Some((s0, s1)) = visible(i) else {
+                continue;
+            };
+            let acc = &mut out[query(i)];
+            for j in s0..s1 {
+                let p = sc.probs[i * bs + j];
+                axpy_f32(acc, p * sc.row_scales[j], &values[j * d..(j + 1) * d]);
+            }
+        }
+    }
+    for i in 0..n {
+        let (m, l) = (sc.m[i], sc.l[i]);
+        let acc = &mut out[query(i)];
+        let l = match scoring.sinks.map(|s| s[h]) {
+            // The sink joins the denominator; rescale first if it is the
+            // largest logit, so nothing overflows.
+            Some(sink) if sink > m => {
+                let c = (m - sink).exp();
+                for a in acc.iter_mut() {
+                    *a *= c;
+                }
+                l * c + 1.0
+            }
+            Some(sink) => l + (sink - m).exp(),
+            None => l,
+        };
+        let inv = 1.0 / l;
+        for a in acc.iter_mut() {
+            *a *= inv;
+        }
+        if rotated {
+            // The values summed were rotated.
+            unrotate_row(acc);
+        }
+    }
 }

@@ -128,6 +128,23 @@ pub fn presets() -> Vec<(&'static str, &'static str, SynthConfig)> {
             bench.clone(),
         ),
         (
+            "bench-smol",
+            "576 hidden, 30 layers, GQA 9:3, 49152 vocab, tied (~135M params): \
+             SmolLM2-135M's shape, deep and narrow with a large head",
+            SynthConfig {
+                hidden_size: 576,
+                intermediate_size: 1536,
+                num_layers: 30,
+                num_heads: 9,
+                num_kv_heads: 3,
+                vocab_size: 49152,
+                max_position_embeddings: 2048,
+                rope_theta: 100000.0,
+                tie_word_embeddings: true,
+                ..bench.clone()
+            },
+        ),
+        (
             "tiny-moe",
             "as tiny, a Qwen3-MoE: 8 experts of 64 features, 2 per token",
             SynthConfig {

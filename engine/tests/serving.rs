@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tandem_engine::serving::{
     EngineConfig, EngineCore, KvPoolSize, Prompt, Request, RequestEvent, RequestSummary,
+    StepTimeLimit,
 };
 use tandem_engine::{synth, Checkpoint, DType, EngineError, FinishReason, SamplingParams};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -209,6 +210,55 @@ fn batching_chunking_and_preemption_do_not_change_greedy_tokens() {
     for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, b, "request {i} differs under chunking and preemption");
     }
+}
+
+/// A long prompt arriving while another request decodes, stepped by hand:
+/// the most tokens any step computed while the prompt was prefilling, and
+/// both requests' tokens.
+fn prompt_beside_a_decode(
+    ck: &Checkpoint,
+    limit: StepTimeLimit,
+) -> (usize, Vec<Vec<u32>>, Vec<Request>) {
+    let config = EngineConfig {
+        batch_invariant: true,
+        max_step_time: limit,
+        ..EngineConfig::default()
+    };
+    let mut d = Driver::new(core(ck, &config));
+    let mut decoding = Request::new(Prompt::Tokens(vec![3, 1, 4, 1, 5]), 100);
+    decoding.ignore_eos = true;
+    let long = Request::new(Prompt::Tokens((0..300).map(|i| i * 7 % 256).collect()), 4);
+    let a = d.add(decoding.clone());
+    d.step();
+    d.step();
+    let b = d.add(long.clone());
+    let mut widest = 0;
+    while d.outcomes.get(&b).is_none_or(|o| o.tokens.is_empty()) {
+        let before = d.core.stats().computed_tokens;
+        d.step();
+        widest = widest.max((d.core.stats().computed_tokens - before) as usize);
+        assert!(d.steps < 1000, "the long prompt never finished");
+    }
+    d.run();
+    d.assert_all_free();
+    let tokens = [a, b].map(|id| d.outcomes[&id].tokens[&0].clone());
+    (widest, tokens.to_vec(), vec![decoding, long])
+}
+
+#[test]
+fn a_step_time_limit_chunks_prefill_beside_decodes_and_keeps_tokens() {
+    let (_tmp, ck) = checkpoint(512);
+    // Without a limit the whole prompt joins the decode's step.
+    let (widest, _, _) = prompt_beside_a_decode(&ck, StepTimeLimit::Off);
+    assert_eq!(widest, 301);
+    // A bound no step can meet: the first chunk while the cost line is
+    // unknown (32 tokens), then the progress floor (8), beside one decode.
+    let (widest, tokens, reqs) = prompt_beside_a_decode(
+        &ck,
+        StepTimeLimit::Fixed(std::time::Duration::from_nanos(1)),
+    );
+    assert!((9..=33).contains(&widest), "widest step {widest}");
+    assert_eq!(tokens, tokens_alone(&ck, &reqs), "chunking changed tokens");
 }
 
 #[test]

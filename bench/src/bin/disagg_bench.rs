@@ -29,7 +29,6 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use tandem_engine::synth;
 use tandem_loadgen::sweep::{sweep, Sweep};
 use tandem_loadgen::{Arrival, LengthDist, RunOptions, Slo, WorkloadSpec};
 
@@ -67,6 +66,23 @@ struct Args {
     interference_rate: Option<f64>,
     #[arg(long, default_value = "disagg-results")]
     out_dir: PathBuf,
+    /// Which configurations to run.
+    #[arg(long, value_delimiter = ',', default_value = "colocated,disaggregated")]
+    configs: Vec<ConfigKind>,
+    /// Skip the goodput sweeps: only the unloaded run and the interference
+    /// comparison (minutes instead of tens of minutes on a real model).
+    #[arg(long)]
+    interference_only: bool,
+    /// An extra flag for every serving process (not the router), e.g.
+    /// `--serve-arg=--max-step-ms=off`; repeatable.
+    #[arg(long, allow_hyphen_values = true)]
+    serve_arg: Vec<String>,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum ConfigKind {
+    Colocated,
+    Disaggregated,
 }
 
 /// A child process, killed at the end.
@@ -111,20 +127,23 @@ struct Config {
     addr: String,
 }
 
-fn colocated(tandem: &Path, model: &str) -> Result<Config> {
-    let (p, addr) = start(
-        tandem,
-        "0,1",
-        &[
-            "serve",
-            "--model",
-            model,
-            "--addr",
-            "127.0.0.1:0",
-            "--kv-cache-memory",
-            "1GiB",
-        ],
-    )?;
+/// A serving process's arguments: the role's, the common ones, the extras.
+fn serve_args<'a>(role: &[&'a str], model: &'a str, extra: &'a [String]) -> Vec<&'a str> {
+    let mut a = role.to_vec();
+    a.extend([
+        "--model",
+        model,
+        "--addr",
+        "127.0.0.1:0",
+        "--kv-cache-memory",
+        "1GiB",
+    ]);
+    a.extend(extra.iter().map(String::as_str));
+    a
+}
+
+fn colocated(tandem: &Path, model: &str, extra: &[String]) -> Result<Config> {
+    let (p, addr) = start(tandem, "0,1", &serve_args(&["serve"], model, extra))?;
     Ok(Config {
         name: "colocated (2 cores)",
         _procs: vec![p],
@@ -132,21 +151,10 @@ fn colocated(tandem: &Path, model: &str) -> Result<Config> {
     })
 }
 
-fn disaggregated(tandem: &Path, model: &str) -> Result<Config> {
-    let common = [
-        "--model",
-        model,
-        "--addr",
-        "127.0.0.1:0",
-        "--kv-cache-memory",
-        "1GiB",
-    ];
-    let mut a = vec!["prefill-worker"];
-    a.extend(common);
-    let (prefill, paddr) = start(tandem, "0", &a)?;
-    let mut a = vec!["decode-worker", "--remote-prefill-threshold", "256"];
-    a.extend(common);
-    let (decode, daddr) = start(tandem, "1", &a)?;
+fn disaggregated(tandem: &Path, model: &str, extra: &[String]) -> Result<Config> {
+    let (prefill, paddr) = start(tandem, "0", &serve_args(&["prefill-worker"], model, extra))?;
+    let decode_role = ["decode-worker", "--remote-prefill-threshold", "256"];
+    let (decode, daddr) = start(tandem, "1", &serve_args(&decode_role, model, extra))?;
     let (router, addr) = start(
         tandem,
         "0,1",
@@ -171,6 +179,82 @@ fn disaggregated(tandem: &Path, model: &str) -> Result<Config> {
     })
 }
 
+/// The checkpoint's vocabulary size (prompts are drawn below it).
+fn vocab_size(model: &Path) -> Result<u32> {
+    let text = std::fs::read_to_string(model.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", model.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text)?;
+    let v = config["vocab_size"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("config.json has no vocab_size"))?;
+    Ok(u32::try_from(v)?)
+}
+
+/// TPOT p99 of fresh long prompts (every request prefills while others
+/// decode) against the same prompts sent again (all in the prefix cache:
+/// decode only, over the same context lengths), and what the prefill load
+/// does to TTFT.
+fn interference(
+    rt: &tokio::runtime::Runtime,
+    channel: tonic::transport::Channel,
+    fresh: Vec<tandem_loadgen::WorkItem>,
+    rate: f64,
+    opts: &RunOptions,
+    slo: Slo,
+) -> serde_json::Value {
+    let at = RunOptions {
+        arrival: Arrival::poisson(rate),
+        ..opts.clone()
+    };
+    let run = |reqs| {
+        tandem_loadgen::summarize(
+            &rt.block_on(tandem_loadgen::run(channel.clone(), reqs, &at)),
+            slo,
+        )
+    };
+    let with_prefill = run(fresh.clone());
+    let decode_only = run(fresh);
+    let ratio = with_prefill.tpot.p99 / decode_only.tpot.p99;
+    eprintln!(
+        "  TPOT p99 at {rate} req/s: {:.2} ms with long prompts, {:.2} ms decode-only ({ratio:.2}x); \
+         TTFT p50/p99 {:.0}/{:.0} ms; {} failed",
+        with_prefill.tpot.p99 * 1e3,
+        decode_only.tpot.p99 * 1e3,
+        with_prefill.ttft.p50 * 1e3,
+        with_prefill.ttft.p99 * 1e3,
+        with_prefill.failed + decode_only.failed,
+    );
+    json!({
+        "interference_rate": rate,
+        "tpot_p99_ms_with_prefill_load": with_prefill.tpot.p99 * 1e3,
+        "tpot_p99_ms_decode_only": decode_only.tpot.p99 * 1e3,
+        "tpot_p99_interference_ratio": ratio,
+        "ttft_p50_ms_with_prefill_load": with_prefill.ttft.p50 * 1e3,
+        "ttft_p99_ms_with_prefill_load": with_prefill.ttft.p99 * 1e3,
+        "failed": with_prefill.failed + decode_only.failed,
+    })
+}
+
+/// Unloaded latencies, one request at a time after a warm-up of two.
+fn unloaded_run(
+    rt: &tokio::runtime::Runtime,
+    channel: tonic::transport::Channel,
+    reqs: &[tandem_loadgen::WorkItem],
+    opts: &RunOptions,
+) -> tandem_loadgen::Summary {
+    let one = RunOptions {
+        arrival: Arrival::Concurrency(1),
+        ..opts.clone()
+    };
+    let _ = rt.block_on(tandem_loadgen::run(
+        channel.clone(),
+        reqs[..2].to_vec(),
+        &one,
+    ));
+    let records = rt.block_on(tandem_loadgen::run(channel, reqs[2..].to_vec(), &one));
+    tandem_loadgen::summarize(&records, Slo::default())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let bench_model = tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "small")?;
@@ -178,7 +262,7 @@ fn main() -> Result<()> {
     let model_str = model
         .to_str()
         .ok_or_else(|| anyhow!("model path is not UTF-8"))?;
-    let vocab = synth::preset("small")?.vocab_size as u32;
+    let vocab = vocab_size(&model)?;
     let spec = |input: LengthDist, seed: u64| WorkloadSpec {
         input,
         output: args.output_len,
@@ -218,27 +302,16 @@ fn main() -> Result<()> {
     let mut sweeps: Vec<Sweep> = Vec::new();
     let mut results = Vec::new();
     let mut unloaded = None;
-    for make in [colocated, disaggregated] {
-        let config = make(&args.tandem, model_str)?;
+    for (k, kind) in args.configs.iter().enumerate() {
+        let config = match kind {
+            ConfigKind::Colocated => colocated(&args.tandem, model_str, &args.serve_arg)?,
+            ConfigKind::Disaggregated => disaggregated(&args.tandem, model_str, &args.serve_arg)?,
+        };
         eprintln!("{}: {}", config.name, config.addr);
         let channel = rt.block_on(tandem_loadgen::connect(&config.addr))?;
         if unloaded.is_none() {
-            // Unloaded latencies, one request at a time, after a warm-up.
-            let one = RunOptions {
-                arrival: Arrival::Concurrency(1),
-                ..opts.clone()
-            };
-            let _ = rt.block_on(tandem_loadgen::run(
-                channel.clone(),
-                long_runs[n_rates + 1][..2].to_vec(),
-                &one,
-            ));
-            let records = rt.block_on(tandem_loadgen::run(
-                channel.clone(),
-                long_runs[n_rates + 1][2..10.min(args.num_requests)].to_vec(),
-                &one,
-            ));
-            let s = tandem_loadgen::summarize(&records, Slo::default());
+            let reqs = &long_runs[n_rates + 1][..10.min(args.num_requests)];
+            let s = unloaded_run(&rt, channel.clone(), reqs, &opts);
             slo.ttft_s.get_or_insert(s.ttft.p50 * args.slo_ttft_scale);
             slo.tpot_s.get_or_insert(s.tpot.p50 * args.slo_tpot_scale);
             eprintln!(
@@ -250,56 +323,37 @@ fn main() -> Result<()> {
             );
             unloaded = Some(s);
         }
-        let s = rt.block_on(sweep(
-            config.name,
-            channel.clone(),
-            |i: usize| long_runs[i.min(n_rates)].clone(),
-            &args.rates,
-            &opts,
-            slo,
-        ));
-        for p in &s.points {
-            eprintln!(
-                "  {:.2} req/s: attainment {:.0}%, TTFT p99 {:.0} ms, TPOT p99 {:.2} ms",
-                p.rate,
-                p.summary.slo_attainment * 100.0,
-                p.summary.ttft.p99 * 1e3,
-                p.summary.tpot.p99 * 1e3
-            );
+        let mut goodput = None;
+        if !args.interference_only {
+            let s = rt.block_on(sweep(
+                config.name,
+                channel.clone(),
+                |i: usize| long_runs[i.min(n_rates)].clone(),
+                &args.rates,
+                &opts,
+                slo,
+            ));
+            for p in &s.points {
+                eprintln!(
+                    "  {:.2} req/s: attainment {:.0}%, TTFT p99 {:.0} ms, TPOT p99 {:.2} ms",
+                    p.rate,
+                    p.summary.slo_attainment * 100.0,
+                    p.summary.ttft.p99 * 1e3,
+                    p.summary.tpot.p99 * 1e3
+                );
+            }
+            eprintln!("  goodput {:?} req/s", s.goodput);
+            goodput = s.goodput;
+            sweeps.push(s);
         }
-        eprintln!("  goodput {:?} req/s", s.goodput);
-        let at = RunOptions {
-            arrival: Arrival::poisson(interference_rate),
-            ..opts.clone()
-        };
-        // The same prompts twice: first fresh (every request prefills while
-        // others decode), then again, all in the prefix cache (decode only,
-        // over the same context lengths).
-        let fresh = long_runs[n_rates + 2 + sweeps.len()].clone();
-        let with_prefill = tandem_loadgen::summarize(
-            &rt.block_on(tandem_loadgen::run(channel.clone(), fresh.clone(), &at)),
-            slo,
-        );
-        let decode_only =
-            tandem_loadgen::summarize(&rt.block_on(tandem_loadgen::run(channel, fresh, &at)), slo);
-        let interference = with_prefill.tpot.p99 / decode_only.tpot.p99;
-        eprintln!(
-            "  TPOT p99 at {interference_rate} req/s: {:.2} ms with long prompts, {:.2} ms decode-only ({interference:.2}x)",
-            with_prefill.tpot.p99 * 1e3,
-            decode_only.tpot.p99 * 1e3
-        );
-        results.push(json!({
-            "config": config.name,
-            "goodput_rps": s.goodput,
-            "interference_rate": interference_rate,
-            "tpot_p99_ms_with_prefill_load": with_prefill.tpot.p99 * 1e3,
-            "tpot_p99_ms_decode_only": decode_only.tpot.p99 * 1e3,
-            "tpot_p99_interference_ratio": interference,
-        }));
-        sweeps.push(s);
+        let fresh = long_runs[(n_rates + 2 + k).min(n_rates + 3)].clone();
+        let mut result = interference(&rt, channel, fresh, interference_rate, &opts, slo);
+        result["config"] = json!(config.name);
+        result["goodput_rps"] = json!(goodput);
+        results.push(result);
     }
-    let goodput_ratio = match (sweeps[1].goodput, sweeps[0].goodput) {
-        (Some(d), Some(c)) => Some(d / c),
+    let goodput_ratio = match sweeps.as_slice() {
+        [c, d] => c.goodput.zip(d.goodput).map(|(c, d)| d / c),
         _ => None,
     };
     let report = json!({
@@ -308,6 +362,8 @@ fn main() -> Result<()> {
             "output_len": format!("{:?}", args.output_len),
             "num_requests_per_rate": args.num_requests,
             "rates": args.rates,
+            "model": model_str,
+            "serve_args": args.serve_arg,
         },
         "slo": slo,
         "unloaded_colocated": unloaded,
@@ -318,7 +374,9 @@ fn main() -> Result<()> {
     });
     let path = args.out_dir.join("disagg.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
-    tandem_loadgen::sweep::plot_sweeps(&args.out_dir, &sweeps)?;
+    if !sweeps.is_empty() {
+        tandem_loadgen::sweep::plot_sweeps(&args.out_dir, &sweeps)?;
+    }
     println!(
         "{}",
         serde_json::to_string_pretty(&json!({
@@ -327,6 +385,6 @@ fn main() -> Result<()> {
             "slo": slo,
         }))?
     );
-    eprintln!("wrote {} and plots", path.display());
+    eprintln!("wrote {}", path.display());
     Ok(())
 }

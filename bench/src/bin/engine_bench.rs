@@ -19,7 +19,7 @@ use serde_json::json;
 use tandem_bench::{percentile, read_bandwidth};
 use tandem_engine::kernels::{linear, MatmulPolicy};
 use tandem_engine::weights::{Matrix, WeightData};
-use tandem_engine::{BlockAllocator, BlockTable, KvCache, Model, SeqInput};
+use tandem_engine::{BlockAllocator, BlockTable, KvCache, KvCacheDtype, Model, SeqInput};
 
 #[derive(Parser, Debug)]
 #[command(about = "tandem engine benchmark (JSON output)")]
@@ -45,6 +45,9 @@ struct Args {
     /// KV block size.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// What the KV cache stores (f32, bf16, f16, int8, fp8-e4m3).
+    #[arg(long, default_value = "f32")]
+    kv_dtype: KvCacheDtype,
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -83,7 +86,7 @@ fn main() -> Result<()> {
         .collect();
     let blocks = args.prompt_len.div_ceil(bs);
     let pool = BlockAllocator::new(blocks, bs)?;
-    let mut kv = KvCache::new(model.kv_layout(bs), blocks);
+    let mut kv = KvCache::with_dtype(model.kv_layout(bs), blocks, args.kv_dtype);
     let mut prefill_secs = Vec::new();
     for _ in 0..args.prefill_reps + 1 {
         let mut table = BlockTable::new(&pool);
@@ -115,7 +118,7 @@ fn main() -> Result<()> {
         let ctx = args.decode_context;
         let per_seq = (ctx + args.decode_steps + 1).div_ceil(bs);
         let pool = BlockAllocator::new(per_seq * batch, bs)?;
-        let mut kv = KvCache::new(model.kv_layout(bs), per_seq * batch);
+        let mut kv = KvCache::with_dtype(model.kv_layout(bs), per_seq * batch, args.kv_dtype);
         let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::new(&pool)).collect();
         // Fill every sequence's context with one batched prefill.
         let prompts: Vec<Vec<u32>> = (0..batch)
@@ -163,8 +166,11 @@ fn main() -> Result<()> {
         }
         step_secs.remove(0); // warm-up
         let median = percentile(&step_secs, 50.0);
-        let kv_read =
-            batch as f64 * (ctx + args.decode_steps / 2) as f64 * cfg.kv_bytes_per_token() as f64;
+        let kv_read = batch as f64
+            * (ctx + args.decode_steps / 2) as f64
+            * cfg.kv_bytes_per_token() as f64
+            * args.kv_dtype.bytes() as f64
+            / 4.0;
         let bytes = model.weight_bytes() as f64 + kv_read;
         let ideal = bytes / bw;
         // Linear layers: 2 FLOPs per weight per token.
@@ -244,6 +250,7 @@ fn main() -> Result<()> {
             "kv_heads": cfg.num_kv_heads, "vocab": cfg.vocab_size,
         },
         "threads": threads,
+        "kv_dtype": args.kv_dtype.name(),
         "memory_read_bandwidth_gb_s": bw / 1e9,
         "gemm_f32_peak_gflop_s": gemm_flops / 1e9,
         "prefill": {

@@ -533,7 +533,44 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// Sums `bytes(name, shape, end − start)` over every tensor's
 /// `data_offsets` in one file's header, checking the offsets against the
 /// file's length.
-fn safetensors_data_bytes(path: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
+/// The dtype a checkpoint's weights load as (its embedding's, which
+/// [`crate::Model::weight_dtype`] reports and `--kv-dtype auto` follows),
+/// from the headers alone: a GGUF's quantized embedding loads as f16.
+pub fn checkpoint_weight_dtype(dir: &Path) -> Result<crate::DType> {
+    const EMBED: &str = "model.embed_tokens.weight";
+    if let Some((g, map)) = gguf_table(dir)? {
+        let embed = map.names.iter().find(|(hf, _)| hf == EMBED);
+        return Ok(
+            match embed.and_then(|(_, name)| g.tensor(name)).map(|t| t.ty) {
+                Some(tandem_gguf::GgmlType::F32) => crate::DType::F32,
+                Some(tandem_gguf::GgmlType::Bf16) => crate::DType::Bf16,
+                _ => crate::DType::F16,
+            },
+        );
+    }
+    for path in crate::weights::safetensors_files(dir)? {
+        let (tensors, _) = safetensors_header(&path)?;
+        if let Some(dtype) = tensors.get(EMBED).and_then(|t| t.get("dtype")) {
+            return match dtype.as_str() {
+                Some("F32") => Ok(crate::DType::F32),
+                Some("BF16") => Ok(crate::DType::Bf16),
+                Some("F16") => Ok(crate::DType::F16),
+                _ => Err(EngineError::InvalidCheckpoint(format!(
+                    "{}: `{EMBED}` has dtype {dtype}, not F32, BF16 or F16",
+                    path.display()
+                ))),
+            };
+        }
+    }
+    Err(EngineError::InvalidCheckpoint(format!(
+        "{}: no safetensors file names `{EMBED}`",
+        dir.display()
+    )))
+}
+
+/// A safetensors file's header (tensor name → dtype, shape, offsets) and
+/// the length of its data section.
+fn safetensors_header(path: &Path) -> Result<(serde_json::Map<String, serde_json::Value>, u64)> {
     let io = |source| EngineError::Io {
         path: path.to_path_buf(),
         source,
@@ -554,12 +591,19 @@ fn safetensors_data_bytes(path: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64)
     file.read_exact(&mut header).map_err(io)?;
     let header: serde_json::Value = serde_json::from_slice(&header)
         .map_err(|e| invalid(format!("safetensors header is not JSON: {e}")))?;
-    let tensors = header
-        .as_object()
-        .ok_or_else(|| invalid("safetensors header is not a JSON object".into()))?;
-    let data_len = file_len - 8 - header_len;
+    let serde_json::Value::Object(tensors) = header else {
+        return Err(invalid("safetensors header is not a JSON object".into()));
+    };
+    Ok((tensors, file_len - 8 - header_len))
+}
+
+/// [`sum_tensors`] over one safetensors file.
+fn safetensors_data_bytes(path: &Path, bytes: &dyn Fn(&str, &[u64], u64) -> u64) -> Result<u64> {
+    let invalid =
+        |what: String| EngineError::InvalidCheckpoint(format!("{}: {what}", path.display()));
+    let (tensors, data_len) = safetensors_header(path)?;
     let mut total = 0u64;
-    for (name, info) in tensors {
+    for (name, info) in &tensors {
         if name == "__metadata__" {
             continue;
         }

@@ -37,6 +37,17 @@ impl KvCacheDtype {
         }
     }
 
+    /// The cache that stores what a checkpoint of `weights` computes in
+    /// (`--kv-dtype auto`): a bf16 or f16 checkpoint gets a 16-bit cache,
+    /// an f32 one an f32 cache.
+    pub fn for_weights(weights: crate::DType) -> Self {
+        match weights {
+            crate::DType::F32 => Self::F32,
+            crate::DType::Bf16 => Self::Bf16,
+            crate::DType::F16 => Self::F16,
+        }
+    }
+
     /// What this dtype cost in perplexity where it was measured
     /// (`quality-bench` on SmolLM2-135M-Instruct against its f32 cache,
     /// bench/RESULTS.md), for the start-up log.

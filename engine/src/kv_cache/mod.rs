@@ -216,6 +216,38 @@ impl LayerView<'_> {
         }
     }
 
+    /// Key rows `row0..row0 + scales.len()` in f32, row after row
+    /// (borrowed for f32 storage, decoded into `buf` otherwise, which must
+    /// hold them), with each row's factor written to `scales`.
+    #[inline]
+    pub fn key_rows<'b>(
+        &'b self,
+        row0: usize,
+        buf: &'b mut [f32],
+        scales: &mut [f32],
+    ) -> &'b [f32] {
+        match &self.0 {
+            View::F32 { k, .. } => rows_f32(k, row0, buf.len() / scales.len().max(1), scales),
+            View::Half { half, k, .. } => rows_half(*half, k, row0, buf, scales),
+            View::Q8 { code, k, .. } => rows_q8(*code, k, row0, buf, scales),
+        }
+    }
+
+    /// As [`key_rows`](Self::key_rows) for value rows.
+    #[inline]
+    pub fn value_rows<'b>(
+        &'b self,
+        row0: usize,
+        buf: &'b mut [f32],
+        scales: &mut [f32],
+    ) -> &'b [f32] {
+        match &self.0 {
+            View::F32 { v, .. } => rows_f32(v, row0, buf.len() / scales.len().max(1), scales),
+            View::Half { half, v, .. } => rows_half(*half, v, row0, buf, scales),
+            View::Q8 { code, v, .. } => rows_q8(*code, v, row0, buf, scales),
+        }
+    }
+
     /// As [`key`](Self::key) for the value row.
     #[inline]
     pub fn value<'b>(&'b self, row: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
@@ -232,6 +264,45 @@ impl LayerView<'_> {
             }
         }
     }
+}
+
+/// `scales.len()` rows of `d` f32 from `row0`, borrowed.
+fn rows_f32<'b>(pool: &'b [f32], row0: usize, d: usize, scales: &mut [f32]) -> &'b [f32] {
+    scales.fill(1.0);
+    &pool[row0 * d..(row0 + scales.len()) * d]
+}
+
+/// `scales.len()` 16-bit rows from `row0`, decoded into `buf`.
+fn rows_half<'b>(
+    half: Half,
+    pool: &[u16],
+    row0: usize,
+    buf: &'b mut [f32],
+    scales: &mut [f32],
+) -> &'b [f32] {
+    let d = buf.len() / scales.len().max(1);
+    let n = scales.len() * d;
+    half.decode_into(&pool[row0 * d..row0 * d + n], &mut buf[..n]);
+    scales.fill(1.0);
+    &buf[..n]
+}
+
+/// `scales.len()` 8-bit rows from `row0`, decoded into `buf`, with their
+/// scales.
+fn rows_q8<'b>(
+    code: Code,
+    pool: &Q8Pool,
+    row0: usize,
+    buf: &'b mut [f32],
+    scales: &mut [f32],
+) -> &'b [f32] {
+    let d = buf.len() / scales.len().max(1);
+    let n = scales.len() * d;
+    code.decode_into(&pool.codes[row0 * d..row0 * d + n], &mut buf[..n]);
+    for (i, s) in scales.iter_mut().enumerate() {
+        *s = pool.scales[row0 + i].to_f32();
+    }
+    &buf[..n]
 }
 
 /// The K/V storage for every block of every layer: one pool per slot of a

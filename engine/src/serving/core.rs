@@ -16,6 +16,7 @@ mod remote;
 mod resume;
 mod speculation;
 mod stats;
+mod step_budget;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +44,7 @@ use speculation::Speculation;
 pub use config::{EngineConfig, KvPoolSize};
 pub use disk::{DiskTierStats, LOAD_HOLD};
 pub use stats::EngineStats;
+pub use step_budget::{BadStepTimeLimit, StepTimeLimit};
 
 /// Tokens from which a step counts as prefill when timing it.
 const PREFILL_SIZED_STEP: usize = 64;
@@ -120,6 +122,8 @@ pub struct EngineCore {
     lora: Option<Arc<LoraRegistry>>,
     /// The disk tier under the KV pool, when enabled (`disk`).
     disk: Option<disk::DiskState>,
+    /// Sizes prefill chunks beside decodes from measured step times.
+    step_budget: step_budget::StepBudget,
 }
 
 impl EngineCore {
@@ -249,6 +253,12 @@ impl EngineCore {
                  requests that could outgrow it are refused"
             );
         }
+        if config.max_step_time != StepTimeLimit::Off {
+            tracing::info!(
+                max_step_time = %config.max_step_time,
+                "prefill chunks beside decodes sized to a step time"
+            );
+        }
         let stats = EngineStats {
             num_blocks,
             block_size: config.block_size,
@@ -276,6 +286,7 @@ impl EngineCore {
             max_queued: config.max_queued_requests,
             lora: None,
             disk: None,
+            step_budget: step_budget::StepBudget::new(config.max_step_time),
         })
     }
 
@@ -512,7 +523,8 @@ impl EngineCore {
     fn run_step(&mut self) {
         self.stats.last_step_mask_time = None;
         self.propose_drafts();
-        let plan = self.scheduler.schedule();
+        let budget = &self.step_budget;
+        let plan = self.scheduler.schedule(|rows| budget.prefill_cap(rows));
         for &seq in &plan.preempted {
             self.release_draft_state(seq);
         }
@@ -606,15 +618,18 @@ impl EngineCore {
             result
         };
         self.time_prefill(&plan, started.elapsed());
+        let tokens: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
         match result {
             Ok(logits) => {
                 self.scheduler.complete(&plan);
-                self.stats.computed_tokens += plan
-                    .scheduled
-                    .iter()
-                    .map(|s| s.num_tokens as u64)
-                    .sum::<u64>();
+                self.stats.computed_tokens += tokens as u64;
                 self.sample_and_emit(&plan, &logits);
+                // Forward and sampling: what a decode waits for.
+                self.step_budget.observe(
+                    plan.decode_rows,
+                    tokens - plan.decode_rows,
+                    started.elapsed(),
+                );
             }
             Err(e) => {
                 // Validation makes this unreachable in practice; if it

@@ -42,7 +42,10 @@ mod resume;
 mod scheduler;
 mod stop;
 
-pub use self::core::{DiskTierStats, EngineConfig, EngineCore, EngineStats, KvPoolSize, LOAD_HOLD};
+pub use self::core::{
+    BadStepTimeLimit, DiskTierStats, EngineConfig, EngineCore, EngineStats, KvPoolSize,
+    StepTimeLimit, LOAD_HOLD,
+};
 pub use handle::{EngineHandle, RequestStream};
 pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,

@@ -196,6 +196,9 @@ pub(crate) struct StepPlan {
     /// blocks (logical blocks from `cached / block_size` on, one entry per
     /// layer group each).
     pub parked: Vec<(SeqId, Vec<BlockId>)>,
+    /// Tokens of `scheduled` that are decodes (with their drafts); the rest
+    /// are prefill.
+    pub decode_rows: usize,
 }
 
 /// Queues, budget and preemption over one block pool.
@@ -445,12 +448,21 @@ impl Scheduler {
         true
     }
 
-    /// Plans the next step.
-    pub fn schedule(&mut self) -> StepPlan {
+    /// Plans the next step. `prefill_cap(decode_rows)` bounds the prefill
+    /// tokens that may join a step carrying that many decode rows (the
+    /// step-time budget; `None`: the token budget alone).
+    pub fn schedule(&mut self, prefill_cap: impl FnOnce(usize) -> Option<usize>) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut done: HashSet<SeqId> = HashSet::new();
+        let mut prefill_cap = Some(prefill_cap);
         for decodes in [true, false] {
+            if !decodes {
+                plan.decode_rows = self.cfg.max_num_batched_tokens - budget;
+                if let Some(cap) = prefill_cap.take().and_then(|f| f(plan.decode_rows)) {
+                    budget = budget.min(cap);
+                }
+            }
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let id = self.running[i];

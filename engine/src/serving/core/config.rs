@@ -43,6 +43,11 @@ pub struct EngineConfig {
     /// `--disable-hybrid-kv-cache-manager`). Costs memory on Gemma-style
     /// models; tokens are the same either way.
     pub keep_windowed_blocks: bool,
+    /// How long a step carrying decodes may take: prefill chunks joining it
+    /// are sized from the measured cost per token
+    /// ([`super::StepTimeLimit`]; the CLI's CPU default is
+    /// [`super::StepTimeLimit::AUTO`]).
+    pub max_step_time: super::StepTimeLimit,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +65,7 @@ impl Default for EngineConfig {
             weight_quantization: None,
             kv_cache_dtype: crate::kv_cache::KvCacheDtype::F32,
             keep_windowed_blocks: false,
+            max_step_time: super::StepTimeLimit::Off,
         }
     }
 }
