@@ -9,11 +9,11 @@ bf16, f32). The tensors go through `convert_hf_to_gguf.py` unchanged. Only the
 vocabulary may be stood in for: the converter refuses tokenizers whose
 fingerprint it does not know (tandem's random bench models carry one), so
 such a checkpoint is converted from a directory of links to its files with a
-word-level tokenizer of the same size, labelled GPT-2, as
-tests/golden/make_gguf.py does. Speed does not depend on the vocabulary's
-strings.
+byte-pair tokenizer of the same size and one merge (llama.cpp refuses a
+GPT-2 vocabulary without merges), labelled GPT-2, as tests/golden/make_gguf.py
+labels its word-level ones. Speed does not depend on the vocabulary's strings.
 
-Needs torch and numpy (the converter's imports); the converter's own gguf
+Needs torch, numpy, sentencepiece and protobuf (the converter's imports); its own gguf
 package comes from LLAMA_SRC/gguf-py.
 """
 
@@ -43,8 +43,10 @@ def with_word_level_vocab(src, dst):
             (dst / f.name).symlink_to(f.resolve())
     config = json.loads((src / "config.json").read_text())
     size = config["vocab_size"]
-    vocab = {f"t{i}": i for i in range(size - 1)} | {"<|endoftext|>": size - 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    # A byte-pair vocabulary with one merge: llama.cpp refuses a GPT-2
+    # vocabulary without merges.
+    vocab = {"a": 0, "b": 1, "ab": 2} | {f"t{i}": i for i in range(3, size - 1)} | {"<|endoftext|>": size - 1}
+    tok = Tokenizer(models.BPE(vocab, [("a", "b")]))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -62,7 +64,7 @@ src = pathlib.Path(MODEL)
 try:
     convert(src)
 except (NotImplementedError, ValueError, KeyError) as e:
-    print(f"convert.py: the converter refused the vocabulary ({e}); using a word-level stand-in", file=sys.stderr)
+    print(f"convert.py: the converter refused the vocabulary ({e}); using a stand-in", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         with_word_level_vocab(src, pathlib.Path(tmp))
         convert(pathlib.Path(tmp))

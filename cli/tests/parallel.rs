@@ -190,21 +190,26 @@ fn kill_one_rank(model_args: &[&str], split_arg: &str) {
     );
     let rt = tandem_tests::cluster::runtime();
     rt.block_on(async {
-        // Two long calls in flight, one per worker (least-loaded ties
-        // rotate), when a rank of the first worker dies.
+        // Long calls in flight when a rank of the first worker dies, one
+        // more every 100 ms until the victim runs one: the router's ties
+        // are a hash of the prompt and the workers' addresses, so the
+        // first calls may all land on the survivor.
         let addr = cluster.addr.clone();
-        let calls: Vec<_> = (0..2u32)
-            .map(|i| {
-                let addr = addr.clone();
-                tokio::spawn(async move { greedy(&addr, vec![5 + i, 17, 29, 41], 300).await })
-            })
-            .collect();
-        // Kill while the victim is decoding its call: a leader with no work
+        let mut calls = Vec::new();
+        // Kill while the victim is decoding a call: a leader with no work
         // only finds a dead rank at its next step (the next request it is
         // sent), and a fixed sleep raced the call's end on a fast machine.
         let busy_by = Instant::now() + Duration::from_secs(10);
+        let mut sent_at = Instant::now() - Duration::from_secs(1);
         while tandem_tests::cluster::load(&victim).await.running == 0 {
             assert!(Instant::now() < busy_by, "the victim never got a call");
+            if sent_at.elapsed() >= Duration::from_millis(100) && calls.len() < 16 {
+                let (addr, i) = (addr.clone(), calls.len() as u32);
+                calls.push(tokio::spawn(async move {
+                    greedy(&addr, vec![5 + i, 17, 29, 41], 300).await
+                }));
+                sent_at = Instant::now();
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let killed_at = Instant::now();

@@ -45,6 +45,10 @@ struct Args {
     /// KV block size.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Run every size through the row kernels (`MatmulPolicy::BatchInvariant`)
+    /// instead of the GEMM above 48 rows.
+    #[arg(long)]
+    batch_invariant: bool,
     /// What the KV cache stores (f32, bf16, f16, int8, fp8-e4m3).
     #[arg(long, default_value = "f32")]
     kv_dtype: KvCacheDtype,
@@ -61,7 +65,10 @@ fn main() -> Result<()> {
     let bench_model =
         tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
     let dir = bench_model.dir.clone();
-    let model = Model::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let mut model = Model::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    if args.batch_invariant {
+        model.set_matmul_policy(MatmulPolicy::BatchInvariant);
+    }
     let cfg = model.config().clone();
     let bs = args.block_size;
     let threads = rayon::current_num_threads();

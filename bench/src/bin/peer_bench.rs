@@ -15,7 +15,8 @@
 //! * **The checkpoint** (`--model DIR`, or a synth `--preset` written in
 //!   bf16 under `target/peer-bench/models/`) is converted to f16 and bf16
 //!   GGUF by llama.cpp's own `convert_hf_to_gguf.py`
-//!   (`bench/llama/convert.py`; `--python` needs torch and numpy).
+//!   (`bench/llama/convert.py`; `--python` needs torch, numpy,
+//!   sentencepiece and protobuf).
 //! * **Rounds alternate** the engines on the same cores: `llama-bench -p 512
 //!   -n 128` on both files (`pp512`, `tg128`), `llama-batched-bench -npp 128
 //!   -ntg 64 -npl 1,8,32` on both (decode from 128 tokens of context), then
@@ -45,7 +46,7 @@ struct Args {
     /// The llama-cpp-python sdist (`.tar.gz`) to build llama.cpp from.
     #[arg(long)]
     sdist: Option<PathBuf>,
-    /// Python with torch and numpy, for llama.cpp's converter.
+    /// Python with torch, numpy, sentencepiece and protobuf, for llama.cpp's converter.
     #[arg(long, default_value = "python3")]
     python: PathBuf,
     /// Checkpoint directory (bf16 or f16 safetensors).

@@ -24,6 +24,8 @@ pub mod int4;
 mod int4_simd;
 pub mod rope;
 mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd512;
 
 pub use ggml::{linear_ggml, GgmlMatrix};
 pub use int4::{linear_int4, linear_residual_int4};

@@ -5,6 +5,7 @@
 //! products that dominate decode are written out by hand. The row kernel
 //! works on tiles of 4 weight rows × 3 token rows: 12 accumulators, 4 weight
 //! loads and 3 activation loads per 8 columns, within AVX2's 16 registers.
+//! Where the CPU has AVX-512 the row kernel is `simd512`'s instead.
 
 use half::{bf16, f16};
 
@@ -219,13 +220,33 @@ fn rows_scalar<E: Elem>(
     }
 }
 
-fn rows<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
-    #[cfg(target_arch = "x86_64")]
+#[cfg(target_arch = "x86_64")]
+fn rows<E: Elem + super::simd512::Wide16>(
+    w: &[E],
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    n: usize,
+    r0: usize,
+) {
+    if super::simd512::supported() {
+        // SAFETY: the CPU supports AVX-512F; `w` holds whole rows of `k`
+        // (chunks of the matrix), `x` m rows and `out` m × n values, as the
+        // callers of `rows_*` promise.
+        unsafe { super::simd512::rows(w, k, x, m, out, n, r0) };
+        return;
+    }
     if has_avx2() {
         // SAFETY: the CPU supports the features `rows_avx2` is compiled for.
         unsafe { rows_avx2(w, k, x, m, out, n, r0) };
         return;
     }
+    rows_scalar(w, k, x, m, out, n, r0);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn rows<E: Elem>(w: &[E], k: usize, x: &[f32], m: usize, out: &mut [f32], n: usize, r0: usize) {
     rows_scalar(w, k, x, m, out, n, r0);
 }
 
@@ -316,5 +337,68 @@ pub fn axpy_f32(acc: &mut [f32], s: f32, x: &[f32]) {
     }
     for (a, &v) in acc.iter_mut().zip(x) {
         *a += s * v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row kernel the CPU has (AVX-512, AVX2, scalar) against f64
+    /// sums, for row and token counts around the tiles' sizes and widths
+    /// off the vector width.
+    #[test]
+    fn row_kernels_agree_with_exact_sums() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 2001) as f32 / 1000.0 - 1.0
+        };
+        for (k, rows_n, m) in [
+            (40, 9, 13),
+            (576, 7, 8),
+            (33, 4, 6),
+            (16, 5, 1),
+            (100, 1, 7),
+        ] {
+            let w: Vec<bf16> = (0..rows_n * k).map(|_| bf16::from_f32(next())).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            let exact: Vec<f64> = (0..m * rows_n)
+                .map(|i| {
+                    let (t, r) = (i / rows_n, i % rows_n);
+                    (0..k)
+                        .map(|j| f64::from(w[r * k + j].to_f32()) * f64::from(x[t * k + j]))
+                        .sum()
+                })
+                .collect();
+            let check = |name: &str, out: &[f32]| {
+                for (i, (&got, &want)) in out.iter().zip(&exact).enumerate() {
+                    assert!(
+                        (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "{name} k={k} rows={rows_n} m={m} output {i}: {got} vs {want}"
+                    );
+                }
+            };
+            let mut out = vec![0.0f32; m * rows_n];
+            rows_scalar(&w, k, &x, m, &mut out, rows_n, 0);
+            check("scalar", &out);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if has_avx2() {
+                    out.fill(0.0);
+                    // SAFETY: the CPU has AVX2, FMA and F16C.
+                    unsafe { rows_avx2(&w, k, &x, m, &mut out, rows_n, 0) };
+                    check("avx2", &out);
+                }
+                if super::super::simd512::supported() {
+                    out.fill(0.0);
+                    // SAFETY: the CPU has AVX-512F; the shapes are whole.
+                    unsafe { super::super::simd512::rows(&w, k, &x, m, &mut out, rows_n, 0) };
+                    check("avx512", &out);
+                }
+            }
+        }
     }
 }

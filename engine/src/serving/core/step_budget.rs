@@ -82,7 +82,7 @@ impl fmt::Display for StepTimeLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Off => f.write_str("off"),
-            Self::Fixed(d) => write!(f, "{}", d.as_secs_f64() * 1e3),
+            Self::Fixed(d) => write!(f, "{} ms", d.as_secs_f64() * 1e3),
             Self::Relative { stall, floor } => write!(
                 f,
                 "{stall}x the step without prefill, at least {} ms",
