@@ -151,12 +151,80 @@ pub(crate) fn par_row_ranges_by(
 }
 
 fn linear_rows(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    par_row_ranges(w.rows, m, out, |r0, r1, out| {
+        dense_rows(w, r0, r1, x, m, out)
+    });
+}
+
+/// Rows `r0..r1` of `x · wᵀ` into `out` (m × `w.rows`), on this thread.
+fn dense_rows(w: &Matrix, r0: usize, r1: usize, x: &[f32], m: usize, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
-    par_row_ranges(n, m, out, |r0, r1, out| match &w.data {
+    match &w.data {
         WeightData::F32(d) => simd::rows_f32(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
         WeightData::Bf16(d) => simd::rows_bf16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
         WeightData::F16(d) => simd::rows_f16(&d[r0 * k..r1 * k], k, x, m, out, n, r0),
+    }
+}
+
+/// One linear of [`linear_fused`]: its weights, bias and output
+/// (`m × w.rows`).
+#[derive(Debug)]
+pub struct FusedLinear<'a> {
+    pub w: &'a Matrix,
+    pub bias: Option<&'a [f32]>,
+    pub out: &'a mut [f32],
+}
+
+/// Several linears of one input (q/k/v, gate/up) in one parallel region
+/// when the row kernel runs them: one hand-off to the pool instead of one
+/// each. A small model's decode step is hundreds of such regions over
+/// matrices that stream in tens of microseconds, so the hand-offs are a
+/// large share of it. Every output is what [`linear`] gives, bit for bit
+/// (the same kernel over the same rows; a row's result does not depend on
+/// the range it was computed in). The GEMM path runs them one by one.
+pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: MatmulPolicy) {
+    if !policy.uses_row_kernel(m) {
+        for p in parts.iter_mut() {
+            linear(x, m, p.w, p.bias, policy, p.out);
+        }
+        return;
+    }
+    for p in parts.iter() {
+        assert!(
+            p.out.len() >= m * p.w.rows,
+            "each output holds m × n values"
+        );
+    }
+    let total: usize = parts.iter().map(|p| p.w.rows).sum();
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = total.div_ceil(threads * 4).next_multiple_of(4).max(4);
+    let tasks: Vec<(usize, usize, usize)> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            let n = p.w.rows;
+            (0..n)
+                .step_by(chunk)
+                .map(move |r0| (i, r0, (r0 + chunk).min(n)))
+        })
+        .collect();
+    let targets: Vec<(&Matrix, OutPtr)> = parts
+        .iter_mut()
+        .map(|p| (p.w, OutPtr(p.out.as_mut_ptr())))
+        .collect();
+    tasks.into_par_iter().for_each(|(i, r0, r1)| {
+        let (w, ptr) = targets[i];
+        // SAFETY: the task writes columns r0..r1 of output i only (the
+        // tasks partition each output's columns); the output holds m × n
+        // values (checked above) and outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
+        dense_rows(w, r0, r1, x, m, out);
     });
+    for p in parts.iter_mut() {
+        if let Some(b) = p.bias {
+            add_bias(p.out, p.w.rows, b);
+        }
+    }
 }
 
 pub(crate) fn linear_gemm(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
@@ -322,6 +390,65 @@ mod tests {
                 (s % 2001) as f32 / 1000.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn fused_linears_equal_separate_ones_bit_for_bit() {
+        let k = 40;
+        let bf16_matrix = |n: usize, seed: u32| Matrix {
+            rows: n,
+            cols: k,
+            data: WeightData::Bf16(
+                pseudo(n * k, seed)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect::<Vec<_>>()
+                    .into(),
+            ),
+        };
+        // q/k/v-like shapes: one wide, two narrow with a bias.
+        let (wq, wk, wv) = (bf16_matrix(37, 3), bf16_matrix(9, 4), bf16_matrix(9, 5));
+        let bias = pseudo(9, 6);
+        for (m, policy) in [
+            (1, MatmulPolicy::Fastest),
+            (6, MatmulPolicy::Fastest),
+            (48, MatmulPolicy::Fastest),
+            (60, MatmulPolicy::Fastest),
+            (60, MatmulPolicy::BatchInvariant),
+        ] {
+            let x = pseudo(m * k, 7);
+            let mut want = [vec![0.0; m * 37], vec![0.0; m * 9], vec![0.0; m * 9]];
+            linear(&x, m, &wq, None, policy, &mut want[0]);
+            linear(&x, m, &wk, Some(&bias), policy, &mut want[1]);
+            linear(&x, m, &wv, None, policy, &mut want[2]);
+            let mut got = [vec![0.0; m * 37], vec![0.0; m * 9], vec![0.0; m * 9]];
+            let [gq, gk, gv] = &mut got;
+            let mut parts = [
+                FusedLinear {
+                    w: &wq,
+                    bias: None,
+                    out: gq,
+                },
+                FusedLinear {
+                    w: &wk,
+                    bias: Some(&bias),
+                    out: gk,
+                },
+                FusedLinear {
+                    w: &wv,
+                    bias: None,
+                    out: gv,
+                },
+            ];
+            linear_fused(&x, m, &mut parts, policy);
+            for (g, w) in got.iter().zip(&want) {
+                let (g, w): (Vec<u32>, Vec<u32>) = (
+                    g.iter().map(|v| v.to_bits()).collect(),
+                    w.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(g, w, "m={m} {policy:?}");
+            }
+        }
     }
 
     #[test]

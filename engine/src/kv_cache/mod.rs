@@ -226,11 +226,7 @@ impl LayerView<'_> {
         buf: &'b mut [f32],
         scales: &mut [f32],
     ) -> &'b [f32] {
-        match &self.0 {
-            View::F32 { k, .. } => rows_f32(k, row0, buf.len() / scales.len().max(1), scales),
-            View::Half { half, k, .. } => rows_half(*half, k, row0, buf, scales),
-            View::Q8 { code, k, .. } => rows_q8(*code, k, row0, buf, scales),
-        }
+        self.rows(true, row0, buf, scales)
     }
 
     /// As [`key_rows`](Self::key_rows) for value rows.
@@ -241,10 +237,26 @@ impl LayerView<'_> {
         buf: &'b mut [f32],
         scales: &mut [f32],
     ) -> &'b [f32] {
+        self.rows(false, row0, buf, scales)
+    }
+
+    #[inline]
+    fn rows<'b>(
+        &'b self,
+        keys: bool,
+        row0: usize,
+        buf: &'b mut [f32],
+        scales: &mut [f32],
+    ) -> &'b [f32] {
         match &self.0 {
-            View::F32 { v, .. } => rows_f32(v, row0, buf.len() / scales.len().max(1), scales),
-            View::Half { half, v, .. } => rows_half(*half, v, row0, buf, scales),
-            View::Q8 { code, v, .. } => rows_q8(*code, v, row0, buf, scales),
+            View::F32 { k, v } => {
+                let pool = if keys { k } else { v };
+                rows_f32(pool, row0, buf.len() / scales.len().max(1), scales)
+            }
+            View::Half { half, k, v } => {
+                rows_half(*half, if keys { k } else { v }, row0, buf, scales)
+            }
+            View::Q8 { code, k, v } => rows_q8(*code, if keys { k } else { v }, row0, buf, scales),
         }
     }
 

@@ -71,9 +71,12 @@ impl Model {
     ) {
         let (t, d, eps) = (s.rows, self.config.head_dim, self.config.rms_norm_eps);
         let (q_out, kv_out) = (s.heads.num_heads * d, s.heads.num_kv_heads * d);
-        q.forward(&s.h, t, self.matmul, &mut s.q);
-        k.forward(&s.h, t, self.matmul, &mut s.k);
-        v.forward(&s.h, t, self.matmul, &mut s.v);
+        Linear::forward_fused(
+            [(q, &mut s.q), (k, &mut s.k), (v, &mut s.v)],
+            &s.h,
+            t,
+            self.matmul,
+        );
         let lora = s.lora.layer(li);
         lora.apply(LoraTarget::Q, &s.h, &mut s.q);
         lora.apply(LoraTarget::K, &s.h, &mut s.k);

@@ -2,7 +2,7 @@
 //! bias, loaded whole or as one tensor-parallel rank's part.
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{linear, linear_ggml, linear_int4, GgmlMatrix, MatmulPolicy};
+use crate::kernels::{self, linear, linear_ggml, linear_int4, GgmlMatrix, MatmulPolicy};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 use crate::weights::{Matrix, WeightStore};
@@ -216,6 +216,38 @@ impl Linear {
             LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
             LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
             LinearWeight::Ggml(w) => linear_ggml(x, m, w, self.b.as_deref(), policy, out),
+        }
+    }
+
+    /// `N` linears of the same input `x` into their outputs, in one
+    /// parallel region when all are dense and the row kernel runs them
+    /// ([`kernels::linear_fused`]); one by one otherwise.
+    pub(super) fn forward_fused<const N: usize>(
+        parts: [(&Linear, &mut [f32]); N],
+        x: &[f32],
+        m: usize,
+        policy: MatmulPolicy,
+    ) {
+        if parts
+            .iter()
+            .all(|(l, _)| matches!(l.w, LinearWeight::Dense(_)))
+        {
+            let mut fused: Vec<kernels::FusedLinear<'_>> = parts
+                .into_iter()
+                .filter_map(|(l, out)| match &l.w {
+                    LinearWeight::Dense(w) => Some(kernels::FusedLinear {
+                        w,
+                        bias: l.b.as_deref(),
+                        out,
+                    }),
+                    _ => None,
+                })
+                .collect();
+            kernels::linear_fused(x, m, &mut fused, policy);
+            return;
+        }
+        for (l, out) in parts {
+            l.forward(x, m, policy, out);
         }
     }
 

@@ -47,8 +47,12 @@ impl DenseMlp {
     ) {
         let inter = self.gate.out_features();
         let (gate, up) = (&mut scratch.0[..m * inter], &mut scratch.1[..m * inter]);
-        self.gate.forward(x, m, policy, gate);
-        self.up.forward(x, m, policy, up);
+        Linear::forward_fused(
+            [(&self.gate, &mut *gate), (&self.up, &mut *up)],
+            x,
+            m,
+            policy,
+        );
         lora.apply(LoraTarget::Gate, x, gate);
         lora.apply(LoraTarget::Up, x, up);
         match act {
