@@ -54,7 +54,8 @@ pub struct EngineArgs {
     #[arg(long, value_enum, default_value_t = GpuDtype::Bf16)]
     gpu_dtype: GpuDtype,
     /// What the KV cache stores (CPU): `auto` (the checkpoint's weight
-    /// dtype: bf16 for a bf16 checkpoint, f16 for GGUF, f32 for f32); f32;
+    /// dtype: bf16 for a bf16 checkpoint, f32 for f32, f16 for a quantized
+    /// GGUF); f32;
     /// 16-bit `bf16` / `f16` (half of f32's bytes); or 8-bit `int8` /
     /// `fp8-e4m3` codes with scales (a quarter; `--kv-cache-memory` then
     /// holds four times the blocks). README's engine-flags table gives
