@@ -3,10 +3,11 @@
 //!
 //! The token budget (`max_num_batched_tokens`) alone lets a whole long
 //! prompt into one step. On a CPU that step lasts seconds, and every decode
-//! in the batch waits it out: colocated on a 135M model at 0.2 req/s, TPOT
-//! p99 was 20x the decode-only figure. Chunked prefill fixes the shape of
-//! the problem; this module sizes the chunk in time, not tokens, so one
-//! setting fits every model and machine.
+//! in the batch waits it out: colocated on a 135M model at 0.1 req/s, TPOT
+//! p99 was 6.3x the decode-only figure (1.6x with this budget; RESULTS,
+//! "Step-time budget"). Chunked prefill fixes the shape of the problem;
+//! this module sizes the chunk in time, not tokens, so one setting fits
+//! every model and machine.
 //!
 //! **The cost model.** A step's time is fitted as a line in its token rows,
 //! `t ≈ fixed + per_row · rows`, by exponentially weighted least squares
