@@ -202,18 +202,9 @@ impl LayerView<'_> {
     /// otherwise) and the factor it must be multiplied by.
     #[inline]
     pub fn key<'b>(&'b self, row: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
-        let d = buf.len();
-        match &self.0 {
-            View::F32 { k, .. } => (&k[row * d..(row + 1) * d], 1.0),
-            View::Half { half, k, .. } => {
-                half.decode_into(&k[row * d..(row + 1) * d], buf);
-                (buf, 1.0)
-            }
-            View::Q8 { code, k, .. } => {
-                code.decode_into(&k.codes[row * d..(row + 1) * d], buf);
-                (buf, k.scales[row].to_f32())
-            }
-        }
+        let mut scale = [0.0];
+        let key = self.rows(true, row, buf, &mut scale);
+        (key, scale[0])
     }
 
     /// Key rows `row0..row0 + scales.len()` in f32, row after row
@@ -257,23 +248,6 @@ impl LayerView<'_> {
                 rows_half(*half, if keys { k } else { v }, row0, buf, scales)
             }
             View::Q8 { code, k, v } => rows_q8(*code, if keys { k } else { v }, row0, buf, scales),
-        }
-    }
-
-    /// As [`key`](Self::key) for the value row.
-    #[inline]
-    pub fn value<'b>(&'b self, row: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
-        let d = buf.len();
-        match &self.0 {
-            View::F32 { v, .. } => (&v[row * d..(row + 1) * d], 1.0),
-            View::Half { half, v, .. } => {
-                half.decode_into(&v[row * d..(row + 1) * d], buf);
-                (buf, 1.0)
-            }
-            View::Q8 { code, v, .. } => {
-                code.decode_into(&v.codes[row * d..(row + 1) * d], buf);
-                (buf, v.scales[row].to_f32())
-            }
         }
     }
 }

@@ -617,8 +617,8 @@ impl EngineCore {
             self.return_mask_jobs(jobs);
             result
         };
-        self.time_prefill(&plan, started.elapsed());
         let tokens: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
+        self.time_prefill(&plan, tokens, started.elapsed());
         match result {
             Ok(logits) => {
                 self.scheduler.complete(&plan);
@@ -647,8 +647,7 @@ impl EngineCore {
     /// [`PREFILL_SIZED_STEP`] of them and most of the step's rows: a few
     /// decode rows beside them change little; a big decode batch is not a
     /// prefill).
-    fn time_prefill(&mut self, plan: &StepPlan, took: std::time::Duration) {
-        let tokens: usize = plan.scheduled.iter().map(|s| s.num_tokens).sum();
+    fn time_prefill(&mut self, plan: &StepPlan, tokens: usize, took: std::time::Duration) {
         let chunked: usize = plan
             .scheduled
             .iter()
