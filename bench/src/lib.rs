@@ -218,3 +218,58 @@ pub async fn engine_ttft(addr: &str, prompt: Vec<u32>) -> anyhow::Result<f64> {
     }
     anyhow::bail!("no Finished message")
 }
+
+/// A running `tandem up` started by a benchmark: SIGTERM on drop stops it
+/// and its children (it drains them and stops its etcd).
+#[derive(Debug)]
+pub struct TandemUp {
+    child: std::process::Child,
+    /// The router's gRPC address (`listening on ADDR`).
+    pub addr: String,
+}
+
+impl TandemUp {
+    /// Runs `tandem up ARGS` (stdout read up to `listening on`, then
+    /// drained; stderr to `stderr`).
+    pub fn start(
+        tandem: &std::path::Path,
+        args: &[String],
+        stderr: std::process::Stdio,
+    ) -> anyhow::Result<Self> {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(tandem)
+            .arg("up")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting {}: {e}", tandem.display()))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let mut up = Self {
+            child,
+            addr: String::new(),
+        };
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        for line in lines.by_ref() {
+            if let Some(a) = line?.strip_prefix("listening on ") {
+                up.addr = a.to_string();
+                std::thread::spawn(move || for _ in lines {});
+                return Ok(up);
+            }
+        }
+        anyhow::bail!("tandem up exited before listening")
+    }
+}
+
+impl Drop for TandemUp {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}

@@ -21,6 +21,7 @@ mod lora_args;
 mod membership;
 mod parallel_args;
 mod plan_cmd;
+mod planner_cmd;
 pub mod progress;
 mod remote;
 pub mod security_args;
@@ -58,6 +59,9 @@ pub enum Command {
     PrefillWorker(worker_cmd::WorkerArgs),
     /// Run a decode worker.
     DecodeWorker(worker_cmd::DecodeWorkerArgs),
+    /// Run a worker that switches between the prefill and decode pools on
+    /// SIGUSR1, its model kept loaded (what `up --planner` starts).
+    Worker(worker_cmd::SwitchableWorkerArgs),
     /// Run the router.
     Router(worker_cmd::RouterArgs),
     /// Generate a continuation of one prompt.
@@ -69,6 +73,9 @@ pub enum Command {
     GenModel(default_model::GenModelArgs),
     /// Size the KV pool and the concurrency for a memory budget.
     Plan(plan_cmd::PlanArgs),
+    /// The SLA planner: write a throughput profile, or size the pools of
+    /// a Kubernetes deployment from its routers' metrics.
+    Planner(planner_cmd::PlannerArgs),
     /// Benchmarks against a running server (`bench serve`).
     Bench(bench_cmd::BenchArgs),
     /// Write a development CA and certificates for mTLS (`--tls-*`).
@@ -86,6 +93,7 @@ impl Command {
             Self::Serve(_) => "tandem-serve",
             Self::PrefillWorker(_) => "tandem-prefill-worker",
             Self::DecodeWorker(_) => "tandem-decode-worker",
+            Self::Worker(_) => "tandem-worker",
             Self::Router(_) => "tandem-router",
             Self::Rank(_) => "tandem-rank",
             _ => "tandem",
@@ -100,11 +108,13 @@ pub fn run(command: Command, telemetry: &telemetry_args::TelemetryArgs) -> Resul
         Command::Serve(args) => serve_cmd::run(args),
         Command::PrefillWorker(args) => worker_cmd::run_prefill(args),
         Command::DecodeWorker(args) => worker_cmd::run_decode(args),
+        Command::Worker(args) => worker_cmd::run_switchable(args),
         Command::Router(args) => worker_cmd::run_router(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::Chat(args) => chat::run(args),
         Command::GenModel(args) => default_model::run_gen_model(args),
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Planner(args) => planner_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Certs(args) => security_args::run_certs(args),
         Command::Rank(args) => parallel_args::run_rank(args),

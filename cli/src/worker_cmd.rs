@@ -20,6 +20,9 @@ use crate::engine_args::{
 use crate::security_args::{ApiKeyArgs, ClusterTokenArgs, TlsArgs};
 use crate::telemetry_args::MetricsArgs;
 
+mod switch;
+pub use switch::{run as run_switchable, SwitchableWorkerArgs};
+
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
     /// Hugging Face checkpoint directory (default: the built-in model).
@@ -219,7 +222,7 @@ impl WorkerArgs {
     /// Binds the worker's gRPC port, names it (`--id`, else `ROLE-PORT`),
     /// registers its advertised address, and prints `listening on ADDR`
     /// once registered, so whoever reads it can route to it.
-    async fn bind_and_register(
+    pub(crate) async fn bind_and_register(
         &self,
         role: tandem_discovery::Role,
     ) -> Result<(Bound, String, Option<tandem_discovery::Registration>)> {
@@ -241,7 +244,7 @@ impl WorkerArgs {
 /// the membership first (the router stops sending), then the server drains.
 /// A decode worker (`hand_over`) in a pool of more than one in etcd hands
 /// its requests over (see [`hand_over`]); otherwise it finishes them.
-async fn leave_then_drain(
+pub(crate) async fn leave_then_drain(
     signal: impl std::future::Future<Output = ()>,
     reg: Option<tandem_discovery::Registration>,
     engine: tandem_engine::serving::EngineHandle,
@@ -314,21 +317,31 @@ async fn hand_over(engine: &tandem_engine::serving::EngineHandle) {
     tracing::warn!("KV pulls still running after {HANDOVER_LIMIT:?}; draining anyway");
 }
 
-#[derive(Args, Debug)]
-pub struct DecodeWorkerArgs {
-    #[command(flatten)]
-    worker: WorkerArgs,
+const DEFAULT_TRANSFER_ADDR: &str = "127.0.0.1:0";
+const DEFAULT_PREFILL_WAIT_MS: u64 = 5000;
+
+/// The decode role's own settings.
+#[derive(Args, Debug, Clone)]
+pub struct DecodeOptions {
     /// Where prefill workers push KV blocks (port 0 picks a free port).
-    #[arg(long, default_value = "127.0.0.1:0")]
+    #[arg(long, default_value = DEFAULT_TRANSFER_ADDR)]
     transfer_addr: String,
     /// Wait this long for a prefill worker's answer (plus the per-1k-token
     /// allowance) before prefilling locally: a frozen prefill worker costs
     /// a request this much, not forever.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = DEFAULT_PREFILL_WAIT_MS)]
     remote_prefill_timeout_ms: u64,
     /// Added to the prefill wait for every 1000 prompt tokens sent.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = DEFAULT_PREFILL_WAIT_MS)]
     remote_prefill_timeout_per_1k_tokens_ms: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct DecodeWorkerArgs {
+    #[command(flatten)]
+    worker: WorkerArgs,
+    #[command(flatten)]
+    decode: DecodeOptions,
 }
 
 /// Exits the process once stdin reaches end of file (exporting the spans
@@ -404,46 +417,97 @@ impl WorkerArgs {
     }
 }
 
+/// What serving a role needs besides its bound server and its shutdown.
+pub(crate) struct RoleContext<'a> {
+    pub engine: &'a crate::engine_args::StartedEngine,
+    pub registry: &'a tandem_telemetry::Registry,
+    pub worker: &'a WorkerArgs,
+    pub decode: &'a DecodeOptions,
+    pub id: String,
+    pub cluster_token: &'a str,
+    pub tls: Option<&'a tandem_security::LoadedTls>,
+}
+
+/// Serves `role` on `bound` with the engine until `shutdown` resolves and
+/// the server has drained.
+pub(crate) async fn serve_role(
+    role: tandem_discovery::Role,
+    ctx: RoleContext<'_>,
+    bound: Bound,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    let (handle, layout) = (ctx.engine.handle.clone(), ctx.engine.kv_layout);
+    match role {
+        tandem_discovery::Role::Prefill => {
+            let config = PrefillWorkerConfig {
+                id: ctx.id,
+                model: ctx.engine.model_name.clone(),
+                cluster_token: ctx.cluster_token.to_string(),
+                advertise_host: ctx.worker.advertise_host.clone(),
+                kv_transport: ctx.worker.kv_transport,
+                tls: ctx.tls.cloned(),
+            };
+            tandem_prefill_worker::run(handle, layout, bound, config, ctx.registry, shutdown)
+                .await?;
+        }
+        tandem_discovery::Role::Decode => {
+            let d = ctx.decode;
+            let config = DecodeWorkerConfig {
+                id: ctx.id,
+                model: ctx.engine.model_name.clone(),
+                cluster_token: ctx.cluster_token.to_string(),
+                transfer_bind: d.transfer_addr.clone(),
+                advertise_host: ctx.worker.advertise_host.clone(),
+                remote_prefill_deadline: tandem_decode_worker::PrefillDeadline {
+                    base: Duration::from_millis(d.remote_prefill_timeout_ms),
+                    per_1k_tokens: Duration::from_millis(d.remote_prefill_timeout_per_1k_tokens_ms),
+                },
+                kv_transport: ctx.worker.kv_transport,
+                tls: ctx.tls.cloned(),
+            };
+            tandem_decode_worker::run(handle, layout, bound, config, ctx.registry, shutdown)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
 pub fn run_prefill(args: WorkerArgs) -> Result<()> {
-    args.launch(tandem_discovery::Role::Prefill, |w, l| async move {
-        let config = PrefillWorkerConfig {
-            id: l.id,
-            model: l.engine.model_name,
-            cluster_token: l.cluster_token,
-            advertise_host: w.advertise_host,
-            kv_transport: w.kv_transport,
-            tls: l.tls,
-        };
-        let (handle, layout) = (l.engine.handle, l.engine.kv_layout);
-        tandem_prefill_worker::run(handle, layout, l.bound, config, &l.registry, l.shutdown)
-            .await?;
-        Ok(())
-    })
+    run_role(
+        tandem_discovery::Role::Prefill,
+        args,
+        DecodeOptions::default_values(),
+    )
 }
 
 pub fn run_decode(args: DecodeWorkerArgs) -> Result<()> {
-    let deadline = tandem_decode_worker::PrefillDeadline {
-        base: Duration::from_millis(args.remote_prefill_timeout_ms),
-        per_1k_tokens: Duration::from_millis(args.remote_prefill_timeout_per_1k_tokens_ms),
-    };
-    let transfer_bind = args.transfer_addr;
-    args.worker
-        .launch(tandem_discovery::Role::Decode, |w, l| async move {
-            let config = DecodeWorkerConfig {
-                id: l.id,
-                model: l.engine.model_name,
-                cluster_token: l.cluster_token,
-                transfer_bind,
-                advertise_host: w.advertise_host,
-                remote_prefill_deadline: deadline,
-                kv_transport: w.kv_transport,
-                tls: l.tls,
-            };
-            let (handle, layout) = (l.engine.handle, l.engine.kv_layout);
-            tandem_decode_worker::run(handle, layout, l.bound, config, &l.registry, l.shutdown)
-                .await?;
-            Ok(())
-        })
+    run_role(tandem_discovery::Role::Decode, args.worker, args.decode)
+}
+
+fn run_role(role: tandem_discovery::Role, args: WorkerArgs, decode: DecodeOptions) -> Result<()> {
+    args.launch(role, |w, l| async move {
+        let ctx = RoleContext {
+            engine: &l.engine,
+            registry: &l.registry,
+            worker: &w,
+            decode: &decode,
+            id: l.id.clone(),
+            cluster_token: &l.cluster_token,
+            tls: l.tls.as_ref(),
+        };
+        serve_role(role, ctx, l.bound, l.shutdown).await
+    })
+}
+
+impl DecodeOptions {
+    /// The flags' defaults (a prefill worker has none of them).
+    fn default_values() -> Self {
+        Self {
+            transfer_addr: DEFAULT_TRANSFER_ADDR.into(),
+            remote_prefill_timeout_ms: DEFAULT_PREFILL_WAIT_MS,
+            remote_prefill_timeout_per_1k_tokens_ms: DEFAULT_PREFILL_WAIT_MS,
+        }
+    }
 }
 
 #[derive(Args, Debug)]

@@ -7,7 +7,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use tandem_telemetry::metrics::{Counter, Family, Histogram, Registry, LATENCY_BUCKETS};
+use tandem_telemetry::metrics::{
+    Counter, Family, Histogram, Registry, LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,
+};
 
 use crate::pool::{Cluster, Resync, Role};
 
@@ -17,6 +19,10 @@ pub struct RouterMetrics {
     requests: Family<Counter>,
     pub(crate) ttft: Histogram,
     pub(crate) e2e: Histogram,
+    pub(crate) tpot: Histogram,
+    pub(crate) prompt_tokens: Counter,
+    pub(crate) generation_tokens: Counter,
+    pub(crate) prefill_demand: Counter,
     decisions: Family<Counter>,
     placements: Family<Counter>,
     migrations: Family<Counter>,
@@ -48,6 +54,28 @@ impl RouterMetrics {
                 "tandem_router_e2e_request_latency_seconds",
                 "From the router receiving a request to the end of its stream.",
                 LATENCY_BUCKETS,
+            ),
+            tpot: registry.histogram(
+                "tandem_router_time_per_output_token_seconds",
+                "Per finished request: the time from its first to its last token over the \
+                 tokens after the first, every choice's counted (requests of one token are \
+                 not observed).",
+                TOKEN_LATENCY_BUCKETS,
+            ),
+            prompt_tokens: registry.counter(
+                "tandem_router_prompt_tokens_total",
+                "Prompt tokens of the requests routed (text prompts as the router's \
+                 tokenizer counts them): the prefill load the planner sizes for.",
+            ),
+            generation_tokens: registry.counter(
+                "tandem_router_generation_tokens_total",
+                "Tokens streamed to clients (every choice's): the decode load.",
+            ),
+            prefill_demand: registry.counter(
+                "tandem_router_prefill_demand_tokens_total",
+                "Uncached prompt tokens of requests at or over the remote-prefill threshold: \
+                 the work a prefill pool takes (prefilled there, or locally when no prefill \
+                 worker could), what the planner sizes that pool for.",
             ),
             decisions: registry.counter_family(
                 "tandem_router_decisions_total",

@@ -172,12 +172,31 @@ pub(crate) struct Proxy {
     pub(crate) span: tracing::Span,
     pub(crate) metrics: Arc<RouterMetrics>,
     pub(crate) started: Instant,
-    pub(crate) first_seen: bool,
+    /// When the first message came (the TTFT), for the TPOT at the end.
+    pub(crate) first_token: Option<Instant>,
+    /// Tokens streamed so far, every choice's.
+    pub(crate) generated: u64,
     /// Taken while a migration runs.
     pub(crate) resume: Option<Resume>,
 }
 
 impl Proxy {
+    fn count_tokens(&mut self, msg: &v1::GenerateResponse) {
+        if let Some(v1::generate_response::Event::Delta(d)) = &msg.event {
+            let n = d.token_ids.len() as u64;
+            self.generated += n;
+            self.metrics.generation_tokens.add(n);
+        }
+    }
+
+    /// The finished request's time per output token after the first.
+    fn observe_tpot(&self) {
+        if let Some(first) = self.first_token.filter(|_| self.generated > 1) {
+            let per_token = first.elapsed().as_secs_f64() / (self.generated - 1) as f64;
+            self.metrics.tpot.observe(per_token);
+        }
+    }
+
     fn end(&mut self, outcome: &'static str) {
         self.ended = true;
         self.metrics.request(outcome);
@@ -192,10 +211,11 @@ impl Proxy {
             match self.upstream.message().await {
                 Ok(Some(msg)) => {
                     self.prefill_load = None;
-                    if !self.first_seen {
-                        self.first_seen = true;
+                    if self.first_token.is_none() {
+                        self.first_token = Some(Instant::now());
                         self.metrics.ttft.observe_duration(self.started.elapsed());
                     }
+                    self.count_tokens(&msg);
                     if let Some(resume) = &mut self.resume {
                         resume.track(&msg);
                     }
@@ -203,6 +223,7 @@ impl Proxy {
                 }
                 Ok(None) => {
                     self.metrics.e2e.observe_duration(self.started.elapsed());
+                    self.observe_tpot();
                     self.end("finished");
                     return None;
                 }

@@ -419,6 +419,7 @@ impl RouterService {
         let (upstream, decode, decode_load) = self
             .call_decode(picked.decode, &req, &call, prompt_len.div_ceil(bs))
             .await?;
+        self.metrics.prompt_tokens.add(prompt_len as u64);
         let proxy = Proxy {
             upstream,
             decode: decode.clone(),
@@ -428,7 +429,8 @@ impl RouterService {
             span: span.clone(),
             metrics: self.metrics.clone(),
             started,
-            first_seen: false,
+            first_token: None,
+            generated: 0,
             resume,
         };
         let stream = futures_util::stream::unfold(proxy, |mut p| async move {
@@ -508,6 +510,9 @@ impl RouterService {
                     (Some(decodes[peer].clone()), "peer", reason)
                 }
                 PeerDecision::Compute(_) => {
+                    if uncached >= self.min_uncached_tokens() as usize {
+                        self.metrics.prefill_demand.add(uncached as u64);
+                    }
                     let (p, reason) = self
                         .place_prefill(uncached, ask, &routing, &mut decision_time)
                         .await;

@@ -443,6 +443,15 @@ impl Registry {
         self.push(Entry::Collector(Box::new(collect)));
     }
 
+    /// Forgets every metric and collector: a worker that switches roles
+    /// registers its new role's afresh (its counters restart from zero,
+    /// which Prometheus reads as a reset).
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.entries.clear();
+        inner.names.clear();
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -603,6 +612,16 @@ x_blocks{state=\"used\"} 3
     #[should_panic(expected = "end in _total")]
     fn a_counter_must_end_in_total() {
         Registry::new().counter("requests", "R.");
+    }
+
+    #[test]
+    fn a_cleared_registry_takes_the_same_names_again() {
+        let r = Registry::new();
+        r.counter("c_total", "C.").inc();
+        r.clear();
+        assert_eq!(r.render(), "");
+        r.counter("c_total", "C.");
+        assert!(r.render().contains("c_total 0\n"), "{}", r.render());
     }
 
     #[test]

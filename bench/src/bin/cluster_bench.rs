@@ -16,12 +16,11 @@
 //! Each measurement starts its own cluster; ratios compare runs made one
 //! after the other on the same machine.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::Result;
 use clap::Parser;
 use serde_json::json;
 
@@ -57,47 +56,21 @@ struct Args {
     plot_dir: Option<PathBuf>,
 }
 
-/// A running `tandem up`; stopped with SIGTERM (it stops its children).
-struct Up(Child, String);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let _ = self.0.wait();
-    }
-}
-
-fn up(args: &Args, model: &str, extra: &[&str]) -> Result<Up> {
-    let mut child = Command::new(&args.tandem)
-        .args([
-            "up",
-            "--model",
-            model,
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--kv-cache-memory",
-            "1GiB",
-        ])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", args.tandem.display()))?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line?;
-        if let Some(a) = line.strip_prefix("listening on ") {
-            let addr = a.to_string();
-            std::thread::spawn(move || for _ in lines {});
-            return Ok(Up(child, addr));
-        }
-    }
-    bail!("tandem up exited before listening")
+fn up(args: &Args, model: &str, extra: &[&str]) -> Result<tandem_bench::TandemUp> {
+    let a: Vec<String> = [
+        "--model",
+        model,
+        "--addr",
+        "127.0.0.1:0",
+        "--no-http",
+        "--kv-cache-memory",
+        "1GiB",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| (*s).to_string())
+    .collect();
+    tandem_bench::TandemUp::start(&args.tandem, &a, Stdio::null())
 }
 
 struct Rng(u64);
@@ -145,10 +118,10 @@ fn main() -> Result<()> {
         let t: Vec<f64> = rt.block_on(async {
             // One warm-up request (page cache, connections), not counted.
             let warm: Vec<u32> = (0..64).map(|i| i + 1).collect();
-            tandem_bench::engine_ttft(&cluster.1, warm).await?;
+            tandem_bench::engine_ttft(&cluster.addr, warm).await?;
             let mut t = Vec::new();
             for p in &prompts {
-                t.push(tandem_bench::engine_ttft(&cluster.1, p.clone()).await?);
+                t.push(tandem_bench::engine_ttft(&cluster.addr, p.clone()).await?);
             }
             Ok::<_, anyhow::Error>(t)
         })?;
@@ -180,7 +153,7 @@ fn main() -> Result<()> {
         let t: Vec<f64> = rt.block_on(async {
             let mut t = Vec::new();
             for (_, p) in &work {
-                t.push(tandem_bench::engine_ttft(&cluster.1, p.clone()).await?);
+                t.push(tandem_bench::engine_ttft(&cluster.addr, p.clone()).await?);
                 // Let the KV events reach the router between requests.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

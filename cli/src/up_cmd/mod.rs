@@ -27,16 +27,19 @@
 //! environment, not its command line).
 
 mod announce;
+mod process;
+mod supervisor;
 mod try_it;
 
-use std::io::{BufRead, BufReader};
+use process::{spawn, Children, Spawned};
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use tandem_discovery::Role;
 use tandem_security::PeerRole;
 
 #[derive(Args, Debug)]
@@ -132,6 +135,13 @@ pub struct UpArgs {
     /// The workers' shared secret; without it `up` draws a random one.
     #[command(flatten)]
     cluster_token: crate::security_args::ClusterTokenArgs,
+    /// Size the pools while serving (the SLA planner): workers are
+    /// `tandem worker` processes that `up` starts, stops (drained) and
+    /// switches between pools. Needs --planner-profile.
+    #[arg(long)]
+    planner: bool,
+    #[command(flatten)]
+    planning: crate::planner_cmd::PlanningArgs,
 }
 
 /// The certificates of a `--tls` cluster; a temporary directory is removed
@@ -314,167 +324,11 @@ fn etcd_healthy(port: u16) -> bool {
     text.starts_with("HTTP/1.1 200") && text.replace(' ', "").contains("\"health\":\"true\"")
 }
 
-/// Children are stopped when `up` ends, however it ends: SIGTERM first
-/// (they leave the membership, drain and flush their spans), SIGKILL for
-/// any still running 5 s later.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if let Ok(None) = c.try_wait() {
-                let _ = Command::new("kill")
-                    .args(["-TERM", &c.id().to_string()])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
-            }
-        }
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while std::time::Instant::now() < deadline
-            && self.0.iter_mut().any(|c| matches!(c.try_wait(), Ok(None)))
-        {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        for c in &mut self.0 {
-            let _ = c.kill();
-        }
-        for c in &mut self.0 {
-            let _ = c.wait();
-        }
-    }
-}
-
-/// A started child: the address it listens on, its pid, and its HTTP API
-/// and metrics addresses if it serves them.
-struct Spawned {
-    addr: String,
-    pid: u32,
-    http: Option<String>,
-    metrics: Option<String>,
-}
-
-/// The environment of the etcd TLS and auth flags (`MembershipArgs`),
-/// which `up` keeps from its children.
-const ETCD_SECURITY_ENV: [&str; 6] = [
-    "TANDEM_ETCD_CA",
-    "TANDEM_ETCD_CERT",
-    "TANDEM_ETCD_KEY",
-    "TANDEM_ETCD_USER",
-    "TANDEM_ETCD_PASSWORD",
-    "TANDEM_ETCD_PASSWORD_FILE",
-];
-
-/// Starts `tandem <args>` and reads its startup lines up to
-/// `listening on ADDR` (`http listening on ADDR` and `metrics listening on
-/// ADDR` lines may come first).
-///
-/// The child gets its own process group: a Ctrl-C in the terminal reaches
-/// `up` alone, which then stops the children itself ([`Children`]'s drop),
-/// so none is killed by a SIGINT that comes before it has installed its
-/// handler, and all stop before etcd does.
-fn spawn(
-    children: &mut Children,
-    stop: &StopFlag,
-    args: &[String],
-    env: &[(&str, String)],
-) -> Result<Spawned> {
-    use std::os::unix::process::CommandExt;
-    tracing::info!("tandem up: starting {}", args[0]);
-    let exe = std::env::current_exe().context("finding the tandem binary")?;
-    let mut command = Command::new(exe);
-    // `up`'s private etcd is plain HTTP without users: settings for an
-    // external etcd exported in this shell would make every child refuse it.
-    for var in ETCD_SECURITY_ENV {
-        command.env_remove(var);
-    }
-    let mut child = command
-        .process_group(0)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .arg("--exit-on-stdin-eof")
-        // A pipe nobody writes: it closes when `up` dies, however it dies,
-        // and the child then exits too.
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        // Under a progress bar the children's log lines come through `up`,
-        // which lifts the bar off for each; otherwise they go straight out.
-        .stderr(match crate::progress::enabled() {
-            true => Stdio::piped(),
-            false => Stdio::inherit(),
-        })
-        .spawn()
-        .with_context(|| format!("starting tandem {}", args.join(" ")))?;
-    if let Some(stderr) = child.stderr.take() {
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                crate::progress::suspend(|| eprintln!("{line}"));
-            }
-        });
-    }
-    let spinner = crate::progress::spinner(&format!("starting {}", args[0]));
-    let started = std::time::Instant::now();
-    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-    let pid = child.id();
-    children.0.push(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        for line in lines.by_ref() {
-            let last = line
-                .as_ref()
-                .map_or(true, |l| l.starts_with("listening on "));
-            let _ = tx.send(line);
-            if last {
-                break;
-            }
-        }
-        drop(tx);
-        // Keep draining so the child never blocks on a full pipe.
-        for _ in lines {}
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    let (mut http, mut metrics) = (None, None);
-    loop {
-        if stopping(stop) {
-            bail!("stopped while tandem {} was starting", args[0]);
-        }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let line = match rx.recv_timeout(left.min(Duration::from_millis(100))) {
-            Ok(line) => line?,
-            Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
-                bail!("tandem {} did not start", args[0])
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                bail!("tandem {} exited before listening", args[0])
-            }
-        };
-        if let Some(a) = line.strip_prefix("http listening on ") {
-            http = Some(a.to_string());
-        } else if let Some(a) = line.strip_prefix("metrics listening on ") {
-            metrics = Some(a.to_string());
-        } else if let Some(a) = line.strip_prefix("listening on ") {
-            crate::progress::finish_with_line(&spinner, || {
-                let took = started.elapsed().as_secs_f64();
-                format!("{} ready on {a} ({took:.1} s)", args[0])
-            });
-            return Ok(Spawned {
-                addr: a.to_string(),
-                pid,
-                http,
-                metrics,
-            });
-        } else {
-            bail!("tandem {} printed {line:?}", args[0]);
-        }
-    }
-}
-
 pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Result<()> {
     if args.decode == 0 {
         bail!("--decode must be at least 1");
     }
+    supervisor::check(&args)?;
     let model = match &args.model {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,
@@ -513,7 +367,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             .flat_map(|(v, flag)| [flag.to_string(), v.to_string()])
             .collect()
     });
-    let mut children = Children(Vec::new());
+    let children = std::sync::Arc::new(Children::default());
     // Every child: the same logs and trace export, and a metrics port.
     let mut common = telemetry.to_args();
     if !args.no_metrics {
@@ -526,7 +380,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     let mut decode = worker(PeerRole::Decode);
     decode.extend(args.decode_args.iter().cloned());
     let mut pool = Pool {
-        children: &mut children,
+        children: &children,
         stop: &stop,
         env: &secret,
         metrics: &mut metrics,
@@ -565,10 +419,10 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         addr,
         http,
         metrics: router_metrics,
-        ..
-    } = spawn(&mut children, &stop, &router, &router_env)?;
-    if let Some(m) = router_metrics {
-        metrics.push(("router", addr.clone(), m));
+        pid: router_pid,
+    } = spawn(&children, &stop, &router, &router_env)?;
+    if let Some(m) = &router_metrics {
+        metrics.push(("router", addr.clone(), m.clone()));
     }
     announce::announce(&announce::Announcement {
         etcd: etcd
@@ -583,7 +437,28 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         addr: &addr,
         http: http.as_deref(),
     });
-    watch(&mut children, &stop)
+    let _planner = match (args.planner, router_metrics) {
+        (true, Some(router_metrics)) => {
+            let started: Vec<(u32, Role)> = (prefills.iter().map(|p| (p.1, Role::Prefill)))
+                .chain(decodes.iter().map(|d| (d.1, Role::Decode)))
+                .collect();
+            let supervisor = supervisor::Supervisor::new(
+                children.clone(),
+                stop.clone(),
+                secret.to_vec(),
+                [prefill, decode],
+                &started,
+                tls.is_none(),
+            );
+            Some(supervisor::start(
+                &args.planning,
+                &router_metrics,
+                supervisor,
+            )?)
+        }
+        _ => None,
+    };
+    watch(&children, &stop, router_pid)
 }
 
 /// A worker's command line: `ROLE-worker` on the cluster's model,
@@ -596,15 +471,19 @@ fn worker_args(
     common: &[String],
     tls: Option<&TlsDir>,
 ) -> Vec<String> {
-    let mut a = vec![
-        format!("{role}-worker"),
+    // Under the planner: `tandem worker`, which can switch pools.
+    let mut a = match args.planner {
+        true => vec!["worker".into(), "--role".into(), role.to_string()],
+        false => vec![format!("{role}-worker")],
+    };
+    a.extend([
         "--model".into(),
         model.to_string(),
         "--kv-cache-memory".into(),
         args.kv_cache_memory.clone(),
         "--kv-transport".into(),
         args.kv_transport.to_string(),
-    ];
+    ]);
     a.extend(membership.iter().cloned());
     a.extend(common.iter().cloned());
     if let Some(t) = tls {
@@ -617,7 +496,7 @@ fn worker_args(
 
 /// Where started processes go, and what they share.
 struct Pool<'a> {
-    children: &'a mut Children,
+    children: &'a Children,
     stop: &'a StopFlag,
     env: &'a [(&'a str, String)],
     metrics: &'a mut Vec<(&'static str, String, String)>,
@@ -715,22 +594,19 @@ fn router_args(
     router
 }
 
-/// Waits for Ctrl-C / SIGTERM or for the router (the last child) to die;
-/// a worker that dies is reported and left out (the router stops sending
-/// to it). The children are killed on the way out ([`Children`]' drop).
-fn watch(children: &mut Children, stop: &StopFlag) -> Result<()> {
-    let router_at = children.0.len() - 1;
-    let mut reported = vec![false; children.0.len()];
+/// Waits for Ctrl-C / SIGTERM or for the router to die; a worker that
+/// dies unasked is reported and left out (the router stops sending to it).
+/// The children are killed on the way out ([`Children`]' drop).
+fn watch(children: &Children, stop: &StopFlag, router_pid: u32) -> Result<()> {
+    let mut reported = Vec::new();
     while !stopping(stop) {
-        for (i, c) in children.0.iter_mut().enumerate() {
-            if let Some(status) = c.try_wait()? {
-                if i == router_at {
-                    bail!("the router exited ({status}); stopping the cluster");
-                }
-                if !reported[i] {
-                    reported[i] = true;
-                    eprintln!("a worker (pid {}) exited: {status}", c.id());
-                }
+        for (pid, status, expected) in children.exited()? {
+            if pid == router_pid {
+                bail!("the router exited ({status}); stopping the cluster");
+            }
+            if !expected && !reported.contains(&pid) {
+                reported.push(pid);
+                eprintln!("a worker (pid {pid}) exited: {status}");
             }
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -51,12 +51,16 @@ fn check_overlay(overlay: &str) {
             m.find("ServiceAccount", sa).is_some(),
             "{o}: no ServiceAccount {sa}"
         );
-        assert_eq!(
-            at(w.pod, "automountServiceAccountToken").and_then(Value::as_bool),
-            Some(false),
-            "{o}: {} mounts an API token",
-            w.name
-        );
+        if containers(w.pod).any(planner::is_planner) {
+            planner::check(&m, o, w);
+        } else {
+            assert_eq!(
+                at(w.pod, "automountServiceAccountToken").and_then(Value::as_bool),
+                Some(false),
+                "{o}: {} mounts an API token",
+                w.name
+            );
+        }
         // Volumes and mounts.
         let volumes: BTreeMap<String, &Value> = seq(w.pod, "volumes")
             .iter()
@@ -160,10 +164,14 @@ fn check_overlay(overlay: &str) {
         );
         scaled.insert(t.to_string());
     }
-    assert!(
-        scaled.contains("prefill-worker") && scaled.contains("decode-worker"),
-        "{o}: each pool needs its own HPA: {scaled:?}"
-    );
+    let planned = planner::planned(&m);
+    for pool in ["prefill-worker", "decode-worker"] {
+        assert!(
+            scaled.contains(pool) != planned.contains(pool),
+            "{o}: {pool} needs one owner of its replicas, an HPA or the planner: \
+             HPAs {scaled:?}, planner {planned:?}"
+        );
+    }
 
     // Every tandem container: arguments and environment accepted by the
     // binary; probes and declared ports where the binary listens.
@@ -177,6 +185,9 @@ fn check_overlay(overlay: &str) {
             let env = placeholder_env(&m, &m.env(c));
             let argv = effective_argv(&arg_strings(c), &env);
             let (sub, matches) = parse(&argv);
+            if sub == "planner" {
+                continue;
+            }
             if let Ok(Some(e)) = matches.try_get_many::<String>("etcd") {
                 etcd_urls.extend(e.cloned());
             }
@@ -373,6 +384,11 @@ fn check_overlay(overlay: &str) {
 #[test]
 fn cpu_overlay_cross_references_hold() {
     check_overlay("cpu");
+}
+
+#[test]
+fn cpu_planner_overlay_cross_references_hold() {
+    check_overlay("cpu-planner");
 }
 
 #[test]

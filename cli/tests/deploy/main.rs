@@ -34,7 +34,7 @@ use tandem_proto::worker::{ROUTED_DECODE_HEADER, ROUTED_PREFILL_HEADER};
 use tandem_tests::cluster::{free_port, load, KillOnDrop};
 
 /// Every overlay an operator can apply.
-const OVERLAYS: &[&str] = &["cpu", "gpu", "gpu-pipeline"];
+const OVERLAYS: &[&str] = &["cpu", "cpu-planner", "gpu", "gpu-pipeline"];
 
 /// The Secret operators create themselves (deploy/README.md); every other
 /// reference must resolve inside the rendered manifests.
@@ -266,9 +266,16 @@ fn arg_strings(c: &Value) -> Vec<String> {
 /// clap). Panics if a variable is no flag's `env` for this subcommand.
 fn effective_argv(args: &[String], env: &BTreeMap<String, String>) -> Vec<String> {
     let cmd = Cli::command();
-    let sub = cmd
+    let mut sub = cmd
         .find_subcommand(args.first().expect("a subcommand"))
         .unwrap_or_else(|| panic!("tandem has no subcommand {:?}", args[0]));
+    // `tandem planner run`: the flags are the innermost subcommand's.
+    for a in &args[1..] {
+        match sub.find_subcommand(a) {
+            Some(inner) => sub = inner,
+            None => break,
+        }
+    }
     let mut argv = vec!["tandem".to_string()];
     argv.extend(args.iter().cloned());
     for (var, value) in env {
@@ -395,3 +402,4 @@ fn name_of(v: &Value) -> String {
 
 mod cross_references;
 mod local_processes;
+mod planner;
