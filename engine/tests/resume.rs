@@ -345,3 +345,75 @@ fn a_handed_over_request_ends_quietly_and_leaves_its_kv_cached() {
     let full_blocks = (tokens.len() - 1) / 4 * 4;
     assert_eq!(cached, Some(full_blocks), "every full block was cached");
 }
+
+#[test]
+fn a_resumed_request_is_taken_past_the_queue_limit_up_to_its_headroom() {
+    use tandem_engine::serving::{EngineHandle, RESUMED_HEADROOM};
+    use tandem_engine::EngineError;
+    // A slow model and one sequence at a time: the first request runs for
+    // seconds while the others wait.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    synth::SynthConfig {
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 4,
+        max_position_embeddings: 4096,
+        ..synth::preset("tiny").expect("preset")
+    }
+    .write(tmp.path(), 9, DType::F32)
+    .expect("write");
+    let model = tandem_engine::Model::load(tmp.path()).expect("load");
+    let limit = 2;
+    let config = EngineConfig {
+        max_num_seqs: 1,
+        max_queued_requests: Some(limit),
+        ..EngineConfig::default()
+    };
+    let core = EngineCore::new(model, None, vec![], &config).expect("core");
+    let engine = EngineHandle::spawn(core).expect("spawn");
+    let long = |resumed: bool| {
+        let mut r = Request::new(Prompt::Tokens(vec![1, 2, 3]), 3000);
+        r.ignore_eos = true;
+        r.resume = resumed.then(|| Resume {
+            choices: vec![ResumedChoice {
+                index: 0,
+                tokens: vec![4],
+            }],
+            ..Resume::default()
+        });
+        r
+    };
+    let mut held = Vec::new();
+    let refused = loop {
+        assert!(held.len() < 2 * limit + 2, "new requests never refused");
+        match engine.submit(long(false)) {
+            Ok(s) => held.push(s),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(refused, EngineError::Overloaded { .. }),
+        "{refused}"
+    );
+    // The queue is full for new work; resumed requests still get in, up
+    // to the headroom, and then they are refused too.
+    let mut resumed = 0;
+    let refused = loop {
+        assert!(
+            resumed <= limit * RESUMED_HEADROOM,
+            "resumed requests never refused"
+        );
+        match engine.submit(long(true)) {
+            Ok(s) => {
+                held.push(s);
+                resumed += 1;
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(resumed >= 1, "no resumed request taken at a full queue");
+    assert!(
+        matches!(refused, EngineError::Overloaded { limit: l, .. } if l == limit * RESUMED_HEADROOM),
+        "{refused}"
+    );
+}

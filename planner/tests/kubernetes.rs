@@ -192,3 +192,102 @@ async fn an_api_that_never_answers_times_out() {
         "{err}"
     );
 }
+
+/// A one-answer HTTPS server with `dir`'s router certificate (signed by
+/// `dir`'s CA): it sends back the request's `authorization` header.
+async fn https_server(dir: &std::path::Path) -> String {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio_rustls::rustls;
+    let files = tandem_security::TlsConfig::in_dir(dir, tandem_security::PeerRole::Router);
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
+        .expect("cert")
+        .map(|c| c.expect("cert"))
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&files.key).expect("key");
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let Ok(tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let mut reader = BufReader::new(tls);
+            let mut auth = String::new();
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).await.unwrap_or(0) == 0 || h.trim().is_empty() {
+                    break;
+                }
+                if let Some(v) = h.to_ascii_lowercase().strip_prefix("authorization:") {
+                    auth = v.trim().to_string();
+                }
+            }
+            let body = format!(r#"{{"spec":{{"replicas":4}},"auth":"{auth}"}}"#);
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = reader.into_inner().write_all(response.as_bytes()).await;
+        }
+    });
+    format!("https://127.0.0.1:{}", addr.port())
+}
+
+#[tokio::test]
+async fn https_with_the_service_accounts_ca_and_token_and_no_other_ca() {
+    let ours = tempfile::tempdir().expect("tempdir");
+    let theirs = tempfile::tempdir().expect("tempdir");
+    tandem_security::write_dev_certs(ours.path(), &[]).expect("certs");
+    tandem_security::write_dev_certs(theirs.path(), &[]).expect("certs");
+    let api = https_server(ours.path()).await;
+    let url = format!("{api}/apis/apps/v1/namespaces/tandem/deployments/decode-worker/scale");
+    let client = HttpClient::plain(API_TIMEOUT)
+        .with_ca(&ours.path().join("ca.pem"))
+        .expect("CA")
+        .with_bearer("sa-token".into());
+    let answer = client.get(&url).await.expect("HTTPS answer");
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer.text().contains(r#""auth":"bearer sa-token""#),
+        "{}",
+        answer.text()
+    );
+    // The actuator reads the replicas through the same client.
+    let k8s = Kubernetes::new(
+        KubernetesConfig {
+            api: api.clone(),
+            namespace: "tandem".into(),
+            prefill_deployment: "prefill-worker".into(),
+            decode_deployment: "decode-worker".into(),
+        },
+        client,
+    );
+    assert_eq!(k8s.sizes().await.expect("sizes").decode, 4);
+    // A server whose certificate another CA signed is refused.
+    let stranger = HttpClient::plain(API_TIMEOUT)
+        .with_ca(&theirs.path().join("ca.pem"))
+        .expect("CA");
+    let err = stranger.get(&url).await.expect_err("untrusted");
+    assert!(
+        matches!(err, tandem_planner::http::HttpError::Tls(_)),
+        "{err}"
+    );
+    // And https without a CA at all is an error, not a plaintext call.
+    let err = HttpClient::plain(API_TIMEOUT)
+        .get(&url)
+        .await
+        .expect_err("no CA");
+    assert!(err.to_string().contains("without a CA"), "{err}");
+}

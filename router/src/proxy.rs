@@ -239,9 +239,16 @@ impl Proxy {
                     } else {
                         Cause::Failure
                     };
-                    if worker_failed(&status) && self.migrate(cause).await {
-                        continue;
-                    }
+                    // A replacement's own refusal (its queue is full, the
+                    // deadline passed) is what the client should hear, not
+                    // the hand-over it tried to continue.
+                    let status = match worker_failed(&status) {
+                        true => match self.migrate(cause).await {
+                            Ok(()) => continue,
+                            Err(refusal) => refusal.unwrap_or(status),
+                        },
+                        false => status,
+                    };
                     self.end(outcome_of(&status));
                     return Some(Err(upstream_status(&self.decode, status)));
                 }
@@ -249,11 +256,12 @@ impl Proxy {
         }
     }
 
-    /// Re-sends the request to another decode worker; true when the stream
-    /// now comes from there.
-    async fn migrate(&mut self, cause: Cause) -> bool {
+    /// Re-sends the request to another decode worker: `Ok` when the stream
+    /// now comes from there; else the replacement's refusal, if one
+    /// answered with one.
+    async fn migrate(&mut self, cause: Cause) -> Result<(), Option<Status>> {
         let Some(mut resume) = self.resume.take() else {
-            return false;
+            return Err(None);
         };
         self.decode.mark_down();
         // A draining worker keeps the request's blocks for the taking: the
@@ -272,7 +280,7 @@ impl Proxy {
         resume: &mut Resume,
         cause: Cause,
         kv_source: Option<String>,
-    ) -> bool {
+    ) -> Result<(), Option<Status>> {
         let path = if kv_source.is_some() {
             "kv_moved"
         } else {
@@ -283,12 +291,12 @@ impl Proxy {
             let Some((req, replay)) = resume.continuation() else {
                 self.metrics
                     .migration(cause.label(), "cannot_resume", "none");
-                return false;
+                return Err(None);
             };
             let failed = self.decode.addr.clone();
             let Some(next) = resume.cluster.replacement(Role::Decode, &failed, &req.lora) else {
                 self.metrics.migration(cause.label(), "no_worker", "none");
-                return false;
+                return Err(None);
             };
             let prompt_len = resume.tokens_to_compute();
             // Without a KV source the continuation computes its prompt and
@@ -305,7 +313,7 @@ impl Proxy {
             if let Some(deadline) = resume.deadline {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return false;
+                    return Err(None);
                 }
                 forward.set_timeout(left);
             }
@@ -324,7 +332,7 @@ impl Proxy {
                     self.upstream = response.into_inner();
                     self.decode = next;
                     self.decode_load = load;
-                    return true;
+                    return Ok(());
                 }
                 Err(status) => {
                     tracing::warn!(
@@ -336,12 +344,12 @@ impl Proxy {
                     if worker_failed(&status) {
                         next.mark_down();
                     } else {
-                        return false;
+                        return Err(Some(status));
                     }
                 }
             }
         }
-        false
+        Err(None)
     }
 }
 

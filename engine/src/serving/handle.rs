@@ -91,6 +91,10 @@ struct Shared {
 /// to move (a few steps of admissions), without promising anything.
 pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// How many times `max_queued_requests` a resumed request may find queued
+/// and still be taken (a migration from a failed or draining worker).
+pub const RESUMED_HEADROOM: usize = 2;
+
 /// A cloneable handle to an engine thread. The thread exits when every
 /// handle and stream is gone.
 #[derive(Debug, Clone)]
@@ -201,7 +205,9 @@ impl EngineHandle {
         self.shared.failure.lock().ok().and_then(|f| f.clone())
     }
 
-    /// Validates a request and queues it. Errors name the field at fault.
+    /// Validates a request and queues it. Errors name the field at fault;
+    /// a full queue is [`EngineError::Overloaded`] (resumed requests get
+    /// [`RESUMED_HEADROOM`] times the room).
     pub fn submit(&self, mut req: Request) -> Result<RequestStream> {
         if let Some(why) = self.failure() {
             return Err(EngineError::Stopped(why));
@@ -217,7 +223,15 @@ impl EngineHandle {
         )?;
         let queued = self.shared.in_flight.fetch_add(1, Ordering::AcqRel)
             + self.shared.waiting.load(Ordering::Acquire);
-        if let Some(limit) = self.shared.max_queued.filter(|&l| queued >= l) {
+        // A resumed request (its worker failed or handed it over while
+        // draining) was admitted by the cluster already: refusing it would
+        // fail a request a client is being served, where the limit is for
+        // new work. It may queue up to `RESUMED_HEADROOM` times the limit.
+        let limit = self.shared.max_queued.map(|l| match valid.resume {
+            Some(_) => l.saturating_mul(RESUMED_HEADROOM),
+            None => l,
+        });
+        if let Some(limit) = limit.filter(|&l| queued >= l) {
             self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(EngineError::Overloaded {
                 queued,

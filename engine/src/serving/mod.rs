@@ -46,7 +46,7 @@ pub use self::core::{
     BadStepTimeLimit, DiskTierStats, EngineConfig, EngineCore, EngineStats, KvPoolSize,
     StepTimeLimit, LOAD_HOLD,
 };
-pub use handle::{EngineHandle, RequestStream};
+pub use handle::{EngineHandle, RequestStream, RESUMED_HEADROOM};
 pub use kv_feed::{
     KvFeed, KvSubscription, TooManyKvSubscribers, KV_FEED_BACKLOG, MAX_KV_SUBSCRIBERS,
 };
