@@ -25,6 +25,11 @@
 //! find `DIR/ca.pem` and `DIR/client.pem` + `DIR/client.key`. `--api-key`
 //! and `--api-keys-file` go to the router (the keys through its
 //! environment, not its command line).
+//!
+//! `--planner` sizes the pools while serving: the workers are `tandem
+//! worker` processes, and a planner thread (`supervisor.rs`) reads the
+//! router's metrics and starts, drains or switches them (etcd and metrics
+//! required).
 
 mod announce;
 mod process;
