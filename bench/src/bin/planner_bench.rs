@@ -68,6 +68,10 @@ struct Args {
     planner_interval_s: f64,
     #[arg(long, default_value_t = 3)]
     scale_down_after: u32,
+    /// The planner's `--utilisation` (share of a worker's profiled
+    /// capacity it plans for).
+    #[arg(long, default_value_t = 0.8)]
+    utilisation: f64,
     #[arg(long, default_value = "bench/results/planner/ramp")]
     out_dir: PathBuf,
 }
@@ -84,6 +88,7 @@ fn up(args: &Args, model: &str, log: &str) -> Result<tandem_bench::TandemUp> {
         format!("--planner-interval-s={}", args.planner_interval_s),
         format!("--max-workers={}", args.max_workers),
         format!("--scale-down-after={}", args.scale_down_after),
+        format!("--utilisation={}", args.utilisation),
         format!(
             "--remote-prefill-threshold={}",
             args.remote_prefill_threshold
@@ -262,6 +267,7 @@ fn report(
             "multipliers": args.multipliers, "phase_s": args.phase_s, "reaction_s": args.reaction_s,
             "input_len": format!("{:?}", args.input_len), "output_len": format!("{:?}", args.output_len),
             "max_workers": args.max_workers, "planner_interval_s": args.planner_interval_s,
+            "utilisation": args.utilisation,
             "pair_capacity_rps": capacity, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         },
         "phases": rows,
