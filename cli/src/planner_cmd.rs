@@ -164,9 +164,11 @@ impl PlanningArgs {
         })
     }
 
-    /// The control loop over the routers `scraper` reads and `actuator`.
+    /// The control loop of `config` (from [`Self::config`]) over the
+    /// routers `scraper` reads and `actuator`.
     pub fn control_loop(
         &self,
+        config: PlannerConfig,
         scraper: Scraper,
         actuator: Arc<dyn Actuator>,
     ) -> Result<ControlLoop> {
@@ -181,7 +183,7 @@ impl PlanningArgs {
             None => None,
         };
         Ok(ControlLoop {
-            planner: Planner::new(self.config()?),
+            planner: Planner::new(config),
             scraper,
             actuator,
             interval: Duration::from_secs_f64(self.planner_interval_s),
@@ -270,6 +272,7 @@ fn profile(args: &ProfileArgs) -> Result<()> {
 
 fn run_kubernetes(args: RunArgs) -> Result<()> {
     use tandem_planner::kubernetes::{Kubernetes, KubernetesConfig, API_TIMEOUT};
+    let config = args.planning.config()?;
     let k8s = match &args.k8s_api {
         Some(api) => Kubernetes::new(
             KubernetesConfig {
@@ -290,7 +293,7 @@ fn run_kubernetes(args: RunArgs) -> Result<()> {
     if args.scrape_every_address {
         scraper = scraper.every_address();
     }
-    let control = args.planning.control_loop(scraper, Arc::new(k8s))?;
+    let control = args.planning.control_loop(config, scraper, Arc::new(k8s))?;
     crate::engine_args::runtime()?.block_on(control.run(crate::engine_args::shutdown_signal()));
     Ok(())
 }

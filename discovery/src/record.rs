@@ -62,6 +62,14 @@ impl Role {
     /// Both roles, in key order.
     pub const ALL: [Role; 2] = [Role::Prefill, Role::Decode];
 
+    /// The other pool (where a switching worker goes).
+    pub fn other(self) -> Role {
+        match self {
+            Role::Prefill => Role::Decode,
+            Role::Decode => Role::Prefill,
+        }
+    }
+
     /// `"prefill"` or `"decode"`: the key segment and the JSON spelling.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -62,7 +62,7 @@ pub async fn apply(
                 actuator.switch(to).await?;
                 for sizes in [&mut now, &mut target] {
                     *sizes.get_mut(to) += 1;
-                    let from = sizes.get_mut(other(to));
+                    let from = sizes.get_mut(to.other());
                     *from = from.saturating_sub(1);
                 }
             }
@@ -80,12 +80,4 @@ pub async fn apply(
         }
     }
     Ok(now)
-}
-
-/// The pool that is not `role`.
-pub fn other(role: Role) -> Role {
-    match role {
-        Role::Prefill => Role::Decode,
-        Role::Decode => Role::Prefill,
-    }
 }

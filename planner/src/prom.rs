@@ -82,11 +82,8 @@ impl Exposition {
     /// Histogram `name` (its `_bucket`, `_count` and `_sum` samples).
     pub fn histogram(&self, name: &str) -> Histogram {
         let mut buckets: Vec<(f64, f64)> = Vec::new();
-        for s in self
-            .samples
-            .iter()
-            .filter(|s| s.matches(&format!("{name}_bucket"), &[]))
-        {
+        let bucket = format!("{name}_bucket");
+        for s in self.samples.iter().filter(|s| s.matches(&bucket, &[])) {
             let Some(le) = s.label("le").and_then(|le| parse_value(le).ok()) else {
                 continue;
             };

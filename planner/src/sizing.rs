@@ -138,12 +138,16 @@ impl Planner {
         &self.config
     }
 
-    fn capacity(&self, role: Role) -> f64 {
-        let profiled = match role {
+    /// What the profile says one worker of `role` sustains.
+    fn profiled(&self, role: Role) -> f64 {
+        match role {
             Role::Prefill => self.config.profile.prefill_tokens_per_s,
             Role::Decode => self.config.profile.decode_tokens_per_s,
-        };
-        profiled * self.correction[slot(role)] * self.config.utilisation
+        }
+    }
+
+    fn capacity(&self, role: Role) -> f64 {
+        self.profiled(role) * self.correction[slot(role)] * self.config.utilisation
     }
 
     /// Learns from the interval's attainment (see the module doc).
@@ -158,15 +162,12 @@ impl Planner {
         let Some(attainment) = attainment.filter(|_| observations >= MIN_OBSERVATIONS) else {
             return;
         };
+        let profiled = self.profiled(role);
         let c = &mut self.correction[slot(role)];
         if attainment >= self.config.attainment_target {
             *c = (*c * RECOVERY).min(1.0);
             return;
         }
-        let profiled = match role {
-            Role::Prefill => self.config.profile.prefill_tokens_per_s,
-            Role::Decode => self.config.profile.decode_tokens_per_s,
-        };
         let per_worker = load / workers.max(1) as f64;
         if per_worker < profiled * *c {
             *c = (0.9 * per_worker / profiled).clamp(MIN_CORRECTION, 1.0);
@@ -273,11 +274,7 @@ fn fit_total(sizes: &mut Sizes, limits: Limits, current: Option<Sizes>) {
             (None, true) => Role::Prefill,
             (None, false) => Role::Decode,
         };
-        let other = match role {
-            Role::Prefill => Role::Decode,
-            Role::Decode => Role::Prefill,
-        };
-        let pick = [role, other]
+        let pick = [role, role.other()]
             .into_iter()
             .find(|&r| sizes.get(r) > limits.min.get(r));
         match pick {

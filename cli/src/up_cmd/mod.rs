@@ -333,7 +333,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
     if args.decode == 0 {
         bail!("--decode must be at least 1");
     }
-    supervisor::check(&args)?;
+    let planner_config = supervisor::check(&args)?;
     let model = match &args.model {
         Some(d) => d.clone(),
         None => crate::default_model::default_model_dir()?,
@@ -442,8 +442,8 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
         addr: &addr,
         http: http.as_deref(),
     });
-    let _planner = match (args.planner, router_metrics) {
-        (true, Some(router_metrics)) => {
+    let _planner = match (planner_config, router_metrics) {
+        (Some(config), Some(router_metrics)) => {
             let started: Vec<(u32, Role)> = (prefills.iter().map(|p| (p.1, Role::Prefill)))
                 .chain(decodes.iter().map(|d| (d.1, Role::Decode)))
                 .collect();
@@ -457,6 +457,7 @@ pub fn run(args: UpArgs, telemetry: &crate::telemetry_args::TelemetryArgs) -> Re
             );
             Some(supervisor::start(
                 &args.planning,
+                config,
                 &router_metrics,
                 supervisor,
             )?)

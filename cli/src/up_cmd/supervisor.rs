@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tandem_discovery::Role;
-use tandem_planner::actuator::other;
 use tandem_planner::{Actuator, ActuatorError, Sizes};
 
 use super::process::{spawn, Children};
@@ -151,7 +150,7 @@ impl Actuator for Supervisor {
     }
 
     async fn switch(&self, to: Role) -> Result<(), ActuatorError> {
-        let from = other(to);
+        let from = to.other();
         let pid = self
             .pick(from)
             .ok_or_else(|| ActuatorError::Failed(format!("no {from} worker to switch")))?;
@@ -187,10 +186,11 @@ impl Drop for PlannerThread {
     }
 }
 
-/// Checks `up --planner`'s flags before anything starts.
-pub(super) fn check(args: &super::UpArgs) -> anyhow::Result<()> {
+/// Checks `up --planner`'s flags before anything starts: the planner's
+/// configuration, its profile read (`None` without `--planner`).
+pub(super) fn check(args: &super::UpArgs) -> anyhow::Result<Option<tandem_planner::PlannerConfig>> {
     if !args.planner {
-        return Ok(());
+        return Ok(None);
     }
     if args.no_etcd || args.no_metrics {
         anyhow::bail!(
@@ -198,18 +198,19 @@ pub(super) fn check(args: &super::UpArgs) -> anyhow::Result<()> {
              drop --no-etcd / --no-metrics"
         );
     }
-    args.planning.config().map(|_| ())
+    args.planning.config().map(Some)
 }
 
 /// Starts the planner over the router's metrics (`router_metrics`,
 /// `HOST:PORT`) with `supervisor` as its hands.
 pub(super) fn start(
     planning: &crate::planner_cmd::PlanningArgs,
+    config: tandem_planner::PlannerConfig,
     router_metrics: &str,
     supervisor: Supervisor,
 ) -> anyhow::Result<PlannerThread> {
     let scraper = tandem_planner::Scraper::new(vec![format!("http://{router_metrics}/metrics")]);
-    let control = planning.control_loop(scraper, Arc::new(supervisor))?;
+    let control = planning.control_loop(config, scraper, Arc::new(supervisor))?;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stopped = stop.clone();
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -116,10 +116,7 @@ pub fn run(args: SwitchableWorkerArgs) -> Result<()> {
             if next == Next::Stop {
                 break;
             }
-            role = match role {
-                Role::Prefill => Role::Decode,
-                Role::Decode => Role::Prefill,
-            };
+            role = role.other();
             registry.clear();
         }
         drop(ranks);
