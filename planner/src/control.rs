@@ -66,11 +66,16 @@ impl Scraper {
             };
             let port = uri.port_u16().unwrap_or(80);
             let path = uri.path_and_query().map_or("/metrics", |p| p.as_str());
-            let resolved = tokio::net::lookup_host(format!("{host}:{port}")).await;
-            match resolved {
-                Ok(addrs) => out.extend(addrs.map(|a| format!("http://{a}{path}"))),
-                Err(e) => {
+            // A resolver that does not answer costs one scrape deadline.
+            let lookup = tokio::net::lookup_host(format!("{host}:{port}"));
+            match tokio::time::timeout(SCRAPE_TIMEOUT, lookup).await {
+                Ok(Ok(addrs)) => out.extend(addrs.map(|a| format!("http://{a}{path}"))),
+                Ok(Err(e)) => {
                     tracing::warn!(%url, error = %e, "resolving the routers");
+                    out.push(url.clone());
+                }
+                Err(_) => {
+                    tracing::warn!(%url, "resolving the routers timed out");
                     out.push(url.clone());
                 }
             }
@@ -196,5 +201,51 @@ impl ControlLoop {
             let _ = writeln!(out, "{line}").and_then(|()| out.flush());
         }
         Some(decision)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Answers every connection with a router scrape of 7 finished requests.
+    async fn metrics_server() -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut request = [0u8; 1024];
+                let _ = s.read(&mut request).await;
+                let body = "tandem_router_requests_total{outcome=\"finished\"} 7\n";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn every_address_of_a_name_is_scraped_and_a_dead_one_left_out() {
+        let port = metrics_server().await;
+        // `localhost` may resolve to ::1 too, where nothing listens: that
+        // replica is left out, not the scrape.
+        let url = format!("http://localhost:{port}/metrics");
+        let scraper = Scraper::new(vec![url.clone()]).every_address();
+        let urls = scraper.urls().await;
+        assert!(
+            urls.iter().any(|u| u.starts_with("http://127.0.0.1:")),
+            "{urls:?}"
+        );
+        assert_eq!(scraper.snapshot().await.expect("scrape").finished, 7.0);
+        // Nobody answering at all is an error naming the router.
+        let dead = Scraper::new(vec!["http://127.0.0.1:1/metrics".into()]);
+        let err = dead.snapshot().await.expect_err("no router");
+        assert!(err.to_string().contains("127.0.0.1:1"), "{err}");
     }
 }
