@@ -77,6 +77,11 @@ pub struct EngineArgs {
     /// matrix it does not divide uses the largest smaller one that does).
     #[arg(long, default_value_t = tandem_engine::quant::DEFAULT_GROUP_SIZE)]
     quantize_group_size: usize,
+    /// How INT4 decode kernels code activations (`--quantize int4`):
+    /// `two-pass` (about 15 bits, as GPU W4A16 kernels) or `int8` (W4A8:
+    /// about a quarter faster, more error; bench/RESULTS.md).
+    #[arg(long, default_value = "two-pass")]
+    int4_activations: tandem_engine::quant::ActivationCodes,
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]
     gpu_index: usize,
@@ -147,7 +152,8 @@ impl EngineArgs {
         let weight_quantization = match self.quantize {
             Some(Quantize::Int4) => Some(
                 tandem_engine::quant::Int4Config::new(self.quantize_group_size)
-                    .map_err(|e| anyhow::anyhow!("--quantize-group-size: {e}"))?,
+                    .map_err(|e| anyhow::anyhow!("--quantize-group-size: {e}"))?
+                    .with_activations(self.int4_activations),
             ),
             None => None,
         };

@@ -31,7 +31,7 @@ use clap::Parser;
 use serde_json::{json, Value};
 use tandem_engine::kernels::log_softmax;
 use tandem_engine::quant::eval::score_with;
-use tandem_engine::quant::Int4Config;
+use tandem_engine::quant::{ActivationCodes, Int4Config};
 use tandem_engine::sampling::argmax;
 use tandem_engine::{
     generate, GenerateOptions, GenerateRequest, KvCacheDtype, Model, SamplingParams,
@@ -47,7 +47,9 @@ struct Args {
     #[arg(long)]
     reference: PathBuf,
     /// Modes to run, comma-separated (default: all). Names: f32, bf16-kv,
-    /// f16-kv, int8-kv, fp8-kv, int4-g32, int4-g64, int4-g128.
+    /// f16-kv, int8-kv, fp8-kv, int4-g32, int4-g32-int8-act, int4-g64,
+    /// int4-g128 (INT4 modes code activations in two passes unless named
+    /// `-int8-act`).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Tokens per forward step while scoring.
@@ -68,37 +70,51 @@ struct Args {
     decode_gguf_blocks: bool,
 }
 
-/// A precision mode: the KV cache's dtype and, for INT4, the group size.
+/// A precision mode: the KV cache's dtype and, for INT4, the group size and
+/// how the decode kernels code activations.
 #[derive(Debug, Clone, Copy)]
 struct Mode {
     name: &'static str,
     kv: KvCacheDtype,
-    int4_group: Option<usize>,
+    int4: Option<(usize, ActivationCodes)>,
     /// The acceptance bound on the perplexity change against f32, percent.
     bound_pct: Option<f64>,
 }
 
-const MODES: [Mode; 8] = [
+const TWO_PASS: ActivationCodes = ActivationCodes::TwoPass;
+
+const MODES: [Mode; 9] = [
     mode("f32", KvCacheDtype::F32, None, None),
     mode("bf16-kv", KvCacheDtype::Bf16, None, Some(0.1)),
     mode("f16-kv", KvCacheDtype::F16, None, Some(0.1)),
     mode("int8-kv", KvCacheDtype::Int8, None, Some(1.0)),
     mode("fp8-kv", KvCacheDtype::Fp8E4m3, None, Some(3.0)),
-    mode("int4-g32", KvCacheDtype::F32, Some(32), Some(3.0)),
-    mode("int4-g64", KvCacheDtype::F32, Some(64), None),
-    mode("int4-g128", KvCacheDtype::F32, Some(128), None),
+    mode(
+        "int4-g32",
+        KvCacheDtype::F32,
+        Some((32, TWO_PASS)),
+        Some(3.0),
+    ),
+    mode(
+        "int4-g32-int8-act",
+        KvCacheDtype::F32,
+        Some((32, ActivationCodes::Int8)),
+        Some(3.0),
+    ),
+    mode("int4-g64", KvCacheDtype::F32, Some((64, TWO_PASS)), None),
+    mode("int4-g128", KvCacheDtype::F32, Some((128, TWO_PASS)), None),
 ];
 
 const fn mode(
     name: &'static str,
     kv: KvCacheDtype,
-    int4_group: Option<usize>,
+    int4: Option<(usize, ActivationCodes)>,
     bound_pct: Option<f64>,
 ) -> Mode {
     Mode {
         name,
         kv,
-        int4_group,
+        int4,
         bound_pct,
     }
 }
@@ -250,8 +266,8 @@ fn load_mode(dir: &Path, m: Mode, decode_blocks: bool) -> Result<Model> {
     if decode_blocks {
         model.decode_gguf_blocks();
     }
-    if let Some(g) = m.int4_group {
-        model.quantize_int4(Int4Config::new(g)?)?;
+    if let Some((g, activations)) = m.int4 {
+        model.quantize_int4(Int4Config::new(g)?.with_activations(activations))?;
     }
     Ok(model)
 }
@@ -313,7 +329,8 @@ fn main() -> Result<()> {
         let row = json!({
             "mode": m.name,
             "kv_dtype": m.kv.name(),
-            "int4_group": m.int4_group,
+            "int4_group": m.int4.map(|(g, _)| g),
+            "int4_activations": m.int4.map(|(_, a)| a.name()),
             "perplexity": ppl,
             "ppl_change_vs_f32_pct": change,
             "ppl_vs_transformers_pct": 100.0 * (ppl / reference.perplexity - 1.0),

@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use serde_json::json;
 use tandem_bench::percentile;
-use tandem_engine::quant::Int4Config;
+use tandem_engine::quant::{ActivationCodes, Int4Config};
 use tandem_engine::{BlockId, KvCache, Model, SeqInput};
 
 #[derive(Parser, Debug)]
@@ -36,6 +36,9 @@ struct Args {
     /// INT4 group size.
     #[arg(long, default_value_t = tandem_engine::quant::DEFAULT_GROUP_SIZE)]
     group_size: usize,
+    /// How activations are coded against the INT4 weights: two-pass or int8.
+    #[arg(long, default_value = "two-pass")]
+    activations: ActivationCodes,
     /// Tokens in the cache before decoding.
     #[arg(long, default_value_t = 128)]
     context: usize,
@@ -95,7 +98,12 @@ fn decode_steps(model: &Model, context: usize, steps: usize) -> Result<Vec<f64>>
 
 /// One `[n, k]` projection at batch 1, bf16 against INT4: the best of many
 /// repetitions (the kernels alone, without the rest of a decode step).
-fn kernel_microbench(n: usize, k: usize, group: usize) -> Result<serde_json::Value> {
+fn kernel_microbench(
+    n: usize,
+    k: usize,
+    group: usize,
+    activations: ActivationCodes,
+) -> Result<serde_json::Value> {
     use tandem_engine::kernels::{linear, linear_int4, MatmulPolicy};
     use tandem_engine::quant::Int4Matrix;
     use tandem_engine::weights::{Matrix, WeightData};
@@ -119,7 +127,7 @@ fn kernel_microbench(n: usize, k: usize, group: usize) -> Result<serde_json::Val
                 .into(),
         ),
     };
-    let int4 = Int4Matrix::quantize(&bf16, Int4Config::new(group)?)?;
+    let int4 = Int4Matrix::quantize(&bf16, Int4Config::new(group)?.with_activations(activations))?;
     let x: Vec<f32> = (0..k).map(|_| next()).collect();
     let mut out = vec![0f32; n];
     let reps = 400;
@@ -221,7 +229,7 @@ fn main() -> Result<()> {
     let dense = Model::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
     let mut int4 = Model::load(&dir)?;
     let t = Instant::now();
-    int4.quantize_int4(Int4Config::new(args.group_size)?)?;
+    int4.quantize_int4(Int4Config::new(args.group_size)?.with_activations(args.activations))?;
     let quantize_secs = t.elapsed().as_secs_f64();
     let cfg = dense.config().clone();
     let threads = rayon::current_num_threads();
@@ -283,6 +291,7 @@ fn main() -> Result<()> {
         },
         "int4": {
             "group_size": args.group_size,
+            "activations": args.activations.name(),
             "kernel": tandem_engine::kernels::int4::kernel_name(),
             "weight_bytes": int4.weight_bytes(),
             "quantize_seconds": quantize_secs,
@@ -293,7 +302,12 @@ fn main() -> Result<()> {
         "int4_speedup_batch1": speedup,
     });
     let mut report = report;
-    report["kernel"] = kernel_microbench(cfg.intermediate_size, cfg.hidden_size, args.group_size)?;
+    report["kernel"] = kernel_microbench(
+        cfg.intermediate_size,
+        cfg.hidden_size,
+        args.group_size,
+        args.activations,
+    )?;
     report["kv_capacity"] = kv_capacity(&dir, &cfg, args.kv_memory)?;
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

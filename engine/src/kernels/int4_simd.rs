@@ -189,13 +189,14 @@ macro_rules! int4_kernel {
             #[inline]
             #[target_feature(enable = $features)]
             #[allow(clippy::too_many_arguments)]
-            unsafe fn tile<const R: usize, const T: usize>(
+            unsafe fn tile<const R: usize, const T: usize, const FINE: bool>(
                 w: *const u8,
                 ws: *const u16,
                 wz: *const u8,
                 k: usize,
                 group: usize,
                 xq: *const i8,
+                xf: *const i8,
                 xs: *const f32,
                 xsum: *const f32,
                 out: *mut f32,
@@ -206,6 +207,9 @@ macro_rules! int4_kernel {
                 let mask = _mm256_set1_epi8(0x0f);
                 let mut facc = [[_mm256_setzero_ps(); T]; R];
                 let mut iacc = [[_mm256_setzero_si256(); T]; R];
+                // The fine codes' sums (`FINE`), joined to the coarse ones
+                // as `coarse · 128 + fine` at each group's end.
+                let mut iacc_fine = [[_mm256_setzero_si256(); T]; R];
                 // Each row's weight scales for groups 8j..8j+8, in f32:
                 // eight converted at once, so a group's flush only picks
                 // its lane (the flush is most of the work at 32 columns a
@@ -240,6 +244,13 @@ macro_rules! int4_kernel {
                                 _mm256_set1_ps(f16_to_f32(unsafe { *ws.add(r * gpr + g) }))
                             };
                             for t in 0..T {
+                                if FINE {
+                                    iacc[r][t] = _mm256_add_epi32(
+                                        _mm256_slli_epi32(iacc[r][t], 7),
+                                        iacc_fine[r][t],
+                                    );
+                                    iacc_fine[r][t] = _mm256_setzero_si256();
+                                }
                                 facc[r][t] = _mm256_fmadd_ps(
                                     _mm256_cvtepi32_ps(iacc[r][t]),
                                     _mm256_mul_ps(sw, sx[t]),
@@ -255,6 +266,12 @@ macro_rules! int4_kernel {
                     prefetch_ahead::<R>(w, k, c);
                     // SAFETY: c + 64 <= k inside each of the T token rows.
                     let (x_lo, x_hi) = unsafe { load_block::<T>(xq, k, c) };
+                    let (f_lo, f_hi) = if FINE {
+                        // SAFETY: the fine codes have the coarse ones' shape.
+                        unsafe { load_block::<T>(xf, k, c) }
+                    } else {
+                        (x_lo, x_hi)
+                    };
                     if group == 32 {
                         // The two halves belong to different groups.
                         for r in 0..R {
@@ -264,6 +281,9 @@ macro_rules! int4_kernel {
                             let lo = _mm256_and_si256(raw, mask);
                             for t in 0..T {
                                 iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
+                                if FINE {
+                                    iacc_fine[r][t] = dot(iacc_fine[r][t], lo, f_lo[t]);
+                                }
                             }
                         }
                         flush!(c / 32);
@@ -274,6 +294,9 @@ macro_rules! int4_kernel {
                             let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
                             for t in 0..T {
                                 iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                                if FINE {
+                                    iacc_fine[r][t] = dot(iacc_fine[r][t], hi, f_hi[t]);
+                                }
                             }
                         }
                     } else {
@@ -286,6 +309,10 @@ macro_rules! int4_kernel {
                             for t in 0..T {
                                 iacc[r][t] = dot(iacc[r][t], lo, x_lo[t]);
                                 iacc[r][t] = dot(iacc[r][t], hi, x_hi[t]);
+                                if FINE {
+                                    iacc_fine[r][t] = dot(iacc_fine[r][t], lo, f_lo[t]);
+                                    iacc_fine[r][t] = dot(iacc_fine[r][t], hi, f_hi[t]);
+                                }
                             }
                         }
                     }
@@ -382,12 +409,16 @@ macro_rules! int4_kernel {
                 let (k, group) = (w.k, w.group);
                 let gpr = k / group;
                 let rows = w.len();
+                // Fine codes double the accumulators: one token row a tile
+                // keeps them in registers.
+                let fine = xa.fine.as_deref();
+                let max_t = if fine.is_some() { 1 } else { 2 };
                 let mut r = 0;
                 while r < rows {
                     let rr = (rows - r).min(4);
                     let mut t = 0;
                     while t < m {
-                        let tt = (m - t).min(2);
+                        let tt = (m - t).min(max_t);
                         // SAFETY: rows r..r+rr of this run and token rows
                         // t..t+tt exist; out index (t+tt-1)*n + r0+r+rr-1 <
                         // m*n <= out.len().
@@ -397,13 +428,14 @@ macro_rules! int4_kernel {
                                 w.scales.as_ptr().add(r * gpr).cast::<u16>(),
                                 w.zeros.as_ptr().add(r * gpr),
                                 xa.codes.as_ptr().add(t * k),
+                                fine.map_or(std::ptr::null(), |f| f.as_ptr().add(t * k)),
                                 xa.scales.as_ptr().add(t * gpr),
                                 xa.sums.as_ptr().add(t * gpr),
                                 out.as_mut_ptr().add(t * n),
                             );
                             macro_rules! go {
-                                ($r:literal, $t:literal) => {
-                                    tile::<$r, $t>(
+                                ($r:literal, $t:literal, $fine:literal) => {
+                                    tile::<$r, $t, $fine>(
                                         args.0,
                                         args.1,
                                         args.2,
@@ -413,20 +445,25 @@ macro_rules! int4_kernel {
                                         args.4,
                                         args.5,
                                         args.6,
+                                        args.7,
                                         n,
                                         r0 + r,
                                     )
                                 };
                             }
-                            match (rr, tt) {
-                                (4, 2) => go!(4, 2),
-                                (4, _) => go!(4, 1),
-                                (3, 2) => go!(3, 2),
-                                (3, _) => go!(3, 1),
-                                (2, 2) => go!(2, 2),
-                                (2, _) => go!(2, 1),
-                                (_, 2) => go!(1, 2),
-                                _ => go!(1, 1),
+                            match (rr, tt, fine.is_some()) {
+                                (4, _, true) => go!(4, 1, true),
+                                (3, _, true) => go!(3, 1, true),
+                                (2, _, true) => go!(2, 1, true),
+                                (_, _, true) => go!(1, 1, true),
+                                (4, 2, _) => go!(4, 2, false),
+                                (4, _, _) => go!(4, 1, false),
+                                (3, 2, _) => go!(3, 2, false),
+                                (3, _, _) => go!(3, 1, false),
+                                (2, 2, _) => go!(2, 2, false),
+                                (2, _, _) => go!(2, 1, false),
+                                (_, 2, _) => go!(1, 2, false),
+                                _ => go!(1, 1, false),
                             }
                         }
                         t += tt;

@@ -62,6 +62,45 @@ pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
 /// batch-1 decode speed on bench-100m.
 pub const DEFAULT_GROUP_SIZE: usize = 32;
 
+/// How the decode kernels code token rows against INT4 weights
+/// ([`crate::kernels::int4`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationCodes {
+    /// One int8 code per entry: each group's step is 1/127 of its loudest
+    /// entry (W4A8).
+    Int8,
+    /// A second int8 code per entry for what the first left, in steps 128
+    /// times finer (about 15 bits, close to the W4A16 of GPU INT4 kernels):
+    /// the kernels sum the second codes beside the first and join them per
+    /// group, so the fold per group stays one multiply-add.
+    #[default]
+    TwoPass,
+}
+
+impl ActivationCodes {
+    /// The name flags and reports use: `two-pass` or `int8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Int8 => "int8",
+            Self::TwoPass => "two-pass",
+        }
+    }
+}
+
+impl std::str::FromStr for ActivationCodes {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "int8" => Ok(Self::Int8),
+            "two-pass" => Ok(Self::TwoPass),
+            other => Err(EngineError::InvalidRequest(format!(
+                "INT4 activations `{other}`: expected `two-pass` or `int8`"
+            ))),
+        }
+    }
+}
+
 /// How weights are quantized at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Int4Config {
@@ -69,12 +108,15 @@ pub struct Int4Config {
     /// matrix whose input size it does not divide uses the largest smaller
     /// one that does ([`Int4Config::group_for`]).
     pub group_size: usize,
+    /// How the decode kernels code activations against these weights.
+    pub activations: ActivationCodes,
 }
 
 impl Default for Int4Config {
     fn default() -> Self {
         Self {
             group_size: DEFAULT_GROUP_SIZE,
+            activations: ActivationCodes::default(),
         }
     }
 }
@@ -87,17 +129,32 @@ impl Int4Config {
                 "INT4 group size {group_size} is not one of {GROUP_SIZES:?}"
             )));
         }
-        Ok(Self { group_size })
+        Ok(Self {
+            group_size,
+            activations: ActivationCodes::default(),
+        })
     }
 
-    /// What this group size cost in perplexity where it was measured
+    /// The same configuration with activations coded as `activations`.
+    pub fn with_activations(self, activations: ActivationCodes) -> Self {
+        Self {
+            activations,
+            ..self
+        }
+    }
+
+    /// What this group size and activation coding cost in perplexity where
+    /// they were measured
     /// (`quality-bench` on SmolLM2-135M-Instruct against bf16 weights,
     /// bench/RESULTS.md), for the start-up log.
     pub fn measured_cost(&self) -> &'static str {
-        match self.group_size {
-            32 => "+0.6% perplexity, 12/13 answers kept",
-            64 => "+30% perplexity, 9/13 answers kept",
-            _ => "+37% perplexity, 10/13 answers kept",
+        match (self.group_size, self.activations) {
+            (32, ActivationCodes::TwoPass) => "+0.21% perplexity, 13/13 answers kept",
+            (32, ActivationCodes::Int8) => "+0.63% perplexity, 12/13 answers kept",
+            (64, ActivationCodes::TwoPass) => "+30% perplexity, 11/13 answers kept",
+            (64, ActivationCodes::Int8) => "+30% perplexity, 9/13 answers kept",
+            (_, ActivationCodes::TwoPass) => "+35% perplexity, 11/13 answers kept",
+            (_, ActivationCodes::Int8) => "+37% perplexity, 10/13 answers kept",
         }
     }
 
@@ -130,6 +187,8 @@ pub struct Int4Matrix {
     /// `rows × cols / group_size` zero points in sixteenths (`z · 16`,
     /// `0..=255`), row-major.
     zeros: Vec<u8>,
+    /// How the decode kernels code activations against this matrix.
+    activations: ActivationCodes,
 }
 
 impl Int4Matrix {
@@ -199,6 +258,7 @@ impl Int4Matrix {
             packed,
             scales: scales.iter().map(|&s| f16::from_f32(s)).collect(),
             zeros: zeros.to_vec(),
+            activations: ActivationCodes::default(),
         })
     }
 
@@ -245,7 +305,23 @@ impl Int4Matrix {
                 }
             }
         }
-        Self::from_parts(w.rows, w.cols, g, &codes, &scales, &zeros)
+        Ok(
+            Self::from_parts(w.rows, w.cols, g, &codes, &scales, &zeros)?
+                .with_activations(config.activations),
+        )
+    }
+
+    /// The same matrix, its activations coded as `activations`.
+    pub fn with_activations(self, activations: ActivationCodes) -> Self {
+        Self {
+            activations,
+            ..self
+        }
+    }
+
+    /// How the decode kernels code activations against this matrix.
+    pub fn activations(&self) -> ActivationCodes {
+        self.activations
     }
 
     /// Output rows.

@@ -45,6 +45,7 @@ impl ResidualInt4 {
             &error,
             Int4Config {
                 group_size: coarse.group_size(),
+                ..config
             },
         )?;
         Ok(Self { coarse, fine })

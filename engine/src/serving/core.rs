@@ -143,6 +143,7 @@ impl EngineCore {
             model.quantize_int4(q)?;
             tracing::info!(
                 group_size = q.group_size,
+                activations = q.activations.name(),
                 measured = q.measured_cost(),
                 "INT4 weights"
             );
