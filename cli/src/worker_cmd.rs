@@ -552,6 +552,11 @@ pub struct RouterArgs {
     /// Off by default: clients are not told worker addresses.
     #[arg(long)]
     debug_routing_headers: bool,
+    /// Never let a decode worker pull a prompt's prefix from another decode
+    /// worker holding more of it: compute it instead (e.g. when the links
+    /// between decode workers are slow, or to measure routing alone).
+    #[arg(long)]
+    no_peer_fetch: bool,
     /// Exit when standard input closes (set by `tandem up`).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -626,7 +631,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             )
             .with_metrics(tandem_router::RouterMetrics::register(&registry))
             .with_worker_wait(Duration::from_millis(args.worker_wait_ms))
-            .with_routing_headers(args.debug_routing_headers),
+            .with_routing_headers(args.debug_routing_headers)
+            .with_peer_fetch(!args.no_peer_fetch),
         );
         args.metrics.start(&registry).await?;
         let bound = Bound::bind(args.addr).await?;

@@ -57,30 +57,42 @@ fn value(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     scrape(metrics).value(name, labels).unwrap_or(0.0)
 }
 
+/// `tandem up` with two decode workers behind a round-robin router, and
+/// `extra` flags.
+fn two_decode_workers(model: &Path, extra: &[&str]) -> tandem_tests::cluster::Started {
+    let mut args = vec![
+        "up",
+        "--model",
+        model.to_str().expect("utf8"),
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+        "--decode-policy",
+        "round-robin",
+        "--addr",
+        "127.0.0.1:0",
+        "--no-http",
+        "--kv-cache-memory",
+        "16MiB",
+    ];
+    args.extend_from_slice(extra);
+    tandem_tests::cluster::start(tandem(), &args)
+}
+
+/// 30 full blocks of shared prefix, then a 3-token tail of its own.
+fn shared_prefix(tail: u32) -> Vec<u32> {
+    let mut p: Vec<u32> = (0..30 * 16).map(|i| (i * 17 + 3) % 250).collect();
+    p.extend([tail, tail + 1, tail + 2]);
+    p
+}
+
 #[test]
 fn a_prefix_cached_on_one_worker_is_fetched_by_the_other_not_recomputed() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("model");
     tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
-    let cluster = tandem_tests::cluster::start(
-        tandem(),
-        &[
-            "up",
-            "--model",
-            model.to_str().expect("utf8"),
-            "--prefill",
-            "0",
-            "--decode",
-            "2",
-            "--decode-policy",
-            "round-robin",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-http",
-            "--kv-cache-memory",
-            "16MiB",
-        ],
-    );
+    let cluster = two_decode_workers(&model, &[]);
     let router = cluster.addr.clone();
     let metrics_of = |role: &str, addr: &str| -> String {
         cluster
@@ -95,13 +107,7 @@ fn a_prefix_cached_on_one_worker_is_fetched_by_the_other_not_recomputed() {
         metrics_of("decode-worker", &b),
     );
     let rt = tandem_tests::cluster::runtime();
-    // 30 full blocks of shared prefix, then a tail of its own.
-    let prefix: Vec<u32> = (0..30 * 16).map(|i| (i * 17 + 3) % 250).collect();
-    let with = |tail: u32| {
-        let mut p = prefix.clone();
-        p.extend([tail, tail + 1, tail + 2]);
-        p
-    };
+    let with = shared_prefix;
     let first = rt.block_on(greedy(&router, with(1), 4)).expect("first");
     let home = first.decode.clone().expect("routing header");
     let (holder_metrics, fetcher_metrics) = if home == a {
@@ -164,6 +170,52 @@ fn a_prefix_cached_on_one_worker_is_fetched_by_the_other_not_recomputed() {
     assert_eq!(
         third.tokens, second.tokens,
         "fetched K/V gives other tokens"
+    );
+}
+
+/// With `--no-peer-fetch` the worker that lacks the prefix computes it,
+/// however well placed the holder is: no holder is named, nothing moves.
+#[test]
+fn with_peer_fetch_off_the_worker_lacking_a_prefix_computes_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    tandem_tests::cluster::gen_model(tandem(), &model, "tiny");
+    let cluster = two_decode_workers(&model, &["--router-arg=--no-peer-fetch"]);
+    let router = cluster.addr.clone();
+    let router_metrics = cluster
+        .metrics_addr("router", &router)
+        .expect("router metrics")
+        .to_string();
+    let rt = tandem_tests::cluster::runtime();
+    let first = rt
+        .block_on(greedy(&router, shared_prefix(1), 4))
+        .expect("first");
+    wait_until("the index to see the prefix", || {
+        value(&router_metrics, "tandem_router_kv_index_blocks", &[]) >= 30.0
+    });
+    let home = first.decode.expect("routing header");
+    let other_metrics = cluster
+        .decode
+        .iter()
+        .find(|d| **d != home)
+        .and_then(|d| cluster.metrics_addr("decode-worker", d))
+        .expect("the other worker's metrics")
+        .to_string();
+    let before = value(&other_metrics, "tandem_engine_computed_tokens_total", &[]);
+    let second = rt
+        .block_on(greedy(&router, shared_prefix(7), 4))
+        .expect("second");
+    assert_ne!(second.decode.as_deref(), Some(home.as_str()));
+    assert_eq!(second.prefill, None, "no holder is named");
+    let computed = value(&other_metrics, "tandem_engine_computed_tokens_total", &[]) - before;
+    assert!(computed >= 480.0, "the prefix was computed: {computed}");
+    assert_eq!(
+        value(
+            &router_metrics,
+            "tandem_router_prefill_placements_total",
+            &[("placement", "peer"), ("reason", "peer_unmeasured")]
+        ),
+        0.0
     );
 }
 

@@ -52,10 +52,13 @@ pub struct RouterService {
     /// [`ROUTED_PREFILL_HEADER`]); off by default, since worker addresses
     /// are the cluster's business, not a client's.
     routing_headers: bool,
+    /// Let a decode worker pull a prefix from a peer holding more of it
+    /// ([`crate::peer`]); on by default.
+    peer_fetch: bool,
     metrics: Arc<RouterMetrics>,
 }
 
-/// [`RouterService::worker_wait`]'s default: rides out a membership blip
+/// [`RouterService::with_worker_wait`]'s default: rides out a membership blip
 /// (workers re-registering after an etcd outage, a rolling restart) without
 /// holding a request long when the pool is really empty.
 pub const DEFAULT_WORKER_WAIT: Duration = Duration::from_secs(2);
@@ -81,6 +84,7 @@ impl RouterService {
             max_prefill_queue: max_prefill_queue.max(1),
             worker_wait: DEFAULT_WORKER_WAIT,
             routing_headers: false,
+            peer_fetch: true,
             metrics: RouterMetrics::register(&tandem_telemetry::Registry::new()),
         }
     }
@@ -89,6 +93,14 @@ impl RouterService {
     /// is none (default [`DEFAULT_WORKER_WAIT`]; zero refuses at once).
     pub fn with_worker_wait(mut self, wait: Duration) -> Self {
         self.worker_wait = wait;
+        self
+    }
+
+    /// Whether decode workers may pull prefixes from peers
+    /// (`--no-peer-fetch` turns it off: every uncached token is then
+    /// computed, as before peer fetch existed).
+    pub fn with_peer_fetch(mut self, on: bool) -> Self {
+        self.peer_fetch = on;
         self
     }
 
@@ -351,6 +363,9 @@ impl RouterService {
         chosen: usize,
         bs: usize,
     ) -> PeerDecision {
+        if !self.peer_fetch {
+            return PeerDecision::Compute("peer_fetch_off");
+        }
         let addrs: Vec<&str> = decodes.iter().map(|w| w.addr.as_str()).collect();
         let min_blocks = self.remote_prefill_threshold.div_ceil(bs.max(1));
         crate::peer::decide(

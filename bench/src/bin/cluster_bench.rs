@@ -11,7 +11,10 @@
 //!   itself (threshold above the prompt length). Target: remote ≤ 1.2x local.
 //! * **Prefix affinity.** Over 4 decode workers, a workload of requests that
 //!   share a few long prefixes, routed with `kv` and with `round-robin`;
-//!   mean TTFT of each. Target: kv ≤ 1/3 of round-robin.
+//!   mean TTFT of each. Target: kv ≤ 1/3 of round-robin. Peer fetch is
+//!   off for both (`--no-peer-fetch`) unless `--peer-fetch` is given: with
+//!   it, a round-robin pick that lacks a prefix pulls it from the worker
+//!   the index names, so the baseline would ride on the index too.
 //!
 //! Each measurement starts its own cluster; ratios compare runs made one
 //! after the other on the same machine.
@@ -48,6 +51,9 @@ struct Args {
     prefix_len: usize,
     #[arg(long, default_value_t = 4)]
     per_prefix: usize,
+    /// Leave peer fetch on for the prefix-affinity runs.
+    #[arg(long)]
+    peer_fetch: bool,
     #[arg(long)]
     out: Option<PathBuf>,
     /// Write TTFT CDF charts (`affinity_ttft_cdf.png`,
@@ -145,11 +151,11 @@ fn main() -> Result<()> {
     }
     let mut affinity = Vec::new();
     for policy in ["kv", "round-robin"] {
-        let cluster = up(
-            &args,
-            &model,
-            &["--prefill", "0", "--decode", "4", "--decode-policy", policy],
-        )?;
+        let mut flags = vec!["--prefill", "0", "--decode", "4", "--decode-policy", policy];
+        if !args.peer_fetch {
+            flags.push("--router-arg=--no-peer-fetch");
+        }
+        let cluster = up(&args, &model, &flags)?;
         let t: Vec<f64> = rt.block_on(async {
             let mut t = Vec::new();
             for (_, p) in &work {
@@ -173,7 +179,7 @@ fn main() -> Result<()> {
         },
         "affinity": {
             "decode_workers": 4, "prefixes": args.prefixes, "prefix_len": args.prefix_len,
-            "requests": work.len(),
+            "requests": work.len(), "peer_fetch": args.peer_fetch,
             "kv_ttft_s": affinity[0].1, "round_robin_ttft_s": affinity[1].1,
             "kv_mean_s": kv, "round_robin_mean_s": rr,
             "kv_over_round_robin": kv / rr, "target_max": 1.0 / 3.0,

@@ -635,6 +635,7 @@ async fn router_runs(args: &Args) -> Result<Value> {
         }));
     }
     if let Some(dir) = &args.plot_dir {
+        std::fs::create_dir_all(dir)?;
         let chart = tandem_loadgen::plot::Chart {
             title: "router: end-to-end p99 against offered load (1k-token prompts)".into(),
             x_label: "offered requests/s".into(),

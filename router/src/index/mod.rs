@@ -14,6 +14,15 @@
 //! block and pointer chasing; the map needs neither, since the chain
 //! already encodes the tree.
 //!
+//! A walk is a run of lookups into a table far larger than the caches, so
+//! its cost is cache and TLB misses: the map of ids below 64 is an
+//! open-addressing table of its own (`table.rs`: one 16-byte slot a block,
+//! huge pages), and each lookup requests the slot `LOOKAHEAD` hashes
+//! ahead, so that many misses are in flight at once. Up to 64 workers, a
+//! walk reads one word per block and nothing else
+//! (`walk_narrow`). At 64 workers and 32k-token prompts a
+//! decision's p50 went from 47–52 µs to 18–22 µs (bench/RESULTS.md).
+//!
 //! The map is split into [`SHARDS`] read-write-locked shards by hash.
 //! Event writers lock one shard at a time for a run of their hashes, so a
 //! long `Stored` event never holds up a decision for its whole length; a
@@ -33,14 +42,24 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 
 use tandem_block_hash::{BlockHash, SetDigest};
 
+mod table;
+
+use table::BitsTable;
+
 /// Shards of the hash map: enough that writers rarely meet a decision on
 /// the same shard, few enough that a decision's lock round stays far below
 /// a microsecond.
 pub const SHARDS: usize = 16;
 
-/// Hashes looked up together in a walk (a match past the first block
-/// costs at most this many lookups more than it needs).
+/// How far ahead of its lookups a walk requests slots (a match past the
+/// first block costs at most this many lookups more than it needs). At
+/// 64 workers and 32k-token prompts: 8 → p50 28 µs, 16 → 22, 32 → 21,
+/// 64 → 20 (bench/RESULTS.md).
 const LOOKAHEAD: usize = 32;
+
+/// Hashes an event apply runs ahead of the one it writes, requesting their
+/// slots' lines.
+const EVENT_LOOKAHEAD: usize = 8;
 
 /// Block hashes are xxh3 output: uniform already, so the map hashes them
 /// with one multiply (which also spreads any structure in small test
@@ -66,13 +85,14 @@ type BlockMap<V> = HashMap<BlockHash, V, BuildHasherDefault<BlockHasher>>;
 
 /// One shard of the map. The workers holding a block are bits over dense
 /// worker ids: ids below 64 inline in the entry (16 bytes with its key, so
-/// a cluster of up to 64 workers costs one small entry per block), higher
-/// ids spilled to a second map that only blocks with such holders enter.
+/// a cluster of up to 64 workers costs one small slot per block; [`table`]
+/// says why it is not `std`'s map), higher ids spilled to a second map that
+/// only blocks with such holders enter.
 #[derive(Debug, Default)]
 struct Shard {
     /// Hash → bits of ids 0..64. An entry exists iff someone holds the
     /// block (it may be 0 when only spilled ids do).
-    low: BlockMap<u64>,
+    low: BitsTable,
     /// Hash → bits of ids 64.. (word `i` holds ids `64 (i + 1)..`).
     high: BlockMap<Box<[u64]>>,
 }
@@ -80,7 +100,7 @@ struct Shard {
 impl Shard {
     /// Sets `id`'s bit for `h`; true when it was not set.
     fn set(&mut self, h: BlockHash, id: usize) -> bool {
-        let low = self.low.entry(h).or_insert(0);
+        let low = self.low.get_or_insert(h);
         let bit = 1u64 << (id % 64);
         if id < 64 {
             let fresh = *low & bit == 0;
@@ -106,14 +126,13 @@ impl Shard {
     /// it was set.
     fn unset(&mut self, h: BlockHash, id: usize) -> bool {
         let bit = 1u64 << (id % 64);
-        let was = if id < 64 {
-            let Some(low) = self.low.get_mut(&h) else {
-                return false;
-            };
-            let was = *low & bit != 0;
-            *low &= !bit;
-            was
-        } else {
+        if id < 64 {
+            // One probe: the bit cleared, and the entry dropped when no one
+            // is left (no spilled holder either).
+            let spilled = !self.high.is_empty() && self.high.contains_key(&h);
+            return self.low.clear_bits(h, bit, !spilled).unwrap_or(false);
+        }
+        let was = {
             let Some(words) = self.high.get_mut(&h) else {
                 return false;
             };
@@ -126,8 +145,8 @@ impl Shard {
             }
             was
         };
-        if self.low.get(&h) == Some(&0) && !self.high.contains_key(&h) {
-            self.low.remove(&h);
+        if self.low.get(h) == Some(0) && !self.high.contains_key(&h) {
+            self.low.remove(h);
         }
         was
     }
@@ -138,8 +157,8 @@ impl Shard {
             let bit = 1u64 << id;
             self.low
                 .iter()
-                .filter(|(_, &w)| w & bit != 0)
-                .map(|(&h, _)| h)
+                .filter(|&(_, w)| w & bit != 0)
+                .map(|(h, _)| h)
                 .collect()
         } else {
             let (i, bit) = (id / 64 - 1, 1u64 << (id % 64));
@@ -159,7 +178,7 @@ impl Shard {
         // A hashbrown slot is the entry plus one control byte; buckets are
         // capacity / (7/8).
         let slot = |entry: usize, cap: usize| cap * 8 / 7 * (entry + 1);
-        slot(16, self.low.capacity())
+        self.low.bytes()
             + slot(24, self.high.capacity())
             + self.high.values().map(|w| 8 * w.len()).sum::<usize>()
     }
@@ -306,7 +325,16 @@ impl KvIndex {
         by_shard.sort_unstable_by_key(|&h| shard_of(h));
         for run in by_shard.chunk_by(|&a, &b| shard_of(a) == shard_of(b)) {
             let mut map = write(&self.shards[shard_of(run[0])]);
-            for &h in run {
+            // The table is far larger than the caches: the slots of the
+            // run's first hashes are requested together, then each write
+            // requests the one `EVENT_LOOKAHEAD` ahead, so misses overlap.
+            for &h in &run[..run.len().min(EVENT_LOOKAHEAD)] {
+                map.low.prefetch(h);
+            }
+            for (j, &h) in run.iter().enumerate() {
+                if let Some(&ahead) = run.get(j + EVENT_LOOKAHEAD) {
+                    map.low.prefetch(ahead);
+                }
                 f(&mut map, h);
             }
         }
@@ -377,13 +405,46 @@ impl KvIndex {
         for id in ids.iter().flatten() {
             want[id / 64] |= 1 << (id % 64);
         }
-        let depth = self.walk(&want, hashes);
+        let depth = if words == 1 {
+            self.walk_narrow(want[0], hashes)
+        } else {
+            self.walk(&want, hashes)
+        };
         for (o, id) in out.iter_mut().zip(&ids) {
             if let Some(id) = id {
                 *o = depth[*id];
             }
         }
         out
+    }
+
+    /// [`walk`](Self::walk) when every candidate's id is below 64 (up to 64
+    /// workers): one word of holders per block, read from the slot alone,
+    /// with no spilled map to consult.
+    fn walk_narrow(&self, mut alive: u64, hashes: &[BlockHash]) -> Vec<usize> {
+        let guards: Vec<_> = self.shards.iter().map(read).collect();
+        let mut depth = vec![hashes.len(); 64];
+        // Each lookup requests the slot `LOOKAHEAD` hashes ahead, so that
+        // many misses are in flight while the walk reads hits.
+        for &h in &hashes[..hashes.len().min(LOOKAHEAD)] {
+            guards[shard_of(h)].low.prefetch(h);
+        }
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&a) = hashes.get(i + LOOKAHEAD) {
+                guards[shard_of(a)].low.prefetch(a);
+            }
+            let kept = alive & guards[shard_of(h)].low.get(h).unwrap_or(0);
+            let mut dropped = alive & !kept;
+            while dropped != 0 {
+                depth[dropped.trailing_zeros() as usize] = i;
+                dropped &= dropped - 1;
+            }
+            alive = kept;
+            if alive == 0 {
+                return depth;
+            }
+        }
+        depth
     }
 
     /// Walks `hashes` with every candidate in `alive` (a bitmap), and says
@@ -400,13 +461,23 @@ impl KvIndex {
         };
         // Lookups in batches of [`LOOKAHEAD`]: they are independent, so
         // the core overlaps their cache misses instead of waiting on each
-        // (the map is far larger than the caches once workers hold much).
+        // (the map is far larger than the caches once workers hold much),
+        // and the next batch's lines are requested before this batch is
+        // read.
+        let prefetch = |chunk: &[BlockHash]| {
+            for &h in chunk {
+                guards[shard_of(h)].low.prefetch(h);
+            }
+        };
+        prefetch(&hashes[..hashes.len().min(LOOKAHEAD)]);
         for (c, chunk) in hashes.chunks(LOOKAHEAD).enumerate() {
+            let next = ((c + 1) * LOOKAHEAD).min(hashes.len());
+            prefetch(&hashes[next..(next + LOOKAHEAD).min(hashes.len())]);
             let wide = alive.iter().skip(1).any(|&a| a != 0);
             let found: [Option<Entry<'_>>; LOOKAHEAD] = std::array::from_fn(|k| {
                 let h = chunk.get(k)?;
                 let shard = &guards[shard_of(*h)];
-                let low = *shard.low.get(h)?;
+                let low = shard.low.get(*h)?;
                 Some((
                     low,
                     wide.then(|| shard.high.get(h).map(|w| &w[..])).flatten(),
@@ -593,6 +664,57 @@ mod tests {
                     let want = SetDigest::of(set.iter().copied());
                     assert_eq!(ix.digest_of(*slot), want, "step {step}");
                     assert_eq!(ix.blocks_of(*slot), set.len());
+                }
+            }
+        }
+    }
+
+    /// Up to 64 workers take the one-word walk: it gives what the general
+    /// walk gives, on random holders of a branching set of chains long
+    /// enough to cross several lookahead windows.
+    #[test]
+    fn the_one_word_walk_matches_the_general_walk() {
+        let ix = KvIndex::default();
+        let mut x = 0x1234_5678_9abc_def1_u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        // Four chains sharing their first 50 blocks.
+        let chains: Vec<Vec<BlockHash>> = (0..4u64)
+            .map(|c| {
+                (0..200u64)
+                    .map(|i| if i < 50 { i + 1 } else { 1000 * (c + 1) + i })
+                    .collect()
+            })
+            .collect();
+        for w in 0..64 {
+            let chain = &chains[next(4) as usize];
+            let upto = next(201) as usize;
+            ix.stored(w, &chain[..upto]);
+            // Holes: some blocks evicted out of order.
+            for _ in 0..next(3) {
+                let at = next(200) as usize;
+                ix.removed(w, &chain[at..at + 1]);
+            }
+        }
+        for chain in &chains {
+            for cut in [0, 1, 31, 32, 33, 50, 120, 200] {
+                let hashes = &chain[..cut];
+                let mut want = 0u64;
+                for w in 0..64u64 {
+                    if next(4) != 0 {
+                        want |= 1 << w;
+                    }
+                }
+                let general = ix.walk(&[want], hashes);
+                let narrow = ix.walk_narrow(want, hashes);
+                for id in 0..64 {
+                    if want & (1 << id) != 0 {
+                        assert_eq!(narrow[id], general[id], "cut {cut} id {id}");
+                    }
                 }
             }
         }
