@@ -51,10 +51,10 @@ use table::BitsTable;
 /// a microsecond.
 pub const SHARDS: usize = 16;
 
-/// How far ahead of its lookups a walk requests slots (a match past the
-/// first block costs at most this many lookups more than it needs). At
-/// 64 workers and 32k-token prompts: 8 → p50 28 µs, 16 → 22, 32 → 21,
-/// 64 → 20 (bench/RESULTS.md).
+/// How far ahead of its lookups a walk requests slots; the general walk
+/// also looks up in batches of this many. At 64 workers and 32k-token
+/// prompts the one-word walk's p50 was 28 µs at 8, 22 at 16, 21 at 32 and
+/// 20 at 64 (bench/RESULTS.md).
 const LOOKAHEAD: usize = 32;
 
 /// Hashes an event apply runs ahead of the one it writes, requesting their
