@@ -79,7 +79,7 @@ pub struct EngineArgs {
     quantize_group_size: usize,
     /// How INT4 decode kernels code activations (`--quantize int4`):
     /// `two-pass` (about 15 bits, as GPU W4A16 kernels) or `int8` (W4A8:
-    /// about a quarter faster, more error; bench/RESULTS.md).
+    /// 12–30% faster decode, three times the perplexity cost; bench/RESULTS.md).
     #[arg(long, default_value = "two-pass")]
     int4_activations: tandem_engine::quant::ActivationCodes,
     /// Which GPU (`--device cuda`).
