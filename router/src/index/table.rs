@@ -14,11 +14,14 @@
 //! (a walk's last lookup) then reads about 8 slots, two lines.
 //!
 //! A table of 2 MiB or more lives in 2 MiB-aligned memory that the kernel is
-//! asked to back with huge pages (`MADV_HUGEPAGE`; Linux's default THP mode
-//! is "madvise"): with 4 KiB pages nearly every lookup of a walk is also a
-//! TLB miss, and those page walks were most of the decision latency's tail
-//! (p99 46–75 µs against 44–47 µs with huge pages, p50 20 µs either way;
-//! bench/RESULTS.md).
+//! asked to back with huge pages (`MADV_HUGEPAGE`, which transparent huge
+//! pages in their common `madvise` mode wait for): with 4 KiB pages nearly
+//! every lookup of a walk is also a TLB miss, and those page walks are much
+//! of the decision latency's tail
+//! (64 workers, 32k-token prompts: p99 43–75 µs over 5 runs with 4 KiB
+//! pages, 34–68 µs over 7 (median 38) with these tables in huge pages,
+//! 44–47 µs over 3 with every allocation in them; p50 about 20 µs
+//! throughout; bench/RESULTS.md).
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
