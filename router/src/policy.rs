@@ -132,13 +132,22 @@ fn rendezvous(key: u64, identity: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Fewest requests in flight; ties to the lowest index.
+/// Fewest requests in flight, then fewest blocks in use; ties go to the
+/// highest rendezvous hash of the prompt's key and the worker, as `kv`'s
+/// do: idle workers share the prompts (ties to the lowest index left a
+/// worker that joined later idle at light load) and replicas still agree.
 #[derive(Debug, Default)]
 pub struct LeastLoaded;
 
-fn least_loaded(c: &[Candidate]) -> usize {
+fn least_loaded(c: &[Candidate], key: u64) -> usize {
     (0..c.len())
-        .min_by_key(|&i| (c[i].active_requests, c[i].active_blocks))
+        .min_by_key(|&i| {
+            (
+                c[i].active_requests,
+                c[i].active_blocks,
+                std::cmp::Reverse(rendezvous(key, c[i].identity)),
+            )
+        })
         .unwrap_or(0)
 }
 
@@ -147,9 +156,9 @@ impl RoutingPolicy for LeastLoaded {
         "least-loaded"
     }
 
-    fn decide(&self, c: &[Candidate], _: PromptFacts) -> Decision {
+    fn decide(&self, c: &[Candidate], prompt: PromptFacts) -> Decision {
         Decision {
-            index: least_loaded(c),
+            index: least_loaded(c, prompt.key),
             reason: "least_loaded",
         }
     }
@@ -243,7 +252,7 @@ impl RoutingPolicy for KvPolicy {
         let min = c.iter().map(|x| x.active_requests).min().unwrap_or(0);
         if max - min > self.abs_threshold && max as f64 > self.rel_threshold * min as f64 {
             return Decision {
-                index: least_loaded(c),
+                index: least_loaded(c, prompt.key),
                 reason: "balance_guard",
             };
         }
@@ -422,6 +431,33 @@ mod tests {
         );
         let r = Random::default();
         assert!((0..50).all(|_| r.pick(&c, prompt(1)) < 3));
+    }
+
+    /// Four idle workers: least-loaded spreads prompts over all of them
+    /// (not all to the first), and a prompt's pick is the same worker
+    /// whatever order the candidates come in.
+    #[test]
+    fn least_loaded_ties_spread_by_prompt_and_agree_across_orders() {
+        let idle: Vec<Candidate> = (0..4u64)
+            .map(|i| Candidate {
+                identity: 1000 + i,
+                ..cand(0, 0, 0)
+            })
+            .collect();
+        let mut reversed = idle.clone();
+        reversed.reverse();
+        let mut used = [0usize; 4];
+        for key in 0..64u64 {
+            let facts = PromptFacts { blocks: 1, key };
+            let pick = LeastLoaded.pick(&idle, facts);
+            used[pick] += 1;
+            assert_eq!(
+                reversed[LeastLoaded.pick(&reversed, facts)].identity,
+                idle[pick].identity,
+                "key {key}"
+            );
+        }
+        assert!(used.iter().all(|&n| n >= 6), "{used:?}");
     }
 
     #[test]
