@@ -166,8 +166,15 @@ fn expand(arg: &str, env: &BTreeMap<String, String>) -> String {
     })
 }
 
-/// GET `path` on a local port until etcd says it is healthy (at most 20 s).
-fn wait_etcd_healthy(port: u16, path: &str) {
+/// GET `path` on a local port until etcd says it is healthy (at most 20 s);
+/// an error naming what went wrong when it does not, or when one of
+/// `procs` exits first (its log is in `logs`).
+fn wait_etcd_healthy(
+    port: u16,
+    path: &str,
+    procs: &mut [KillOnDrop],
+    logs: &[PathBuf],
+) -> Result<(), String> {
     use std::io::{Read, Write};
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
@@ -177,12 +184,18 @@ fn wait_etcd_healthy(port: u16, path: &str) {
             let _ = c.read_to_string(&mut body);
         }
         if body.contains(r#""health":"true""#) {
-            return;
+            return Ok(());
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "etcd on port {port} not healthy: {body}"
-        );
+        for (p, log) in procs.iter_mut().zip(logs) {
+            if let Ok(Some(status)) = p.0.try_wait() {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let tail: String = text.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                return Err(format!("an etcd member exited ({status}): {tail}"));
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!("etcd on port {port} not healthy in 20 s: {body}"));
+        }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
@@ -190,8 +203,22 @@ fn wait_etcd_healthy(port: u16, path: &str) {
 /// The etcd StatefulSet's members as local `etcd` processes with the
 /// manifest's arguments: `$(POD_NAME)`, `$(POD_NAMESPACE)` expanded, member
 /// DNS names and listen addresses moved to loopback ports, the data volume
-/// to a directory. Returns them and their client URLs.
+/// to a directory. Returns them and their client URLs. Ports are picked
+/// free and then released, so another process may take one before etcd
+/// binds it: a member that exits, or a cluster not healthy in time, is
+/// started again on fresh ports (three tries).
 fn start_etcd(m: &Manifests, root: &Path) -> (Vec<KillOnDrop>, Vec<String>) {
+    let mut errors = Vec::new();
+    for attempt in 0..3 {
+        match try_start_etcd(m, &root.join(format!("etcd-try-{attempt}"))) {
+            Ok(started) => return started,
+            Err(e) => errors.push(e),
+        }
+    }
+    panic!("etcd never became healthy: {}", errors.join("; "));
+}
+
+fn try_start_etcd(m: &Manifests, root: &Path) -> Result<(Vec<KillOnDrop>, Vec<String>), String> {
     let w = m.workload("etcd");
     let replicas = at(w.obj, "spec.replicas")
         .and_then(Value::as_u64)
@@ -209,6 +236,7 @@ fn start_etcd(m: &Manifests, root: &Path) -> (Vec<KillOnDrop>, Vec<String>) {
         .collect();
     let member = |j: u64| format!("{}-{j}", w.name);
     let mut procs = Vec::new();
+    let mut logs = Vec::new();
     for i in 0..replicas {
         let env: BTreeMap<String, String> = m
             .env(c)
@@ -247,14 +275,17 @@ fn start_etcd(m: &Manifests, root: &Path) -> (Vec<KillOnDrop>, Vec<String>) {
             })
             .collect();
         // The image's /usr/local/bin/etcd is the installed etcd here.
+        std::fs::create_dir_all(root).expect("etcd root");
+        let log = root.join(format!("{}.log", member(i)));
         let child = Command::new("etcd")
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("etcd log"))
             .spawn()
             .expect("etcd starts (install etcd-server)");
         procs.push(KillOnDrop(child));
+        logs.push(log);
     }
     let clients: Vec<String> = ports
         .iter()
@@ -264,9 +295,9 @@ fn start_etcd(m: &Manifests, root: &Path) -> (Vec<KillOnDrop>, Vec<String>) {
     let probe = at(c, "readinessProbe.httpGet").expect("etcd readiness probe");
     let port = resolve_port(c, at(probe, "port").expect("port")).expect("probe port");
     for p in &ports {
-        wait_etcd_healthy(p[&port], s(probe, "path"));
+        wait_etcd_healthy(p[&port], s(probe, "path"), &mut procs, &logs)?;
     }
-    (procs, clients)
+    Ok((procs, clients))
 }
 
 #[test]
