@@ -145,9 +145,9 @@ impl Shard {
             }
             was
         };
-        if self.low.get(h) == Some(0) && !self.high.contains_key(&h) {
-            self.low.remove(h);
-        }
+        // The low entry goes too when it was kept only for this holder.
+        let spilled = self.high.contains_key(&h);
+        self.low.clear_bits(h, 0, !spilled);
         was
     }
 
@@ -255,8 +255,26 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 }
 
 fn shard_of(hash: BlockHash) -> usize {
-    // The high bits: the map's own bucket index uses the low ones.
+    // The raw high bits: a table's slot comes from the top bits of the
+    // hash times a multiplier, which mixes in every bit, so the keys of one
+    // shard still spread over its slots.
     (hash >> 59) as usize % SHARDS
+}
+
+/// Requests `h`'s slot in its shard (a walk, ahead of its lookup).
+#[inline]
+fn prefetch_slot(guards: &[RwLockReadGuard<'_, Shard>], h: BlockHash) {
+    guards[shard_of(h)].low.prefetch(h);
+}
+
+/// Records depth `d` for each id of word `w` set in `dropped`: the
+/// candidates whose match ended there.
+#[inline]
+fn record_dropped(depth: &mut [usize], w: usize, mut dropped: u64, d: usize) {
+    while dropped != 0 {
+        depth[w * 64 + dropped.trailing_zeros() as usize] = d;
+        dropped &= dropped - 1;
+    }
 }
 
 impl KvIndex {
@@ -427,18 +445,14 @@ impl KvIndex {
         // Each lookup requests the slot `LOOKAHEAD` hashes ahead, so that
         // many misses are in flight while the walk reads hits.
         for &h in &hashes[..hashes.len().min(LOOKAHEAD)] {
-            guards[shard_of(h)].low.prefetch(h);
+            prefetch_slot(&guards, h);
         }
         for (i, &h) in hashes.iter().enumerate() {
             if let Some(&a) = hashes.get(i + LOOKAHEAD) {
-                guards[shard_of(a)].low.prefetch(a);
+                prefetch_slot(&guards, a);
             }
             let kept = alive & guards[shard_of(h)].low.get(h).unwrap_or(0);
-            let mut dropped = alive & !kept;
-            while dropped != 0 {
-                depth[dropped.trailing_zeros() as usize] = i;
-                dropped &= dropped - 1;
-            }
+            record_dropped(&mut depth, 0, alive & !kept, i);
             alive = kept;
             if alive == 0 {
                 return depth;
@@ -453,12 +467,6 @@ impl KvIndex {
         let guards: Vec<_> = self.shards.iter().map(read).collect();
         let mut alive = alive.to_vec();
         let mut depth = vec![0; alive.len() * 64];
-        let mut record = |w: usize, mut bits: u64, d: usize| {
-            while bits != 0 {
-                depth[w * 64 + bits.trailing_zeros() as usize] = d;
-                bits &= bits - 1;
-            }
-        };
         // Lookups in batches of [`LOOKAHEAD`]: they are independent, so
         // the core overlaps their cache misses instead of waiting on each
         // (the map is far larger than the caches once workers hold much),
@@ -466,7 +474,7 @@ impl KvIndex {
         // read.
         let prefetch = |chunk: &[BlockHash]| {
             for &h in chunk {
-                guards[shard_of(h)].low.prefetch(h);
+                prefetch_slot(&guards, h);
             }
         };
         prefetch(&hashes[..hashes.len().min(LOOKAHEAD)]);
@@ -493,7 +501,7 @@ impl KvIndex {
                         _ => 0,
                     };
                     let kept = bits & *a;
-                    record(w, *a & !kept, i);
+                    record_dropped(&mut depth, w, *a & !kept, i);
                     *a = kept;
                     any |= kept != 0;
                 }
@@ -503,7 +511,7 @@ impl KvIndex {
             }
         }
         for (w, &a) in alive.iter().enumerate() {
-            record(w, a, hashes.len());
+            record_dropped(&mut depth, w, a, hashes.len());
         }
         depth
     }
