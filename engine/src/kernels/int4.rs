@@ -24,7 +24,7 @@
 //! activations, the precision GPU W4A16 kernels compute in, for one more
 //! `vpdpbusd` per register and no extra fold. On SmolLM2-135M it took INT4
 //! g32 from +0.63% perplexity and 12 of 13 answers to +0.21% and 13, for
-//! 13–21% of batch-1 decode speed (bench/RESULTS.md);
+//! 11–23% of batch-1 decode speed (bench/RESULTS.md);
 //! `--int4-activations int8` keeps one pass. Rows of the weight are split over
 //! rayon's pool as in the dense row kernel. The integer kernels live in
 //! `int4_simd.rs`; [`rows_int4_scalar`] is the portable fallback and the
