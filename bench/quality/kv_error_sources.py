@@ -17,7 +17,10 @@ the coding costs what:
   or each window's own);
 - `fp8-query-aware`: keys rounded one channel after another with the error
   fed forward to minimise `Δkᵀ C Δk`, `C` the covariance of the queries
-  that meet that KV head (calibrated), as GPTQ does for weights.
+  that meet that KV head (calibrated), as GPTQ does for weights;
+- `fp8-unrotated`: no Hadamard rotation before coding;
+- `fp8-recent16|32|64`: each query reads its last 16/32/64 positions
+  exact and older ones coded (KIVI's 16-bit residual window).
 
     python bench/quality/kv_error_sources.py --model target/smollm2-135m \\
         --reference bench/quality/smollm2-135m.json --calibration README.md
@@ -41,6 +44,10 @@ VARIANTS = {
     "fp8-mean-cal": {"k": "fp8", "v": "fp8", "mean": "calibrated"},
     "fp8-mean-oracle": {"k": "fp8", "v": "fp8", "mean": "oracle"},
     "fp8-query-aware": {"k": "fp8", "v": "fp8", "query_aware": True},
+    "fp8-unrotated": {"k": "fp8", "v": "fp8", "unrotated": True},
+    "fp8-recent16": {"k": "fp8", "v": "fp8", "recent": 16},
+    "fp8-recent32": {"k": "fp8", "v": "fp8", "recent": 32},
+    "fp8-recent64": {"k": "fp8", "v": "fp8", "recent": 64},
 }
 
 
@@ -68,9 +75,13 @@ class Coder:
         self.collect: dict[int, list] | None = None
 
     def rotate(self, x):
+        if self.cfg.get("unrotated"):
+            return x
         return (x * self.signs) @ self.had.T
 
     def unrotate(self, r):
+        if self.cfg.get("unrotated"):
+            return r
         return (r @ self.had) * self.signs
 
     @staticmethod
@@ -109,6 +120,7 @@ class Coder:
             if self.collect is not None:
                 self.observe(module, layer, query, key)
             cfg, sink = self.cfg, self.cfg.get("sink", 0)
+            exact_key, exact_value = key, value
             if cfg.get("k"):
                 mean = None
                 if cfg.get("mean") == "calibrated":
@@ -126,9 +138,28 @@ class Coder:
                 if sink:
                     coded[:, :, :sink] = value[:, :, :sink]
                 value = coded
+            if cfg.get("recent"):
+                return self.recent_window(module, query, (exact_key, key), (exact_value, value),
+                                          attention_mask, scaling, cfg["recent"])
             return original(module, query, key, value, attention_mask, scaling, dropout, **kw)
 
         return forward
+
+    @staticmethod
+    def recent_window(module, query, keys, values, mask, scaling, window):
+        """Attention where each query reads its last `window` positions exact (KIVI's residual)."""
+        groups = module.num_key_value_groups
+        (ek, ck), (ev, cv) = [[llama.repeat_kv(t, groups) for t in pair] for pair in (keys, values)]
+        n = query.shape[2]
+        i = torch.arange(n)[:, None] + (ek.shape[2] - n)
+        j = torch.arange(ek.shape[2])[None, :]
+        near = (i - j) < window
+        scores = torch.where(near, query @ ek.transpose(2, 3), query @ ck.transpose(2, 3)) * scaling
+        if mask is not None:
+            scores = scores + mask
+        p = torch.softmax(scores, -1, dtype=torch.float32)
+        out = (p * near) @ ev + (p * ~near) @ cv
+        return out.transpose(1, 2).contiguous(), p
 
     def observe(self, module, layer, query, key):
         groups = module.num_key_value_groups

@@ -9,9 +9,9 @@
 //! ```
 //!
 //! * **llama.cpp** is built once from the llama-cpp-python sdist into
-//!   `target/peer-bench/` (`llama-bench`, `llama-batched-bench`; no AMX,
-//!   whose tile instructions some VMs report but do not enable), or taken
-//!   from `--llama-cpp BUILD/bin`.
+//!   `target/peer-bench/` (`llama-bench`, `llama-batched-bench`; AMX on
+//!   where tandem's check finds the tiles usable, since some VMs report
+//!   them but do not enable them), or taken from `--llama-cpp BUILD/bin`.
 //! * **The checkpoint** (`--model DIR`, or a synth `--preset` written in
 //!   bf16 under `target/peer-bench/models/`) is converted to f16 and bf16
 //!   GGUF by llama.cpp's own `convert_hf_to_gguf.py`
@@ -116,6 +116,15 @@ fn llama_bin(args: &Args) -> Result<PathBuf> {
     let build = src.join("build");
     // Portable x86 flags rather than GGML_NATIVE: some VMs report AMX
     // without enabling it, and native builds die on its first tile load.
+    // AMX is on where tandem's own check finds the tiles usable (the CPU
+    // has them and Linux grants them), so both engines get the same
+    // hardware.
+    let amx = if tandem_engine::kernels::amx::available() {
+        "ON"
+    } else {
+        "OFF"
+    };
+    eprintln!("llama.cpp's AMX kernels: {amx}");
     run(Command::new("cmake")
         .arg("-S")
         .arg(&src)
@@ -133,10 +142,10 @@ fn llama_bin(args: &Args) -> Result<PathBuf> {
             "-DGGML_AVX512_VNNI=ON",
             "-DGGML_AVX512_BF16=ON",
             "-DGGML_AVX_VNNI=ON",
-            "-DGGML_AMX_TILE=OFF",
-            "-DGGML_AMX_INT8=OFF",
-            "-DGGML_AMX_BF16=OFF",
-        ]))?;
+        ])
+        .arg(format!("-DGGML_AMX_TILE={amx}"))
+        .arg(format!("-DGGML_AMX_INT8={amx}"))
+        .arg(format!("-DGGML_AMX_BF16={amx}")))?;
     run(Command::new("cmake").arg("--build").arg(&build).args([
         "-j",
         "2",

@@ -357,17 +357,7 @@ mod tests {
 
     const CODINGS: [ActivationCodes; 2] = [ActivationCodes::Int8, ActivationCodes::TwoPass];
 
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as pseudo;
 
     fn quantized(n: usize, k: usize, g: usize, seed: u32) -> Int4Matrix {
         let w = Matrix {

@@ -11,6 +11,12 @@
 //! * larger `m` (prefill): the `gemm` crate's tuned f32 GEMM, with bf16/f16
 //!   weights widened into a scratch matrix first (O(n·k) work against the
 //!   GEMM's O(m·n·k)).
+//! * bf16 weights from [`AMX_MIN_ROWS`] rows, where the CPU has AMX tiles
+//!   ([`amx`], [`MatmulPolicy::Fastest`]): the weights as they lie against
+//!   activations packed in two bf16 halves per call. Measured with
+//!   `engine-bench` on SmolLM2-135M: prefill 2.2x and batch-32 decode 1.6x
+//!   the vector kernels; below 12 rows the row kernel is as fast (both
+//!   stream the weights).
 //!
 //! INT4 weights have their own kernels ([`int4`]): integer dot products
 //! against activations quantized to int8 per group. So do GGUF-quantized
@@ -19,13 +25,15 @@
 //! Work is split over rayon's persistent pool: thread start-up would dominate
 //! the small matrices of small models.
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod ggml;
 pub mod int4;
 mod int4_simd;
 pub mod rope;
 mod simd;
 #[cfg(target_arch = "x86_64")]
-mod simd512;
+pub(crate) mod simd512;
 
 pub use ggml::{linear_ggml, GgmlMatrix};
 pub use int4::{linear_int4, linear_residual_int4};
@@ -38,6 +46,10 @@ use crate::weights::{Matrix, WeightData};
 /// Above this many token rows, [`linear`] uses the GEMM path.
 pub const GEMV_MAX_ROWS: usize = 48;
 
+/// From this many token rows, bf16 weights run on AMX tiles where the CPU
+/// has them ([`amx`]) under [`MatmulPolicy::Fastest`].
+pub const AMX_MIN_ROWS: usize = 12;
+
 /// How [`linear`] may trade bit-exactness for speed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MatmulPolicy {
@@ -45,8 +57,13 @@ pub enum MatmulPolicy {
     /// [`GEMV_MAX_ROWS`]. A token's result can differ in the last bits
     /// with the size of the batch it ran in (the two kernels sum in
     /// different orders).
+    /// bf16 weights run on AMX tiles from [`AMX_MIN_ROWS`] rows where the
+    /// CPU has them ([`amx`]).
     #[default]
     Fastest,
+    /// As `Fastest` without AMX tiles: the vector kernels only, as every
+    /// CPU ran before them (to measure the tiles against).
+    VectorOnly,
     /// The row kernel at every size: each output element is summed in the
     /// same order whatever else is in the batch, so a request's tokens do not
     /// depend on its batch-mates (SGLang's deterministic mode, vLLM's
@@ -83,7 +100,9 @@ pub fn linear(
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if policy.uses_row_kernel(m) {
+    if uses_amx(m, w, policy) {
+        linear_amx(x, m, &mut [FusedLinear { w, bias: None, out }]);
+    } else if policy.uses_row_kernel(m) {
         linear_rows(x, m, w, out);
     } else {
         linear_gemm(x, m, w, out);
@@ -183,6 +202,11 @@ pub struct FusedLinear<'a> {
 /// (the same kernel over the same rows; a row's result does not depend on
 /// the range it was computed in). The GEMM path runs them one by one.
 pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: MatmulPolicy) {
+    if parts.iter().all(|p| uses_amx(m, p.w, policy)) {
+        linear_amx(x, m, parts);
+        add_biases(m, parts);
+        return;
+    }
     if !policy.uses_row_kernel(m) {
         for p in parts.iter_mut() {
             linear(x, m, p.w, p.bias, policy, p.out);
@@ -220,10 +244,84 @@ pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: 
         let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
         dense_rows(w, r0, r1, x, m, out);
     });
+    add_biases(m, parts);
+}
+
+fn add_biases(m: usize, parts: &mut [FusedLinear<'_>]) {
     for p in parts.iter_mut() {
         if let Some(b) = p.bias {
-            add_bias(p.out, p.w.rows, b);
+            add_bias(&mut p.out[..m * p.w.rows], p.w.rows, b);
         }
+    }
+}
+
+/// Whether `m` rows through `w` run on AMX tiles ([`amx`]).
+fn uses_amx(m: usize, w: &Matrix, policy: MatmulPolicy) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        policy == MatmulPolicy::Fastest
+            && m >= AMX_MIN_ROWS
+            && matches!(w.data, WeightData::Bf16(_))
+            && amx::fits(w.cols)
+            && amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (m, w, policy);
+        false
+    }
+}
+
+/// `parts` (each bf16 and fitting [`amx::fits`]) on AMX tiles in one
+/// parallel region over their rows: the activations are packed once, each
+/// weight's tiled rows are split into ranges of multiples of 32, and rows
+/// past the last full tile take the row kernel. Biases are not added.
+#[cfg(target_arch = "x86_64")]
+fn linear_amx(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>]) {
+    let k = parts.first().map_or(0, |p| p.w.cols);
+    let packed = amx::PackedTokens::new(x, m, k);
+    let total: usize = parts.iter().map(|p| p.w.rows).sum();
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = total.div_ceil(threads * 4).next_multiple_of(32).max(32);
+    // (part, first row, end row, on tiles)
+    let mut tasks: Vec<(usize, usize, usize, bool)> = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        assert!(
+            p.out.len() >= m * p.w.rows,
+            "each output holds m × n values"
+        );
+        assert_eq!(p.w.cols, k, "fused linears share their input");
+        let tiled = amx::tiled_rows(p.w.rows);
+        tasks.extend(
+            (0..tiled)
+                .step_by(chunk)
+                .map(|r0| (i, r0, (r0 + chunk).min(tiled), true)),
+        );
+        if tiled < p.w.rows {
+            tasks.push((i, tiled, p.w.rows, false));
+        }
+    }
+    let targets: Vec<(&Matrix, OutPtr)> = parts
+        .iter_mut()
+        .map(|p| (p.w, OutPtr(p.out.as_mut_ptr())))
+        .collect();
+    tasks.into_par_iter().for_each(|(i, r0, r1, tiles)| {
+        let (w, ptr) = targets[i];
+        // SAFETY: the task writes columns r0..r1 of output i only (the
+        // tasks partition each output's columns); the output holds m × n
+        // values (checked above) and outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
+        match &w.data {
+            WeightData::Bf16(d) if tiles => amx::rows(d, w.rows, &packed, r0, r1, out),
+            _ => dense_rows(w, r0, r1, x, m, out),
+        }
+    });
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn linear_amx(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>]) {
+    for p in parts.iter_mut() {
+        linear_rows(x, m, p.w, p.out);
     }
 }
 
@@ -305,6 +403,13 @@ fn rms_inv(row: &[f32], eps: f32) -> f32 {
 
 /// `gate = silu(gate) * up`, in place.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd512::supported() {
+        // SAFETY: AVX-512F is present (checked); `up` is as long as `gate`
+        // (the function asserts it).
+        unsafe { simd512::silu_mul(gate, up) };
+        return;
+    }
     for (g, &u) in gate.iter_mut().zip(up) {
         let s = *g / (1.0 + (-*g).exp());
         *g = s * u;
@@ -365,6 +470,20 @@ pub fn log_softmax(row: &mut [f32]) {
     }
 }
 
+/// Deterministic values in [−1, 1] for the kernels' tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,21 +499,18 @@ mod tests {
         out
     }
 
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use super::test_values as pseudo;
 
     #[test]
     fn fused_linears_equal_separate_ones_bit_for_bit() {
-        let k = 40;
+        // 40: the row kernel and the GEMM; 64: AMX tiles where the CPU has
+        // them (37 and 9 rows: tiles and row-kernel tails).
+        for k in [40, 64] {
+            fused_equals_separate(k);
+        }
+    }
+
+    fn fused_equals_separate(k: usize) {
         let bf16_matrix = |n: usize, seed: u32| Matrix {
             rows: n,
             cols: k,
@@ -446,7 +562,7 @@ mod tests {
                     g.iter().map(|v| v.to_bits()).collect(),
                     w.iter().map(|v| v.to_bits()).collect(),
                 );
-                assert_eq!(g, w, "m={m} {policy:?}");
+                assert_eq!(g, w, "k={k} m={m} {policy:?}");
             }
         }
     }
@@ -498,6 +614,23 @@ mod tests {
                         w.dtype()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_its_formula_at_every_length() {
+        for len in [1, 15, 16, 17, 100] {
+            let gate: Vec<f32> = pseudo(len, 11).iter().map(|v| v * 30.0).collect();
+            let up = pseudo(len, 12);
+            let mut got = gate.clone();
+            silu_mul(&mut got, &up);
+            for ((g, u), o) in gate.iter().zip(&up).zip(&got) {
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert!(
+                    (o - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{g}: {o} vs {want}"
+                );
             }
         }
     }

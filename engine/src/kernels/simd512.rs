@@ -70,7 +70,7 @@ impl Wide16 for f16 {
 }
 
 /// Whether this CPU runs [`rows`].
-pub(super) fn supported() -> bool {
+pub(crate) fn supported() -> bool {
     is_x86_feature_detected!("avx512f")
 }
 
@@ -189,5 +189,120 @@ pub(super) unsafe fn rows<E: Wide16>(
             t += tt;
         }
         r += rr;
+    }
+}
+
+/// Transposes 16 rows of 16 32-bit lanes (an AMX tile's packing and
+/// write-back; attention's sixteen scores at once).
+#[target_feature(enable = "avx512f")]
+pub(crate) fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // Rows 4g..4g+3 of column 4L+c end up in lane L of u[4g + c].
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let b = 4 * g;
+        let t0 = _mm512_unpacklo_epi32(r[b], r[b + 1]);
+        let t1 = _mm512_unpackhi_epi32(r[b], r[b + 1]);
+        let t2 = _mm512_unpacklo_epi32(r[b + 2], r[b + 3]);
+        let t3 = _mm512_unpackhi_epi32(r[b + 2], r[b + 3]);
+        u[b] = _mm512_unpacklo_epi64(t0, t2);
+        u[b + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[b + 2] = _mm512_unpacklo_epi64(t1, t3);
+        u[b + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let v_even = _mm512_shuffle_i32x4::<0x88>(u[c], u[4 + c]);
+        let v_odd = _mm512_shuffle_i32x4::<0xdd>(u[c], u[4 + c]);
+        let w_even = _mm512_shuffle_i32x4::<0x88>(u[8 + c], u[12 + c]);
+        let w_odd = _mm512_shuffle_i32x4::<0xdd>(u[8 + c], u[12 + c]);
+        out[c] = _mm512_shuffle_i32x4::<0x88>(v_even, w_even);
+        out[8 + c] = _mm512_shuffle_i32x4::<0xdd>(v_even, w_even);
+        out[4 + c] = _mm512_shuffle_i32x4::<0x88>(v_odd, w_odd);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(v_odd, w_odd);
+    }
+    out
+}
+
+/// `e^x` lane by lane (Cephes' `expf`: `x = n·ln 2 + r`, a degree-6
+/// polynomial for `e^r`, `scalef` for `2^n`; within 2 ulp of libm's).
+#[target_feature(enable = "avx512f")]
+pub(crate) fn exp16(x: __m512) -> __m512 {
+    // Below e^-103 the result is 0 or denormal either way.
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-103.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    // ln 2 in two parts, so `n·ln 2` is subtracted without rounding.
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_fmadd_ps(
+        p,
+        _mm512_mul_ps(r, r),
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    _mm512_scalef_ps(e, n)
+}
+
+/// `gate ← silu(gate) · up`, sixteen lanes at a time.
+///
+/// # Safety
+/// AVX-512F; `up` at least as long as `gate`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert!(up.len() >= gate.len());
+    let one = _mm512_set1_ps(1.0);
+    for (g, u) in gate.chunks_mut(16).zip(up.chunks(16)) {
+        let mask: __mmask16 = if g.len() == 16 {
+            0xffff
+        } else {
+            (1u16 << g.len()) - 1
+        };
+        // SAFETY: the mask covers the chunk's floats only.
+        unsafe {
+            let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr());
+            let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr());
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            let s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(g.as_mut_ptr(), mask, _mm512_mul_ps(s, uv));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp16_is_within_two_ulp_of_libm() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512: nothing to check");
+            return;
+        }
+        let mut worst = 0f32;
+        for i in 0..200_000 {
+            let x = -90.0 + i as f32 * (100.0 / 200_000.0);
+            let mut lanes = [0f32; 16];
+            // SAFETY: AVX-512F checked above; 16 floats each way.
+            unsafe {
+                let v = exp16(_mm512_set1_ps(x));
+                _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+            }
+            let want = x.exp();
+            if want > f32::MIN_POSITIVE {
+                let ulp = (want.to_bits() as i64 - lanes[0].to_bits() as i64).unsigned_abs() as f32;
+                worst = worst.max(ulp);
+            }
+        }
+        assert!(worst <= 2.0, "{worst} ulp");
     }
 }

@@ -3,8 +3,12 @@
 //! Each query walks its sequence's block table block by block, keeping a
 //! running max, normaliser and weighted sum (the FlashAttention recurrence),
 //! so no score matrix is ever materialised and K/V are read straight from the
-//! paged pool. Work is split over (sequence, query head, tile of queries), so
-//! a long prefill and many single-token decodes parallelise alike.
+//! paged pool. Work is split over (sequence, KV head, tile of queries): the
+//! query heads that share a KV head (grouped-query attention) share a task,
+//! so each K and V block is read and decoded once for all of them, and a
+//! long prefill and many single-token decodes parallelise alike. When that
+//! leaves too few tasks for the threads (one sequence's decode), each query
+//! head is a task of its own. The per-block arithmetic is [`block`]'s.
 //!
 //! A 16- or 8-bit cache is read in place too: each key or value row is
 //! decoded into the task's `head_dim` buffer, and an 8-bit row's scale
@@ -12,10 +16,13 @@
 //! are stored Hadamard-rotated (`kv_cache/q8.rs`): the query is rotated
 //! once before scoring and the output once after.
 
+mod block;
+
 use rayon::prelude::*;
 
-use crate::kernels::{axpy_f32, dot_f32, OutPtr};
+use crate::kernels::OutPtr;
 use crate::kv_cache::{rotate_row, unrotate_row, BlockId, KvCache};
+use block::BlockMath;
 
 /// One sequence's slice of the flattened batch.
 #[derive(Debug, Clone, Copy)]
@@ -89,9 +96,17 @@ pub fn paged_attention(
     let group = num_heads / num_kv_heads;
     let bs = kv.layout().block_size;
 
+    let tiles: usize = seqs.iter().map(|s| s.len.div_ceil(QUERY_TILE)).sum();
+    let threads = rayon::current_num_threads().max(1);
+    // The group's heads share a task unless that leaves threads idle.
+    let heads_per_task = if tiles * num_kv_heads >= 4 * threads {
+        group
+    } else {
+        1
+    };
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
-        for h in 0..num_heads {
+        for h in (0..num_heads).step_by(heads_per_task) {
             for t0 in (0..seq.len).step_by(QUERY_TILE) {
                 tasks.push((s, h, t0, (t0 + QUERY_TILE).min(seq.len)));
             }
@@ -108,20 +123,22 @@ pub fn paged_attention(
         bs,
         groups: kv.groups().num_groups(),
         layer_group: kv.groups().group(layer),
+        math: BlockMath::for_head_dim(d),
     };
     tasks.into_par_iter().for_each_init(
-        || TileScratch::new(bs, d),
+        || TileScratch::new(bs, d, heads_per_task * QUERY_TILE),
         |scratch, (s, h, t0, t1)| {
             let seq = &seqs[s];
             // The whole pointer, not its field (a field alone is not Sync).
             let ptr = out_ptr;
-            // SAFETY: this task alone writes rows `seq.row + t0..t1`, head
-            // `h`, of `out` (tasks partition (sequence, head, query tile));
-            // `out` outlives the parallel loop and `out_len` is its length.
+            // SAFETY: this task alone writes rows `seq.row + t0..t1`, heads
+            // `h..h + heads_per_task`, of `out` (tasks partition (sequence,
+            // head range, query tile)); `out` outlives the parallel loop and
+            // `out_len` is its length.
             let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
             let tile = QueryTile {
                 seq,
-                head: h,
+                heads: h..h + heads_per_task,
                 kv_head: h / group,
                 t0,
                 t1,
@@ -141,12 +158,14 @@ struct LayerRows<'a> {
     bs: usize,
     groups: usize,
     layer_group: usize,
+    math: BlockMath,
 }
 
-/// One task: queries `t0..t1` of one sequence under one query head.
+/// One task: queries `t0..t1` of one sequence under query heads `heads`
+/// (which share KV head `kv_head`).
 struct QueryTile<'s, 'b> {
     seq: &'s AttnSeq<'b>,
-    head: usize,
+    heads: std::ops::Range<usize>,
     kv_head: usize,
     t0: usize,
     t1: usize,
@@ -160,6 +179,8 @@ struct TileScratch {
     row_scales: Vec<f32>,
     /// Each query's scores, then softmax weights, over the block's slots.
     probs: Vec<f32>,
+    /// One query's softmax weights times the value rows' factors.
+    weights: Vec<f32>,
     /// Running max and normaliser per query.
     m: Vec<f32>,
     l: Vec<f32>,
@@ -168,23 +189,25 @@ struct TileScratch {
 }
 
 impl TileScratch {
-    fn new(bs: usize, d: usize) -> Self {
+    /// Buffers for up to `queries` (head, token) pairs.
+    fn new(bs: usize, d: usize, queries: usize) -> Self {
         Self {
             rows: vec![0.0; bs * d],
             row_scales: vec![0.0; bs],
-            probs: vec![0.0; QUERY_TILE * bs],
-            m: vec![0.0; QUERY_TILE],
-            l: vec![0.0; QUERY_TILE],
-            q_rot: vec![0.0; QUERY_TILE * d],
+            probs: vec![0.0; queries * bs],
+            weights: vec![0.0; bs],
+            m: vec![0.0; queries],
+            l: vec![0.0; queries],
+            q_rot: vec![0.0; queries * d],
         }
     }
 }
 
 /// Attention for one query tile, block by block: each K and V block is
-/// decoded once for the tile's queries (not once per query), then every
-/// query runs the online-softmax step over the slots it sees. Per query
-/// the arithmetic and its order are the one-query-at-a-time loop's, so
-/// results do not depend on the tiling.
+/// decoded once for all the tile's queries (every token under every head of
+/// the task), then every query runs the online-softmax step over the slots
+/// it sees. Per query the arithmetic and its order are the same whatever
+/// else is in the task, so results do not depend on the tiling.
 fn attend_tile(
     q: &[f32],
     layer: &LayerRows<'_>,
@@ -201,9 +224,13 @@ fn attend_tile(
         bs,
         groups,
         layer_group,
+        math,
     } = *layer;
-    let (seq, h) = (tile.seq, tile.head);
+    let seq = tile.seq;
     let n = tile.t1 - tile.t0;
+    // Query `qi` is token `qi % n` of the tile under head `heads.start + qi / n`.
+    let queries = n * tile.heads.len();
+    let head_of = |qi: usize| tile.heads.start + qi / n;
     let rotated = view.rotated();
     let pos_of = |i: usize| seq.start_pos + tile.t0 + i;
     let lo_of = |i: usize| {
@@ -211,25 +238,25 @@ fn attend_tile(
             .window
             .map_or(0, |w| (pos_of(i) + 1).saturating_sub(w))
     };
-    let query = |i: usize| {
-        let row = seq.row + tile.t0 + i;
+    let query = |qi: usize| {
+        let (row, h) = (seq.row + tile.t0 + qi % n, head_of(qi));
         row * stride + h * d..row * stride + (h + 1) * d
     };
     if rotated {
         // Keys are stored rotated: (HDq)·(HDk) = q·k.
-        for i in 0..n {
-            let qr = &mut sc.q_rot[i * d..(i + 1) * d];
-            qr.copy_from_slice(&q[query(i)]);
+        for qi in 0..queries {
+            let qr = &mut sc.q_rot[qi * d..(qi + 1) * d];
+            qr.copy_from_slice(&q[query(qi)]);
             rotate_row(qr);
         }
     }
-    for i in 0..n {
-        out[query(i)].fill(0.0);
+    for qi in 0..queries {
+        out[query(qi)].fill(0.0);
     }
-    sc.m[..n].fill(f32::NEG_INFINITY);
-    sc.l[..n].fill(0.0);
-    // Keys any query of the tile sees: the first query's window start to
-    // the last query's position.
+    sc.m[..queries].fill(f32::NEG_INFINITY);
+    sc.l[..queries].fill(0.0);
+    // Keys any query of the tile sees: the first token's window start to
+    // the last token's position.
     let (lo, hi) = (lo_of(0), pos_of(n - 1));
     for b in lo / bs..=hi / bs {
         let block = seq.blocks[b * groups + layer_group];
@@ -243,7 +270,7 @@ fn attend_tile(
             &mut sc.rows[..span * d],
             &mut sc.row_scales[..span],
         );
-        // Each query's visible slots of the block, as `first..end`-relative
+        // A token's visible slots of the block, as `first..end`-relative
         // indices; empty when the block is outside its window or future.
         let visible = |i: usize| {
             let (qlo, qhi) = (
@@ -252,60 +279,56 @@ fn attend_tile(
             );
             (qlo <= qhi).then(|| (qlo - b * bs - first, qhi + 1 - b * bs - first))
         };
-        for i in 0..n {
-            let Some((s0, s1)) = visible(i) else {
+        for qi in 0..queries {
+            let Some((s0, s1)) = visible(qi % n) else {
                 continue;
             };
             let qv = if rotated {
-                &sc.q_rot[i * d..(i + 1) * d]
+                &sc.q_rot[qi * d..(qi + 1) * d]
             } else {
-                &q[query(i)]
+                &q[query(qi)]
             };
-            let probs = &mut sc.probs[i * bs..i * bs + span];
+            let probs = &mut sc.probs[qi * bs..qi * bs + span];
+            math.scores(qv, keys, scoring.scale, &sc.row_scales[..span], probs);
             let mut bmax = f32::NEG_INFINITY;
-            for j in s0..s1 {
-                let s = dot_f32(qv, &keys[j * d..(j + 1) * d]) * (scoring.scale * sc.row_scales[j]);
-                let s = match scoring.softcap {
-                    Some(cap) => cap * (s / cap).tanh(),
-                    None => s,
-                };
-                probs[j] = s;
-                bmax = bmax.max(s);
+            for p in &mut probs[s0..s1] {
+                if let Some(cap) = scoring.softcap {
+                    *p = cap * (*p / cap).tanh();
+                }
+                bmax = bmax.max(*p);
             }
-            let acc = &mut out[query(i)];
-            if bmax > sc.m[i] {
-                let c = (sc.m[i] - bmax).exp();
-                sc.l[i] *= c;
+            let acc = &mut out[query(qi)];
+            if bmax > sc.m[qi] {
+                let c = (sc.m[qi] - bmax).exp();
+                sc.l[qi] *= c;
                 for a in acc.iter_mut() {
                     *a *= c;
                 }
-                sc.m[i] = bmax;
+                sc.m[qi] = bmax;
             }
-            for p in &mut probs[s0..s1] {
-                *p = (*p - sc.m[i]).exp();
-                sc.l[i] += *p;
-            }
+            sc.l[qi] += math.exp_sum(&mut probs[s0..s1], sc.m[qi]);
         }
         let values = view.value_rows(
             base_row + first,
             &mut sc.rows[..span * d],
             &mut sc.row_scales[..span],
         );
-        for i in 0..n {
-            let Some((s0, s1)) = visible(i) else {
+        for qi in 0..queries {
+            let Some((s0, s1)) = visible(qi % n) else {
                 continue;
             };
-            let acc = &mut out[query(i)];
-            for j in s0..s1 {
-                let p = sc.probs[i * bs + j];
-                axpy_f32(acc, p * sc.row_scales[j], &values[j * d..(j + 1) * d]);
+            let weights = &mut sc.weights[..s1 - s0];
+            let probs = &sc.probs[qi * bs + s0..qi * bs + s1];
+            for ((w, p), f) in weights.iter_mut().zip(probs).zip(&sc.row_scales[s0..s1]) {
+                *w = p * f;
             }
+            math.accumulate(&mut out[query(qi)], weights, &values[s0 * d..s1 * d]);
         }
     }
-    for i in 0..n {
-        let (m, l) = (sc.m[i], sc.l[i]);
-        let acc = &mut out[query(i)];
-        let l = match scoring.sinks.map(|s| s[h]) {
+    for qi in 0..queries {
+        let (m, l) = (sc.m[qi], sc.l[qi]);
+        let acc = &mut out[query(qi)];
+        let l = match scoring.sinks.map(|s| s[head_of(qi)]) {
             // The sink joins the denominator; rescale first if it is the
             // largest logit, so nothing overflows.
             Some(sink) if sink > m => {
