@@ -29,17 +29,35 @@ pub type BlockKv<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 pub trait KvBlocks {
     /// One layer's K and V of `block`.
     fn read_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>>;
+
+    /// As `read_block` for a block of a prompt's tail: where the pool keeps
+    /// a 16-bit copy of its recent rows (CPU FP8, `kv_cache/recent.rs`),
+    /// read from it, so the receiver can keep them at 16 bits too.
+    fn read_recent_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>> {
+        self.read_block(layer, block)
+    }
 }
 
 impl KvBlocks for KvCache {
     fn read_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>> {
-        if block as usize >= self.num_blocks() || layer >= self.layout().num_layers {
-            return Err(EngineError::InvalidRequest(format!(
-                "block {block} of layer {layer} is outside the KV pool"
-            )));
-        }
+        check_read(self, layer, block)?;
         Ok(self.block(layer, block))
     }
+
+    fn read_recent_block(&self, layer: usize, block: BlockId) -> Result<BlockKv<'_>> {
+        check_read(self, layer, block)?;
+        Ok(self.recent_block(layer, block))
+    }
+}
+
+/// Whether `kv` has `block` of `layer`.
+fn check_read(kv: &KvCache, layer: usize, block: BlockId) -> Result<()> {
+    if block as usize >= kv.num_blocks() || layer >= kv.layout().num_layers {
+        return Err(EngineError::InvalidRequest(format!(
+            "block {block} of layer {layer} is outside the KV pool"
+        )));
+    }
+    Ok(())
 }
 
 /// Runs the model and holds its KV pool.
@@ -78,6 +96,14 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
 
     /// Writes one layer's K and V of a block (`[kv_head][slot][head_dim]`, f32).
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()>;
+
+    /// Before `blocks` (the tail of a prompt prefilled elsewhere) are
+    /// written: a cache with a 16-bit recent window (CPU FP8,
+    /// `kv_cache/recent.rs`) keeps their received rows at 16 bits. A
+    /// backend without one keeps codes only, which is what it stores.
+    fn hold_recent(&mut self, blocks: &[BlockId]) {
+        let _ = blocks;
+    }
 
     /// The pool's blocks, readable between steps (a lower tier copies
     /// the blocks the prefix cache names); `None` where the backend cannot
@@ -216,6 +242,10 @@ impl ComputeBackend for CpuBackend {
         Ok(())
     }
 
+    fn hold_recent(&mut self, blocks: &[BlockId]) {
+        self.kv.hold_blocks(blocks);
+    }
+
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[f32], v: &[f32]) -> Result<()> {
         self.kv
             .write_block(layer, block, k, v)
@@ -258,7 +288,7 @@ mod tests {
     }
 
     /// An 8-bit pool takes a quarter of the f32 bytes (half of a 16-bit
-    /// one) plus its scales, and its blocks cross the seam in f32 within a
+    /// one) plus its scales (and FP8 its recent window's copies), and its blocks cross the seam in f32 within a
     /// quantization step of what was written.
     #[test]
     fn eight_bit_pools_round_trip_blocks_and_take_a_quarter_of_the_bytes_plus_scales() {
@@ -291,7 +321,12 @@ mod tests {
             let f32_bytes = layout.block_bytes();
             // An f16 scale per row (layer, KV head, token), K and V.
             let scales = 2 * layout.num_layers * layout.num_kv_heads * layout.block_size * 2;
-            assert_eq!(b.block_bytes(), f32_bytes / 4 + scales);
+            // FP8 adds its share of the recent window's bf16 copies.
+            let copies = match dtype {
+                KvCacheDtype::Fp8E4m3 => f32_bytes / 4 * 2 / crate::kv_cache::RECENT_SHARE,
+                _ => 0,
+            };
+            assert_eq!(b.block_bytes(), f32_bytes / 4 + scales + copies);
         }
     }
 }

@@ -17,12 +17,14 @@
 //! once before scoring and the output once after.
 
 mod block;
+mod tile;
 
 use rayon::prelude::*;
 
 use crate::kernels::OutPtr;
-use crate::kv_cache::{rotate_row, unrotate_row, BlockId, KvCache};
+use crate::kv_cache::{BlockId, KvCache};
 use block::BlockMath;
+use tile::{attend_tile, LayerRows, QueryTile, TileScratch};
 
 /// One sequence's slice of the flattened batch.
 #[derive(Debug, Clone, Copy)]
@@ -87,6 +89,45 @@ pub fn paged_attention(
     scoring: Scoring<'_>,
     out: &mut [f32],
 ) {
+    let tiles: usize = seqs.iter().map(|s| s.len.div_ceil(QUERY_TILE)).sum();
+    let threads = rayon::current_num_threads().max(1);
+    // The group's heads share a task unless that leaves threads idle.
+    let heads_per_task = if tiles * heads.num_kv_heads >= 4 * threads {
+        heads.num_heads / heads.num_kv_heads
+    } else {
+        1
+    };
+    let call = Call {
+        q,
+        kv,
+        layer,
+        seqs,
+        heads,
+        scoring,
+    };
+    attend_in_tasks(&call, heads_per_task, out);
+}
+
+/// One layer's attention, as [`paged_attention`] takes it.
+struct Call<'a, 'b> {
+    q: &'a [f32],
+    kv: &'a KvCache,
+    layer: usize,
+    seqs: &'a [AttnSeq<'b>],
+    heads: Heads,
+    scoring: Scoring<'a>,
+}
+
+/// `call` in tasks of `heads_per_task` query heads (1 or the group size).
+fn attend_in_tasks(call: &Call<'_, '_>, heads_per_task: usize, out: &mut [f32]) {
+    let Call {
+        q,
+        kv,
+        layer,
+        seqs,
+        heads,
+        scoring,
+    } = *call;
     let Heads {
         num_heads,
         num_kv_heads,
@@ -94,16 +135,8 @@ pub fn paged_attention(
     } = heads;
     let stride = num_heads * d;
     let group = num_heads / num_kv_heads;
+    assert!(heads_per_task == 1 || heads_per_task == group);
     let bs = kv.layout().block_size;
-
-    let tiles: usize = seqs.iter().map(|s| s.len.div_ceil(QUERY_TILE)).sum();
-    let threads = rayon::current_num_threads().max(1);
-    // The group's heads share a task unless that leaves threads idle.
-    let heads_per_task = if tiles * num_kv_heads >= 4 * threads {
-        group
-    } else {
-        1
-    };
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
         for h in (0..num_heads).step_by(heads_per_task) {
@@ -148,206 +181,218 @@ pub fn paged_attention(
     );
 }
 
-/// One layer's K/V rows and how they are scored, for [`attend_tile`].
-struct LayerRows<'a> {
-    kv: &'a KvCache,
-    view: crate::kv_cache::LayerView<'a>,
-    scoring: Scoring<'a>,
-    d: usize,
-    stride: usize,
-    bs: usize,
-    groups: usize,
-    layer_group: usize,
-    math: BlockMath,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::test_values;
+    use crate::kv_cache::{KvCacheDtype, KvLayout, KvRows, SlidingLayers, RECENT_TOKENS};
 
-/// One task: queries `t0..t1` of one sequence under query heads `heads`
-/// (which share KV head `kv_head`).
-struct QueryTile<'s, 'b> {
-    seq: &'s AttnSeq<'b>,
-    heads: std::ops::Range<usize>,
-    kv_head: usize,
-    t0: usize,
-    t1: usize,
-}
-
-/// A task's buffers, reused across the tasks one thread runs.
-struct TileScratch {
-    /// Decoded K then V rows of one block (16- and 8-bit caches).
-    rows: Vec<f32>,
-    /// Their factors (8-bit scales; 1 otherwise).
-    row_scales: Vec<f32>,
-    /// Each query's scores, then softmax weights, over the block's slots.
-    probs: Vec<f32>,
-    /// One query's softmax weights times the value rows' factors.
-    weights: Vec<f32>,
-    /// Running max and normaliser per query.
-    m: Vec<f32>,
-    l: Vec<f32>,
-    /// The queries, rotated for an 8-bit cache.
-    q_rot: Vec<f32>,
-}
-
-impl TileScratch {
-    /// Buffers for up to `queries` (head, token) pairs.
-    fn new(bs: usize, d: usize, queries: usize) -> Self {
-        Self {
-            rows: vec![0.0; bs * d],
-            row_scales: vec![0.0; bs],
-            probs: vec![0.0; queries * bs],
-            weights: vec![0.0; bs],
-            m: vec![0.0; queries],
-            l: vec![0.0; queries],
-            q_rot: vec![0.0; queries * d],
-        }
-    }
-}
-
-/// Attention for one query tile, block by block: each K and V block is
-/// decoded once for all the tile's queries (every token under every head of
-/// the task), then every query runs the online-softmax step over the slots
-/// it sees. Per query the arithmetic and its order are the same whatever
-/// else is in the task, so results do not depend on the tiling.
-fn attend_tile(
-    q: &[f32],
-    layer: &LayerRows<'_>,
-    tile: &QueryTile<'_, '_>,
-    sc: &mut TileScratch,
-    out: &mut [f32],
-) {
-    let LayerRows {
-        kv,
-        ref view,
-        scoring,
-        d,
-        stride,
-        bs,
-        groups,
-        layer_group,
-        math,
-    } = *layer;
-    let seq = tile.seq;
-    let n = tile.t1 - tile.t0;
-    // Query `qi` is token `qi % n` of the tile under head `heads.start + qi / n`.
-    let queries = n * tile.heads.len();
-    let head_of = |qi: usize| tile.heads.start + qi / n;
-    let rotated = view.rotated();
-    let pos_of = |i: usize| seq.start_pos + tile.t0 + i;
-    let lo_of = |i: usize| {
-        scoring
-            .window
-            .map_or(0, |w| (pos_of(i) + 1).saturating_sub(w))
-    };
-    let query = |qi: usize| {
-        let (row, h) = (seq.row + tile.t0 + qi % n, head_of(qi));
-        row * stride + h * d..row * stride + (h + 1) * d
-    };
-    if rotated {
-        // Keys are stored rotated: (HDq)·(HDk) = q·k.
-        for qi in 0..queries {
-            let qr = &mut sc.q_rot[qi * d..(qi + 1) * d];
-            qr.copy_from_slice(&q[query(qi)]);
-            rotate_row(qr);
-        }
-    }
-    for qi in 0..queries {
-        out[query(qi)].fill(0.0);
-    }
-    sc.m[..queries].fill(f32::NEG_INFINITY);
-    sc.l[..queries].fill(0.0);
-    // Keys any query of the tile sees: the first token's window start to
-    // the last token's position.
-    let (lo, hi) = (lo_of(0), pos_of(n - 1));
-    for b in lo / bs..=hi / bs {
-        let block = seq.blocks[b * groups + layer_group];
-        let base_row = kv.offset(block, tile.kv_head, 0) / d;
-        // Slots of this block inside [lo, hi].
-        let first = (b * bs).max(lo) - b * bs;
-        let end = ((b + 1) * bs).min(hi + 1) - b * bs;
-        let span = end - first;
-        let keys = view.key_rows(
-            base_row + first,
-            &mut sc.rows[..span * d],
-            &mut sc.row_scales[..span],
-        );
-        // A token's visible slots of the block, as `first..end`-relative
-        // indices; empty when the block is outside its window or future.
-        let visible = |i: usize| {
-            let (qlo, qhi) = (
-                lo_of(i).max(b * bs + first),
-                pos_of(i).min(b * bs + end - 1),
-            );
-            (qlo <= qhi).then(|| (qlo - b * bs - first, qhi + 1 - b * bs - first))
+    /// Three sequences (a prefill of 40, one decode token at position 20,
+    /// five tokens from 30) over 2 KV heads × 3 query heads each.
+    fn scene(d: usize, dtype: KvCacheDtype) -> (KvCache, Vec<Vec<BlockId>>, Vec<(usize, usize)>) {
+        let (bs, kv_heads) = (16, 2);
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: kv_heads,
+            head_dim: d,
+            block_size: bs,
+            sliding: SlidingLayers::default(),
+            rows: KvRows::PerHead,
         };
-        for qi in 0..queries {
-            let Some((s0, s1)) = visible(qi % n) else {
-                continue;
-            };
-            let qv = if rotated {
-                &sc.q_rot[qi * d..(qi + 1) * d]
-            } else {
-                &q[query(qi)]
-            };
-            let probs = &mut sc.probs[qi * bs..qi * bs + span];
-            math.scores(qv, keys, scoring.scale, &sc.row_scales[..span], probs);
-            let mut bmax = f32::NEG_INFINITY;
-            for p in &mut probs[s0..s1] {
-                if let Some(cap) = scoring.softcap {
-                    *p = cap * (*p / cap).tanh();
-                }
-                bmax = bmax.max(*p);
+        let mut kv = KvCache::with_dtype(layout, 8, dtype);
+        let spans = vec![(0, 40), (20, 1), (30, 5)];
+        let tables = vec![vec![0, 1, 2], vec![3, 4], vec![5, 6, 7]];
+        for (s, (&(start, len), table)) in spans.iter().zip(&tables).enumerate() {
+            // FP8: 3 recent copies for 8 blocks; the last sequence's hold
+            // takes them, so blocks are read both ways.
+            kv.hold_recent([(0, start + len, &table[..])]);
+            for pos in 0..start + len {
+                let k = test_values(kv_heads * d, (s * 1000 + pos) as u32);
+                let v = test_values(kv_heads * d, (s * 1000 + pos + 500) as u32);
+                kv.write(0, table[pos / bs], pos % bs, &k, &v);
             }
-            let acc = &mut out[query(qi)];
-            if bmax > sc.m[qi] {
-                let c = (sc.m[qi] - bmax).exp();
-                sc.l[qi] *= c;
-                for a in acc.iter_mut() {
-                    *a *= c;
-                }
-                sc.m[qi] = bmax;
-            }
-            sc.l[qi] += math.exp_sum(&mut probs[s0..s1], sc.m[qi]);
         }
-        let values = view.value_rows(
-            base_row + first,
-            &mut sc.rows[..span * d],
-            &mut sc.row_scales[..span],
-        );
-        for qi in 0..queries {
-            let Some((s0, s1)) = visible(qi % n) else {
-                continue;
-            };
-            let weights = &mut sc.weights[..s1 - s0];
-            let probs = &sc.probs[qi * bs + s0..qi * bs + s1];
-            for ((w, p), f) in weights.iter_mut().zip(probs).zip(&sc.row_scales[s0..s1]) {
-                *w = p * f;
+        (kv, tables, spans)
+    }
+
+    #[test]
+    fn a_task_per_kv_head_computes_what_a_task_per_query_head_does() {
+        // 64: the AVX-512 block math where the CPU has it; 24: the portable one.
+        for d in [64, 24] {
+            for dtype in [
+                KvCacheDtype::F32,
+                KvCacheDtype::Bf16,
+                KvCacheDtype::Int8,
+                KvCacheDtype::Fp8E4m3,
+            ] {
+                let (kv, tables, spans) = scene(d, dtype);
+                let mut row = 0;
+                let seqs: Vec<AttnSeq<'_>> = spans
+                    .iter()
+                    .zip(&tables)
+                    .map(|(&(start_pos, len), blocks)| {
+                        row += len;
+                        AttnSeq {
+                            start_pos,
+                            len,
+                            row: row - len,
+                            blocks,
+                        }
+                    })
+                    .collect();
+                let heads = Heads {
+                    num_heads: 6,
+                    num_kv_heads: 2,
+                    head_dim: d,
+                };
+                let q = test_values(row * 6 * d, 77);
+                let scoring = Scoring {
+                    window: Some(24),
+                    ..Scoring::causal(d)
+                };
+                let call = Call {
+                    q: &q,
+                    kv: &kv,
+                    layer: 0,
+                    seqs: &seqs,
+                    heads,
+                    scoring,
+                };
+                let (mut per_head, mut per_kv_head) = (vec![0.0; q.len()], vec![1.0; q.len()]);
+                attend_in_tasks(&call, 1, &mut per_head);
+                attend_in_tasks(&call, 3, &mut per_kv_head);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&per_head), bits(&per_kv_head), "d {d}, {dtype:?}");
+                if dtype != KvCacheDtype::F32 {
+                    continue;
+                }
+                // And both are windowed softmax attention: the prefill's last
+                // token (row and position 39) under head 4 (KV head 1)
+                // against an f64 reference.
+                let (t, h, pos) = (39, 4, 39);
+                let qv = &q[(t * 6 + h) * d..(t * 6 + h + 1) * d];
+                let seen = (pos + 1 - 24)..=pos;
+                let rows =
+                    |pos: usize, off: u32| test_values(2 * d, pos as u32 + off)[d..].to_vec();
+                let scores: Vec<f64> = seen
+                    .clone()
+                    .map(|p| {
+                        let k = rows(p, 0);
+                        qv.iter()
+                            .zip(&k)
+                            .map(|(a, b)| f64::from(a * b))
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                for c in 0..d {
+                    let want: f64 = seen
+                        .clone()
+                        .zip(&scores)
+                        .map(|(p, s)| (s - max).exp() / z * f64::from(rows(p, 500)[c]))
+                        .sum();
+                    let got = f64::from(per_head[(t * 6 + h) * d + c]);
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "d {d} channel {c}: {got} vs {want}"
+                    );
+                }
             }
-            math.accumulate(&mut out[query(qi)], weights, &values[s0 * d..s1 * d]);
         }
     }
-    for qi in 0..queries {
-        let (m, l) = (sc.m[qi], sc.l[qi]);
-        let acc = &mut out[query(qi)];
-        let l = match scoring.sinks.map(|s| s[head_of(qi)]) {
-            // The sink joins the denominator; rescale first if it is the
-            // largest logit, so nothing overflows.
-            Some(sink) if sink > m => {
-                let c = (m - sink).exp();
-                for a in acc.iter_mut() {
-                    *a *= c;
-                }
-                l * c + 1.0
-            }
-            Some(sink) => l + (sink - m).exp(),
-            None => l,
+
+    /// Softmax attention of one query over `rows(p)` (key, value) for `p`
+    /// in `positions`, in f64.
+    fn reference(
+        qv: &[f32],
+        positions: std::ops::Range<usize>,
+        rows: impl Fn(usize) -> (Vec<f32>, Vec<f32>),
+    ) -> Vec<f64> {
+        let d = qv.len();
+        let kv: Vec<_> = positions.map(&rows).collect();
+        let scores: Vec<f64> = kv
+            .iter()
+            .map(|(k, _)| {
+                qv.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() / (d as f64).sqrt()
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::MIN, f64::max);
+        let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+        (0..d)
+            .map(|c| {
+                kv.iter()
+                    .zip(&scores)
+                    .map(|((_, v), s)| (s - max).exp() / z * f64::from(v[c]))
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fp8_reads_each_querys_last_32_positions_at_16_bits_and_older_ones_as_codes() {
+        let (d, bs) = (64, 16);
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: d,
+            block_size: bs,
+            sliding: SlidingLayers::default(),
+            rows: KvRows::PerHead,
         };
-        let inv = 1.0 / l;
-        for a in acc.iter_mut() {
-            *a *= inv;
+        let table: Vec<BlockId> = (0..5).collect();
+        // Room for every block's copy (a pool of 40 blocks has 5).
+        let mut kv = KvCache::with_dtype(layout, 40, KvCacheDtype::Fp8E4m3);
+        let truth = |p: usize| (test_values(d, p as u32), test_values(d, p as u32 + 900));
+        // A prefill of 70 positions in one step, then a decode of one more,
+        // each held before it is written, as `Model::forward_stage` does.
+        for (start, len) in [(0, 70), (70, 1)] {
+            kv.hold_recent([(start, len, &table[..])]);
+            for p in start..start + len {
+                let (k, v) = truth(p);
+                kv.write(0, table[p / bs], p % bs, &k, &v);
+            }
         }
-        if rotated {
-            // The values summed were rotated.
-            unrotate_row(acc);
+        let coded = |p: usize| {
+            let (k, v) = kv.block(0, table[p / bs]);
+            let r = (p % bs) * d..(p % bs + 1) * d;
+            (k[r.clone()].to_vec(), v[r].to_vec())
+        };
+        let heads = Heads {
+            num_heads: 1,
+            num_kv_heads: 1,
+            head_dim: d,
+        };
+        let q = test_values(71 * d, 5);
+        let seqs = [AttnSeq {
+            start_pos: 0,
+            len: 71,
+            row: 0,
+            blocks: &table,
+        }];
+        let mut out = vec![0.0; q.len()];
+        paged_attention(&q, &kv, 0, &seqs, heads, Scoring::causal(d), &mut out);
+        let (mut worst_windowed, mut worst_coded) = (0f64, 0f64);
+        for t in [0, 20, 31, 32, 50, 69, 70] {
+            let qv = &q[t * d..(t + 1) * d];
+            let cut = (t + 1).saturating_sub(RECENT_TOKENS);
+            let windowed = reference(qv, 0..t + 1, |p| if p >= cut { truth(p) } else { coded(p) });
+            let all_coded = reference(qv, 0..t + 1, coded);
+            for c in 0..d {
+                let got = f64::from(out[t * d + c]);
+                worst_windowed = worst_windowed.max((got - windowed[c]).abs());
+                worst_coded = worst_coded.max((got - all_coded[c]).abs());
+            }
         }
+        // The copies are bf16 (a relative step of 2^-9); codes are E4M3's 2^-4.
+        assert!(
+            worst_windowed < 4e-3,
+            "against the window's reference: {worst_windowed}"
+        );
+        assert!(
+            worst_coded > 3.0 * worst_windowed,
+            "the window changes nothing: {worst_coded}"
+        );
     }
 }

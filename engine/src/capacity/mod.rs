@@ -272,10 +272,9 @@ impl CapacityPlan {
         let layout = cfg.kv_layout(self.block_size);
         let groups = crate::KvGroups::of(&layout);
         let slots = layout.layers_per_block() as u64;
-        let per_layer_token = kv_bytes_per_token / (cfg.num_layers.max(1) as u64);
-        let bytes_per_block = self.block_size as u64 * per_layer_token * slots
-            + (layout.pools_per_layer() * slots as usize) as u64
-                * (self.block_size * layout.num_kv_heads * self.kv_dtype.scale_bytes()) as u64;
+        // What the engine's pool takes per block (scales and FP8's recent
+        // window included).
+        let bytes_per_block = self.kv_dtype.block_bytes(&layout) as u64;
         // A model without KV (no layers) would divide by zero; it has no
         // pool to plan either.
         let pool_blocks = free.checked_div(bytes_per_block).unwrap_or(0);

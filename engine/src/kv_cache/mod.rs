@@ -24,21 +24,27 @@
 //! [`KvCacheDtype::F16`], `half.rs`), or 8-bit codes ([`KvCacheDtype::Int8`],
 //! [`KvCacheDtype::Fp8E4m3`]) of Hadamard-rotated rows with one scale per
 //! row (`q8.rs`); attention reads each through [`LayerView`], a row at a
-//! time.
+//! time. An FP8 cache also keeps 16-bit copies of the blocks holding each
+//! running sequence's last [`RECENT_TOKENS`] positions, which every query
+//! reads in place of the codes (`recent.rs`; the engine calls
+//! [`KvCache::hold_recent`] before each step).
 
 mod allocator;
 mod dtype;
 mod groups;
 mod half;
 mod q8;
+mod recent;
 mod table;
 
 use std::borrow::Cow;
 
 use half::Half;
 use q8::{Code, Q8Pool};
+use recent::{RecentRows, RecentView};
 
 pub use q8::{rotate as rotate_row, unrotate as unrotate_row};
+pub use recent::{RECENT_SHARE, RECENT_TOKENS};
 
 pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats, Registered};
 pub use dtype::KvCacheDtype;
@@ -163,6 +169,8 @@ enum Storage {
         code: Code,
         k: Vec<Q8Pool>,
         v: Vec<Q8Pool>,
+        /// 16-bit copies of recent blocks (FP8 only, `recent.rs`).
+        recent: Option<RecentRows>,
     },
 }
 
@@ -186,6 +194,7 @@ enum View<'a> {
         code: Code,
         k: &'a Q8Pool,
         v: &'a Q8Pool,
+        recent: Option<RecentView<'a>>,
     },
 }
 
@@ -196,6 +205,38 @@ impl LayerView<'_> {
     #[inline]
     pub fn rotated(&self) -> bool {
         matches!(self.0, View::Q8 { .. })
+    }
+
+    /// Positions behind a query (itself included) that it reads through
+    /// [`recent_rows`](Self::recent_rows) where their block has a copy
+    /// (an FP8 cache's recent window, `recent.rs`).
+    #[inline]
+    pub fn recent_window(&self) -> Option<usize> {
+        match self.0 {
+            View::Q8 {
+                recent: Some(_), ..
+            } => Some(RECENT_TOKENS),
+            _ => None,
+        }
+    }
+
+    /// Key (or value) rows `row0..row0 + buf.len() / d`, all of one block,
+    /// from the block's 16-bit copy (rotated like the codes, factor 1),
+    /// decoded into `buf`; `None` when the block has no copy.
+    #[inline]
+    pub fn recent_rows<'b>(
+        &self,
+        keys: bool,
+        row0: usize,
+        d: usize,
+        buf: &'b mut [f32],
+    ) -> Option<&'b [f32]> {
+        match &self.0 {
+            View::Q8 {
+                recent: Some(r), ..
+            } => r.rows(keys, row0, d, buf),
+            _ => None,
+        }
     }
 
     /// Key row `row` in f32 (borrowed for f32 storage, decoded into `buf`
@@ -247,7 +288,9 @@ impl LayerView<'_> {
             View::Half { half, k, v } => {
                 rows_half(*half, if keys { k } else { v }, row0, buf, scales)
             }
-            View::Q8 { code, k, v } => rows_q8(*code, if keys { k } else { v }, row0, buf, scales),
+            View::Q8 { code, k, v, .. } => {
+                rows_q8(*code, if keys { k } else { v }, row0, buf, scales)
+            }
         }
     }
 }
@@ -346,10 +389,15 @@ impl KvCache {
                     KvRows::PerHead => num_blocks,
                     KvRows::Latent => 0,
                 };
+                let recent = (code == Code::Fp8E4m3).then(|| {
+                    let (bs, elems) = (layout.block_size, layout.block_elems());
+                    RecentRows::new(pools, num_blocks, bs, elems, v_blocks > 0)
+                });
                 Storage::Q8 {
                     code,
                     k: pool(num_blocks),
                     v: pool(v_blocks),
+                    recent,
                 }
             }
         };
@@ -415,10 +463,11 @@ impl KvCache {
                 k: &k[layer],
                 v: if latent { &k[layer] } else { &v[layer] },
             },
-            Storage::Q8 { code, k, v } => View::Q8 {
+            Storage::Q8 { code, k, v, recent } => View::Q8 {
                 code: *code,
                 k: &k[layer],
                 v: if latent { &k[layer] } else { &v[layer] },
+                recent: recent.as_ref().map(|r| r.view(layer, latent)),
             },
         })
     }
@@ -432,10 +481,13 @@ impl KvCache {
         match &mut self.storage {
             Storage::F32 { k, v } => copy_in_pools(k, v, with_v, s * n..(s + 1) * n, d * n),
             Storage::Half { k, v, .. } => copy_in_pools(k, v, with_v, s * n..(s + 1) * n, d * n),
-            Storage::Q8 { k, v, .. } => {
+            Storage::Q8 { k, v, recent, .. } => {
                 let v = if with_v { &mut v[..] } else { &mut [] };
                 for pool in k.iter_mut().chain(v.iter_mut()) {
                     pool.copy_block(s, d, n);
+                }
+                if let Some(r) = recent {
+                    r.copy_block(copy.src, copy.dst);
                 }
             }
         }
@@ -444,34 +496,64 @@ impl KvCache {
     /// One block's K and V in one layer (`[kv_head][slot][head_dim]` each),
     /// in f32, e.g. to send it to another worker: borrowed from an f32
     /// cache, widened from a 16-bit one, dequantized from an 8-bit one.
-    /// A latent layout's V is empty.
+    /// A latent layout's V is empty. An FP8 block's rows come from its
+    /// codes, as attention reads rows outside the recent window.
     pub fn block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        self.read_block_rows(layer, block, false)
+    }
+
+    /// As [`block`](Self::block), but an FP8 block with a 16-bit copy (its
+    /// sequence's recent window) is read from the copy: what a prompt's
+    /// tail is sent as, so the receiver keeps it at 16 bits too.
+    pub fn recent_block(&self, layer: usize, block: BlockId) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        self.read_block_rows(layer, block, true)
+    }
+
+    fn read_block_rows(
+        &self,
+        layer: usize,
+        block: BlockId,
+        from_copy: bool,
+    ) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         let layer = self.groups.slot(layer);
         let n = self.layout.block_elems();
         let s = block as usize * n;
-        if self.layout.rows == KvRows::Latent {
-            let k = match &self.storage {
-                Storage::F32 { k, .. } => Cow::Borrowed(&k[layer][s..s + n]),
-                Storage::Half { half, k, .. } => Cow::Owned(half.decode(&k[layer][s..s + n])),
-                Storage::Q8 { code, k, .. } => {
-                    Cow::Owned(k[layer].read_block(*code, block as usize, n))
-                }
-            };
-            return (k, Cow::Borrowed(&[]));
-        }
+        // A latent layout's V is empty.
+        let with_v = self.layout.rows == KvRows::PerHead;
+        let none = || Cow::Borrowed(&[][..]);
         match &self.storage {
             Storage::F32 { k, v } => (
                 Cow::Borrowed(&k[layer][s..s + n]),
-                Cow::Borrowed(&v[layer][s..s + n]),
+                if with_v {
+                    Cow::Borrowed(&v[layer][s..s + n])
+                } else {
+                    none()
+                },
             ),
             Storage::Half { half, k, v } => (
                 Cow::Owned(half.decode(&k[layer][s..s + n])),
-                Cow::Owned(half.decode(&v[layer][s..s + n])),
+                if with_v {
+                    Cow::Owned(half.decode(&v[layer][s..s + n]))
+                } else {
+                    none()
+                },
             ),
-            Storage::Q8 { code, k, v } => (
-                Cow::Owned(k[layer].read_block(*code, block as usize, n)),
-                Cow::Owned(v[layer].read_block(*code, block as usize, n)),
-            ),
+            Storage::Q8 { code, k, v, recent } => {
+                let copy = recent.as_ref().filter(|_| from_copy);
+                let copy = copy.and_then(|r| Some((r, r.copy_of(block)?)));
+                let read = |pool: &Q8Pool, keys: bool| {
+                    let side = (layer, keys);
+                    Cow::Owned(q8_block(&self.layout, *code, pool, copy, side, block))
+                };
+                (
+                    read(&k[layer], true),
+                    if with_v {
+                        read(&v[layer], false)
+                    } else {
+                        none()
+                    },
+                )
+            }
         }
     }
 
@@ -499,29 +581,113 @@ impl KvCache {
         }
         let s = block as usize * n;
         let layer = self.groups.slot(layer);
-        if nv == 0 {
-            match &mut self.storage {
-                Storage::F32 { k: kp, .. } => kp[layer][s..s + n].copy_from_slice(k),
-                Storage::Half { half, k: kp, .. } => half.encode_into(k, &mut kp[layer][s..s + n]),
-                Storage::Q8 { code, k: kp, .. } => kp[layer].write_block(*code, block as usize, k),
-            }
-            return Ok(());
-        }
+        let d = self.layout.head_dim;
         match &mut self.storage {
+            // A latent layout has no V (`nv` 0, its V pools empty).
             Storage::F32 { k: kp, v: vp } => {
                 kp[layer][s..s + n].copy_from_slice(k);
-                vp[layer][s..s + n].copy_from_slice(v);
+                if nv > 0 {
+                    vp[layer][s..s + nv].copy_from_slice(v);
+                }
             }
             Storage::Half { half, k: kp, v: vp } => {
                 half.encode_into(k, &mut kp[layer][s..s + n]);
-                half.encode_into(v, &mut vp[layer][s..s + n]);
+                if nv > 0 {
+                    half.encode_into(v, &mut vp[layer][s..s + nv]);
+                }
             }
-            Storage::Q8 { code, k: kp, v: vp } => {
-                kp[layer].write_block(*code, block as usize, k);
-                vp[layer].write_block(*code, block as usize, v);
+            Storage::Q8 {
+                code,
+                k: kp,
+                v: vp,
+                recent,
+            } => {
+                // Rows rotated once, for the codes and, where the block has
+                // one, its 16-bit copy (what a sender read from its own).
+                let copy = recent.as_ref().and_then(|r| r.copy_of(block));
+                for (keys, pool, rows) in [(true, &mut kp[layer], k), (false, &mut vp[layer], v)] {
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let rotated = q8::rotate_rows(rows, d);
+                    pool.write_rotated_block(*code, block as usize, &rotated);
+                    if let (Some(c), Some(r)) = (copy, recent.as_mut()) {
+                        r.write_block(layer, c, keys, &rotated);
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// Gives `blocks` 16-bit copies before their rows arrive from another
+    /// worker (the tail of a prompt prefilled elsewhere): an FP8 cache then
+    /// keeps the recent rows the sender read from its own copies. Other
+    /// dtypes have nothing to hold.
+    pub fn hold_blocks(&mut self, blocks: &[BlockId]) {
+        let with_v = self.layout.rows == KvRows::PerHead;
+        let Storage::Q8 {
+            code,
+            k,
+            v,
+            recent: Some(recent),
+        } = &mut self.storage
+        else {
+            return;
+        };
+        let mut rows = vec![0f32; self.layout.block_elems()];
+        for (block, copy) in recent.hold(blocks) {
+            // Rows written before the copy existed: the codes are all there is.
+            for (keys, pools) in [(true, &*k), (false, &*v)] {
+                for (p, pool) in pools.iter().enumerate().filter(|_| keys || with_v) {
+                    pool.decode_block_rotated(*code, block as usize, &mut rows);
+                    recent.write_block(p, copy, keys, &rows);
+                }
+            }
+        }
+    }
+
+    /// Before a step: the blocks holding positions that some query of the
+    /// step reads at 16 bits (an FP8 cache's recent window, `recent.rs`)
+    /// keep or take a copy. `seqs` gives each sequence's first new
+    /// position, its count of new tokens and its block table. Other dtypes
+    /// have nothing to hold.
+    pub fn hold_recent<'a>(
+        &mut self,
+        seqs: impl IntoIterator<Item = (usize, usize, &'a [BlockId])>,
+    ) {
+        if self.recent_window().is_none() {
+            return;
+        }
+        let (bs, groups) = (self.layout.block_size, self.groups.num_groups());
+        let mut blocks = Vec::new();
+        for (start, len, table) in seqs {
+            if len == 0 {
+                continue;
+            }
+            // The step's first query reads recent rows from here on.
+            let first = (start + 1).saturating_sub(RECENT_TOKENS) / bs;
+            for logical in first..=(start + len - 1) / bs {
+                for g in 0..groups {
+                    match table.get(logical * groups + g) {
+                        Some(&b) if b != FREED => blocks.push(b),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        self.hold_blocks(&blocks);
+    }
+
+    /// Positions behind a query that it reads at 16 bits, if this cache
+    /// keeps a recent window (FP8).
+    pub fn recent_window(&self) -> Option<usize> {
+        match &self.storage {
+            Storage::Q8 {
+                recent: Some(_), ..
+            } => Some(RECENT_TOKENS),
+            _ => None,
+        }
     }
 
     /// Writes one token's K and V rows (`[kv_head][head_dim]`) at `slot` of
@@ -529,45 +695,80 @@ impl KvCache {
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
         let layer = self.groups.slot(layer);
         let d = self.layout.head_dim;
-        let heads = self.layout.num_kv_heads;
         let bs = self.layout.block_size;
-        if self.layout.rows == KvRows::Latent {
-            let o = (block as usize * bs + slot) * d;
-            match &mut self.storage {
-                Storage::F32 { k: kp, .. } => kp[layer][o..o + d].copy_from_slice(&k[..d]),
-                Storage::Half { half, k: kp, .. } => {
-                    half.encode_into(&k[..d], &mut kp[layer][o..o + d])
-                }
-                Storage::Q8 { code, k: kp, .. } => {
-                    kp[layer].write_row(*code, block as usize, slot, bs, &k[..d])
-                }
-            }
-            return;
-        }
+        // A latent layout has one row a token (and no V).
+        let (rows, with_v) = match self.layout.rows {
+            KvRows::PerHead => (self.layout.num_kv_heads, true),
+            KvRows::Latent => (1, false),
+        };
+        let offset = |h: usize| ((block as usize * rows + h) * bs + slot) * d;
         match &mut self.storage {
             Storage::F32 { k: kp, v: vp } => {
-                for h in 0..heads {
-                    let o = ((block as usize * heads + h) * bs + slot) * d;
+                for h in 0..rows {
+                    let o = offset(h);
                     kp[layer][o..o + d].copy_from_slice(&k[h * d..(h + 1) * d]);
-                    vp[layer][o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+                    if with_v {
+                        vp[layer][o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+                    }
                 }
             }
             Storage::Half { half, k: kp, v: vp } => {
-                for h in 0..heads {
-                    let o = ((block as usize * heads + h) * bs + slot) * d;
+                for h in 0..rows {
+                    let o = offset(h);
                     half.encode_into(&k[h * d..(h + 1) * d], &mut kp[layer][o..o + d]);
-                    half.encode_into(&v[h * d..(h + 1) * d], &mut vp[layer][o..o + d]);
+                    if with_v {
+                        half.encode_into(&v[h * d..(h + 1) * d], &mut vp[layer][o..o + d]);
+                    }
                 }
             }
-            Storage::Q8 { code, k: kp, v: vp } => {
-                for h in 0..heads {
-                    let bh = block as usize * heads + h;
-                    kp[layer].write_row(*code, bh, slot, bs, &k[h * d..(h + 1) * d]);
-                    vp[layer].write_row(*code, bh, slot, bs, &v[h * d..(h + 1) * d]);
+            Storage::Q8 {
+                code,
+                k: kp,
+                v: vp,
+                recent,
+            } => {
+                // Each row rotated once, for its codes and its 16-bit copy.
+                let copy = recent.as_ref().and_then(|r| r.copy_of(block));
+                let mut row = vec![0f32; d];
+                for (keys, pool, src) in [(true, &mut kp[layer], k), (false, &mut vp[layer], v)] {
+                    if !keys && !with_v {
+                        continue;
+                    }
+                    for h in 0..rows {
+                        row.copy_from_slice(&src[h * d..(h + 1) * d]);
+                        q8::rotate(&mut row);
+                        pool.write_rotated_row(*code, block as usize * rows + h, slot, bs, &row);
+                        if let (Some(c), Some(r)) = (copy, recent.as_mut()) {
+                            r.write_row(layer, c, keys, (h * bs + slot) * d, &row);
+                        }
+                    }
                 }
             }
         }
     }
+}
+
+/// One 8-bit block's K (or V: `side.1`) rows in pool `side.0`, rotated
+/// back: from the block's 16-bit copy where it has one (so a transfer
+/// carries the recent rows as the sender reads them), else from the codes.
+fn q8_block(
+    layout: &KvLayout,
+    code: Code,
+    pool: &Q8Pool,
+    copy: Option<(&RecentRows, usize)>,
+    (slot, keys): (usize, bool),
+    block: BlockId,
+) -> Vec<f32> {
+    let n = layout.block_elems();
+    let Some((recent, copy)) = copy else {
+        return pool.read_block(code, block as usize, n);
+    };
+    let mut out = vec![0f32; n];
+    recent.read_block(slot, copy, keys, &mut out);
+    for row in out.chunks_exact_mut(layout.head_dim.max(1)) {
+        unrotate_row(row);
+    }
+    out
 }
 
 /// Copies `src` to `dst` in every K and V pool of plain elements.
@@ -585,171 +786,4 @@ fn copy_in_pools<T: Copy>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocate_append_free() {
-        let pool = BlockAllocator::new(4, 16).expect("pool");
-        let mut t = BlockTable::new(&pool);
-        t.append(1).expect("first token");
-        assert_eq!(t.blocks().len(), 1);
-        t.append(15).expect("fill the block");
-        assert_eq!(t.blocks().len(), 1, "16 tokens fit one block");
-        t.append(1).expect("spill");
-        assert_eq!(t.blocks().len(), 2);
-        assert_eq!(pool.num_free(), 2);
-        assert_eq!(pool.referenced(), 2);
-        drop(t);
-        assert_eq!(pool.num_free(), 4);
-        assert_eq!(pool.referenced(), 0);
-    }
-
-    #[test]
-    fn exhaustion_is_an_error_and_takes_nothing() {
-        let pool = BlockAllocator::new(3, 4).expect("pool");
-        let mut a = BlockTable::new(&pool);
-        a.append(8).expect("two blocks");
-        let mut b = BlockTable::new(&pool);
-        let err = b.append(8).expect_err("only one block left");
-        assert_eq!(
-            err,
-            KvError::OutOfBlocks {
-                needed: 2,
-                free: 1,
-                total: 3
-            }
-        );
-        assert_eq!(b.num_tokens(), 0);
-        assert!(b.blocks().is_empty());
-        assert_eq!(pool.num_free(), 1, "a failed append takes no block");
-        b.append(4).expect("one block still fits");
-        assert!(a.append(1).is_err());
-    }
-
-    #[test]
-    fn truncate_returns_emptied_blocks() {
-        let pool = BlockAllocator::new(4, 4).expect("pool");
-        let mut t = BlockTable::new(&pool);
-        t.append(9).expect("three blocks");
-        t.truncate(5);
-        assert_eq!(t.num_tokens(), 4);
-        assert_eq!(t.blocks().len(), 1);
-        assert_eq!(pool.num_free(), 3);
-    }
-
-    fn hashes(n: usize) -> Vec<u64> {
-        tandem_block_hash::block_hashes(&(0..n as u32 * 4).collect::<Vec<_>>(), 4)
-    }
-
-    #[test]
-    fn freed_blocks_stay_cached_until_reused() {
-        let pool = BlockAllocator::new(4, 4).expect("pool");
-        let h = hashes(2);
-        let mut a = BlockTable::new(&pool);
-        assert!(a.append(8).expect("two blocks").is_empty());
-        a.register_computed(&h, 8);
-        let a_blocks = a.blocks().to_vec();
-        drop(a);
-        assert_eq!(pool.num_free(), 4, "cached blocks are free");
-        assert_eq!(pool.num_cached(), 2);
-        assert_eq!(pool.probe(&h), (2, 2));
-        let b = BlockTable::from_cached_prefix(&pool, &h);
-        assert_eq!(b.blocks(), &a_blocks[..]);
-        assert_eq!(b.num_tokens(), 8);
-        assert_eq!(pool.num_free(), 2);
-        pool.check_accounting(2).expect("books");
-        drop(b);
-        // Two fresh blocks come from the never-cached ones first (LRU head).
-        let mut c = BlockTable::new(&pool);
-        c.append(8).expect("two");
-        assert_eq!(pool.num_cached(), 2, "cached blocks were not evicted");
-        // The next allocation must evict; the tail block of `a` goes first.
-        let mut d = BlockTable::new(&pool);
-        d.append(4).expect("one");
-        assert_eq!(d.blocks(), &[a_blocks[1]]);
-        assert_eq!(pool.probe(&h), (1, 1), "block 0 is still cached");
-        assert_eq!(pool.prefix_stats().evicted_blocks, 1);
-        pool.check_accounting(3).expect("books");
-    }
-
-    #[test]
-    fn fork_shares_and_copy_on_write_splits_the_partial_block() {
-        let pool = BlockAllocator::new(8, 4).expect("pool");
-        let mut a = BlockTable::new(&pool);
-        a.append(6).expect("prompt");
-        let b = a.fork();
-        let mut b = b;
-        assert_eq!(pool.refcount(a.blocks()[1]), 2);
-        pool.check_accounting(4).expect("books");
-        let copy = *b
-            .append(1)
-            .expect("append")
-            .first()
-            .expect("a copy-on-write");
-        assert_eq!(copy.src, a.blocks()[1]);
-        assert_ne!(b.blocks()[1], a.blocks()[1]);
-        assert_eq!(b.blocks()[0], a.blocks()[0], "the full block stays shared");
-        // `a` now owns its tail alone and appends in place.
-        assert!(a.append(1).expect("append").is_empty());
-        pool.check_accounting(4).expect("books");
-        drop(a);
-        drop(b);
-        assert_eq!(pool.num_free(), 8);
-        pool.check_accounting(0).expect("books");
-    }
-
-    #[test]
-    fn a_failed_copy_on_write_changes_nothing() {
-        let pool = BlockAllocator::new(2, 4).expect("pool");
-        let mut a = BlockTable::new(&pool);
-        a.append(6).expect("two blocks");
-        let mut b = a.fork();
-        assert!(b.append(1).is_err());
-        assert_eq!(b.blocks(), a.blocks());
-        assert_eq!(b.num_tokens(), 6);
-        pool.check_accounting(4).expect("books");
-    }
-
-    #[test]
-    fn truncating_into_a_cached_block_uncaches_it() {
-        let pool = BlockAllocator::new(4, 4).expect("pool");
-        let h = hashes(2);
-        let mut a = BlockTable::new(&pool);
-        a.append(8).expect("two");
-        a.register_computed(&h, 8);
-        a.truncate(2);
-        assert_eq!(pool.probe(&h), (1, 0), "block 1 will be overwritten");
-    }
-
-    #[test]
-    fn empty_pool_is_rejected() {
-        assert_eq!(BlockAllocator::new(0, 16).err(), Some(KvError::EmptyPool));
-        assert_eq!(BlockAllocator::new(4, 0).err(), Some(KvError::EmptyPool));
-    }
-
-    #[test]
-    fn write_lands_in_the_right_block_and_head() {
-        let layout = KvLayout {
-            rows: KvRows::PerHead,
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 3,
-            block_size: 4,
-            sliding: SlidingLayers::NONE,
-        };
-        let mut kv = KvCache::new(layout, 5);
-        kv.write(
-            1,
-            3,
-            2,
-            &[1., 2., 3., 4., 5., 6.],
-            &[7., 8., 9., 10., 11., 12.],
-        );
-        let (k, v) = kv.block(1, 3);
-        let o = kv.offset(0, 1, 2);
-        assert_eq!(&k[o..o + 3], &[4., 5., 6.]);
-        assert_eq!(&v[o..o + 3], &[10., 11., 12.]);
-        assert!((0..5).all(|b| kv.block(0, b).0.iter().all(|&x| x == 0.0)));
-    }
-}
+mod tests;

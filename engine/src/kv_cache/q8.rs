@@ -22,7 +22,9 @@
 //!   out for a transfer is rotated back.
 //!
 //! Per token and head this stores `head_dim` bytes plus a 2-byte (f16)
-//! scale: with `head_dim` 64, 0.52 of a 16-bit cache's bytes.
+//! scale: with `head_dim` 64, 0.52 of a 16-bit cache's bytes. FP8 adds its
+//! recent window's 16-bit copies (`recent.rs`), an eighth of the blocks:
+//! 0.64 in all.
 
 use std::sync::OnceLock;
 
@@ -87,6 +89,15 @@ fn e4m3_encode(x: f32) -> u8 {
 pub fn rotate(x: &mut [f32]) {
     flip_signs(x);
     hadamard(x);
+}
+
+/// Each `d`-long row of `x`, [`rotate`]d, as a new buffer.
+pub(super) fn rotate_rows(x: &[f32], d: usize) -> Vec<f32> {
+    let mut out = x.to_vec();
+    for row in out.chunks_exact_mut(d.max(1)) {
+        rotate(row);
+    }
+    out
 }
 
 /// `D·H·x` in place, the inverse of [`rotate`] (`H` and `D` are their own
@@ -202,11 +213,8 @@ impl Q8Pool {
         }
     }
 
-    /// Encodes `src` (one row, rotated first) into `dst` and returns its
-    /// scale.
-    fn encode_row(code: Code, src: &[f32], dst: &mut [u8]) -> f16 {
-        let mut src = src.to_vec();
-        rotate(&mut src);
+    /// Encodes an already rotated row `src` into `dst` and returns its scale.
+    fn encode_rotated(code: Code, src: &[f32], dst: &mut [u8]) -> f16 {
         let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
         // Rounded up to the next f16, so no code overflows its range.
         let mut scale16 = f16::from_f32(code.scale_for(amax));
@@ -215,15 +223,15 @@ impl Q8Pool {
         }
         let scale = scale16.to_f32();
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (c, &v) in dst.iter_mut().zip(&src) {
+        for (c, &v) in dst.iter_mut().zip(src) {
             *c = code.encode(v * inv);
         }
         scale16
     }
 
-    /// Writes one head's row at `slot` of block-head `bh` (each block-head
-    /// holds `block_size` rows of `d`).
-    pub fn write_row(
+    /// Writes one head's row, already rotated ([`rotate`]), at `slot` of
+    /// block-head `bh` (each block-head holds `block_size` rows of `d`).
+    pub fn write_rotated_row(
         &mut self,
         code: Code,
         bh: usize,
@@ -233,34 +241,41 @@ impl Q8Pool {
     ) {
         let d = row.len();
         let r = bh * block_size + slot;
-        self.scales[r] = Self::encode_row(code, row, &mut self.codes[r * d..(r + 1) * d]);
+        self.scales[r] = Self::encode_rotated(code, row, &mut self.codes[r * d..(r + 1) * d]);
     }
 
-    /// Overwrites block `block` (`heads` block-heads) from f32 values
-    /// `[kv_head][slot][head_dim]`.
-    pub fn write_block(&mut self, code: Code, block: usize, values: &[f32]) {
+    /// Block `block` decoded into `out` (`[kv_head][slot][head_dim]`) as
+    /// attention scores it: scaled, still rotated.
+    pub fn decode_block_rotated(&self, code: Code, block: usize, out: &mut [f32]) {
+        let d = out.len() / self.block_rows;
+        for (i, dst) in out.chunks_exact_mut(d).enumerate() {
+            let r = block * self.block_rows + i;
+            code.decode_into(&self.codes[r * d..(r + 1) * d], dst);
+            let s = self.scales[r].to_f32();
+            for v in dst.iter_mut() {
+                *v *= s;
+            }
+        }
+    }
+
+    /// Overwrites block `block` (`heads` block-heads) from f32 rows
+    /// `[kv_head][slot][head_dim]`, each already rotated ([`rotate_rows`]).
+    pub fn write_rotated_block(&mut self, code: Code, block: usize, rotated: &[f32]) {
         let rows = self.block_rows;
-        let d = values.len() / rows;
-        for (i, src) in values.chunks_exact(d).enumerate() {
+        let d = rotated.len() / rows;
+        for (i, src) in rotated.chunks_exact(d).enumerate() {
             let r = block * rows + i;
-            self.scales[r] = Self::encode_row(code, src, &mut self.codes[r * d..(r + 1) * d]);
+            self.scales[r] = Self::encode_rotated(code, src, &mut self.codes[r * d..(r + 1) * d]);
         }
     }
 
     /// Block `block` dequantized to f32 `[kv_head][slot][head_dim]`, rotated
     /// back.
     pub fn read_block(&self, code: Code, block: usize, block_elems: usize) -> Vec<f32> {
-        let rows = self.block_rows;
-        let d = block_elems / rows;
         let mut out = vec![0f32; block_elems];
-        for (i, dst) in out.chunks_exact_mut(d).enumerate() {
-            let r = block * rows + i;
-            code.decode_into(&self.codes[r * d..(r + 1) * d], dst);
-            let s = self.scales[r].to_f32();
-            for v in dst.iter_mut() {
-                *v *= s;
-            }
-            unrotate(dst);
+        self.decode_block_rotated(code, block, &mut out);
+        for row in out.chunks_exact_mut(block_elems / self.block_rows) {
+            unrotate(row);
         }
         out
     }
@@ -334,7 +349,9 @@ mod tests {
         let mut row: Vec<f32> = (0..d).map(|_| r() * 0.1).collect();
         row[5] = 10.0;
         let mut pool = Q8Pool::new(1, 1, 4, d);
-        pool.write_row(Code::Int8, 0, 2, 4, &row);
+        let mut rotated = row.clone();
+        rotate(&mut rotated);
+        pool.write_rotated_row(Code::Int8, 0, 2, 4, &rotated);
         let back = &pool.read_block(Code::Int8, 0, 4 * d)[2 * d..3 * d];
         let err = row
             .iter()
@@ -354,7 +371,7 @@ mod tests {
             let block: Vec<f32> = (0..heads * bs * d)
                 .map(|i| r() * if i / d == 1 { 1000.0 } else { 0.01 })
                 .collect();
-            pool.write_block(code, 2, &block);
+            pool.write_rotated_block(code, 2, &rotate_rows(&block, d));
             let back = pool.read_block(code, 2, block.len());
             for (row, (a, b)) in block.chunks(d).zip(back.chunks(d)).enumerate() {
                 let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -371,7 +388,9 @@ mod tests {
             // Row by row gives the same codes as a whole-block write.
             let mut rows = Q8Pool::new(3, heads, bs, d);
             for (i, src) in block.chunks(d).enumerate() {
-                rows.write_row(code, 2 * heads + i / bs, i % bs, bs, src);
+                let mut row = src.to_vec();
+                rotate(&mut row);
+                rows.write_rotated_row(code, 2 * heads + i / bs, i % bs, bs, &row);
             }
             assert_eq!(rows.codes, pool.codes);
             assert_eq!(rows.scales, pool.scales);

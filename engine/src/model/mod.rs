@@ -631,6 +631,9 @@ impl Model {
                 "LoRA adapters run on an unsharded model only".into(),
             ));
         }
+        // An FP8 cache's recent window: the blocks this step's queries read
+        // at 16 bits keep or take their copies before any row is written.
+        kv.hold_recent(seqs.iter().map(|s| (s.start_pos, s.len, s.blocks)));
         let mut step = Step::new(self, &positions, seqs, lora);
         for (li, layer) in self.layers.iter().enumerate() {
             self.attention_block(li, layer, &mut x, &mut step, kv, peers)?;

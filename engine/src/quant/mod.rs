@@ -150,7 +150,7 @@ impl Int4Config {
     pub fn measured_cost(&self) -> &'static str {
         match (self.group_size, self.activations) {
             (32, ActivationCodes::TwoPass) => "+0.21% perplexity, 13/13 answers kept",
-            (32, ActivationCodes::Int8) => "+0.63% perplexity, 12/13 answers kept",
+            (32, ActivationCodes::Int8) => "+0.64% perplexity, 12-13/13 answers kept",
             (64, ActivationCodes::TwoPass) => "+30% perplexity, 11/13 answers kept",
             (64, ActivationCodes::Int8) => "+30% perplexity, 9/13 answers kept",
             (_, ActivationCodes::TwoPass) => "+35% perplexity, 11/13 answers kept",

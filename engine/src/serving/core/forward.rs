@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::backend::KvBlocks;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BlockId, BlockTable, KvGroups, FREED};
+use crate::kv_cache::{BlockId, BlockTable, KvGroups, FREED, RECENT_TOKENS};
 use crate::model::SeqInput;
 
 use super::super::request::{ExportedBlock, KvExport};
@@ -26,6 +26,8 @@ struct LayerExport<'a> {
     blocks: Vec<(usize, &'a [BlockId])>,
     /// First logical block a windowed layer sends.
     windowed_from: usize,
+    /// First logical block of the prompt's tail (sent from 16-bit copies).
+    recent_from: usize,
 }
 
 impl<'a> LayerExport<'a> {
@@ -45,10 +47,14 @@ impl<'a> LayerExport<'a> {
         let blocks = (lo / bs..hi.div_ceil(bs))
             .filter_map(|l| table.blocks().get(l * g..(l + 1) * g).map(|e| (l, e)))
             .collect();
+        // The prompt's last blocks, which the receiver keeps at 16 bits
+        // where its cache has a recent window (`EngineCore::write_kv`).
+        let window_blocks = RECENT_TOKENS.div_ceil(bs) + 1;
         Self {
             sink: ex.sink.clone(),
             blocks,
             windowed_from: groups.window_start(seq.tokens.len(), bs),
+            recent_from: seq.tokens.len().div_ceil(bs).saturating_sub(window_blocks),
         }
     }
 
@@ -66,7 +72,12 @@ impl<'a> LayerExport<'a> {
         let mut read = Vec::with_capacity(self.blocks.len());
         let mut error = None;
         for (logical, b) in held {
-            match kv.read_block(layer, b) {
+            let rows = if logical >= self.recent_from {
+                kv.read_recent_block(layer, b)
+            } else {
+                kv.read_block(layer, b)
+            };
+            match rows {
                 Ok((k, v)) => read.push((logical, k, v)),
                 Err(e) => {
                     tracing::error!(error = %e, layer, block = b, "KV export read failed");

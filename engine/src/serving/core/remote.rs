@@ -1,7 +1,7 @@
 //! Remote prefill's receiving end: blocks a prefill worker writes into a
 //! parked sequence's destination blocks, and the transfer's end.
 
-use crate::kv_cache::BlockId;
+use crate::kv_cache::{BlockId, RECENT_TOKENS};
 use crate::serving::{KvWriteError, RemotePrefillError};
 
 use super::EngineCore;
@@ -33,6 +33,13 @@ impl EngineCore {
                 layer,
                 block,
             });
+        }
+        // The prompt's last positions: the first steps here read them at
+        // 16 bits where the cache keeps a recent window, as the sender did.
+        let tail =
+            (RECENT_TOKENS.div_ceil(self.backend.kv_layout().block_size) + 1) * groups.num_groups();
+        if blocks.iter().rev().take(tail).any(|&b| b == block) {
+            self.backend.hold_recent(&[block]);
         }
         self.backend
             .write_block(layer, block, k, v)

@@ -1,0 +1,306 @@
+//! One task of [`paged_attention`](super::paged_attention): a tile of one
+//! sequence's queries under the query heads of one KV head, walked block by
+//! block with the online-softmax recurrence.
+//!
+//! An FP8 cache's recent window (`kv_cache/recent.rs`) is decided here, row
+//! by row: token `i` reads the rows from `cut(i) = pos(i) + 1 − 32` on from
+//! their block's 16-bit copy where it has one, the older ones as codes. A
+//! block can be recent to one query of a prefill and old to another, so a
+//! block with a copy may be read both ways; one that every query reads
+//! from the copy (a decode's last blocks) skips its codes.
+
+use std::ops::Range;
+
+use crate::kv_cache::{rotate_row, unrotate_row, KvCache, LayerView};
+
+use super::block::BlockMath;
+use super::{AttnSeq, Scoring};
+
+/// One layer's K/V rows and how they are scored, for [`attend_tile`].
+pub(super) struct LayerRows<'a> {
+    pub kv: &'a KvCache,
+    pub view: LayerView<'a>,
+    pub scoring: Scoring<'a>,
+    pub d: usize,
+    pub stride: usize,
+    pub bs: usize,
+    pub groups: usize,
+    pub layer_group: usize,
+    pub math: BlockMath,
+}
+
+/// One task: queries `t0..t1` of one sequence under query heads `heads`
+/// (which share KV head `kv_head`).
+pub(super) struct QueryTile<'s, 'b> {
+    pub seq: &'s AttnSeq<'b>,
+    pub heads: Range<usize>,
+    pub kv_head: usize,
+    pub t0: usize,
+    pub t1: usize,
+}
+
+impl QueryTile<'_, '_> {
+    /// Tokens in the tile.
+    fn len(&self) -> usize {
+        self.t1 - self.t0
+    }
+
+    /// Position of token `i`.
+    fn pos(&self, i: usize) -> usize {
+        self.seq.start_pos + self.t0 + i
+    }
+
+    /// First position token `i` sees (its sliding window's start).
+    fn lo(&self, i: usize, scoring: &Scoring<'_>) -> usize {
+        scoring
+            .window
+            .map_or(0, |w| (self.pos(i) + 1).saturating_sub(w))
+    }
+
+    /// First position token `i` reads from a recent copy.
+    fn cut(&self, i: usize, recent: Option<usize>) -> usize {
+        recent.map_or(usize::MAX, |w| (self.pos(i) + 1).saturating_sub(w))
+    }
+
+    /// Query `qi` is token `qi % len` under head `heads.start + qi / len`.
+    fn head(&self, qi: usize) -> usize {
+        self.heads.start + qi / self.len()
+    }
+
+    /// Query `qi`'s row range in `q` and `out`.
+    fn query(&self, qi: usize, rows: &LayerRows<'_>) -> Range<usize> {
+        let (row, h) = (self.seq.row + self.t0 + qi % self.len(), self.head(qi));
+        let (stride, d) = (rows.stride, rows.d);
+        row * stride + h * d..row * stride + (h + 1) * d
+    }
+}
+
+/// A task's buffers, reused across the tasks one thread runs.
+pub(super) struct TileScratch {
+    /// Decoded K then V rows of one block (16- and 8-bit caches).
+    rows: Vec<f32>,
+    /// Their factors (8-bit scales; 1 otherwise).
+    row_scales: Vec<f32>,
+    /// Each query's scores, then softmax weights, over the block's slots.
+    probs: Vec<f32>,
+    /// One query's softmax weights times the value rows' factors.
+    weights: Vec<f32>,
+    /// Running max and normaliser per query.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// The queries, rotated for an 8-bit cache.
+    q_rot: Vec<f32>,
+    /// K then V rows of the block's 16-bit copy (an FP8 cache's recent
+    /// window), and their factors (1).
+    recent: Vec<f32>,
+    ones: Vec<f32>,
+}
+
+impl TileScratch {
+    /// Buffers for up to `queries` (head, token) pairs.
+    pub fn new(bs: usize, d: usize, queries: usize) -> Self {
+        Self {
+            rows: vec![0.0; bs * d],
+            row_scales: vec![0.0; bs],
+            probs: vec![0.0; queries * bs],
+            weights: vec![0.0; bs],
+            m: vec![0.0; queries],
+            l: vec![0.0; queries],
+            q_rot: vec![0.0; queries * d],
+            recent: vec![0.0; bs * d],
+            ones: vec![1.0; bs],
+        }
+    }
+}
+
+/// Attention for one query tile, block by block: each K and V block is
+/// decoded once for all the tile's queries (every token under every head of
+/// the task), then every query runs the online-softmax step over the slots
+/// it sees. Per query the arithmetic and its order are the same whatever
+/// else is in the task, so results do not depend on the tiling.
+pub(super) fn attend_tile(
+    q: &[f32],
+    layer: &LayerRows<'_>,
+    tile: &QueryTile<'_, '_>,
+    sc: &mut TileScratch,
+    out: &mut [f32],
+) {
+    let (n, d, bs) = (tile.len(), layer.d, layer.bs);
+    let queries = n * tile.heads.len();
+    if layer.view.rotated() {
+        // Keys are stored rotated: (HDq)·(HDk) = q·k.
+        for qi in 0..queries {
+            let qr = &mut sc.q_rot[qi * d..(qi + 1) * d];
+            qr.copy_from_slice(&q[tile.query(qi, layer)]);
+            rotate_row(qr);
+        }
+    }
+    for qi in 0..queries {
+        out[tile.query(qi, layer)].fill(0.0);
+    }
+    sc.m[..queries].fill(f32::NEG_INFINITY);
+    sc.l[..queries].fill(0.0);
+    // Keys any query of the tile sees: the first token's window start to
+    // the last token's position.
+    let (lo, hi) = (tile.lo(0, &layer.scoring), tile.pos(n - 1));
+    for b in lo / bs..=hi / bs {
+        // Slots of this block inside [lo, hi].
+        let first = (b * bs).max(lo) - b * bs;
+        let end = ((b + 1) * bs).min(hi + 1) - b * bs;
+        let span = BlockSpan {
+            b,
+            first,
+            rows: end - first,
+        };
+        attend_block(q, layer, tile, &span, sc, out);
+    }
+    finish(layer, tile, sc, out);
+}
+
+/// The slots `first..first + rows` of logical block `b` that some query of
+/// a tile sees.
+struct BlockSpan {
+    b: usize,
+    first: usize,
+    rows: usize,
+}
+
+/// One block's online-softmax step for every query of the tile.
+fn attend_block(
+    q: &[f32],
+    layer: &LayerRows<'_>,
+    tile: &QueryTile<'_, '_>,
+    span: &BlockSpan,
+    sc: &mut TileScratch,
+    out: &mut [f32],
+) {
+    let LayerRows {
+        kv,
+        ref view,
+        scoring,
+        d,
+        bs,
+        groups,
+        layer_group,
+        math,
+        ..
+    } = *layer;
+    let (n, queries) = (tile.len(), tile.len() * tile.heads.len());
+    let BlockSpan { b, first, rows } = *span;
+    let p0 = b * bs + first; // position of span slot 0
+    let block = tile.seq.blocks[b * groups + layer_group];
+    let row0 = kv.offset(block, tile.kv_head, first) / d;
+    let window = view.recent_window();
+    // The copy serves the tile from span slot `split(i)` on (`rows`: none);
+    // the codes are needed unless it serves every query from slot 0.
+    let recent_keys = match window {
+        Some(_) if tile.cut(0, window) < p0 + rows => {
+            view.recent_rows(true, row0, d, &mut sc.recent[..rows * d])
+        }
+        _ => None,
+    };
+    let has_recent = recent_keys.is_some();
+    let split = |i: usize, s0: usize, s1: usize| match has_recent {
+        true => tile.cut(i, window).saturating_sub(p0).clamp(s0, s1),
+        false => s1,
+    };
+    let codes = !has_recent || tile.cut(n - 1, window) > p0;
+    let keys =
+        codes.then(|| view.key_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]));
+    // A token's visible slots of the block, as span-relative indices;
+    // empty when the block is outside its window or in its future.
+    let visible = |i: usize| {
+        let (qlo, qhi) = (tile.lo(i, &scoring).max(p0), tile.pos(i).min(p0 + rows - 1));
+        (qlo <= qhi).then(|| (qlo - p0, qhi + 1 - p0))
+    };
+    for qi in 0..queries {
+        let Some((s0, s1)) = visible(qi % n) else {
+            continue;
+        };
+        let qv = match view.rotated() {
+            true => &sc.q_rot[qi * d..(qi + 1) * d],
+            false => &q[tile.query(qi, layer)],
+        };
+        let probs = &mut sc.probs[qi * bs..qi * bs + rows];
+        let e = split(qi % n, s0, s1);
+        if let Some(keys) = keys {
+            math.scores(qv, keys, scoring.scale, &sc.row_scales[..rows], probs);
+        }
+        if let Some(exact) = recent_keys {
+            let (k, ones) = (&exact[e * d..s1 * d], &sc.ones[..s1 - e]);
+            math.scores(qv, k, scoring.scale, ones, &mut probs[e..s1]);
+        }
+        let mut bmax = f32::NEG_INFINITY;
+        for p in &mut probs[s0..s1] {
+            if let Some(cap) = scoring.softcap {
+                *p = cap * (*p / cap).tanh();
+            }
+            bmax = bmax.max(*p);
+        }
+        let acc = &mut out[tile.query(qi, layer)];
+        if bmax > sc.m[qi] {
+            let c = (sc.m[qi] - bmax).exp();
+            sc.l[qi] *= c;
+            for a in acc.iter_mut() {
+                *a *= c;
+            }
+            sc.m[qi] = bmax;
+        }
+        sc.l[qi] += math.exp_sum(&mut probs[s0..s1], sc.m[qi]);
+    }
+    let values =
+        codes.then(|| view.value_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]));
+    let recent_values = match has_recent {
+        true => view.recent_rows(false, row0, d, &mut sc.recent[..rows * d]),
+        false => None,
+    };
+    for qi in 0..queries {
+        let Some((s0, s1)) = visible(qi % n) else {
+            continue;
+        };
+        let e = split(qi % n, s0, s1);
+        let acc = &mut out[tile.query(qi, layer)];
+        if let Some(values) = values {
+            let weights = &mut sc.weights[..e - s0];
+            let probs = &sc.probs[qi * bs + s0..qi * bs + e];
+            for ((w, p), f) in weights.iter_mut().zip(probs).zip(&sc.row_scales[s0..e]) {
+                *w = p * f;
+            }
+            math.accumulate(acc, weights, &values[s0 * d..e * d]);
+        }
+        if let Some(exact) = recent_values {
+            let probs = &sc.probs[qi * bs + e..qi * bs + s1];
+            math.accumulate(acc, probs, &exact[e * d..s1 * d]);
+        }
+    }
+}
+
+/// Divides each query's sum by its normaliser (the sink joining it) and
+/// rotates an 8-bit cache's output back.
+fn finish(layer: &LayerRows<'_>, tile: &QueryTile<'_, '_>, sc: &TileScratch, out: &mut [f32]) {
+    for qi in 0..tile.len() * tile.heads.len() {
+        let (m, l) = (sc.m[qi], sc.l[qi]);
+        let acc = &mut out[tile.query(qi, layer)];
+        let l = match layer.scoring.sinks.map(|s| s[tile.head(qi)]) {
+            // The sink joins the denominator; rescale first if it is the
+            // largest logit, so nothing overflows.
+            Some(sink) if sink > m => {
+                let c = (m - sink).exp();
+                for a in acc.iter_mut() {
+                    *a *= c;
+                }
+                l * c + 1.0
+            }
+            Some(sink) => l + (sink - m).exp(),
+            None => l,
+        };
+        let inv = 1.0 / l;
+        for a in acc.iter_mut() {
+            *a *= inv;
+        }
+        if layer.view.rotated() {
+            // The values summed were rotated.
+            unrotate_row(acc);
+        }
+    }
+}
