@@ -360,9 +360,11 @@ fn plan_json_follows_the_capacity_formula() {
     let kv_per_token = 2 * layers * kv_heads * head_dim;
     let activations = 4 * (512 * (2 * hidden + 2 * q + 2 * kv + 2 * inter) + 8 * vocab);
     // 8-bit KV carries an f16 scale per (layer, token, KV head), K and V:
-    // 32 tokens a block.
+    // 32 tokens a block; FP8 also an eighth of a bf16 copy of a block (its
+    // recent window).
     let scales = 2 * layers * kv_heads * 32 * 2;
-    let pool_blocks = (memory - weights - activations) / (32 * kv_per_token + scales);
+    let copies = 32 * kv_per_token * 2 / 8;
+    let pool_blocks = (memory - weights - activations) / (32 * kv_per_token + scales + copies);
     assert_eq!(p["memory_bytes"], memory);
     assert_eq!(p["kv_dtype"], "fp8-e4m3");
     assert_eq!(p["kv_bytes_per_token"], kv_per_token);
