@@ -288,8 +288,9 @@ mod tests {
     }
 
     /// An 8-bit pool takes a quarter of the f32 bytes (half of a 16-bit
-    /// one) plus its scales (and FP8 its recent window's copies), and its blocks cross the seam in f32 within a
-    /// quantization step of what was written.
+    /// one) plus its scales (and FP8 its recent window's copies), and its
+    /// blocks cross the seam in f32 within a quantization step of what was
+    /// written.
     #[test]
     fn eight_bit_pools_round_trip_blocks_and_take_a_quarter_of_the_bytes_plus_scales() {
         for dtype in [KvCacheDtype::Int8, KvCacheDtype::Fp8E4m3] {
