@@ -114,7 +114,7 @@ fn llama_bin(args: &Args) -> Result<PathBuf> {
     }
     eprintln!("building llama.cpp in {} (minutes)", src.display());
     let build = src.join("build");
-    // Portable x86 flags rather than GGML_NATIVE: some VMs report AMX
+    // Explicit x86 flags (`x86_flags`) rather than GGML_NATIVE: some VMs report AMX
     // without enabling it, and native builds die on its first tile load.
     // AMX is on where tandem's own check finds the tiles usable (the CPU
     // has them and Linux grants them), so both engines get the same
@@ -134,15 +134,8 @@ fn llama_bin(args: &Args) -> Result<PathBuf> {
             "-DCMAKE_BUILD_TYPE=Release",
             "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=OFF",
-            "-DGGML_AVX2=ON",
-            "-DGGML_FMA=ON",
-            "-DGGML_F16C=ON",
-            "-DGGML_AVX512=ON",
-            "-DGGML_AVX512_VBMI=ON",
-            "-DGGML_AVX512_VNNI=ON",
-            "-DGGML_AVX512_BF16=ON",
-            "-DGGML_AVX_VNNI=ON",
         ])
+        .args(x86_flags())
         .arg(format!("-DGGML_AMX_TILE={amx}"))
         .arg(format!("-DGGML_AMX_INT8={amx}"))
         .arg(format!("-DGGML_AMX_BF16={amx}")))?;
@@ -154,6 +147,39 @@ fn llama_bin(args: &Args) -> Result<PathBuf> {
         "llama-batched-bench",
     ]))?;
     Ok(bin)
+}
+
+/// llama.cpp's instruction-set switches, each on where this CPU has the
+/// extension: a switch the CPU lacks builds code that dies on its first
+/// such instruction (AMD Zen 4 has AVX-512 VNNI but not AVX-VNNI).
+fn x86_flags() -> Vec<String> {
+    #[cfg(target_arch = "x86_64")]
+    let has = |feature: &str| match feature {
+        "AVX2" => std::arch::is_x86_feature_detected!("avx2"),
+        "FMA" => std::arch::is_x86_feature_detected!("fma"),
+        "F16C" => std::arch::is_x86_feature_detected!("f16c"),
+        "AVX512" => std::arch::is_x86_feature_detected!("avx512f"),
+        "AVX512_VBMI" => std::arch::is_x86_feature_detected!("avx512vbmi"),
+        "AVX512_VNNI" => std::arch::is_x86_feature_detected!("avx512vnni"),
+        "AVX512_BF16" => std::arch::is_x86_feature_detected!("avx512bf16"),
+        "AVX_VNNI" => std::arch::is_x86_feature_detected!("avxvnni"),
+        _ => false,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let has = |_: &str| false;
+    [
+        "AVX2",
+        "FMA",
+        "F16C",
+        "AVX512",
+        "AVX512_VBMI",
+        "AVX512_VNNI",
+        "AVX512_BF16",
+        "AVX_VNNI",
+    ]
+    .iter()
+    .map(|f| format!("-DGGML_{f}={}", if has(f) { "ON" } else { "OFF" }))
+    .collect()
 }
 
 /// The checkpoint: the given one, or the preset generated once.
