@@ -200,9 +200,12 @@ fn attend_block(
         _ => None,
     };
     let has_recent = recent_keys.is_some();
-    let split = |i: usize, s0: usize, s1: usize| match has_recent {
-        true => tile.cut(i, window).saturating_sub(p0).clamp(s0, s1),
-        false => s1,
+    let split = |i: usize, s0: usize, s1: usize| {
+        if has_recent {
+            tile.cut(i, window).saturating_sub(p0).clamp(s0, s1)
+        } else {
+            s1
+        }
     };
     let codes = !has_recent || tile.cut(n - 1, window) > p0;
     let keys =
@@ -217,9 +220,10 @@ fn attend_block(
         let Some((s0, s1)) = visible(qi % n) else {
             continue;
         };
-        let qv = match view.rotated() {
-            true => &sc.q_rot[qi * d..(qi + 1) * d],
-            false => &q[tile.query(qi, layer)],
+        let qv = if view.rotated() {
+            &sc.q_rot[qi * d..(qi + 1) * d]
+        } else {
+            &q[tile.query(qi, layer)]
         };
         let probs = &mut sc.probs[qi * bs..qi * bs + rows];
         let e = split(qi % n, s0, s1);
@@ -250,9 +254,10 @@ fn attend_block(
     }
     let values =
         codes.then(|| view.value_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]));
-    let recent_values = match has_recent {
-        true => view.recent_rows(false, row0, d, &mut sc.recent[..rows * d]),
-        false => None,
+    let recent_values = if has_recent {
+        view.recent_rows(false, row0, d, &mut sc.recent[..rows * d])
+    } else {
+        None
     };
     for qi in 0..queries {
         let Some((s0, s1)) = visible(qi % n) else {

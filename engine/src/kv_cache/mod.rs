@@ -620,9 +620,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// Gives `blocks` 16-bit copies before their rows arrive from another
-    /// worker (the tail of a prompt prefilled elsewhere): an FP8 cache then
-    /// keeps the recent rows the sender read from its own copies. Other
+    /// Gives `blocks` 16-bit copies (keeping those they have), filling new
+    /// ones from the codes: before a step ([`hold_recent`](Self::hold_recent))
+    /// and before a prompt's tail arrives from another worker, so an FP8
+    /// cache keeps the rows the sender read from its own copies. Other
     /// dtypes have nothing to hold.
     pub fn hold_blocks(&mut self, blocks: &[BlockId]) {
         let with_v = self.layout.rows == KvRows::PerHead;
