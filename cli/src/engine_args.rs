@@ -3,6 +3,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use tandem_engine::capacity::parse_memory_size;
+use tandem_engine::kernels::MatmulPolicy;
 use tandem_engine::serving::{EngineConfig, KvPoolSize, StepTimeLimit};
 
 #[derive(Args, Debug, Clone)]
@@ -41,6 +42,13 @@ pub struct EngineArgs {
     /// Bit-identical results whatever the batch (slower prefill; CPU only).
     #[arg(long)]
     batch_invariant: bool,
+    /// Round activations to bf16 where they meet bf16 weights (CPU with
+    /// AVX512-BF16: `vdpbf16ps`, about twice the prefill and batched
+    /// decode rate without AMX; llama.cpp's and a bf16 PyTorch model's
+    /// numerics; bench/RESULTS.md gives the quality cost). Batch invariant
+    /// for bf16 weights.
+    #[arg(long, conflicts_with = "batch_invariant")]
+    bf16_activations: bool,
     /// Most requests waiting for admission; more are refused with
     /// RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.
     #[arg(long, default_value_t = 1024)]
@@ -177,7 +185,13 @@ impl EngineArgs {
             max_prefill_chunk: self.max_prefill_chunk,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
-            batch_invariant: self.batch_invariant,
+            matmul: if self.bf16_activations {
+                MatmulPolicy::Bf16Activations
+            } else if self.batch_invariant {
+                MatmulPolicy::BatchInvariant
+            } else {
+                MatmulPolicy::Fastest
+            },
             max_queued_requests: Some(self.max_queued_requests),
             weight_quantization,
             kv_cache_dtype,

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use std::borrow::Cow;
-use tandem_engine::kernels::RopeTable;
+use tandem_engine::kernels::{MatmulPolicy, RopeTable};
 use tandem_engine::weights::{Matrix, WeightData, WeightStore};
 
 use tandem_engine::{

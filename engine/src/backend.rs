@@ -77,8 +77,10 @@ pub trait ComputeBackend: Send + std::fmt::Debug {
     /// Bytes one block takes in the pool (every layer, K and V).
     fn block_bytes(&self) -> usize;
 
-    /// Bit-identical results whatever the batch, if the backend can.
-    fn set_batch_invariant(&mut self, on: bool) -> Result<()>;
+    /// How the linears trade exactness for speed ([`MatmulPolicy`]:
+    /// bit-identical results whatever the batch, bf16 activations); a
+    /// backend that cannot honour one refuses it.
+    fn set_matmul_policy(&mut self, policy: MatmulPolicy) -> Result<()>;
 
     /// Runs one step (see [`Model::forward`]), calling `after_layer(l, kv)`
     /// once layer `l`'s new K/V are readable. The CPU calls it between
@@ -202,9 +204,14 @@ impl ComputeBackend for CpuBackend {
         self.kv.block_bytes()
     }
 
-    fn set_batch_invariant(&mut self, on: bool) -> Result<()> {
-        self.model
-            .set_matmul_policy(MatmulPolicy::batch_invariant(on));
+    fn set_matmul_policy(&mut self, policy: MatmulPolicy) -> Result<()> {
+        if !policy.runs_here() {
+            tracing::warn!(
+                ?policy,
+                "this CPU lacks the instructions for the matmul policy; running the default"
+            );
+        }
+        self.model.set_matmul_policy(policy);
         Ok(())
     }
 

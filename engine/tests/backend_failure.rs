@@ -38,8 +38,11 @@ impl ComputeBackend for Dying {
     fn block_bytes(&self) -> usize {
         self.inner.block_bytes()
     }
-    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
-        self.inner.set_batch_invariant(on)
+    fn set_matmul_policy(
+        &mut self,
+        policy: tandem_engine::kernels::MatmulPolicy,
+    ) -> tandem_engine::Result<()> {
+        self.inner.set_matmul_policy(policy)
     }
     fn forward(
         &mut self,

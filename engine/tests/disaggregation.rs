@@ -491,8 +491,11 @@ impl tandem_engine::ComputeBackend for UnreadablePool {
     fn block_bytes(&self) -> usize {
         self.0.block_bytes()
     }
-    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
-        self.0.set_batch_invariant(on)
+    fn set_matmul_policy(
+        &mut self,
+        policy: tandem_engine::kernels::MatmulPolicy,
+    ) -> tandem_engine::Result<()> {
+        self.0.set_matmul_policy(policy)
     }
     fn forward(
         &mut self,

@@ -274,7 +274,7 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 #[test]
 fn a_sequences_moe_logits_do_not_depend_on_its_batch() {
     let mut model = Model::load(&golden("qwen2moe_shared_f32")).expect("load");
-    model.set_matmul_policy(MatmulPolicy::batch_invariant(true));
+    model.set_matmul_policy(MatmulPolicy::BatchInvariant);
     let alone = logits_of(&model, &[prompt(1, 9)]);
     let others: Vec<Vec<u32>> = (2..9).map(|s| prompt(s, 3 + s as usize * 5)).collect();
     let mut batch = vec![prompt(1, 9)];

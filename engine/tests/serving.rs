@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use tandem_engine::kernels::MatmulPolicy;
 use tandem_engine::serving::{
     EngineConfig, EngineCore, KvPoolSize, Prompt, Request, RequestEvent, RequestSummary,
     StepTimeLimit,
@@ -14,12 +15,16 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// A tiny random checkpoint with room for long prompts.
 fn checkpoint(max_positions: usize) -> (tempfile::TempDir, Checkpoint) {
+    checkpoint_in(max_positions, DType::F32)
+}
+
+fn checkpoint_in(max_positions: usize, dtype: DType) -> (tempfile::TempDir, Checkpoint) {
     let tmp = tempfile::tempdir().expect("tempdir");
     let cfg = synth::SynthConfig {
         max_position_embeddings: max_positions,
         ..synth::preset("tiny").expect("preset")
     };
-    cfg.write(tmp.path(), 11, DType::F32).expect("write");
+    cfg.write(tmp.path(), 11, dtype).expect("write");
     let ck = Checkpoint::open(tmp.path()).expect("open");
     (tmp, ck)
 }
@@ -132,9 +137,9 @@ fn workload(count: usize) -> Vec<Request> {
         .collect()
 }
 
-fn tokens_alone(ck: &Checkpoint, reqs: &[Request]) -> Vec<Vec<u32>> {
+fn tokens_alone(ck: &Checkpoint, reqs: &[Request], matmul: MatmulPolicy) -> Vec<Vec<u32>> {
     let config = EngineConfig {
-        batch_invariant: true,
+        matmul,
         enable_prefix_caching: false,
         ..EngineConfig::default()
     };
@@ -177,10 +182,10 @@ fn tokens_together(
 fn batching_chunking_and_preemption_do_not_change_greedy_tokens() {
     let (_tmp, ck) = checkpoint(512);
     let reqs = workload(64);
-    let alone = tokens_alone(&ck, &reqs);
+    let alone = tokens_alone(&ck, &reqs, MatmulPolicy::BatchInvariant);
 
     let batched = EngineConfig {
-        batch_invariant: true,
+        matmul: MatmulPolicy::BatchInvariant,
         ..EngineConfig::default()
     };
     let (together, d) = tokens_together(&ck, &reqs, &batched);
@@ -195,7 +200,7 @@ fn batching_chunking_and_preemption_do_not_change_greedy_tokens() {
     // 32-token chunks and a pool of 48 blocks (768 tokens) for 64 requests
     // of up to 312 tokens: chunked prefill and preemption by recompute.
     let tight = EngineConfig {
-        batch_invariant: true,
+        matmul: MatmulPolicy::BatchInvariant,
         max_prefill_chunk: Some(32),
         max_num_batched_tokens: 256,
         kv_pool: KvPoolSize::Blocks(48),
@@ -212,6 +217,30 @@ fn batching_chunking_and_preemption_do_not_change_greedy_tokens() {
     }
 }
 
+/// bf16 activations on a bf16 checkpoint, where the CPU runs them: every
+/// request's greedy tokens are the same batched (prefills past the GEMM's
+/// 48 rows, a shared prefix) and chunked as alone, since the kernel sums
+/// each output in one order at every batch size.
+#[test]
+fn bf16_activations_do_not_change_greedy_tokens_with_the_batch() {
+    if !MatmulPolicy::Bf16Activations.runs_here() {
+        eprintln!("skipped: this CPU has no AVX512-BF16");
+        return;
+    }
+    let (_tmp, ck) = checkpoint_in(512, DType::Bf16);
+    let reqs = workload(24);
+    let alone = tokens_alone(&ck, &reqs, MatmulPolicy::Bf16Activations);
+    let chunked = EngineConfig {
+        matmul: MatmulPolicy::Bf16Activations,
+        max_prefill_chunk: Some(96),
+        ..EngineConfig::default()
+    };
+    let (together, _) = tokens_together(&ck, &reqs, &chunked);
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, b, "request {i} differs when batched");
+    }
+}
+
 /// A long prompt arriving while another request decodes, stepped by hand:
 /// the most tokens any step computed while the prompt was prefilling, and
 /// both requests' tokens.
@@ -220,7 +249,7 @@ fn prompt_beside_a_decode(
     limit: StepTimeLimit,
 ) -> (usize, Vec<Vec<u32>>, Vec<Request>) {
     let config = EngineConfig {
-        batch_invariant: true,
+        matmul: MatmulPolicy::BatchInvariant,
         max_step_time: limit,
         ..EngineConfig::default()
     };
@@ -258,7 +287,11 @@ fn a_step_time_limit_chunks_prefill_beside_decodes_and_keeps_tokens() {
         StepTimeLimit::Fixed(std::time::Duration::from_nanos(1)),
     );
     assert!((9..=33).contains(&widest), "widest step {widest}");
-    assert_eq!(tokens, tokens_alone(&ck, &reqs), "chunking changed tokens");
+    assert_eq!(
+        tokens,
+        tokens_alone(&ck, &reqs, MatmulPolicy::BatchInvariant),
+        "chunking changed tokens"
+    );
 }
 
 #[test]
@@ -297,7 +330,7 @@ fn a_shared_512_token_prefix_is_served_from_the_cache() {
 fn parallel_samples_share_the_prompt_and_match_single_requests() {
     let (_tmp, ck) = checkpoint(512);
     let config = EngineConfig {
-        batch_invariant: true,
+        matmul: MatmulPolicy::BatchInvariant,
         ..EngineConfig::default()
     };
     let prompt: Vec<u32> = (0..21).map(|i| i * 5 % 256).collect(); // partial last block

@@ -141,7 +141,7 @@ impl Driver {
             kv_pool: KvPoolSize::Blocks(pool_blocks),
             block_size: BS,
             max_num_batched_tokens: 256,
-            batch_invariant: true,
+            matmul: tandem_engine::kernels::MatmulPolicy::BatchInvariant,
             keep_windowed_blocks,
             ..EngineConfig::default()
         };

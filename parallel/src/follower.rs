@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use tandem_comm::Communicator;
-use tandem_engine::kernels::{MatmulPolicy, GEMV_MAX_ROWS};
+use tandem_engine::kernels::GEMV_MAX_ROWS;
 use tandem_engine::{BlockCopy, KvCache, KvCacheDtype, Model, SeqInput};
 
 use crate::peers::{CommPeers, CommStats};
@@ -136,9 +136,7 @@ impl Follower {
                     both.extend_from_slice(&v);
                     self.comm.send_f32(0, &both)?;
                 }
-                Command::BatchInvariant(on) => self
-                    .model
-                    .set_matmul_policy(MatmulPolicy::batch_invariant(on)),
+                Command::MatmulPolicy(policy) => self.model.set_matmul_policy(policy),
                 Command::Shutdown => return Ok(()),
                 Command::Setup { .. } => {
                     return Err(ParallelError::Protocol("Setup sent twice".into()))

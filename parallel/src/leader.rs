@@ -402,11 +402,10 @@ impl ComputeBackend for ParallelBackend {
         self.kv.block_bytes()
     }
 
-    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
+    fn set_matmul_policy(&mut self, policy: MatmulPolicy) -> tandem_engine::Result<()> {
         self.alive()?;
-        self.tell_followers(&Command::BatchInvariant(on))?;
-        self.model
-            .set_matmul_policy(MatmulPolicy::batch_invariant(on));
+        self.tell_followers(&Command::MatmulPolicy(policy))?;
+        self.model.set_matmul_policy(policy);
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! What the leader tells its followers, in a small little-endian binary
 //! form (commands are tiny next to the activations that follow them).
 
+use tandem_engine::kernels::MatmulPolicy;
 use tandem_engine::SeqInput;
 
 use crate::ParallelError;
@@ -66,7 +67,8 @@ pub(crate) enum Command {
         layer: usize,
         block: u32,
     },
-    BatchInvariant(bool),
+    /// Run the linears under this policy from now on.
+    MatmulPolicy(MatmulPolicy),
     Shutdown,
 }
 
@@ -199,9 +201,9 @@ impl Command {
                 w.u64(*layer);
                 w.u32s(&[*block]);
             }
-            Self::BatchInvariant(on) => {
+            Self::MatmulPolicy(policy) => {
                 w.u8(6);
-                w.u8(u8::from(*on));
+                w.u8(policy.code());
             }
             Self::Shutdown => w.u8(7),
         }
@@ -265,7 +267,12 @@ impl Command {
                 layer: r.u64()?,
                 block: one(&mut r)?,
             },
-            6 => Self::BatchInvariant(r.u8()? != 0),
+            6 => {
+                let code = r.u8()?;
+                Self::MatmulPolicy(MatmulPolicy::from_code(code).ok_or_else(|| {
+                    ParallelError::Protocol(format!("unknown matmul policy {code}"))
+                })?)
+            }
             7 => Self::Shutdown,
             tag => return Err(ParallelError::Protocol(format!("unknown command {tag}"))),
         };
@@ -336,7 +343,8 @@ mod tests {
                 v: vec![0.25],
             },
             Command::Read { layer: 1, block: 9 },
-            Command::BatchInvariant(true),
+            Command::MatmulPolicy(MatmulPolicy::BatchInvariant),
+            Command::MatmulPolicy(MatmulPolicy::Bf16Activations),
             Command::Shutdown,
         ];
         for c in cmds {

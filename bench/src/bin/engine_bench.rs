@@ -55,6 +55,10 @@ struct Args {
     /// vector kernels only, to measure the tiles against.
     #[arg(long, conflicts_with = "batch_invariant")]
     no_amx: bool,
+    /// bf16 weights against activations rounded to bf16
+    /// (`MatmulPolicy::Bf16Activations`: `vdpbf16ps` on AVX512-BF16).
+    #[arg(long, conflicts_with_all = ["batch_invariant", "no_amx"])]
+    bf16_activations: bool,
     /// What the KV cache stores (f32, bf16, f16, int8, fp8-e4m3).
     #[arg(long, default_value = "f32")]
     kv_dtype: KvCacheDtype,
@@ -77,6 +81,9 @@ fn main() -> Result<()> {
     }
     if args.no_amx {
         model.set_matmul_policy(MatmulPolicy::VectorOnly);
+    }
+    if args.bf16_activations {
+        model.set_matmul_policy(MatmulPolicy::Bf16Activations);
     }
     let cfg = model.config().clone();
     let bs = args.block_size;

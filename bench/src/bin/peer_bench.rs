@@ -26,6 +26,10 @@
 //!   (prefill and batched decode), and over bf16 for batch 1 (`tg128`), as
 //!   issue 29 states its targets; tandem's batch-1 roofline fraction comes
 //!   from engine-bench.
+//! * **Two tandems** where the CPU has AVX512-BF16: the default (f32
+//!   activations) and `--bf16-activations` (activations rounded to bf16 at
+//!   bf16 weights, as llama.cpp's bf16 file runs them), each with its own
+//!   ratios (`ratios`, `ratios_bf16_activations`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +39,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use serde_json::{json, Value};
 use tandem_bench::median;
+use tandem_engine::kernels::MatmulPolicy;
 
 #[derive(Parser, Debug)]
 #[command(about = "tandem against llama.cpp: prefill 512, decode batch 1/8/32 (JSON)")]
@@ -264,14 +269,20 @@ fn llama_round(bin: &Path, file: &Path, threads: usize) -> Result<(f64, f64, Vec
 
 /// One round of tandem: prefill tok/s, decode tok/s per batch and the
 /// batch-1 roofline fraction, from engine-bench's JSON.
-fn tandem_round(exe: &Path, model: &Path, threads: usize) -> Result<(f64, Vec<f64>, f64)> {
+fn tandem_round(
+    exe: &Path,
+    model: &Path,
+    threads: usize,
+    flags: &[&str],
+) -> Result<(f64, Vec<f64>, f64)> {
     let batches = BATCHES.map(|b| b.to_string()).join(",");
     let text = run(Command::new(exe)
         .env("RAYON_NUM_THREADS", threads.to_string())
         .arg("--model")
         .arg(model)
         .args(["--prompt-len", "512", "--decode-context", "128"])
-        .args(["--batches", &batches]))?;
+        .args(["--batches", &batches])
+        .args(flags))?;
     let report: Value = serde_json::from_str(&text).context("engine-bench's JSON")?;
     let prefill = report["prefill"]["tok_s"]
         .as_f64()
@@ -304,6 +315,10 @@ fn main() -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("engine-bench"),
     };
+    let mut tandems: Vec<(&str, &[&str])> = vec![("tandem", &[])];
+    if MatmulPolicy::Bf16Activations.runs_here() {
+        tandems.push(("tandem_bf16act", &["--bf16-activations"]));
+    }
     // metric name → one value per round.
     let mut samples: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut push = |k: String, v: f64| samples.entry(k).or_default().push(v);
@@ -317,12 +332,15 @@ fn main() -> Result<()> {
                 push(format!("llama_{ty}_decode_b{b}"), v);
             }
         }
-        let (prefill, decode, roofline) = tandem_round(&engine_bench, &model, args.threads)?;
-        eprintln!("round {round}: tandem: prefill {prefill:.1}, decode {decode:.1?} tok/s, batch-1 roofline {:.0}%", roofline * 100.0);
-        push("tandem_prefill".into(), prefill);
-        push("tandem_roofline_b1".into(), roofline);
-        for (b, v) in BATCHES.iter().zip(decode) {
-            push(format!("tandem_decode_b{b}"), v);
+        for (name, flags) in &tandems {
+            let (prefill, decode, roofline) =
+                tandem_round(&engine_bench, &model, args.threads, flags)?;
+            eprintln!("round {round}: {name}: prefill {prefill:.1}, decode {decode:.1?} tok/s, batch-1 roofline {:.0}%", roofline * 100.0);
+            push(format!("{name}_prefill"), prefill);
+            push(format!("{name}_roofline_b1"), roofline);
+            for (b, v) in BATCHES.iter().zip(decode) {
+                push(format!("{name}_decode_b{b}"), v);
+            }
         }
     }
     let med: BTreeMap<String, f64> = samples
@@ -333,15 +351,19 @@ fn main() -> Result<()> {
     let best = |metric: &str| {
         get(&format!("llama_f16_{metric}")).max(get(&format!("llama_bf16_{metric}")))
     };
-    let mut ratios = json!({
-        "prefill_512_vs_best_of_f16_bf16": get("tandem_prefill") / best("prefill"),
-        "decode_b1_vs_bf16_tg128": get("tandem_decode_b1") / get("llama_bf16_tg128"),
-    });
-    for b in &BATCHES[1..] {
-        ratios[format!("decode_b{b}_vs_best_batched")] =
-            json!(get(&format!("tandem_decode_b{b}")) / best(&format!("decode_b{b}")));
-    }
-    let report = json!({
+    let ratios_of = |name: &str| {
+        let mut ratios = json!({
+            "prefill_512_vs_best_of_f16_bf16": get(&format!("{name}_prefill")) / best("prefill"),
+            "decode_b1_vs_bf16_tg128": get(&format!("{name}_decode_b1")) / get("llama_bf16_tg128"),
+        });
+        for b in &BATCHES[1..] {
+            ratios[format!("decode_b{b}_vs_best_batched")] =
+                json!(get(&format!("{name}_decode_b{b}")) / best(&format!("decode_b{b}")));
+        }
+        ratios
+    };
+    let ratios = ratios_of("tandem");
+    let mut report = json!({
         "model": model.display().to_string(),
         "llama_cpp": bin.display().to_string(),
         "threads": args.threads,
@@ -354,6 +376,11 @@ fn main() -> Result<()> {
             "prefill_512": 1.2, "decode_b1": 1.2, "decode_b1_roofline": 0.9, "decode_b32": 2.0,
         },
     });
+    if tandems.len() > 1 {
+        report["ratios_bf16_activations"] = ratios_of("tandem_bf16act");
+        report["tandem_bf16act_decode_b1_roofline_fraction"] =
+            json!(get("tandem_bf16act_roofline_b1"));
+    }
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
     if let Some(path) = &args.out {

@@ -29,7 +29,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::{json, Value};
-use tandem_engine::kernels::log_softmax;
+use tandem_engine::kernels::{log_softmax, MatmulPolicy};
 use tandem_engine::quant::eval::score_with;
 use tandem_engine::quant::{ActivationCodes, Int4Config};
 use tandem_engine::sampling::argmax;
@@ -47,9 +47,10 @@ struct Args {
     #[arg(long)]
     reference: PathBuf,
     /// Modes to run, comma-separated (default: all). Names: f32, bf16-kv,
-    /// f16-kv, int8-kv, fp8-kv, int4-g32, int4-g32-int8-act, int4-g64,
-    /// int4-g128 (INT4 modes code activations in two passes unless named
-    /// `-int8-act`).
+    /// f16-kv, int8-kv, fp8-kv, bf16-act, int4-g32, int4-g32-int8-act,
+    /// int4-g64, int4-g128 (INT4 modes code activations in two passes unless
+    /// named `-int8-act`; `bf16-act` rounds activations to bf16 at bf16
+    /// weights, `MatmulPolicy::Bf16Activations`).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Tokens per forward step while scoring.
@@ -77,18 +78,24 @@ struct Mode {
     name: &'static str,
     kv: KvCacheDtype,
     int4: Option<(usize, ActivationCodes)>,
+    /// How the linears run (bf16 activations or the default).
+    matmul: MatmulPolicy,
     /// The acceptance bound on the perplexity change against f32, percent.
     bound_pct: Option<f64>,
 }
 
 const TWO_PASS: ActivationCodes = ActivationCodes::TwoPass;
 
-const MODES: [Mode; 9] = [
+const MODES: [Mode; 10] = [
     mode("f32", KvCacheDtype::F32, None, None),
     mode("bf16-kv", KvCacheDtype::Bf16, None, Some(0.1)),
     mode("f16-kv", KvCacheDtype::F16, None, Some(0.1)),
     mode("int8-kv", KvCacheDtype::Int8, None, Some(1.0)),
     mode("fp8-kv", KvCacheDtype::Fp8E4m3, None, Some(3.0)),
+    Mode {
+        matmul: MatmulPolicy::Bf16Activations,
+        ..mode("bf16-act", KvCacheDtype::F32, None, Some(1.0))
+    },
     mode(
         "int4-g32",
         KvCacheDtype::F32,
@@ -115,6 +122,7 @@ const fn mode(
         name,
         kv,
         int4,
+        matmul: MatmulPolicy::Fastest,
         bound_pct,
     }
 }
@@ -266,6 +274,10 @@ fn load_mode(dir: &Path, m: Mode, decode_blocks: bool) -> Result<Model> {
     if decode_blocks {
         model.decode_gguf_blocks();
     }
+    if !m.matmul.runs_here() {
+        bail!("mode {}: this CPU cannot run {:?}", m.name, m.matmul);
+    }
+    model.set_matmul_policy(m.matmul);
     if let Some((g, activations)) = m.int4 {
         model.quantize_int4(Int4Config::new(g)?.with_activations(activations))?;
     }
@@ -276,7 +288,14 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let reference = load_reference(&args.reference, args.windows)?;
     let modes: Vec<Mode> = if args.modes.is_empty() {
-        MODES.to_vec()
+        for m in MODES.iter().filter(|m| !m.matmul.runs_here()) {
+            eprintln!("skipping {}: this CPU cannot run {:?}", m.name, m.matmul);
+        }
+        MODES
+            .iter()
+            .filter(|m| m.matmul.runs_here())
+            .copied()
+            .collect()
     } else {
         args.modes
             .iter()
@@ -329,6 +348,7 @@ fn main() -> Result<()> {
         let row = json!({
             "mode": m.name,
             "kv_dtype": m.kv.name(),
+            "matmul": format!("{:?}", m.matmul),
             "int4_group": m.int4.map(|(g, _)| g),
             "int4_activations": m.int4.map(|(_, a)| a.name()),
             "perplexity": ppl,

@@ -145,14 +145,18 @@ impl ComputeBackend for CudaModel {
         kv_block_bytes(&self.config, self.opts.block_size, self.opts.kv)
     }
 
-    fn set_batch_invariant(&mut self, on: bool) -> tandem_engine::Result<()> {
-        if on {
+    fn set_matmul_policy(&mut self, policy: MatmulPolicy) -> tandem_engine::Result<()> {
+        match policy {
+            MatmulPolicy::Fastest | MatmulPolicy::VectorOnly => Ok(()),
             // The decode GEMV and cuBLAS sum in different orders.
-            return Err(EngineError::Unsupported(
+            MatmulPolicy::BatchInvariant => Err(EngineError::Unsupported(
                 "batch-invariant matmuls on the CUDA backend".into(),
-            ));
+            )),
+            // Activations follow `--gpu-dtype` there.
+            MatmulPolicy::Bf16Activations => Err(EngineError::Unsupported(
+                "--bf16-activations on the CUDA backend (use --gpu-dtype bf16)".into(),
+            )),
         }
-        Ok(())
     }
 
     fn forward(

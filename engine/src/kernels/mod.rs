@@ -17,6 +17,10 @@
 //!   `engine-bench` on SmolLM2-135M: prefill 2.2x and batch-32 decode 1.6x
 //!   the vector kernels; below 12 rows the row kernel is as fast (both
 //!   stream the weights).
+//! * bf16 weights under [`MatmulPolicy::Bf16Activations`] (opt-in), where
+//!   the CPU has AVX512-BF16 ([`dpbf16`]): activations rounded to bf16 meet
+//!   the weights on `vdpbf16ps`, twice the vector kernels' arithmetic rate,
+//!   at every batch size.
 //!
 //! INT4 weights have their own kernels ([`int4`]): integer dot products
 //! against activations quantized to int8 per group. So do GGUF-quantized
@@ -27,6 +31,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
+#[cfg(target_arch = "x86_64")]
+pub mod dpbf16;
 pub mod ggml;
 pub mod int4;
 mod int4_simd;
@@ -69,6 +75,13 @@ pub enum MatmulPolicy {
     /// depend on its batch-mates (SGLang's deterministic mode, vLLM's
     /// `VLLM_BATCH_INVARIANT`). Prefill is slower.
     BatchInvariant,
+    /// bf16 weights against activations rounded to bf16, on `vdpbf16ps`
+    /// at every batch size where the CPU has AVX512-BF16 ([`dpbf16`]):
+    /// llama.cpp's and a bf16 PyTorch model's numerics, about twice the
+    /// arithmetic rate of the f32-activation kernels where there is no AMX.
+    /// Batch invariant for those weights; other weights, and CPUs without
+    /// AVX512-BF16, run as [`Self::Fastest`].
+    Bf16Activations,
 }
 
 impl MatmulPolicy {
@@ -78,12 +91,38 @@ impl MatmulPolicy {
         m <= GEMV_MAX_ROWS || self == Self::BatchInvariant
     }
 
-    /// `BatchInvariant` when `on`, else the default.
-    pub fn batch_invariant(on: bool) -> Self {
-        if on {
-            Self::BatchInvariant
-        } else {
-            Self::default()
+    /// The policy's one-byte code (a tensor-parallel leader tells its
+    /// followers with it).
+    pub fn code(self) -> u8 {
+        match self {
+            Self::Fastest => 0,
+            Self::VectorOnly => 1,
+            Self::BatchInvariant => 2,
+            Self::Bf16Activations => 3,
+        }
+    }
+
+    /// The policy of a [`Self::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => Self::Fastest,
+            1 => Self::VectorOnly,
+            2 => Self::BatchInvariant,
+            3 => Self::Bf16Activations,
+            _ => return None,
+        })
+    }
+
+    /// Whether this CPU runs the policy as documented rather than falling
+    /// back to [`Self::Fastest`] (only `Bf16Activations` needs a feature:
+    /// AVX512-BF16).
+    pub fn runs_here(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Bf16Activations => dpbf16::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Bf16Activations => false,
+            _ => true,
         }
     }
 }
@@ -100,7 +139,9 @@ pub fn linear(
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if uses_amx(m, w, policy) {
+    if uses_dpbf16(w, policy) {
+        linear_dpbf16(x, m, &mut [FusedLinear { w, bias: None, out }]);
+    } else if uses_amx(m, w, policy) {
         linear_amx(x, m, &mut [FusedLinear { w, bias: None, out }]);
     } else if policy.uses_row_kernel(m) {
         linear_rows(x, m, w, out);
@@ -202,6 +243,11 @@ pub struct FusedLinear<'a> {
 /// (the same kernel over the same rows; a row's result does not depend on
 /// the range it was computed in). The GEMM path runs them one by one.
 pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: MatmulPolicy) {
+    if parts.iter().all(|p| uses_dpbf16(p.w, policy)) {
+        linear_dpbf16(x, m, parts);
+        add_biases(m, parts);
+        return;
+    }
     if parts.iter().all(|p| uses_amx(m, p.w, policy)) {
         linear_amx(x, m, parts);
         add_biases(m, parts);
@@ -213,6 +259,22 @@ pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: 
         }
         return;
     }
+    par_fused_rows(m, parts, 4, |w, r0, r1, out| {
+        dense_rows(w, r0, r1, x, m, out)
+    });
+    add_biases(m, parts);
+}
+
+/// Splits the rows of every part into ranges (starting at multiples of
+/// `align`, several per thread) and runs `rows(w, r0, r1, out)` on each
+/// over rayon's pool, `out` being that part's whole `m × w.rows` output; a
+/// task must write only columns `r0..r1` of it.
+fn par_fused_rows(
+    m: usize,
+    parts: &mut [FusedLinear<'_>],
+    align: usize,
+    rows: impl Fn(&Matrix, usize, usize, &mut [f32]) + Sync,
+) {
     for p in parts.iter() {
         assert!(
             p.out.len() >= m * p.w.rows,
@@ -221,7 +283,10 @@ pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: 
     }
     let total: usize = parts.iter().map(|p| p.w.rows).sum();
     let threads = rayon::current_num_threads().max(1);
-    let chunk = total.div_ceil(threads * 4).next_multiple_of(4).max(4);
+    let chunk = total
+        .div_ceil(threads * 4)
+        .next_multiple_of(align)
+        .max(align);
     let tasks: Vec<(usize, usize, usize)> = parts
         .iter()
         .enumerate()
@@ -242,9 +307,52 @@ pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: 
         // tasks partition each output's columns); the output holds m × n
         // values (checked above) and outlives the parallel loop.
         let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
-        dense_rows(w, r0, r1, x, m, out);
+        rows(w, r0, r1, out);
     });
-    add_biases(m, parts);
+}
+
+/// Whether `w` runs on [`dpbf16`] under `policy`.
+fn uses_dpbf16(w: &Matrix, policy: MatmulPolicy) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        policy == MatmulPolicy::Bf16Activations
+            && matches!(w.data, WeightData::Bf16(_))
+            && dpbf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, policy);
+        false
+    }
+}
+
+/// `parts` (each bf16, one input) on [`dpbf16`]: the activations rounded
+/// once, the rows of every part split over the pool in groups of 16 (one
+/// reduction and one store each). Biases are not added.
+#[cfg(target_arch = "x86_64")]
+fn linear_dpbf16(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>]) {
+    let k = parts.first().map_or(0, |p| p.w.cols);
+    assert!(
+        parts.iter().all(|p| p.w.cols == k),
+        "fused linears share their input"
+    );
+    let tokens = dpbf16::Bf16Tokens::new(x, m, k);
+    par_fused_rows(m, parts, 16, |w, r0, r1, out| match &w.data {
+        // SAFETY: `uses_dpbf16` checked the CPU; rows r0..r1 are whole rows
+        // of w, `out` holds m × w.rows (par_fused_rows checks it).
+        WeightData::Bf16(d) => unsafe {
+            dpbf16::rows(&d[r0 * k..r1 * k], &tokens, out, w.rows, r0)
+        },
+        // `uses_dpbf16` admits bf16 only; anything else keeps its kernel.
+        _ => dense_rows(w, r0, r1, x, m, out),
+    });
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn linear_dpbf16(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>]) {
+    for p in parts.iter_mut() {
+        linear_rows(x, m, p.w, p.out);
+    }
 }
 
 fn add_biases(m: usize, parts: &mut [FusedLinear<'_>]) {
@@ -531,6 +639,8 @@ mod tests {
             (48, MatmulPolicy::Fastest),
             (60, MatmulPolicy::Fastest),
             (60, MatmulPolicy::BatchInvariant),
+            (1, MatmulPolicy::Bf16Activations),
+            (60, MatmulPolicy::Bf16Activations),
         ] {
             let x = pseudo(m * k, 7);
             let mut want = [vec![0.0; m * 37], vec![0.0; m * 9], vec![0.0; m * 9]];
@@ -564,6 +674,47 @@ mod tests {
                 );
                 assert_eq!(g, w, "k={k} m={m} {policy:?}");
             }
+        }
+    }
+
+    /// bf16 activations: each token's outputs are the same bits alone and
+    /// in a prefill-sized batch (past the GEMM's threshold), and within
+    /// bf16 rounding of the f32-activation result.
+    #[test]
+    fn bf16_activations_are_batch_invariant_and_close_to_f32() {
+        let (n, k, m) = (70, 96, 60);
+        let w = Matrix {
+            rows: n,
+            cols: k,
+            data: WeightData::Bf16(
+                pseudo(n * k, 11)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect::<Vec<_>>()
+                    .into(),
+            ),
+        };
+        let x = pseudo(m * k, 12);
+        let mut batch = vec![0.0; m * n];
+        linear(&x, m, &w, None, MatmulPolicy::Bf16Activations, &mut batch);
+        let mut exact = vec![0.0; m * n];
+        linear(&x, m, &w, None, MatmulPolicy::BatchInvariant, &mut exact);
+        for t in 0..m {
+            let mut alone = vec![0.0; n];
+            let row = &x[t * k..(t + 1) * k];
+            linear(row, 1, &w, None, MatmulPolicy::Bf16Activations, &mut alone);
+            assert_eq!(alone, batch[t * n..(t + 1) * n], "token {t}");
+        }
+        // |Σ w·(x − bf16(x))| ≤ 2⁻⁹ Σ |w·x|; the values are within ±1.
+        let worst = batch
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let bound = k as f32 / 512.0;
+        assert!(worst <= bound, "worst {worst} > {bound}");
+        if MatmulPolicy::Bf16Activations.runs_here() {
+            assert!(worst > 0.0, "the activations were not rounded");
         }
     }
 

@@ -201,7 +201,7 @@ impl EngineCore {
         let groups = KvGroups::of(&layout);
         let footprint = groups.footprint();
         let allocator = BlockAllocator::with_groups(num_blocks, config.block_size, groups)?;
-        backend.set_batch_invariant(config.batch_invariant)?;
+        backend.set_matmul_policy(config.matmul)?;
         let block_bytes = backend.block_bytes();
         let chunk = config
             .max_prefill_chunk

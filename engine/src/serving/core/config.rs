@@ -25,8 +25,10 @@ pub struct EngineConfig {
     /// ([`crate::ModelConfig::max_context`]).
     pub max_model_len: Option<usize>,
     pub enable_prefix_caching: bool,
-    /// Bit-identical tokens whatever the batch (slower prefill).
-    pub batch_invariant: bool,
+    /// How the CPU's linears trade exactness for speed: bit-identical
+    /// tokens whatever the batch (slower prefill), or bf16 activations
+    /// (faster where the CPU has AVX512-BF16).
+    pub matmul: crate::kernels::MatmulPolicy,
     /// Most requests waiting for admission; more are refused with
     /// [`EngineError::Overloaded`] (`None`: unbounded). Enforced by
     /// [`super::EngineHandle::submit`].
@@ -60,7 +62,7 @@ impl Default for EngineConfig {
             max_prefill_chunk: None,
             max_model_len: None,
             enable_prefix_caching: true,
-            batch_invariant: false,
+            matmul: crate::kernels::MatmulPolicy::Fastest,
             max_queued_requests: Some(1024),
             weight_quantization: None,
             kv_cache_dtype: crate::kv_cache::KvCacheDtype::F32,
