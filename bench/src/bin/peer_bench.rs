@@ -21,7 +21,9 @@
 //!   -n 128` on both files (`pp512`, `tg128`), `llama-batched-bench -npp 128
 //!   -ntg 64 -npl 1,8,32` on both (decode from 128 tokens of context), then
 //!   tandem's `engine-bench --prompt-len 512 --decode-context 128 --batches
-//!   1,8,32` in its own process. Medians over rounds.
+//!   1,8,32 --kv-dtype bf16` in its own process (bf16 KV, what `tandem
+//!   serve` keeps for a bf16 checkpoint, as llama.cpp keeps f16; runs before
+//!   2026-12-07 used f32). Medians over rounds.
 //! * **Ratios** are tandem over llama.cpp's best of its f16 and bf16 files
 //!   (prefill and batched decode), and over bf16 for batch 1 (`tg128`), as
 //!   issue 29 states its targets; tandem's batch-1 roofline fraction comes
@@ -282,6 +284,9 @@ fn tandem_round(
         .arg(model)
         .args(["--prompt-len", "512", "--decode-context", "128"])
         .args(["--batches", &batches])
+        // What `tandem serve` keeps for a bf16 checkpoint (`--kv-dtype
+        // auto`), as llama.cpp keeps f16.
+        .args(["--kv-dtype", "bf16"])
         .args(flags))?;
     let report: Value = serde_json::from_str(&text).context("engine-bench's JSON")?;
     let prefill = report["prefill"]["tok_s"]

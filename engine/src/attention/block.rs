@@ -3,12 +3,28 @@
 //!
 //! The portable version is a dot product, an `exp` and an `axpy` per key.
 //! On AVX-512 (where `head_dim` is a multiple of 16) the sixteen keys of a
-//! block are scored together: sixteen accumulators of `q ⊙ k_j`, then one
-//! 16 × 16 transpose and fifteen adds leave score `j` in lane `j` (instead
-//! of sixteen horizontal sums); the exponentials are one vector polynomial;
-//! the weighted sum keeps each 16-lane slice of the output in a register
-//! across the block's rows instead of loading and storing it per key.
+//! block are scored together, score `j` in lane `j`; the exponentials are
+//! one vector polynomial; the weighted sum keeps each 16-lane slice of the
+//! output in a register across the block's rows instead of loading and
+//! storing it per key.
 //! Either way a query's arithmetic does not depend on the queries beside it.
+//!
+//! The AVX-512 scores read the block's keys transposed (`d × 16`: key `j` in
+//! lane `j`), made once per block for every query of the tile: a query is
+//! then `d` broadcast-multiply-adds into four accumulators and three adds,
+//! with no per-query transpose (prefill scores each block against tens of
+//! queries).
+
+use std::ops::Range;
+
+/// Most queries one [`BlockMath::scores`] call takes.
+pub(super) const MAX_QUERIES: usize = 4;
+
+/// A block's keys as [`BlockMath::keys`] laid them out.
+pub(super) struct BlockKeys<'a> {
+    data: &'a [f32],
+    d: usize,
+}
 
 /// Which implementation runs, chosen once per attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,22 +45,77 @@ impl BlockMath {
         Self::Portable
     }
 
-    /// `out[j] = q·keys[j] · scale · factors[j]` for the `factors.len()`
-    /// (≤ 16) rows of `keys` (each `q.len()` long).
-    pub fn scores(self, q: &[f32], keys: &[f32], scale: f32, factors: &[f32], out: &mut [f32]) {
-        let (d, span) = (q.len(), factors.len());
-        assert!(span <= 16 && keys.len() >= span * d && out.len() >= span);
+    /// A block's `rows` (≤ 16) key rows of `d` in the layout [`Self::scores`]
+    /// reads: as they are for the portable math; transposed into `scratch`
+    /// (`d × 16`, slot `j` in lane `j`) for AVX-512, once for every query
+    /// that scores the block.
+    pub fn keys<'a>(
+        self,
+        keys: &'a [f32],
+        rows: usize,
+        d: usize,
+        scratch: &'a mut [f32],
+    ) -> BlockKeys<'a> {
+        assert!(rows <= 16 && keys.len() >= rows * d);
+        match self {
+            Self::Portable => BlockKeys {
+                data: &keys[..rows * d],
+                d,
+            },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                assert!(scratch.len() >= d * 16);
+                // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F
+                // and `d` is a multiple of 16; the lengths are checked above.
+                unsafe { avx512::transpose_keys(keys, rows, d, scratch) };
+                BlockKeys {
+                    data: &scratch[..d * 16],
+                    d,
+                }
+            }
+        }
+    }
+
+    /// For each query `i` (at most [`MAX_QUERIES`]): `outs[i][j] =
+    /// qs[i]·key[j] · scale · factors[j]` for the slots `j` in `slots`
+    /// (within the block's rows; `factors` and each out are indexed by
+    /// slot). A query's arithmetic is the same whichever queries share the
+    /// call.
+    pub fn scores(
+        self,
+        qs: &[&[f32]],
+        keys: &BlockKeys<'_>,
+        scale: f32,
+        factors: &[f32],
+        outs: &mut [&mut [f32]],
+        slots: Range<usize>,
+    ) {
+        let d = keys.d;
+        assert!(qs.len() <= MAX_QUERIES && qs.len() == outs.len());
+        assert!(slots.end <= 16 && factors.len() >= slots.end);
+        assert!(qs.iter().all(|q| q.len() == d) && outs.iter().all(|o| o.len() >= slots.end));
         match self {
             Self::Portable => {
-                for (j, o) in out[..span].iter_mut().enumerate() {
-                    *o = crate::kernels::dot_f32(q, &keys[j * d..(j + 1) * d])
-                        * (scale * factors[j]);
+                for (q, out) in qs.iter().zip(outs.iter_mut()) {
+                    for j in slots.clone() {
+                        out[j] = crate::kernels::dot_f32(q, &keys.data[j * d..(j + 1) * d])
+                            * (scale * factors[j]);
+                    }
                 }
             }
             // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F
-            // and `d` is a multiple of 16; the lengths are checked above.
+            // and `d` is a multiple of 16; `keys` came from `Self::keys`
+            // (d × 16); the lengths are checked above.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::scores(q, keys, scale, factors, out) },
+            Self::Avx512 => unsafe {
+                match qs.len() {
+                    4 => avx512::scores::<4>(qs, keys.data, scale, factors, outs, slots),
+                    3 => avx512::scores::<3>(qs, keys.data, scale, factors, outs, slots),
+                    2 => avx512::scores::<2>(qs, keys.data, scale, factors, outs, slots),
+                    1 => avx512::scores::<1>(qs, keys.data, scale, factors, outs, slots),
+                    _ => {}
+                }
+            },
         }
     }
 
@@ -85,6 +156,7 @@ impl BlockMath {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+    use std::ops::Range;
 
     use crate::kernels::simd512::{exp16, transpose16};
 
@@ -97,44 +169,75 @@ mod avx512 {
         }
     }
 
+    /// `rows` (≤ 16) key rows of `d` into `kt` (`d × 16`): `kt[c·16 + j] =
+    /// keys[j·d + c]`, lanes past `rows` zero.
+    ///
     /// # Safety
-    /// AVX-512F; `q.len()` a multiple of 16; `keys` holds `factors.len()`
-    /// (≤ 16) rows of `q.len()`; `out` at least that many floats.
+    /// AVX-512F; `d` a multiple of 16; `keys` holds `rows · d` floats, `kt`
+    /// `d · 16`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores(
-        q: &[f32],
-        keys: &[f32],
+    pub(super) unsafe fn transpose_keys(keys: &[f32], rows: usize, d: usize, kt: &mut [f32]) {
+        for c in (0..d).step_by(16) {
+            let mut block = [_mm512_setzero_si512(); 16];
+            for (j, r) in block.iter_mut().enumerate().take(rows) {
+                // SAFETY: row j < rows has d floats from j·d; c + 16 ≤ d.
+                *r = unsafe { _mm512_loadu_si512(keys.as_ptr().add(j * d + c).cast()) };
+            }
+            for (i, col) in transpose16(block).into_iter().enumerate() {
+                // SAFETY: (c + i)·16 + 16 ≤ d·16 = kt's length.
+                unsafe { _mm512_storeu_si512(kt.as_mut_ptr().add((c + i) * 16).cast(), col) };
+            }
+        }
+    }
+
+    /// `Q` queries against one transposed block: each query `d`
+    /// broadcast-multiply-adds in four chains (columns `c ≡ 0, 1, 2, 3 mod
+    /// 4`), then `(a0 + a1) + (a2 + a3)`; the queries share each key-column
+    /// load.
+    ///
+    /// # Safety
+    /// AVX-512F; `qs` holds `Q` queries of `d` (a multiple of 16) and
+    /// `outs` `Q` rows; `kt` holds `d · 16` floats ([`transpose_keys`]);
+    /// `factors` and each out reach `slots.end` (≤ 16).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores<const Q: usize>(
+        qs: &[&[f32]],
+        kt: &[f32],
         scale: f32,
         factors: &[f32],
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
+        slots: Range<usize>,
     ) {
-        let (d, span) = (q.len(), factors.len());
-        // Rows past the block's end repeat row 0; their lanes are dropped.
-        let rows: [*const f32; 16] =
-            std::array::from_fn(|j| keys[if j < span { j * d } else { 0 }..].as_ptr());
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for c in (0..d).step_by(16) {
-            // SAFETY: c + 16 ≤ d, and each row pointer starts a row of d.
-            unsafe {
-                let qv = _mm512_loadu_ps(q.as_ptr().add(c));
-                for (a, row) in acc.iter_mut().zip(rows) {
-                    *a = _mm512_fmadd_ps(qv, _mm512_loadu_ps(row.add(c)), *a);
+        let d = kt.len() / 16;
+        let mut q = [std::ptr::null::<f32>(); Q];
+        for (p, qv) in q.iter_mut().zip(qs) {
+            *p = qv.as_ptr();
+        }
+        let mut acc = [[_mm512_setzero_ps(); 4]; Q];
+        for c in (0..d).step_by(4) {
+            for u in 0..4 {
+                // SAFETY: c + u < d; kt row c + u has 16 floats, each query d.
+                unsafe {
+                    let k = _mm512_loadu_ps(kt.as_ptr().add((c + u) * 16));
+                    for (a, qp) in acc.iter_mut().zip(q) {
+                        a[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(c + u)), k, a[u]);
+                    }
                 }
             }
         }
-        let lanes = transpose16(acc.map(|a| _mm512_castps_si512(a)));
-        let mut sum = _mm512_castsi512_ps(lanes[0]);
-        for l in &lanes[1..] {
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(*l));
-        }
-        let mask = first(span);
-        // SAFETY: `factors` and `out` hold `span` floats, the masked lanes.
-        unsafe {
-            let f = _mm512_mul_ps(
+        let mask = first(slots.end) & !first(slots.start);
+        // SAFETY: `factors` and each out hold `slots.end` floats; only the
+        // masked lanes are read or written.
+        let f = unsafe {
+            _mm512_mul_ps(
                 _mm512_set1_ps(scale),
                 _mm512_maskz_loadu_ps(mask, factors.as_ptr()),
-            );
-            _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(sum, f));
+            )
+        };
+        for (a, out) in acc.iter().zip(outs.iter_mut()) {
+            let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(sum, f)) };
         }
     }
 
@@ -198,8 +301,27 @@ mod tests {
             let (q, keys) = (pseudo(d, 1), pseudo(span * d, span as u32));
             let factors = pseudo(span, 9);
             let (mut a, mut b) = (vec![0.0; span], vec![0.0; span]);
-            BlockMath::Portable.scores(&q, &keys, 0.125, &factors, &mut a);
-            fast.scores(&q, &keys, 0.125, &factors, &mut b);
+            let mut scratch = vec![0.0; d * 16];
+            let slow_keys = BlockMath::Portable.keys(&keys, span, d, &mut []);
+            let slots = 0..span;
+            BlockMath::Portable.scores(&[&q], &slow_keys, 0.125, &factors, &mut [&mut a], slots);
+            let fast_keys = fast.keys(&keys, span, d, &mut scratch);
+            fast.scores(&[&q], &fast_keys, 0.125, &factors, &mut [&mut b], 0..span);
+            // Beside other queries a query's scores are the same bits; a
+            // sub-range of slots writes those slots only.
+            let (q2, q3) = (pseudo(d, 21), pseudo(d, 22));
+            let (mut p2, mut p3) = (vec![0.0; span], vec![0.0; span]);
+            let mut part = vec![7.0; span];
+            fast.scores(
+                &[&q2, &q, &q3],
+                &fast_keys,
+                0.125,
+                &factors,
+                &mut [&mut p2, &mut part, &mut p3],
+                span / 2..span,
+            );
+            assert_eq!(part[..span / 2], vec![7.0; span / 2][..]);
+            assert_eq!(part[span / 2..], b[span / 2..]);
             for (x, y) in a.iter().zip(&b) {
                 assert!((x - y).abs() < 1e-5, "span {span}: {x} vs {y}");
             }

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use crate::kv_cache::{rotate_row, unrotate_row, KvCache, LayerView};
 
-use super::block::BlockMath;
+use super::block::{BlockMath, MAX_QUERIES};
 use super::{AttnSeq, Scoring};
 
 /// One layer's K/V rows and how they are scored, for [`attend_tile`].
@@ -94,6 +94,10 @@ pub(super) struct TileScratch {
     /// window), and their factors (1).
     recent: Vec<f32>,
     ones: Vec<f32>,
+    /// The block's keys as the block math reads them (transposed for
+    /// AVX-512), for the codes and for the recent copy.
+    keys_laid: Vec<f32>,
+    recent_laid: Vec<f32>,
 }
 
 impl TileScratch {
@@ -109,6 +113,8 @@ impl TileScratch {
             q_rot: vec![0.0; queries * d],
             recent: vec![0.0; bs * d],
             ones: vec![1.0; bs],
+            keys_laid: vec![0.0; d * 16],
+            recent_laid: vec![0.0; d * 16],
         }
     }
 }
@@ -200,6 +206,7 @@ fn attend_block(
         _ => None,
     };
     let has_recent = recent_keys.is_some();
+    let recent_keys = recent_keys.map(|k| math.keys(k, rows, d, &mut sc.recent_laid));
     let split = |i: usize, s0: usize, s1: usize| {
         if has_recent {
             tile.cut(i, window).saturating_sub(p0).clamp(s0, s1)
@@ -208,32 +215,62 @@ fn attend_block(
         }
     };
     let codes = !has_recent || tile.cut(n - 1, window) > p0;
-    let keys =
-        codes.then(|| view.key_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]));
+    let keys = codes.then(|| {
+        let k = view.key_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]);
+        math.keys(k, rows, d, &mut sc.keys_laid)
+    });
     // A token's visible slots of the block, as span-relative indices;
     // empty when the block is outside its window or in its future.
     let visible = |i: usize| {
         let (qlo, qhi) = (tile.lo(i, &scoring).max(p0), tile.pos(i).min(p0 + rows - 1));
         (qlo <= qhi).then(|| (qlo - p0, qhi + 1 - p0))
     };
+    let query_of = |qi: usize| {
+        if view.rotated() {
+            &sc.q_rot[qi * d..(qi + 1) * d]
+        } else {
+            &q[tile.query(qi, layer)]
+        }
+    };
+    // Every seeing query's scores against the codes, a few queries a call
+    // (they share the key loads).
+    if let Some(keys) = &keys {
+        let mut qs: [&[f32]; MAX_QUERIES] = [&[]; MAX_QUERIES];
+        let mut outs: [&mut [f32]; MAX_QUERIES] = Default::default();
+        let mut count = 0;
+        let factors = &sc.row_scales[..rows];
+        for (qi, row) in sc.probs.chunks_mut(bs).take(queries).enumerate() {
+            if visible(qi % n).is_none() {
+                continue;
+            }
+            (qs[count], outs[count]) = (query_of(qi), &mut row[..rows]);
+            count += 1;
+            if count == MAX_QUERIES {
+                math.scores(&qs, keys, scoring.scale, factors, &mut outs, 0..rows);
+                count = 0;
+            }
+        }
+        let (qs, outs) = (&qs[..count], &mut outs[..count]);
+        math.scores(qs, keys, scoring.scale, factors, outs, 0..rows);
+    }
     for qi in 0..queries {
         let Some((s0, s1)) = visible(qi % n) else {
             continue;
         };
-        let qv = if view.rotated() {
-            &sc.q_rot[qi * d..(qi + 1) * d]
-        } else {
-            &q[tile.query(qi, layer)]
-        };
         let probs = &mut sc.probs[qi * bs..qi * bs + rows];
         let e = split(qi % n, s0, s1);
-        if let Some(keys) = keys {
-            math.scores(qv, keys, scoring.scale, &sc.row_scales[..rows], probs);
+        if let Some(exact) = &recent_keys {
+            let ones = &sc.ones[..rows];
+            math.scores(
+                &[query_of(qi)],
+                exact,
+                scoring.scale,
+                ones,
+                &mut [probs],
+                e..s1,
+            );
         }
-        if let Some(exact) = recent_keys {
-            let (k, ones) = (&exact[e * d..s1 * d], &sc.ones[..s1 - e]);
-            math.scores(qv, k, scoring.scale, ones, &mut probs[e..s1]);
-        }
+        let probs = &mut sc.probs[qi * bs..qi * bs + rows];
         let mut bmax = f32::NEG_INFINITY;
         for p in &mut probs[s0..s1] {
             if let Some(cap) = scoring.softcap {

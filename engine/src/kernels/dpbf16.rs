@@ -33,6 +33,7 @@
 //! batch invariant by construction.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use half::bf16;
@@ -180,13 +181,19 @@ unsafe fn tile<const T: usize>(
     k: usize,
     x: *const bf16,
     stride: usize,
+    prefetch: bool,
 ) -> [[__m512; T]; 4] {
     let mut acc = [[_mm512_setzero_ps(); T]; 4];
     let mut i = 0;
     while i < k {
-        for r in 0..4 {
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((4 + r) * k + i).cast());
+        if prefetch {
+            // The same rows of the next group (a prefetch never faults).
+            for r in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((GROUP + r) * k + i).cast());
+            }
         }
+        // Whole steps load plainly; only a row's last, partial step masks.
+        let whole = i + STEP <= k;
         let mut xv = [load_tokens_zero(); T];
         for (t, v) in xv.iter_mut().enumerate() {
             // SAFETY: token row t is padded past i + 32.
@@ -194,7 +201,13 @@ unsafe fn tile<const T: usize>(
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
             // SAFETY: row r is k long, i < k.
-            let wv = unsafe { load_weights(w.add(r * k), i, k) };
+            let wv = unsafe {
+                if whole {
+                    load_tokens(w.add(r * k + i))
+                } else {
+                    load_weights(w.add(r * k), i, k)
+                }
+            };
             for (a, &xt) in acc_r.iter_mut().zip(&xv) {
                 *a = _mm512_dpbf16_ps(*a, wv, xt);
             }
@@ -217,28 +230,41 @@ fn load_tokens_zero() -> __m512bh {
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn hsum16(v: &[__m512; GROUP]) -> __m512 {
+    // Plain loops rather than `array::from_fn` closures, which LLVM may
+    // leave as calls inside this target-feature function.
+    let zero = _mm512_setzero_ps();
     // The tree leaves vector 4j + g's sum in lane 4g + j: feed it the
     // vectors in that transposed order so lane j holds v[j]'s.
-    let u: [__m512; GROUP] = std::array::from_fn(|s| v[(s % 4) * 4 + s / 4]);
-    // Halves: each 256-bit half of s[i] holds one vector's x[l] + x[l + 8].
-    let s: [__m512; 8] = std::array::from_fn(|i| {
+    let mut u = [zero; GROUP];
+    for (s, slot) in u.iter_mut().enumerate() {
+        *slot = v[(s % 4) * 4 + s / 4];
+    }
+    // Halves: each 256-bit half of h[i] holds one vector's x[l] + x[l + 8].
+    let mut h = [zero; 8];
+    for (i, slot) in h.iter_mut().enumerate() {
         let (a, b) = (u[2 * i], u[2 * i + 1]);
-        _mm512_add_ps(
+        *slot = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
             _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-        )
-    });
+        );
+    }
     // Quarters: each 128-bit lane of q[i] holds one vector's four partials.
-    let q: [__m512; 4] = std::array::from_fn(|i| {
-        let (a, b) = (s[2 * i], s[2 * i + 1]);
-        _mm512_add_ps(
+    let mut q = [zero; 4];
+    for (i, slot) in q.iter_mut().enumerate() {
+        let (a, b) = (h[2 * i], h[2 * i + 1]);
+        *slot = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
             _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
-        )
-    });
-    let pair =
-        |a: __m512, b: __m512| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    let (t01, t23) = (pair(q[0], q[1]), pair(q[2], q[3]));
+        );
+    }
+    let t01 = _mm512_add_ps(
+        _mm512_unpacklo_ps(q[0], q[1]),
+        _mm512_unpackhi_ps(q[0], q[1]),
+    );
+    let t23 = _mm512_add_ps(
+        _mm512_unpacklo_ps(q[2], q[3]),
+        _mm512_unpackhi_ps(q[2], q[3]),
+    );
     let (a, b) = (_mm512_castps_pd(t01), _mm512_castps_pd(t23));
     _mm512_add_ps(
         _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
@@ -267,14 +293,12 @@ pub(super) unsafe fn rows(w: &[bf16], x: &Bf16Tokens, out: &mut [f32], n: usize,
             let group = (num_rows - g).min(GROUP);
             let mut t = t0;
             while t < t1 {
-                // Tiles as even as the chunk allows (32 tokens: 6, 6, 5, 5,
-                // 5, 5, not five of 6 and one of 2, which reads a weight
-                // register for every 2 products).
-                let left = t1 - t;
-                let tokens = left.min(TOKENS);
-                // SAFETY: rows g..g + group of this chunk and token rows
-                // t..t + tokens exist (the loops' bounds).
-                unsafe { group_sums(&mut sums, w.as_ptr().add(g * k), group, k, x, t, tokens) };
+                let tokens = (t1 - t).min(TOKENS);
+                // The group's first tile asks for the next group's rows:
+                // the later tiles find this group's in cache.
+                let rows = &w[g * k..(g + group) * k];
+                // SAFETY: token rows t..t + tokens exist (the loops' bounds).
+                unsafe { group_sums(&mut sums, rows, k, x, t..t + tokens, t == t0) };
                 for (i, v) in sums.iter().take(tokens).enumerate() {
                     let at = (t + i) * n + r0 + g;
                     // SAFETY: (t + i) < m and r0 + g + group <= n, so the
@@ -293,9 +317,9 @@ pub(super) unsafe fn rows(w: &[bf16], x: &Bf16Tokens, out: &mut [f32], n: usize,
     }
 }
 
-/// The unreduced accumulators of `group` (≤ 16) weight rows at `w` against
-/// token rows `t..t + tokens` (≤ 6) of `x` into `sums[token][row]` (other
-/// slots are left as they were).
+/// The unreduced accumulators of the (≤ 16) weight rows `w` against token
+/// rows `tokens` (≤ 6) of `x` into `sums[token][row]` (other slots are left
+/// as they were).
 ///
 /// # Safety
 /// As [`rows`], for those rows and tokens.
@@ -303,27 +327,27 @@ pub(super) unsafe fn rows(w: &[bf16], x: &Bf16Tokens, out: &mut [f32], n: usize,
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn group_sums(
     sums: &mut [[__m512; GROUP]; TOKENS],
-    w: *const bf16,
-    group: usize,
+    w: &[bf16],
     k: usize,
     x: &Bf16Tokens,
-    t: usize,
-    tokens: usize,
+    tokens: Range<usize>,
+    prefetch: bool,
 ) {
-    let stride = x.stride;
+    let (stride, group) = (x.stride, w.len() / k);
+    let (w, t, tokens) = (w.as_ptr(), tokens.start, tokens.len());
     // SAFETY (every block below): token row t + i < m of a buffer of
-    // m × stride; weight row r < group of `w` (the caller's bounds).
+    // m × stride (the caller's bounds); weight row r < group of `w`.
     let xp = unsafe { x.x.as_ptr().add(t * stride) };
     let mut r = 0;
     if tokens > 1 {
         while r + 4 <= group {
             let wp = unsafe { w.add(r * k) };
             match tokens {
-                6 => put(sums, r, unsafe { tile::<6>(wp, k, xp, stride) }),
-                5 => put(sums, r, unsafe { tile::<5>(wp, k, xp, stride) }),
-                4 => put(sums, r, unsafe { tile::<4>(wp, k, xp, stride) }),
-                3 => put(sums, r, unsafe { tile::<3>(wp, k, xp, stride) }),
-                _ => put(sums, r, unsafe { tile::<2>(wp, k, xp, stride) }),
+                6 => put(sums, r, unsafe { tile::<6>(wp, k, xp, stride, prefetch) }),
+                5 => put(sums, r, unsafe { tile::<5>(wp, k, xp, stride, prefetch) }),
+                4 => put(sums, r, unsafe { tile::<4>(wp, k, xp, stride, prefetch) }),
+                3 => put(sums, r, unsafe { tile::<3>(wp, k, xp, stride, prefetch) }),
+                _ => put(sums, r, unsafe { tile::<2>(wp, k, xp, stride, prefetch) }),
             }
             r += 4;
         }
