@@ -22,7 +22,7 @@ use half::{bf16, f16};
 use safetensors::Dtype;
 use tandem_gguf::GgmlType;
 
-use super::{Buf, Entry, Stored, WeightData, WeightStore};
+use super::{Backing, Buf, Entry, Stored, WeightData, WeightStore};
 use crate::error::{EngineError, Result};
 use crate::kernels::GgmlMatrix;
 
@@ -39,7 +39,7 @@ impl WeightStore {
                 continue;
             };
             let file = *files.entry(mmap.as_ptr()).or_insert_with(|| {
-                maps.push(Arc::clone(mmap));
+                maps.push(Arc::new(Backing::Mapped(Arc::clone(mmap))));
                 maps.len() - 1
             });
             let shape = t.shape();

@@ -1,27 +1,30 @@
-//! Checkpoint tensors, memory-mapped: safetensors files, or a GGUF file
-//! ([`gguf`]) under the Hugging Face names.
+//! Checkpoint tensors: safetensors files, or a GGUF file ([`gguf`]) under
+//! the Hugging Face names, memory-mapped or read once onto huge pages
+//! ([`Residency`]).
 //!
-//! Matrices stay in the file's dtype (f32, bf16 or f16) and are read straight
-//! from the page cache: the kernels convert to f32 in registers, so a bf16
+//! Matrices stay in the file's dtype (f32, bf16 or f16) and are read in
+//! place: the kernels convert to f32 in registers, so a bf16
 //! model costs two bytes per weight of memory and of bandwidth. Only small
 //! vectors (norm weights, biases) are copied out and widened to f32. A tensor
 //! whose offset in the file is not aligned for its element type is copied
 //! once into an owned buffer rather than read misaligned.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::read_json;
 use crate::error::{EngineError, Result};
 
 mod gguf;
+mod resident;
+
+use resident::Backing;
+pub use resident::Residency;
 
 /// Element types a weight matrix may have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,8 +51,8 @@ pub struct Buf<T: 'static> {
 
 enum BufInner<T: 'static> {
     Mapped {
-        // Keeps the mapping alive for as long as `ptr` is used.
-        _map: Arc<Mmap>,
+        // Keeps the file's bytes alive for as long as `ptr` is used.
+        _map: Arc<Backing>,
         ptr: *const T,
         len: usize,
     },
@@ -57,7 +60,8 @@ enum BufInner<T: 'static> {
 }
 
 // SAFETY: a `Buf` is immutable after construction; the mapped variant points
-// into a read-only `Mmap` kept alive by the `Arc`, which is itself Send + Sync.
+// into a file's bytes (a read-only map or an owned copy) kept alive by the
+// `Arc`, which is itself Send + Sync.
 unsafe impl<T: Sync> Send for Buf<T> {}
 // SAFETY: as above, shared references only ever read.
 unsafe impl<T: Sync> Sync for Buf<T> {}
@@ -94,14 +98,15 @@ impl<T> From<Vec<T>> for Buf<T> {
 }
 
 impl<T> Buf<T> {
-    /// Whether the data is read in place from the checkpoint file.
+    /// Whether the data is read in place from the checkpoint file's bytes
+    /// (mapped or resident), not copied out per tensor.
     pub fn is_mapped(&self) -> bool {
         matches!(self.inner, BufInner::Mapped { .. })
     }
 }
 
 impl<T: bytemuck::Pod> Buf<T> {
-    fn from_map(map: &Arc<Mmap>, bytes: &[u8]) -> Self {
+    fn from_map(map: &Arc<Backing>, bytes: &[u8]) -> Self {
         let size = std::mem::size_of::<T>();
         let len = bytes.len() / size;
         if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
@@ -231,9 +236,9 @@ enum Stored {
     },
 }
 
-/// All tensors of a checkpoint, by name, over one or more mapped files.
+/// All tensors of a checkpoint, by name, over one or more files.
 pub struct WeightStore {
-    maps: Vec<Arc<Mmap>>,
+    maps: Vec<Arc<Backing>>,
     entries: HashMap<String, Entry>,
 }
 
@@ -243,13 +248,6 @@ impl std::fmt::Debug for WeightStore {
             .field("files", &self.maps.len())
             .field("tensors", &self.entries.len())
             .finish()
-    }
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
-    move |source| EngineError::Io {
-        path: path.to_path_buf(),
-        source,
     }
 }
 
@@ -286,6 +284,12 @@ impl WeightStore {
     ///
     /// A path to a `.gguf` file opens that file instead ([`gguf`]).
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_with(dir, Residency::Mapped)
+    }
+
+    /// [`Self::open`], holding safetensors files as `residency` asks (a
+    /// GGUF file is always mapped).
+    pub fn open_with(dir: &Path, residency: Residency) -> Result<Self> {
         if crate::gguf::is_gguf(dir) {
             return Self::open_gguf(dir);
         }
@@ -293,11 +297,7 @@ impl WeightStore {
         let mut maps = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
         for path in &files {
-            let file = File::open(path).map_err(io_err(path))?;
-            // SAFETY: the checkpoint is opened read-only and we never write
-            // through the map; a concurrent truncation of the file by another
-            // process is outside what a model server can defend against.
-            let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
+            let map = Arc::new(Backing::open(path, residency)?);
             let tensors = SafeTensors::deserialize(&map)
                 .map_err(|e| EngineError::InvalidCheckpoint(format!("{}: {e}", path.display())))?;
             let base = map.as_ptr() as usize;
