@@ -375,17 +375,7 @@ fn put<const T: usize>(sums: &mut [[__m512; GROUP]; TOKENS], r: usize, acc: [[__
 mod tests {
     use super::*;
 
-    fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as pseudo;
 
     #[test]
     fn hsum16_puts_each_vectors_sum_in_its_lane() {
