@@ -17,6 +17,9 @@
 
 use std::ops::Range;
 
+/// Most key slots one call takes (a block of more is taken in pieces).
+pub(super) const SLOTS: usize = 16;
+
 /// Most queries one [`BlockMath::scores`] call takes.
 pub(super) const MAX_QUERIES: usize = 4;
 

@@ -189,8 +189,12 @@ mod tests {
 
     /// Three sequences (a prefill of 40, one decode token at position 20,
     /// five tokens from 30) over 2 KV heads × 3 query heads each.
-    fn scene(d: usize, dtype: KvCacheDtype) -> (KvCache, Vec<Vec<BlockId>>, Vec<(usize, usize)>) {
-        let (bs, kv_heads) = (16, 2);
+    fn scene(
+        d: usize,
+        dtype: KvCacheDtype,
+        bs: usize,
+    ) -> (KvCache, Vec<Vec<BlockId>>, Vec<(usize, usize)>) {
+        let kv_heads = 2;
         let layout = KvLayout {
             num_layers: 1,
             num_kv_heads: kv_heads,
@@ -218,14 +222,15 @@ mod tests {
     #[test]
     fn a_task_per_kv_head_computes_what_a_task_per_query_head_does() {
         // 64: the AVX-512 block math where the CPU has it; 24: the portable one.
-        for d in [64, 24] {
+        // Blocks of 32 slots: the block math takes them 16 at a time.
+        for (d, bs) in [(64, 16), (24, 16), (64, 32)] {
             for dtype in [
                 KvCacheDtype::F32,
                 KvCacheDtype::Bf16,
                 KvCacheDtype::Int8,
                 KvCacheDtype::Fp8E4m3,
             ] {
-                let (kv, tables, spans) = scene(d, dtype);
+                let (kv, tables, spans) = scene(d, dtype, bs);
                 let mut row = 0;
                 let seqs: Vec<AttnSeq<'_>> = spans
                     .iter()
@@ -262,7 +267,11 @@ mod tests {
                 attend_in_tasks(&call, 1, &mut per_head);
                 attend_in_tasks(&call, 3, &mut per_kv_head);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&per_head), bits(&per_kv_head), "d {d}, {dtype:?}");
+                assert_eq!(
+                    bits(&per_head),
+                    bits(&per_kv_head),
+                    "d {d}, bs {bs}, {dtype:?}"
+                );
                 if dtype != KvCacheDtype::F32 {
                     continue;
                 }
@@ -296,7 +305,7 @@ mod tests {
                     let got = f64::from(per_head[(t * 6 + h) * d + c]);
                     assert!(
                         (got - want).abs() < 1e-5,
-                        "d {d} channel {c}: {got} vs {want}"
+                        "d {d}, bs {bs}, channel {c}: {got} vs {want}"
                     );
                 }
             }

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use crate::kv_cache::{rotate_row, unrotate_row, KvCache, LayerView};
 
-use super::block::{BlockMath, MAX_QUERIES};
+use super::block::{BlockMath, MAX_QUERIES, SLOTS};
 use super::{AttnSeq, Scoring};
 
 /// One layer's K/V rows and how they are scored, for [`attend_tile`].
@@ -113,8 +113,8 @@ impl TileScratch {
             q_rot: vec![0.0; queries * d],
             recent: vec![0.0; bs * d],
             ones: vec![1.0; bs],
-            keys_laid: vec![0.0; d * 16],
-            recent_laid: vec![0.0; d * 16],
+            keys_laid: vec![0.0; d * SLOTS],
+            recent_laid: vec![0.0; d * SLOTS],
         }
     }
 }
@@ -153,12 +153,20 @@ pub(super) fn attend_tile(
         // Slots of this block inside [lo, hi].
         let first = (b * bs).max(lo) - b * bs;
         let end = ((b + 1) * bs).min(hi + 1) - b * bs;
-        let span = BlockSpan {
-            b,
-            first,
-            rows: end - first,
-        };
-        attend_block(q, layer, tile, &span, sc, out);
+        // The block math takes 16 slots at a time: a larger block runs as
+        // pieces ending at block-relative multiples of 16, whatever the
+        // tile's first slot, so a query's steps do not depend on its tile.
+        let mut from = first;
+        while from < end {
+            let to = ((from / SLOTS + 1) * SLOTS).min(end);
+            let span = BlockSpan {
+                b,
+                first: from,
+                rows: to - from,
+            };
+            attend_block(q, layer, tile, &span, sc, out);
+            from = to;
+        }
     }
     finish(layer, tile, sc, out);
 }
