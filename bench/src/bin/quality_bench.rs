@@ -288,14 +288,12 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let reference = load_reference(&args.reference, args.windows)?;
     let modes: Vec<Mode> = if args.modes.is_empty() {
-        for m in MODES.iter().filter(|m| !m.matmul.runs_here()) {
+        let (runnable, skipped): (Vec<Mode>, Vec<Mode>) =
+            MODES.into_iter().partition(|m| m.matmul.runs_here());
+        for m in skipped {
             eprintln!("skipping {}: this CPU cannot run {:?}", m.name, m.matmul);
         }
-        MODES
-            .iter()
-            .filter(|m| m.matmul.runs_here())
-            .copied()
-            .collect()
+        runnable
     } else {
         args.modes
             .iter()

@@ -59,7 +59,7 @@ impl BlockMath {
         d: usize,
         scratch: &'a mut [f32],
     ) -> BlockKeys<'a> {
-        assert!(rows <= 16 && keys.len() >= rows * d);
+        assert!(rows <= SLOTS && keys.len() >= rows * d);
         match self {
             Self::Portable => BlockKeys {
                 data: &keys[..rows * d],
@@ -67,12 +67,12 @@ impl BlockMath {
             },
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => {
-                assert!(scratch.len() >= d * 16);
+                assert!(scratch.len() >= d * SLOTS);
                 // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F
                 // and `d` is a multiple of 16; the lengths are checked above.
                 unsafe { avx512::transpose_keys(keys, rows, d, scratch) };
                 BlockKeys {
-                    data: &scratch[..d * 16],
+                    data: &scratch[..d * SLOTS],
                     d,
                 }
             }
@@ -95,7 +95,7 @@ impl BlockMath {
     ) {
         let d = keys.d;
         assert!(qs.len() <= MAX_QUERIES && qs.len() == outs.len());
-        assert!(slots.end <= 16 && factors.len() >= slots.end);
+        assert!(slots.end <= SLOTS && factors.len() >= slots.end);
         assert!(qs.iter().all(|q| q.len() == d) && outs.iter().all(|o| o.len() >= slots.end));
         match self {
             Self::Portable => {

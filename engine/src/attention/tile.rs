@@ -265,20 +265,12 @@ fn attend_block(
         let Some((s0, s1)) = visible(qi % n) else {
             continue;
         };
-        let probs = &mut sc.probs[qi * bs..qi * bs + rows];
         let e = split(qi % n, s0, s1);
-        if let Some(exact) = &recent_keys {
-            let ones = &sc.ones[..rows];
-            math.scores(
-                &[query_of(qi)],
-                exact,
-                scoring.scale,
-                ones,
-                &mut [probs],
-                e..s1,
-            );
-        }
         let probs = &mut sc.probs[qi * bs..qi * bs + rows];
+        if let Some(exact) = &recent_keys {
+            let (q, ones) = ([query_of(qi)], &sc.ones[..rows]);
+            math.scores(&q, exact, scoring.scale, ones, &mut [&mut *probs], e..s1);
+        }
         let mut bmax = f32::NEG_INFINITY;
         for p in &mut probs[s0..s1] {
             if let Some(cap) = scoring.softcap {

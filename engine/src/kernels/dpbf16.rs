@@ -87,16 +87,6 @@ impl Bf16Tokens {
             stride,
         }
     }
-
-    /// Token rows.
-    pub fn rows(&self) -> usize {
-        self.m
-    }
-
-    /// Columns of a row before its padding.
-    pub fn cols(&self) -> usize {
-        self.k
-    }
 }
 
 /// `src` rounded into the front of `dst`.
@@ -273,12 +263,12 @@ fn hsum16(v: &[__m512; GROUP]) -> __m512 {
 }
 
 /// `out[t * n + r0 + r] = w_row(r) · x_row(t)` for the rows of `w` (a chunk
-/// of a larger `n`-row matrix starting at row `r0`, rows of `x.cols()`) and
-/// every token row of `x`.
+/// of a larger `n`-row matrix starting at row `r0`, rows as long as `x`'s)
+/// and every token row of `x`.
 ///
 /// # Safety
 /// [`available`] must hold; `w` holds whole rows; `out` holds
-/// `x.rows() * n` with `r0 + w.len() / k <= n`.
+/// `m * n` (`x`'s `m` token rows) with `r0 + w.len() / k <= n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn rows(w: &[bf16], x: &Bf16Tokens, out: &mut [f32], n: usize, r0: usize) {
     let (k, m, stride) = (x.k, x.m, x.stride);

@@ -254,8 +254,7 @@ impl Model {
         let shard = ShardSpec::of(&config, split)?;
         // A rank reads only its part of each file: mapped, it touches only
         // that; a resident copy would hold the whole file in every rank.
-        let whole = split.tp == 1 && split.pp == 1 && split.ep == 1;
-        let residency = if whole {
+        let residency = if shard.is_full() {
             Residency::HugePages
         } else {
             Residency::Mapped
