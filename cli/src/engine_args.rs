@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 use tandem_engine::capacity::parse_memory_size;
 use tandem_engine::kernels::MatmulPolicy;
 use tandem_engine::serving::{EngineConfig, KvPoolSize, StepTimeLimit};
+use tandem_engine::weights::Residency;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
@@ -90,6 +91,14 @@ pub struct EngineArgs {
     /// 12–30% faster decode, three times the perplexity cost; bench/RESULTS.md).
     #[arg(long, default_value = "two-pass")]
     int4_activations: tandem_engine::quant::ActivationCodes,
+    /// Keep the CPU engine's weights memory-mapped from the checkpoint's
+    /// files (the page cache, shared by every process on the host serving
+    /// them) instead of the default private copy on huge pages (batch-1
+    /// decode ~10–20% faster; bench/RESULTS.md "Weights on huge pages").
+    /// Weights quantized at load, a GPU's and a `--tp`/`--pp` leader's are
+    /// always mapped: those read the files once.
+    #[arg(long)]
+    mmap_weights: bool,
     /// Which GPU (`--device cuda`).
     #[arg(long, default_value_t = 0)]
     gpu_index: usize,
@@ -205,6 +214,19 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
+    /// How this engine holds the checkpoint's weights: a private huge-page
+    /// copy only where the CPU engine streams them at every step as
+    /// loaded; mapped where they are read once (quantized at load, copied
+    /// to a GPU, split over rank processes that map their own parts) or
+    /// `--mmap-weights` asks.
+    fn weight_residency(&self, parallel: bool) -> Residency {
+        let streamed_as_loaded = self.device == Device::Cpu && self.quantize.is_none() && !parallel;
+        match streamed_as_loaded && !self.mmap_weights {
+            true => Residency::HugePages,
+            false => Residency::Mapped,
+        }
+    }
+
     /// What the KV pool's values depend on beside the model: where they
     /// are computed, their storage type and the weights' quantization.
     fn kv_values(&self, config: &EngineConfig) -> String {
@@ -248,11 +270,12 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         Some(d) => d.to_path_buf(),
         None => crate::default_model::default_model_dir()?,
     };
-    let ckpt = tandem_engine::Checkpoint::open(&dir)
+    let parallel = args.parallel.parallelism()?;
+    let residency = args.weight_residency(parallel.is_some());
+    let ckpt = tandem_engine::Checkpoint::open_with(&dir, residency)
         .with_context(|| format!("loading model from {}", dir.display()))?;
     let config = args.config(ckpt.model.weight_dtype())?;
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
-    let parallel = args.parallel.parallelism()?;
     let mut ranks = None;
     let mut core = match (args.device, parallel) {
         (Device::Cpu, None) => EngineCore::new(ckpt.model, tokenizer, ckpt.eos_token_ids, &config)?,
@@ -396,5 +419,33 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'stat
             _ = interrupt.recv() => {}
             _ = terminate.recv() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn residency(argv: &[&str], parallel: bool) -> Residency {
+        let cmd = Cmd::try_parse_from(std::iter::once("tandem").chain(argv.iter().copied()))
+            .expect("flags parse");
+        cmd.engine.weight_residency(parallel)
+    }
+
+    #[test]
+    fn only_weights_streamed_as_loaded_get_a_private_huge_page_copy() {
+        assert_eq!(residency(&[], false), Residency::HugePages);
+        assert_eq!(residency(&["--mmap-weights"], false), Residency::Mapped);
+        assert_eq!(residency(&["--quantize", "int4"], false), Residency::Mapped);
+        assert_eq!(residency(&["--device", "cuda"], false), Residency::Mapped);
+        assert_eq!(residency(&[], true), Residency::Mapped);
     }
 }

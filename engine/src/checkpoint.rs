@@ -7,6 +7,7 @@ use crate::config::{read_json, token_ids};
 use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
+use crate::weights::Residency;
 
 /// The tokenizer of a checkpoint: a directory's `tokenizer.json`, or the
 /// vocabulary a GGUF file carries; `None` when there is neither.
@@ -51,6 +52,12 @@ impl Checkpoint {
     /// A path to a `.gguf` file opens that file: model, tokenizer and end
     /// tokens all come from it.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_with(dir, Residency::HugePages)
+    }
+
+    /// [`Self::open`] with the model's weights held as `residency` asks
+    /// ([`Model::load_with`]; a GGUF file is always mapped).
+    pub fn open_with(dir: &Path, residency: Residency) -> Result<Self> {
         if crate::gguf::is_gguf(dir) {
             return Self::open_gguf(dir);
         }
@@ -60,7 +67,7 @@ impl Checkpoint {
                 what: "the model directory does not exist",
             });
         }
-        let model = Model::load(dir)?;
+        let model = Model::load_with(dir, residency)?;
         let tokenizer = tokenizer_of(dir)?;
         let gen_path = dir.join("generation_config.json");
         let mut eos_token_ids = Vec::new();
@@ -80,7 +87,7 @@ impl Checkpoint {
     }
 
     fn open_gguf(path: &Path) -> Result<Self> {
-        let model = Model::load(path)?;
+        let model = Model::load_with(path, Residency::Mapped)?;
         let tokenizer = tokenizer_of(path)?;
         let eos_token_ids = model.config().eos_token_ids.clone();
         Ok(Self {

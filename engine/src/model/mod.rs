@@ -219,8 +219,16 @@ impl Model {
     /// read once onto huge pages ([`Residency::HugePages`]: batch-1 decode
     /// streams them faster than through the page cache's 4 KiB pages).
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, Residency::HugePages)
+    }
+
+    /// [`Self::load`] with the weights held as `residency` asks:
+    /// [`Residency::Mapped`] where the model is only read once (weights
+    /// quantized at load, a GPU upload) or several processes on one host
+    /// serve the same files and should share the page cache.
+    pub fn load_with(dir: &Path, residency: Residency) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let ws = WeightStore::open_with(dir, Residency::HugePages)?;
+        let ws = WeightStore::open_with(dir, residency)?;
         let quant = HfQuantization::from_dir(dir)?;
         let shard = ShardSpec::full(&config);
         Self::from_parts(config, ws, quant.as_ref(), shard)

@@ -10,8 +10,11 @@
 //! `MADV_HUGEPAGE` (transparent huge pages in their common `madvise` mode
 //! honour it) and keeps no map: the process holds the same bytes it would
 //! have touched through the map; what it gives up is sharing the page cache
-//! with another process serving the same file. GGUF files and the CUDA
-//! loader stay [`Residency::Mapped`].
+//! with another process serving the same file. GGUF files, split ranks and
+//! the CUDA loader stay [`Residency::Mapped`], and so does whatever a
+//! caller loads with [`crate::Model::load_with`] `Mapped` (the CLI does for
+//! weights quantized at load, a GPU, a `--tp`/`--pp` leader, and
+//! `--mmap-weights`): read once, a private copy would only cost memory.
 
 use std::alloc::Layout;
 use std::fs::File;
