@@ -325,6 +325,8 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
         ("unknown_model", 404),
         ("bad_temperature", 400),
         ("bad_max_tokens", 400),
+        ("long_max_tokens", 400),
+        ("long_messages", 400),
         ("bad_role", 400),
         ("malformed_json", 400),
     ] {
@@ -339,6 +341,15 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     assert_eq!(
         case(&results, "unknown_model")["error"]["code"],
         "model_not_found"
+    );
+    // The engine refuses these; the HTTP error names the endpoint's field.
+    assert_eq!(
+        case(&results, "long_max_tokens")["error"]["param"],
+        "max_tokens"
+    );
+    assert_eq!(
+        case(&results, "long_messages")["error"]["param"],
+        "messages"
     );
     rt.block_on(all_blocks_free(&cluster));
 }

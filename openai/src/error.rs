@@ -206,13 +206,47 @@ impl From<tonic::Status> for ApiError {
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok());
+        // The engine starts a refusal with the request field at fault.
+        let param = (status == StatusCode::BAD_REQUEST)
+            .then(|| engine_field(s.message()))
+            .flatten()
+            .map(|f| Cow::Owned(f.to_string()));
         Self {
             status,
             message: s.message().to_string(),
-            param: None,
+            param,
             code: None,
             retry_after,
         }
+    }
+}
+
+/// The top-level request field an engine refusal names: its messages start
+/// with the field's path and a colon (`max_tokens: …`, `prompt.token_ids:
+/// …`) or with the field and `must` (`n must be …`).
+fn engine_field(message: &str) -> Option<&str> {
+    let end = message.find(|c: char| !(c.is_ascii_lowercase() || c == '_' || c == '.'))?;
+    let (path, rest) = message.split_at(end);
+    let top = path.split('.').next().filter(|f| !f.is_empty())?;
+    (rest.starts_with(':') || rest.starts_with(" must ")).then_some(top)
+}
+
+/// The engine's request fields that an HTTP API spells otherwise: the LoRA
+/// adapter is chosen by `model` in every one of them.
+pub(crate) const COMPLETIONS_FIELDS: &[(&str, &str)] = &[("lora", "model")];
+/// As [`COMPLETIONS_FIELDS`] for APIs whose prompt is a conversation.
+pub(crate) const MESSAGES_FIELDS: &[(&str, &str)] = &[("prompt", "messages"), ("lora", "model")];
+
+impl ApiError {
+    /// This error with its `param` in the calling API's words (`fields`
+    /// maps engine field names to that API's).
+    pub(crate) fn spelled(mut self, fields: &[(&str, &'static str)]) -> Self {
+        if let Some(p) = &self.param {
+            if let Some(&(_, to)) = fields.iter().find(|(from, _)| from == p) {
+                self.param = Some(Cow::Borrowed(to));
+            }
+        }
+        self
     }
 }
 
@@ -246,6 +280,43 @@ mod tests {
             assert_eq!(e.status.as_u16(), http, "{code:?}");
             assert_eq!(e.message, "m");
         }
+    }
+
+    #[test]
+    fn an_engine_refusal_names_its_field_as_the_api_spells_it() {
+        let param = |msg: &str, fields: &[(&str, &'static str)]| {
+            ApiError::from(tonic::Status::invalid_argument(msg))
+                .spelled(fields)
+                .param
+                .map(|p| p.into_owned())
+        };
+        let field = |msg: &str| param(msg, &[]);
+        assert_eq!(
+            field("max_tokens: prompt (3) + …").as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(field("n must be between 1 and 4").as_deref(), Some("n"));
+        assert_eq!(
+            field("prompt.token_ids: token id 9").as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(field("the engine stopped"), None);
+        assert_eq!(field("mustard"), None);
+        assert_eq!(
+            param("prompt: too long", MESSAGES_FIELDS).as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            param("prompt: too long", COMPLETIONS_FIELDS).as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            param("lora: adapter `a`", COMPLETIONS_FIELDS).as_deref(),
+            Some("model")
+        );
+        // Only a request's fault names a field.
+        let e = ApiError::from(tonic::Status::internal("max_tokens: odd"));
+        assert_eq!(e.param, None);
     }
 
     #[test]

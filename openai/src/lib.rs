@@ -650,16 +650,20 @@ async fn respond(
     header.model = api.served_name(&plan.template.lora).to_string();
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
+    let fields = match endpoint {
+        Endpoint::Completions => error::COMPLETIONS_FIELDS,
+        Endpoint::Chat => error::MESSAGES_FIELDS,
+    };
     let mut events = match api.start(&header.id, &plan, prompts, None).await {
         Ok(s) => s,
-        Err(e) => return e.into_response(),
+        Err(e) => return e.spelled(fields).into_response(),
     };
     tracing::debug!(id = %header.id, prompts = count, n = plan.n, stream = plan.stream, "openai request");
     if !plan.stream {
         let mut collector = Collector::new(header, count, plan.n, want_logprobs);
         while let Some((i, item)) = events.next().await {
             let added = item
-                .map_err(ApiError::from)
+                .map_err(|s| ApiError::from(s).spelled(fields))
                 .and_then(|msg| collector.add(i, msg));
             if let Err(e) = added {
                 return e.into_response();
@@ -671,6 +675,7 @@ async fn respond(
     let opening: Vec<Value> = chunker.opening();
     let state = StreamState {
         events,
+        fields,
         chunker,
         include_usage: plan.include_usage,
         phase: Phase::Events,
@@ -693,6 +698,8 @@ enum Phase {
 
 struct StreamState {
     events: SelectAll<IndexedStream>,
+    /// The engine fields this endpoint spells otherwise.
+    fields: &'static [(&'static str, &'static str)],
     chunker: Chunker,
     include_usage: bool,
     phase: Phase,
@@ -714,7 +721,7 @@ async fn next_events(mut s: StreamState) -> Option<(Vec<Event>, StreamState)> {
             }
             Some((_, Err(status))) => {
                 s.phase = Phase::Done;
-                let e = ApiError::from(status);
+                let e = ApiError::from(status).spelled(s.fields);
                 return Some((vec![data(e.body()), Event::default().data("[DONE]")], s));
             }
             None => {

@@ -96,6 +96,9 @@ pub(crate) trait Dialect: Send + 'static {
     fn error_event(&mut self, e: &ApiError) -> Event;
     /// A failure before anything was sent.
     fn error_response(e: ApiError) -> Response;
+    /// The engine's request fields this API spells otherwise
+    /// ([`ApiError::spelled`]).
+    const FIELDS: &'static [(&'static str, &'static str)];
 }
 
 /// Prepares a request on the blocking pool (parsing, rendering and
@@ -125,7 +128,7 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
     let id = dialect.id().to_string();
     let mut events = match api.start(&id, plan, vec![prompt], None).await {
         Ok(s) => s,
-        Err(e) => return D::error_response(e),
+        Err(e) => return D::error_response(e.spelled(D::FIELDS)),
     };
     tracing::debug!(%id, stream = plan.stream, "single-choice request");
     if !plan.stream {
@@ -134,7 +137,7 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
                 Ok(msg) => {
                     dialect.answer().add(msg);
                 }
-                Err(status) => return D::error_response(ApiError::from(status)),
+                Err(status) => return D::error_response(ApiError::from(status).spelled(D::FIELDS)),
             }
         }
         dialect.answer().close();
@@ -157,7 +160,8 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
                         }
                     }
                     Some((_, Err(status))) => {
-                        let out = vec![dialect.error_event(&ApiError::from(status))];
+                        let e = ApiError::from(status).spelled(D::FIELDS);
+                        let out = vec![dialect.error_event(&e)];
                         return Some((out, (events, dialect, true)));
                     }
                     None => {

@@ -162,6 +162,11 @@ def main():
         model=a.model, messages=messages, temperature=5))
     error_case("bad_max_tokens", lambda: client.completions.create(
         model=a.model, prompt=a.prompt, max_tokens=0))
+    # The engine's refusals name the field as the endpoint spells it.
+    error_case("long_max_tokens", lambda: client.completions.create(
+        model=a.model, prompt=a.prompt, max_tokens=10_000_000))
+    error_case("long_messages", lambda: client.chat.completions.create(
+        model=a.model, messages=[{"role": "user", "content": "to be or not " * 4000}], max_tokens=4))
     error_case("bad_role", lambda: client.chat.completions.create(
         model=a.model, messages=[{"role": "wizard", "content": "x"}]))
     req = urllib.request.Request(a.base_url + "/completions", data=b'{"model": "x", "prompt": ',

@@ -465,20 +465,39 @@ fn token_budget(len: usize, asked: Option<usize>, limits: &Limits) -> Result<usi
         Some(t) => t,
         None => room,
     };
-    let need = limits.footprint.peak(
-        len,
-        len + max_tokens,
-        limits.max_prefill_chunk,
-        limits.block_size,
-    );
-    if need > limits.num_blocks {
-        return Err(invalid(format!(
-            "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
-             but the whole cache holds {}; lower max_tokens",
-            limits.num_blocks
-        )));
+    let peak = |tokens: usize| {
+        let chunk = limits.max_prefill_chunk;
+        limits
+            .footprint
+            .peak(len, len + tokens, chunk, limits.block_size)
+    };
+    let need = peak(max_tokens);
+    if need <= limits.num_blocks {
+        return Ok(max_tokens);
     }
-    Ok(max_tokens)
+    // The most tokens that fit beside the prompt (the peak grows with them).
+    let (mut fits, mut over) = (0, max_tokens);
+    while fits + 1 < over {
+        let mid = fits + (over - fits) / 2;
+        match peak(mid) <= limits.num_blocks {
+            true => fits = mid,
+            false => over = mid,
+        }
+    }
+    let blocks = limits.num_blocks;
+    match (fits, asked) {
+        (0, _) => Err(invalid(format!(
+            "prompt: {len} tokens and one more need {} KV blocks but the whole cache holds \
+             {blocks}; shorten the prompt",
+            peak(1)
+        ))),
+        // Unasked, the budget is whatever room there is: the pool's.
+        (fits, None) => Ok(fits),
+        (fits, Some(_)) => Err(invalid(format!(
+            "max_tokens: prompt ({len}) + max_tokens ({max_tokens}) needs {need} KV blocks \
+             but the whole cache holds {blocks}; at most {fits} fit"
+        ))),
+    }
 }
 
 /// Beam search scores raw logprobs and ends beams at tokens: what would
@@ -679,4 +698,47 @@ pub struct RequestSummary {
     /// Speculative decoding over all choices (zeros when it was off).
     pub speculation: crate::speculative::SpecCounts,
     pub timings: Timings,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(num_blocks: usize) -> Limits {
+        Limits {
+            vocab_size: 100,
+            max_model_len: 1024,
+            block_size: 16,
+            num_blocks,
+            max_num_seqs: 8,
+            footprint: crate::kv_cache::KvFootprint::PLAIN,
+            max_prefill_chunk: 2048,
+        }
+    }
+
+    fn message(r: Result<usize>) -> String {
+        match r {
+            Err(EngineError::InvalidRequest(m)) => m,
+            other => panic!("expected an invalid request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_budget_the_pool_cannot_hold_names_the_field_at_fault() {
+        // 12 blocks = 192 tokens.
+        let l = limits(12);
+        assert_eq!(token_budget(100, Some(92), &l).ok(), Some(92));
+        let m = message(token_budget(100, Some(93), &l));
+        assert!(
+            m.starts_with("max_tokens:") && m.ends_with("at most 92 fit"),
+            "{m}"
+        );
+        // Unasked, the budget is the pool's room, not the context's.
+        assert_eq!(token_budget(100, None, &l).ok(), Some(92));
+        // A prompt the pool cannot hold with one more token is the prompt's fault.
+        let m = message(token_budget(192, Some(1), &l));
+        assert!(m.starts_with("prompt: 192 tokens"), "{m}");
+        assert_eq!(token_budget(191, None, &l).ok(), Some(1));
+        assert!(message(token_budget(2000, None, &l)).starts_with("prompt:"));
+    }
 }

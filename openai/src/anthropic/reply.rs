@@ -258,4 +258,10 @@ impl Dialect for Messages {
     fn error_response(e: ApiError) -> Response {
         e.into_anthropic_response()
     }
+
+    const FIELDS: &'static [(&'static str, &'static str)] = &[
+        ("prompt", "messages"),
+        ("stop", "stop_sequences"),
+        ("lora", "model"),
+    ];
 }

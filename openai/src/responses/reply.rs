@@ -354,4 +354,10 @@ impl Dialect for ResponsesAnswer {
     fn error_response(e: ApiError) -> Response {
         e.into_response()
     }
+
+    const FIELDS: &'static [(&'static str, &'static str)] = &[
+        ("prompt", "input"),
+        ("max_tokens", "max_output_tokens"),
+        ("lora", "model"),
+    ];
 }
