@@ -172,6 +172,26 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     assert!(!completion_ref.is_empty() && !chat_ref.is_empty());
 
     assert_eq!(case(&results, "models")["ids"], serde_json::json!(["tiny"]));
+    assert_eq!(case(&results, "model_retrieve")["id"], "tiny");
+    let c = case(&results, "unknown_model_retrieve");
+    assert_eq!(c["status"], 404, "{c}");
+    assert_eq!(c["error"]["code"], "model_not_found", "{c}");
+    // /tokenize: a prompt as completions encode it, a conversation as chat
+    // renders and encodes it; /detokenize gives the ids' text back.
+    let prompt_ids = tokenizer.encode(PROMPT).expect("encodes");
+    let c = case(&results, "tokenize_prompt");
+    assert_eq!(c["tokens"], serde_json::json!(prompt_ids), "{c}");
+    assert_eq!(c["count"], prompt_ids.len(), "{c}");
+    let strs: Vec<String> = prompt_ids
+        .iter()
+        .map(|&id| tokenizer.token_text(id).expect("token"))
+        .collect();
+    assert_eq!(c["token_strs"], serde_json::json!(strs), "{c}");
+    let c = case(&results, "tokenize_chat");
+    assert_eq!(c["tokens"], serde_json::json!(chat_ids), "{c}");
+    assert_eq!(c["token_strs"], Value::Null, "{c}");
+    let text = tokenizer.decode(&prompt_ids).expect("decodes");
+    assert_eq!(case(&results, "detokenize")["prompt"], text.as_str());
     let c = case(&results, "completion");
     assert_eq!(c["text"], completion_ref.as_str());
     assert_eq!(c["finish_reason"], "length");
@@ -323,6 +343,7 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
         ("beam_temperature", 400),
         ("bad_schema", 400),
         ("unknown_model", 404),
+        ("unknown_model_retrieve", 404),
         ("bad_temperature", 400),
         ("bad_max_tokens", 400),
         ("long_max_tokens", 400),

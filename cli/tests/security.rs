@@ -391,9 +391,31 @@ fn mtls_cluster_refuses_clients_without_a_cluster_certificate_or_api_key() {
         assert_eq!(json["error"]["code"], "invalid_api_key", "{text}");
         assert_eq!(json["error"]["type"], "authentication_error", "{text}");
     }
-    let (status, text) = http(&http_addr, "GET", "/v1/models", None, "");
-    assert_eq!(status, 401, "{text}");
+    for (method, path, body) in [
+        ("GET", "/v1/models", ""),
+        ("GET", "/v1/models/tiny", ""),
+        ("POST", "/tokenize", r#"{"prompt": "hello"}"#),
+        ("POST", "/detokenize", r#"{"tokens": [1]}"#),
+    ] {
+        let (status, text) = http(&http_addr, method, path, None, body);
+        assert_eq!(status, 401, "{path}: {text}");
+    }
     let bearer = format!("Bearer {KEY}");
+    // With the key, a bad tokenize or detokenize call is a 400 naming its field.
+    for (path, body, param) in [
+        ("/detokenize", r#"{"tokens": [4000000000]}"#, "tokens"),
+        (
+            "/tokenize",
+            r#"{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}"#,
+            "prompt",
+        ),
+        ("/tokenize", r#"{"add_special_tokens": true}"#, "prompt"),
+    ] {
+        let (status, text) = http(&http_addr, "POST", path, Some(&bearer), body);
+        assert_eq!(status, 400, "{path}: {text}");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(json["error"]["param"], param, "{text}");
+    }
     let (status, text) = http(&http_addr, "POST", "/v1/completions", Some(&bearer), body);
     assert_eq!(status, 200, "{text}");
     let json: serde_json::Value = serde_json::from_str(&text).expect("json");

@@ -45,6 +45,7 @@ pub mod chat;
 mod chat_output;
 mod error;
 mod grpc_chat;
+mod info;
 pub mod params;
 mod response;
 mod responses;
@@ -286,7 +287,10 @@ impl OpenAi {
         axum::Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
-            .route("/v1/models", get(models))
+            .route("/v1/models", get(info::models))
+            .route("/v1/models/{*model}", get(info::model))
+            .route("/tokenize", post(info::tokenize))
+            .route("/detokenize", post(info::detokenize))
             .route("/v1/responses", post(responses::create))
             .route("/v1/messages", post(anthropic::messages))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
@@ -735,27 +739,6 @@ async fn next_events(mut s: StreamState) -> Option<(Vec<Event>, StreamState)> {
             }
         }
     }
-}
-
-async fn models(State(api): State<Arc<Inner>>) -> Json<Value> {
-    let base = json!({
-        "id": api.model,
-        "object": "model",
-        "created": api.created,
-        "owned_by": "tandem",
-    });
-    let adapters = api.adapters.as_ref().map(|a| a.names()).unwrap_or_default();
-    let adapters = adapters.into_iter().map(|name| {
-        json!({
-            "id": name,
-            "object": "model",
-            "created": api.created,
-            "owned_by": "tandem",
-            "parent": api.model,
-        })
-    });
-    let data: Vec<Value> = std::iter::once(base).chain(adapters).collect();
-    Json(json!({"object": "list", "data": data}))
 }
 
 async fn health() -> Json<Value> {

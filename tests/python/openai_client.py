@@ -44,6 +44,21 @@ def main():
 
     models = client.models.list()
     emit("models", ids=[m.id for m in models.data])
+    emit("model_retrieve", id=client.models.retrieve(a.model).id)
+    error_case("unknown_model_retrieve", lambda: client.models.retrieve("no-such-model"))
+
+    # vLLM's /tokenize and /detokenize (beside /v1, as vLLM serves them).
+    root = a.base_url.rsplit("/v1", 1)[0]
+    def post_root(path, body):
+        req = urllib.request.Request(root + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+    t = post_root("/tokenize", {"model": a.model, "prompt": a.prompt, "return_token_strs": True})
+    emit("tokenize_prompt", **t)
+    emit("tokenize_chat", **post_root("/tokenize", {
+        "model": a.model, "messages": [{"role": "user", "content": a.user_message}]}))
+    emit("detokenize", **post_root("/detokenize", {"model": a.model, "tokens": t["tokens"]}))
 
     # Completions, greedy: not streamed, then streamed.
     r = client.completions.create(model=a.model, prompt=a.prompt, max_tokens=a.max_tokens, temperature=0)
