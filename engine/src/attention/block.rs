@@ -6,7 +6,8 @@
 //! block are scored together, score `j` in lane `j`; the exponentials are
 //! one vector polynomial; the weighted sum keeps each 16-lane slice of the
 //! output in a register across the block's rows instead of loading and
-//! storing it per key.
+//! storing it per key, for up to four queries that share each value row's
+//! load (each query still sums its own slots in slot order).
 //! Either way a query's arithmetic does not depend on the queries beside it.
 //!
 //! The AVX-512 scores read the block's keys transposed (`d × 16`: key `j` in
@@ -138,22 +139,51 @@ impl BlockMath {
         }
     }
 
-    /// `acc += Σ_j weights[j] · values[j]` over the `weights.len()` rows of
-    /// `values` (each `acc.len()` long).
-    pub fn accumulate(self, acc: &mut [f32], weights: &[f32], values: &[f32]) {
-        let d = acc.len();
-        assert!(values.len() >= weights.len() * d);
+    /// For each of `sums` (at most [`MAX_QUERIES`]): `out[row..row + d] +=
+    /// Σ_j weights[j] · values[j]` over its slots, in slot order (`values`:
+    /// the block's rows of `d` from slot 0). A query's arithmetic is the
+    /// same whichever queries share the call; the rows must not overlap.
+    pub fn accumulate(self, out: &mut [f32], sums: &[WeightedSum<'_>], values: &[f32], d: usize) {
+        assert!(sums.len() <= MAX_QUERIES);
+        for (i, a) in sums.iter().enumerate() {
+            assert!(a.row + d <= out.len() && a.slots.end <= a.weights.len());
+            assert!(values.len() >= a.slots.end * d);
+            let apart = |b: &WeightedSum<'_>| a.row + d <= b.row || b.row + d <= a.row;
+            assert!(sums[..i].iter().all(apart), "the sums' rows overlap");
+        }
         match self {
             Self::Portable => {
-                for (j, &w) in weights.iter().enumerate() {
-                    crate::kernels::axpy_f32(acc, w, &values[j * d..(j + 1) * d]);
+                for a in sums {
+                    let acc = &mut out[a.row..a.row + d];
+                    for j in a.slots.clone() {
+                        crate::kernels::axpy_f32(acc, a.weights[j], &values[j * d..(j + 1) * d]);
+                    }
                 }
             }
-            // SAFETY: as in `scores`.
+            // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F and
+            // `d` is a multiple of 16; the bounds and the rows' disjointness
+            // are checked above.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::accumulate(acc, weights, values) },
+            Self::Avx512 => unsafe {
+                match sums.len() {
+                    4 => avx512::accumulate::<4>(out, sums, values, d),
+                    3 => avx512::accumulate::<3>(out, sums, values, d),
+                    2 => avx512::accumulate::<2>(out, sums, values, d),
+                    1 => avx512::accumulate::<1>(out, sums, values, d),
+                    _ => {}
+                }
+            },
         }
     }
+}
+
+/// One query's part of [`BlockMath::accumulate`]: where its output row
+/// starts, its weights (indexed by slot) and the slots it sums.
+#[derive(Default)]
+pub(super) struct WeightedSum<'a> {
+    pub row: usize,
+    pub weights: &'a [f32],
+    pub slots: Range<usize>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -161,6 +191,7 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
+    use super::WeightedSum;
     use crate::kernels::simd512::{exp16, transpose16};
 
     /// Lanes `0..n` (n ≤ 16).
@@ -265,22 +296,70 @@ mod avx512 {
         _mm512_reduce_add_ps(sum)
     }
 
+    /// `Q` weighted sums sharing each value load: per 16 columns, every
+    /// slot any of them sums is loaded once and multiply-added into the
+    /// sums whose slots hold it, so each sum is the same chain, in slot
+    /// order, as alone. The slots all of them hold run without a test.
+    ///
     /// # Safety
-    /// AVX-512F; `acc.len()` a multiple of 16; `values` holds
-    /// `weights.len()` rows of `acc.len()`.
+    /// AVX-512F; `d` a multiple of 16; `sums.len() == Q`, each row inside
+    /// `out` and apart from the others, its slots inside its weights and
+    /// `values` (rows of `d`).
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate(acc: &mut [f32], weights: &[f32], values: &[f32]) {
-        let d = acc.len();
+    pub(super) unsafe fn accumulate<const Q: usize>(
+        out: &mut [f32],
+        sums: &[WeightedSum<'_>],
+        values: &[f32],
+        d: usize,
+    ) {
+        let (mut start, mut end, mut w) = ([0; Q], [0; Q], [std::ptr::null::<f32>(); Q]);
+        for (q, sum) in sums.iter().enumerate().take(Q) {
+            (start[q], end[q], w[q]) = (sum.slots.start, sum.slots.end, sum.weights.as_ptr());
+        }
+        let lo = start.iter().copied().min().unwrap_or(0);
+        let hi = end.iter().copied().max().unwrap_or(0);
+        // The slots every sum holds (empty when they do not meet).
+        let shared_lo = start.iter().copied().max().unwrap_or(0);
+        let shared_hi = end.iter().copied().min().unwrap_or(0).max(shared_lo);
+        let base = out.as_mut_ptr();
+        let v_at = |j: usize, c: usize| {
+            // SAFETY: j < some sum's slots.end, inside values' rows; c + 16 ≤ d.
+            unsafe { _mm512_loadu_ps(values.as_ptr().add(j * d + c)) }
+        };
         for c in (0..d).step_by(16) {
-            // SAFETY: c + 16 ≤ d; row j's slice starts at j·d + c and
-            // values holds weights.len() rows of d.
-            unsafe {
-                let mut a = _mm512_loadu_ps(acc.as_ptr().add(c));
-                for (j, &w) in weights.iter().enumerate() {
-                    let v = _mm512_loadu_ps(values.as_ptr().add(j * d + c));
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(w), v, a);
+            let mut acc = [_mm512_setzero_ps(); Q];
+            for (a, sum) in acc.iter_mut().zip(sums) {
+                // SAFETY: the row holds d floats from sum.row; c + 16 ≤ d.
+                *a = unsafe { _mm512_loadu_ps(base.add(sum.row + c)) };
+            }
+            let edge = |j: usize, acc: &mut [__m512; Q]| {
+                let v = v_at(j, c);
+                for q in 0..Q {
+                    if start[q] <= j && j < end[q] {
+                        // SAFETY: j is inside sum q's slots, so its weights.
+                        let wq = unsafe { *w[q].add(j) };
+                        acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(wq), v, acc[q]);
+                    }
                 }
-                _mm512_storeu_ps(acc.as_mut_ptr().add(c), a);
+            };
+            // (start ≤ end for every sum, so lo ≤ shared_lo ≤ shared_hi ≤ hi.)
+            for j in lo..shared_lo {
+                edge(j, &mut acc);
+            }
+            for j in shared_lo..shared_hi {
+                let v = v_at(j, c);
+                for q in 0..Q {
+                    // SAFETY: j is inside every sum's slots.
+                    let wq = unsafe { *w[q].add(j) };
+                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(wq), v, acc[q]);
+                }
+            }
+            for j in shared_hi..hi {
+                edge(j, &mut acc);
+            }
+            for (a, sum) in acc.iter().zip(sums) {
+                // SAFETY: as for the load; the rows are apart.
+                unsafe { _mm512_storeu_ps(base.add(sum.row + c), *a) };
             }
         }
     }
@@ -335,10 +414,43 @@ mod tests {
             );
             assert!((sa - sb).abs() < 1e-5 * sa, "{sa} vs {sb}");
             let (mut acc_a, mut acc_b) = (pseudo(d, 5), pseudo(d, 5));
-            BlockMath::Portable.accumulate(&mut acc_a, &a, &keys);
-            fast.accumulate(&mut acc_b, &b, &keys);
+            let all = |w| WeightedSum {
+                row: 0,
+                weights: w,
+                slots: 0..span,
+            };
+            BlockMath::Portable.accumulate(&mut acc_a, &[all(&a)], &keys, d);
+            fast.accumulate(&mut acc_b, &[all(&b)], &keys, d);
             for (x, y) in acc_a.iter().zip(&acc_b) {
                 assert!((x - y).abs() < 1e-5, "span {span}: {x} vs {y}");
+            }
+            // Beside other sums over other slots a sum is the same bits.
+            let w2 = pseudo(span, 31);
+            let mut rows = [pseudo(d, 7), pseudo(d, 5), pseudo(d, 8)].concat();
+            let sums = [
+                WeightedSum {
+                    row: 0,
+                    weights: &w2,
+                    slots: span / 2..span,
+                },
+                WeightedSum { row: d, ..all(&b) },
+                WeightedSum {
+                    row: 2 * d,
+                    weights: &w2,
+                    slots: 0..span.div_ceil(2),
+                },
+            ];
+            fast.accumulate(&mut rows, &sums, &keys, d);
+            assert_eq!(rows[d..2 * d], acc_b[..], "span {span}");
+            for (i, sum) in [&sums[0], &sums[2]].into_iter().enumerate() {
+                let mut alone = pseudo(d, [7, 8][i]);
+                let one = WeightedSum {
+                    row: 0,
+                    weights: sum.weights,
+                    slots: sum.slots.clone(),
+                };
+                fast.accumulate(&mut alone, &[one], &keys, d);
+                assert_eq!(rows[sum.row..sum.row + d], alone[..], "span {span}");
             }
         }
     }

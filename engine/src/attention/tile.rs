@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use crate::kv_cache::{rotate_row, unrotate_row, KvCache, LayerView};
 
-use super::block::{BlockMath, MAX_QUERIES, SLOTS};
+use super::block::{BlockMath, WeightedSum, MAX_QUERIES, SLOTS};
 use super::{AttnSeq, Scoring};
 
 /// One layer's K/V rows and how they are scored, for [`attend_tile`].
@@ -83,8 +83,6 @@ pub(super) struct TileScratch {
     row_scales: Vec<f32>,
     /// Each query's scores, then softmax weights, over the block's slots.
     probs: Vec<f32>,
-    /// One query's softmax weights times the value rows' factors.
-    weights: Vec<f32>,
     /// Running max and normaliser per query.
     m: Vec<f32>,
     l: Vec<f32>,
@@ -107,7 +105,6 @@ impl TileScratch {
             rows: vec![0.0; bs * d],
             row_scales: vec![0.0; bs],
             probs: vec![0.0; queries * bs],
-            weights: vec![0.0; bs],
             m: vec![0.0; queries],
             l: vec![0.0; queries],
             q_rot: vec![0.0; queries * d],
@@ -296,23 +293,50 @@ fn attend_block(
     } else {
         None
     };
-    for qi in 0..queries {
-        let Some((s0, s1)) = visible(qi % n) else {
+    // The codes' weights carry their rows' factors (8-bit scales; 1
+    // otherwise): scaled in place, as the recent copy reads the slots past
+    // `e` unscaled.
+    if values.is_some() {
+        for qi in 0..queries {
+            if let Some((s0, s1)) = visible(qi % n) {
+                let e = split(qi % n, s0, s1);
+                let probs = &mut sc.probs[qi * bs + s0..qi * bs + e];
+                for (p, f) in probs.iter_mut().zip(&sc.row_scales[s0..e]) {
+                    *p *= f;
+                }
+            }
+        }
+    }
+    // Every query's weighted sum of the codes' values, then of the recent
+    // copy's, a few queries a call (they share the value loads).
+    for (block_values, codes_part) in [(values, true), (recent_values, false)] {
+        let Some(block_values) = block_values else {
             continue;
         };
-        let e = split(qi % n, s0, s1);
-        let acc = &mut out[tile.query(qi, layer)];
-        if let Some(values) = values {
-            let weights = &mut sc.weights[..e - s0];
-            let probs = &sc.probs[qi * bs + s0..qi * bs + e];
-            for ((w, p), f) in weights.iter_mut().zip(probs).zip(&sc.row_scales[s0..e]) {
-                *w = p * f;
+        let mut sums: [WeightedSum<'_>; MAX_QUERIES] = Default::default();
+        let mut count = 0;
+        for qi in 0..queries {
+            let Some((s0, s1)) = visible(qi % n) else {
+                continue;
+            };
+            let e = split(qi % n, s0, s1);
+            let slots = if codes_part { s0..e } else { e..s1 };
+            if slots.is_empty() {
+                continue;
             }
-            math.accumulate(acc, weights, &values[s0 * d..e * d]);
+            sums[count] = WeightedSum {
+                row: tile.query(qi, layer).start,
+                weights: &sc.probs[qi * bs..qi * bs + rows],
+                slots,
+            };
+            count += 1;
+            if count == MAX_QUERIES {
+                math.accumulate(out, &sums, block_values, d);
+                count = 0;
+            }
         }
-        if let Some(exact) = recent_values {
-            let probs = &sc.probs[qi * bs + e..qi * bs + s1];
-            math.accumulate(acc, probs, &exact[e * d..s1 * d]);
+        if count > 0 {
+            math.accumulate(out, &sums[..count], block_values, d);
         }
     }
 }
