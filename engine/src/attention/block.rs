@@ -123,6 +123,16 @@ impl BlockMath {
         }
     }
 
+    /// The largest of `probs` (at most [`SLOTS`]); −∞ for none.
+    pub fn max(self, probs: &[f32]) -> f32 {
+        match self {
+            Self::Portable => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            // SAFETY: as in `scores`.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::max(probs) },
+        }
+    }
+
     /// Each `p` becomes `exp(p − max)`; returns their sum.
     pub fn exp_sum(self, probs: &mut [f32], max: f32) -> f32 {
         match self {
@@ -278,6 +288,20 @@ mod avx512 {
     /// # Safety
     /// AVX-512F.
     #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max(probs: &[f32]) -> f32 {
+        let none = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut m = none;
+        for chunk in probs.chunks(16) {
+            // SAFETY: the mask covers the chunk's floats only.
+            let p = unsafe { _mm512_mask_loadu_ps(none, first(chunk.len()), chunk.as_ptr()) };
+            m = _mm512_max_ps(m, p);
+        }
+        _mm512_reduce_max_ps(m)
+    }
+
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn exp_sum(probs: &mut [f32], max: f32) -> f32 {
         let m = _mm512_set1_ps(max);
         let mut sum = _mm512_setzero_ps();
@@ -407,7 +431,8 @@ mod tests {
             for (x, y) in a.iter().zip(&b) {
                 assert!((x - y).abs() < 1e-5, "span {span}: {x} vs {y}");
             }
-            let max = a.iter().copied().fold(f32::MIN, f32::max);
+            let max = BlockMath::Portable.max(&a);
+            assert_eq!(fast.max(&a), max, "span {span}");
             let (sa, sb) = (
                 BlockMath::Portable.exp_sum(&mut a, max),
                 fast.exp_sum(&mut b, max),

@@ -96,6 +96,10 @@ pub(super) struct TileScratch {
     /// AVX-512), for the codes and for the recent copy.
     keys_laid: Vec<f32>,
     recent_laid: Vec<f32>,
+    /// Where each query's row starts in `q` and the output (per task).
+    query_rows: Vec<usize>,
+    /// Each token's `(s0, e, s1)` in the block at hand ([`attend_block`]).
+    spans: Vec<Option<(usize, usize, usize)>>,
 }
 
 impl TileScratch {
@@ -112,6 +116,8 @@ impl TileScratch {
             ones: vec![1.0; bs],
             keys_laid: vec![0.0; d * SLOTS],
             recent_laid: vec![0.0; d * SLOTS],
+            query_rows: Vec::with_capacity(queries),
+            spans: Vec::with_capacity(queries),
         }
     }
 }
@@ -130,6 +136,9 @@ pub(super) fn attend_tile(
 ) {
     let (n, d, bs) = (tile.len(), layer.d, layer.bs);
     let queries = n * tile.heads.len();
+    sc.query_rows.clear();
+    sc.query_rows
+        .extend((0..queries).map(|qi| tile.query(qi, layer).start));
     if layer.view.rotated() {
         // Keys are stored rotated: (HDq)·(HDk) = q·k.
         for qi in 0..queries {
@@ -212,30 +221,29 @@ fn attend_block(
     };
     let has_recent = recent_keys.is_some();
     let recent_keys = recent_keys.map(|k| math.keys(k, rows, d, &mut sc.recent_laid));
-    let split = |i: usize, s0: usize, s1: usize| {
-        if has_recent {
-            tile.cut(i, window).saturating_sub(p0).clamp(s0, s1)
-        } else {
-            s1
-        }
-    };
     let codes = !has_recent || tile.cut(n - 1, window) > p0;
     let keys = codes.then(|| {
         let k = view.key_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]);
         math.keys(k, rows, d, &mut sc.keys_laid)
     });
-    // A token's visible slots of the block, as span-relative indices;
-    // empty when the block is outside its window or in its future.
-    let visible = |i: usize| {
+    // Each token's slots of the span as span-relative `(s0, e, s1)`: it sees
+    // `s0..s1` (none when the block is outside its window or in its
+    // future), from the codes up to `e` and from the recent copy after.
+    sc.spans.clear();
+    sc.spans.extend((0..n).map(|i| {
         let (qlo, qhi) = (tile.lo(i, &scoring).max(p0), tile.pos(i).min(p0 + rows - 1));
-        (qlo <= qhi).then(|| (qlo - p0, qhi + 1 - p0))
-    };
-    let query_of = |qi: usize| {
-        if view.rotated() {
-            &sc.q_rot[qi * d..(qi + 1) * d]
-        } else {
-            &q[tile.query(qi, layer)]
-        }
+        (qlo <= qhi).then(|| {
+            let (s0, s1) = (qlo - p0, qhi + 1 - p0);
+            let e = match has_recent {
+                true => tile.cut(i, window).saturating_sub(p0).clamp(s0, s1),
+                false => s1,
+            };
+            (s0, e, s1)
+        })
+    }));
+    let query_of = |qi: usize| match view.rotated() {
+        true => &sc.q_rot[qi * d..(qi + 1) * d],
+        false => &q[sc.query_rows[qi]..sc.query_rows[qi] + d],
     };
     // Every seeing query's scores against the codes, a few queries a call
     // (they share the key loads).
@@ -244,10 +252,13 @@ fn attend_block(
         let mut outs: [&mut [f32]; MAX_QUERIES] = Default::default();
         let mut count = 0;
         let factors = &sc.row_scales[..rows];
-        for (qi, row) in sc.probs.chunks_mut(bs).take(queries).enumerate() {
-            if visible(qi % n).is_none() {
-                continue;
-            }
+        // Rows taken in query order: `next` is the first one not yet passed.
+        let (mut probs, mut next) = (sc.probs.chunks_mut(bs), 0);
+        for (qi, _) in seeing(&sc.spans, queries) {
+            let Some(row) = probs.nth(qi - next) else {
+                break;
+            };
+            next = qi + 1;
             (qs[count], outs[count]) = (query_of(qi), &mut row[..rows]);
             count += 1;
             if count == MAX_QUERIES {
@@ -258,28 +269,23 @@ fn attend_block(
         let (qs, outs) = (&qs[..count], &mut outs[..count]);
         math.scores(qs, keys, scoring.scale, factors, outs, 0..rows);
     }
-    for qi in 0..queries {
-        let Some((s0, s1)) = visible(qi % n) else {
-            continue;
-        };
-        let e = split(qi % n, s0, s1);
+    for (qi, (s0, e, s1)) in seeing(&sc.spans, queries) {
         let probs = &mut sc.probs[qi * bs..qi * bs + rows];
         if let Some(exact) = &recent_keys {
             let (q, ones) = ([query_of(qi)], &sc.ones[..rows]);
             math.scores(&q, exact, scoring.scale, ones, &mut [&mut *probs], e..s1);
         }
-        let mut bmax = f32::NEG_INFINITY;
-        for p in &mut probs[s0..s1] {
-            if let Some(cap) = scoring.softcap {
+        if let Some(cap) = scoring.softcap {
+            for p in &mut probs[s0..s1] {
                 *p = cap * (*p / cap).tanh();
             }
-            bmax = bmax.max(*p);
         }
-        let acc = &mut out[tile.query(qi, layer)];
+        let bmax = math.max(&probs[s0..s1]);
         if bmax > sc.m[qi] {
             let c = (sc.m[qi] - bmax).exp();
             sc.l[qi] *= c;
-            for a in acc.iter_mut() {
+            let row = sc.query_rows[qi];
+            for a in &mut out[row..row + d] {
                 *a *= c;
             }
             sc.m[qi] = bmax;
@@ -297,13 +303,10 @@ fn attend_block(
     // otherwise): scaled in place, as the recent copy reads the slots past
     // `e` unscaled.
     if values.is_some() {
-        for qi in 0..queries {
-            if let Some((s0, s1)) = visible(qi % n) {
-                let e = split(qi % n, s0, s1);
-                let probs = &mut sc.probs[qi * bs + s0..qi * bs + e];
-                for (p, f) in probs.iter_mut().zip(&sc.row_scales[s0..e]) {
-                    *p *= f;
-                }
+        for (qi, (s0, e, _)) in seeing(&sc.spans, queries) {
+            let probs = &mut sc.probs[qi * bs + s0..qi * bs + e];
+            for (p, f) in probs.iter_mut().zip(&sc.row_scales[s0..e]) {
+                *p *= f;
             }
         }
     }
@@ -315,17 +318,13 @@ fn attend_block(
         };
         let mut sums: [WeightedSum<'_>; MAX_QUERIES] = Default::default();
         let mut count = 0;
-        for qi in 0..queries {
-            let Some((s0, s1)) = visible(qi % n) else {
-                continue;
-            };
-            let e = split(qi % n, s0, s1);
+        for (qi, (s0, e, s1)) in seeing(&sc.spans, queries) {
             let slots = if codes_part { s0..e } else { e..s1 };
             if slots.is_empty() {
                 continue;
             }
             sums[count] = WeightedSum {
-                row: tile.query(qi, layer).start,
+                row: sc.query_rows[qi],
                 weights: &sc.probs[qi * bs..qi * bs + rows],
                 slots,
             };
@@ -339,6 +338,19 @@ fn attend_block(
             math.accumulate(out, &sums[..count], block_values, d);
         }
     }
+}
+
+/// `(query, its token's (s0, e, s1))` for every query of a task that sees
+/// the block: query `qi` is token `qi % n` (`n = spans.len()`), walked
+/// without a division.
+fn seeing(
+    spans: &[Option<(usize, usize, usize)>],
+    queries: usize,
+) -> impl Iterator<Item = (usize, (usize, usize, usize))> + '_ {
+    let tokens = spans.iter().copied().cycle();
+    (0..queries)
+        .zip(tokens)
+        .filter_map(|(qi, s)| s.map(|s| (qi, s)))
 }
 
 /// Divides each query's sum by its normaliser (the sink joining it) and
