@@ -223,13 +223,38 @@ impl From<tonic::Status> for ApiError {
 
 /// The top-level request field an engine refusal names: its messages start
 /// with the field's path and a colon (`max_tokens: …`, `prompt.token_ids:
-/// …`) or with the field and `must` (`n must be …`).
+/// …`) or with the field and `must` (`n must be …`). Only the generation
+/// request's own fields count (a worker-plane message may start alike).
 fn engine_field(message: &str) -> Option<&str> {
     let end = message.find(|c: char| !(c.is_ascii_lowercase() || c == '_' || c == '.'))?;
     let (path, rest) = message.split_at(end);
-    let top = path.split('.').next().filter(|f| !f.is_empty())?;
-    (rest.starts_with(':') || rest.starts_with(" must ")).then_some(top)
+    let top = path.split('.').next()?;
+    let named = rest.starts_with(':') || rest.starts_with(" must ");
+    (named && REQUEST_FIELDS.contains(&top)).then_some(top)
 }
+
+/// The generation request's fields an engine refusal may name.
+const REQUEST_FIELDS: &[&str] = &[
+    "prompt",
+    "max_tokens",
+    "n",
+    "best_of",
+    "length_penalty",
+    "logprobs",
+    "prompt_logprobs",
+    "stop",
+    "stop_token_ids",
+    "response_format",
+    "lora",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+];
 
 /// The engine's request fields that an HTTP API spells otherwise: the LoRA
 /// adapter is chosen by `model` in every one of them.
@@ -302,6 +327,7 @@ mod tests {
         );
         assert_eq!(field("the engine stopped"), None);
         assert_eq!(field("mustard"), None);
+        assert_eq!(field("layout: the workers' KV layouts differ"), None);
         assert_eq!(
             param("prompt: too long", MESSAGES_FIELDS).as_deref(),
             Some("messages")

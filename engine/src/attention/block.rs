@@ -21,7 +21,8 @@ use std::ops::Range;
 /// Most key slots one call takes (a block of more is taken in pieces).
 pub(super) const SLOTS: usize = 16;
 
-/// Most queries one [`BlockMath::scores`] call takes.
+/// Most queries one [`BlockMath::scores`] or [`BlockMath::accumulate`] call
+/// takes.
 pub(super) const MAX_QUERIES: usize = 4;
 
 /// A block's keys as [`BlockMath::keys`] laid them out.
