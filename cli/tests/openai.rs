@@ -348,6 +348,7 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
         ("bad_max_tokens", 400),
         ("long_max_tokens", 400),
         ("long_messages", 400),
+        ("long_completion_tokens", 400),
         ("bad_role", 400),
         ("malformed_json", 400),
     ] {
@@ -371,6 +372,10 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
     assert_eq!(
         case(&results, "long_messages")["error"]["param"],
         "messages"
+    );
+    assert_eq!(
+        case(&results, "long_completion_tokens")["error"]["param"],
+        "max_completion_tokens"
     );
     rt.block_on(all_blocks_free(&cluster));
 }

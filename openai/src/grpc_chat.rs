@@ -123,6 +123,7 @@ fn prepare(
         include_usage: false,
         echo: false,
         report_prompt_logprobs: false,
+        max_tokens_param: "max_tokens",
     };
     let (ids, format) = api.chat_prompt(
         &messages,

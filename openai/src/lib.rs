@@ -654,20 +654,23 @@ async fn respond(
     header.model = api.served_name(&plan.template.lora).to_string();
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
-    let fields = match endpoint {
-        Endpoint::Completions => error::COMPLETIONS_FIELDS,
-        Endpoint::Chat => error::MESSAGES_FIELDS,
+    let spelling = Spelling {
+        fields: match endpoint {
+            Endpoint::Completions => error::COMPLETIONS_FIELDS,
+            Endpoint::Chat => error::MESSAGES_FIELDS,
+        },
+        max_tokens: plan.max_tokens_param,
     };
     let mut events = match api.start(&header.id, &plan, prompts, None).await {
         Ok(s) => s,
-        Err(e) => return e.spelled(fields).into_response(),
+        Err(e) => return spelling.apply(e).into_response(),
     };
     tracing::debug!(id = %header.id, prompts = count, n = plan.n, stream = plan.stream, "openai request");
     if !plan.stream {
         let mut collector = Collector::new(header, count, plan.n, want_logprobs);
         while let Some((i, item)) = events.next().await {
             let added = item
-                .map_err(|s| ApiError::from(s).spelled(fields))
+                .map_err(|s| spelling.apply(ApiError::from(s)))
                 .and_then(|msg| collector.add(i, msg));
             if let Err(e) = added {
                 return e.into_response();
@@ -679,7 +682,7 @@ async fn respond(
     let opening: Vec<Value> = chunker.opening();
     let state = StreamState {
         events,
-        fields,
+        spelling,
         chunker,
         include_usage: plan.include_usage,
         phase: Phase::Events,
@@ -689,6 +692,22 @@ async fn respond(
     Sse::new(body.map(Ok::<_, Infallible>))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
+}
+
+/// How an engine refusal's field is spelled for an endpoint and request.
+#[derive(Debug, Clone, Copy)]
+struct Spelling {
+    /// The engine fields the endpoint spells otherwise.
+    fields: &'static [(&'static str, &'static str)],
+    /// What the request called its output limit.
+    max_tokens: &'static str,
+}
+
+impl Spelling {
+    fn apply(self, e: ApiError) -> ApiError {
+        e.spelled(&[("max_tokens", self.max_tokens)])
+            .spelled(self.fields)
+    }
 }
 
 fn data(v: Value) -> Event {
@@ -702,8 +721,7 @@ enum Phase {
 
 struct StreamState {
     events: SelectAll<IndexedStream>,
-    /// The engine fields this endpoint spells otherwise.
-    fields: &'static [(&'static str, &'static str)],
+    spelling: Spelling,
     chunker: Chunker,
     include_usage: bool,
     phase: Phase,
@@ -725,7 +743,7 @@ async fn next_events(mut s: StreamState) -> Option<(Vec<Event>, StreamState)> {
             }
             Some((_, Err(status))) => {
                 s.phase = Phase::Done;
-                let e = ApiError::from(status).spelled(s.fields);
+                let e = s.spelling.apply(ApiError::from(status));
                 return Some((vec![data(e.body()), Event::default().data("[DONE]")], s));
             }
             None => {

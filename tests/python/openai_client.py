@@ -180,6 +180,8 @@ def main():
     # The engine's refusals name the field as the endpoint spells it.
     error_case("long_max_tokens", lambda: client.completions.create(
         model=a.model, prompt=a.prompt, max_tokens=10_000_000))
+    error_case("long_completion_tokens", lambda: client.chat.completions.create(
+        model=a.model, messages=messages, max_completion_tokens=10_000_000))
     error_case("long_messages", lambda: client.chat.completions.create(
         model=a.model, messages=[{"role": "user", "content": "to be or not " * 4000}], max_tokens=4))
     error_case("bad_role", lambda: client.chat.completions.create(

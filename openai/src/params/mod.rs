@@ -139,6 +139,9 @@ pub struct Plan {
     pub echo: bool,
     /// `prompt_logprobs` was asked for (reported per choice).
     pub report_prompt_logprobs: bool,
+    /// The request's name for its output limit (`max_tokens`, or chat's
+    /// `max_completion_tokens`): what an engine refusal of it is called.
+    pub max_tokens_param: &'static str,
 }
 
 fn in_range(
@@ -264,6 +267,7 @@ impl CommonParams {
             (None, Some(m)) => Some(("max_tokens", m)),
             (None, None) => None,
         };
+        let max_tokens_param = max_tokens.map_or("max_tokens", |(param, _)| param);
         let max_tokens = match max_tokens {
             None => None,
             Some((_, m)) if m >= 1 && m <= i64::from(u32::MAX) => Some(m as u32),
@@ -322,6 +326,7 @@ impl CommonParams {
         Ok(Plan {
             echo: false,
             report_prompt_logprobs: prompt_logprobs.is_some(),
+            max_tokens_param,
             template: v1::GenerateRequest {
                 request_id: String::new(),
                 prompt: None,
