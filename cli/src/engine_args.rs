@@ -94,7 +94,7 @@ pub struct EngineArgs {
     /// Keep the CPU engine's weights memory-mapped from the checkpoint's
     /// files (the page cache, shared by every process on the host serving
     /// them) instead of the default private copy on huge pages (batch-1
-    /// decode ~10–20% faster; bench/RESULTS.md "Weights on huge pages").
+    /// decode 13–30% faster; bench/RESULTS.md "Weights on huge pages").
     /// Weights quantized at load, a GPU's and a `--tp`/`--pp` leader's are
     /// always mapped: those read the files once.
     #[arg(long)]
