@@ -365,18 +365,14 @@ fn the_openai_sdk_gets_the_grpc_paths_greedy_outputs_and_openai_errors() {
         "model_not_found"
     );
     // The engine refuses these; the HTTP error names the endpoint's field.
-    assert_eq!(
-        case(&results, "long_max_tokens")["error"]["param"],
-        "max_tokens"
-    );
-    assert_eq!(
-        case(&results, "long_messages")["error"]["param"],
-        "messages"
-    );
-    assert_eq!(
-        case(&results, "long_completion_tokens")["error"]["param"],
-        "max_completion_tokens"
-    );
+    for (name, param) in [
+        ("long_max_tokens", "max_tokens"),
+        ("long_messages", "messages"),
+        ("long_completion_tokens", "max_completion_tokens"),
+    ] {
+        let c = case(&results, name);
+        assert_eq!(c["error"]["param"], param, "{c}");
+    }
     rt.block_on(all_blocks_free(&cluster));
 }
 
