@@ -262,6 +262,23 @@ pub(crate) const COMPLETIONS_FIELDS: &[(&str, &str)] = &[("lora", "model")];
 /// As [`COMPLETIONS_FIELDS`] for APIs whose prompt is a conversation.
 pub(crate) const MESSAGES_FIELDS: &[(&str, &str)] = &[("prompt", "messages"), ("lora", "model")];
 
+/// How an engine refusal's field is spelled for an endpoint and request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Spelling {
+    /// The engine fields the endpoint spells otherwise.
+    pub fields: &'static [(&'static str, &'static str)],
+    /// What the request called its output limit
+    /// ([`crate::params::Plan::max_tokens_param`]).
+    pub max_tokens: &'static str,
+}
+
+impl Spelling {
+    pub(crate) fn apply(self, e: ApiError) -> ApiError {
+        e.spelled(&[("max_tokens", self.max_tokens)])
+            .spelled(self.fields)
+    }
+}
+
 impl ApiError {
     /// This error with its `param` in the calling API's words (`fields`
     /// maps engine field names to that API's).

@@ -14,6 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -59,6 +60,9 @@ impl Inner {
 struct TokenizeOptions {
     model: Option<String>,
     prompt: Option<String>,
+    /// A conversation (read whole by [`chat_ids`]; here only whether it is
+    /// there).
+    messages: Option<IgnoredAny>,
     /// Default: true for a prompt (as `/v1/completions` encodes it), false
     /// for a conversation (its template spells its special tokens).
     add_special_tokens: Option<bool>,
@@ -77,10 +81,7 @@ pub(crate) async fn tokenize(
         let body = body_bytes(&inner, body)?;
         let options: TokenizeOptions = parse(&body)?;
         inner.check_model(options.model.as_deref())?;
-        let is_chat = serde_json::from_slice::<Value>(&body)
-            .ok()
-            .is_some_and(|v| v.get("messages").is_some());
-        let ids = match (is_chat, &options.prompt) {
+        let ids = match (options.messages.is_some(), &options.prompt) {
             (true, Some(_)) => {
                 return Err(ApiError::bad_param(
                     "prompt",

@@ -654,7 +654,7 @@ async fn respond(
     header.model = api.served_name(&plan.template.lora).to_string();
     let count = prompts.len();
     let want_logprobs = plan.template.logprobs.is_some();
-    let spelling = Spelling {
+    let spelling = error::Spelling {
         fields: match endpoint {
             Endpoint::Completions => error::COMPLETIONS_FIELDS,
             Endpoint::Chat => error::MESSAGES_FIELDS,
@@ -694,22 +694,6 @@ async fn respond(
         .into_response()
 }
 
-/// How an engine refusal's field is spelled for an endpoint and request.
-#[derive(Debug, Clone, Copy)]
-struct Spelling {
-    /// The engine fields the endpoint spells otherwise.
-    fields: &'static [(&'static str, &'static str)],
-    /// What the request called its output limit.
-    max_tokens: &'static str,
-}
-
-impl Spelling {
-    fn apply(self, e: ApiError) -> ApiError {
-        e.spelled(&[("max_tokens", self.max_tokens)])
-            .spelled(self.fields)
-    }
-}
-
 fn data(v: Value) -> Event {
     Event::default().data(v.to_string())
 }
@@ -721,7 +705,7 @@ enum Phase {
 
 struct StreamState {
     events: SelectAll<IndexedStream>,
-    spelling: Spelling,
+    spelling: error::Spelling,
     chunker: Chunker,
     include_usage: bool,
     phase: Phase,

@@ -16,7 +16,7 @@ use serde_json::Value;
 use tandem_proto::v1;
 
 use crate::chat_output::ChatOutput;
-use crate::error::ApiError;
+use crate::error::{ApiError, Spelling};
 use crate::params::Plan;
 use crate::tools::parse::Piece;
 use crate::Inner;
@@ -126,9 +126,13 @@ pub(crate) async fn prepare_and_respond<D: Dialect>(
 async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialect: D) -> Response {
     let prompt = v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids });
     let id = dialect.id().to_string();
+    let spelling = Spelling {
+        fields: D::FIELDS,
+        max_tokens: plan.max_tokens_param,
+    };
     let mut events = match api.start(&id, plan, vec![prompt], None).await {
         Ok(s) => s,
-        Err(e) => return D::error_response(e.spelled(D::FIELDS)),
+        Err(e) => return D::error_response(spelling.apply(e)),
     };
     tracing::debug!(%id, stream = plan.stream, "single-choice request");
     if !plan.stream {
@@ -137,7 +141,7 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
                 Ok(msg) => {
                     dialect.answer().add(msg);
                 }
-                Err(status) => return D::error_response(ApiError::from(status).spelled(D::FIELDS)),
+                Err(status) => return D::error_response(spelling.apply(ApiError::from(status))),
             }
         }
         dialect.answer().close();
@@ -146,7 +150,7 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
     let opening = dialect.opening();
     let state = (events, dialect, false);
     let body = stream::iter(opening).chain(
-        stream::unfold(state, |(mut events, mut dialect, done)| async move {
+        stream::unfold(state, move |(mut events, mut dialect, done)| async move {
             if done {
                 return None;
             }
@@ -160,7 +164,7 @@ async fn respond<D: Dialect>(api: &Inner, plan: &Plan, ids: Vec<u32>, mut dialec
                         }
                     }
                     Some((_, Err(status))) => {
-                        let e = ApiError::from(status).spelled(D::FIELDS);
+                        let e = spelling.apply(ApiError::from(status));
                         let out = vec![dialect.error_event(&e)];
                         return Some((out, (events, dialect, true)));
                     }
