@@ -159,6 +159,13 @@ pub(super) fn attend_tile(
         // Slots of this block inside [lo, hi].
         let first = (b * bs).max(lo) - b * bs;
         let end = ((b + 1) * bs).min(hi + 1) - b * bs;
+        if b < hi / bs {
+            // The next block's rows arrive while this one is worked on.
+            let next = tile.seq.blocks[(b + 1) * layer.groups + layer.layer_group];
+            let rows = ((b + 2) * bs).min(hi + 1) - (b + 1) * bs;
+            let row0 = layer.kv.offset(next, tile.kv_head, 0) / d;
+            layer.view.prefetch(row0, rows, d);
+        }
         // The block math takes 16 slots at a time: a larger block runs as
         // pieces ending at block-relative multiples of 16, whatever the
         // tile's first slot, so a query's steps do not depend on its tile.

@@ -220,6 +220,29 @@ impl LayerView<'_> {
         }
     }
 
+    /// Asks for key and value rows `row0..row0 + rows` (`d` wide) to be
+    /// brought into cache: attention calls it for the next block while it
+    /// works on this one, since a decode step reads each block once and
+    /// blocks lie anywhere in the pool.
+    #[inline]
+    pub fn prefetch(&self, row0: usize, rows: usize, d: usize) {
+        let (start, len) = (row0 * d, rows * d);
+        match &self.0 {
+            View::F32 { k, v } => {
+                prefetch_range(k, start, len);
+                prefetch_range(v, start, len);
+            }
+            View::Half { k, v, .. } => {
+                prefetch_range(k, start, len);
+                prefetch_range(v, start, len);
+            }
+            View::Q8 { k, v, .. } => {
+                prefetch_range(&k.codes, start, len);
+                prefetch_range(&v.codes, start, len);
+            }
+        }
+    }
+
     /// Key (or value) rows `row0..row0 + buf.len() / d`, all of one block,
     /// from the block's 16-bit copy (rotated like the codes, factor 1),
     /// decoded into `buf`; `None` when the block has no copy.
@@ -293,6 +316,26 @@ impl LayerView<'_> {
             }
         }
     }
+}
+
+/// Prefetches the cache lines of `xs[start..start + len]` (clipped to
+/// `xs`) into L1.
+#[inline]
+fn prefetch_range<T>(xs: &[T], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (start + len).min(xs.len());
+        let bytes = end.saturating_sub(start) * std::mem::size_of::<T>();
+        let base = xs.as_ptr().wrapping_add(start).cast::<i8>();
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint: it never faults and reads
+            // nothing; the address lies inside `xs` (start < end <= len).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (xs, start, len);
 }
 
 /// `scales.len()` rows of `d` f32 from `row0`, borrowed.
