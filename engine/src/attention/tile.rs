@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use crate::kv_cache::{rotate_row, unrotate_row, KvCache, LayerView};
+use crate::kv_cache::{rotate_row, unrotate_row, CacheLevel, KvCache, LayerView};
 
 use super::block::{BlockMath, WeightedSum, MAX_QUERIES, SLOTS};
 use super::{AttnSeq, Scoring};
@@ -155,16 +155,21 @@ pub(super) fn attend_tile(
     // Keys any query of the tile sees: the first token's window start to
     // the last token's position.
     let (lo, hi) = (tile.lo(0, &layer.scoring), tile.pos(n - 1));
-    for b in lo / bs..=hi / bs {
+    let (b0, b1) = (lo / bs, hi / bs);
+    // Blocks ahead arrive while earlier ones are worked on: the next one
+    // into L1, the one L2_AHEAD on into L2 (and the first ones now).
+    for b in b0 + 1..=(b0 + L2_AHEAD - 1).min(b1) {
+        prefetch_block(layer, tile, b, hi, CacheLevel::L2);
+    }
+    for b in b0..=b1 {
         // Slots of this block inside [lo, hi].
         let first = (b * bs).max(lo) - b * bs;
         let end = ((b + 1) * bs).min(hi + 1) - b * bs;
-        if b < hi / bs {
-            // The next block's rows arrive while this one is worked on.
-            let next = tile.seq.blocks[(b + 1) * layer.groups + layer.layer_group];
-            let rows = ((b + 2) * bs).min(hi + 1) - (b + 1) * bs;
-            let row0 = layer.kv.offset(next, tile.kv_head, 0) / d;
-            layer.view.prefetch(row0, rows, d);
+        if b < b1 {
+            prefetch_block(layer, tile, b + 1, hi, CacheLevel::L1);
+        }
+        if b + L2_AHEAD <= b1 {
+            prefetch_block(layer, tile, b + L2_AHEAD, hi, CacheLevel::L2);
         }
         // The block math takes 16 slots at a time: a larger block runs as
         // pieces ending at block-relative multiples of 16, whatever the
@@ -182,6 +187,24 @@ pub(super) fn attend_tile(
         }
     }
     finish(layer, tile, sc, out);
+}
+
+/// How many blocks ahead attention asks for K/V rows into L2.
+const L2_AHEAD: usize = 4;
+
+/// Asks for the tile's K/V rows of logical block `b` (up to position `hi`).
+fn prefetch_block(
+    layer: &LayerRows<'_>,
+    tile: &QueryTile<'_, '_>,
+    b: usize,
+    hi: usize,
+    to: CacheLevel,
+) {
+    let (bs, d) = (layer.bs, layer.d);
+    let block = tile.seq.blocks[b * layer.groups + layer.layer_group];
+    let rows = ((b + 1) * bs).min(hi + 1) - b * bs;
+    let row0 = layer.kv.offset(block, tile.kv_head, 0) / d;
+    layer.view.prefetch(row0, rows, d, to);
 }
 
 /// The slots `first..first + rows` of logical block `b` that some query of

@@ -221,24 +221,25 @@ impl LayerView<'_> {
     }
 
     /// Asks for key and value rows `row0..row0 + rows` (`d` wide) to be
-    /// brought into cache: attention calls it for the next block while it
-    /// works on this one, since a decode step reads each block once and
-    /// blocks lie anywhere in the pool.
+    /// brought into cache `to`: attention asks for the blocks ahead of the
+    /// one it works on, since a decode step reads each block once, from
+    /// memory (the weights streamed through the caches since), and blocks
+    /// lie anywhere in the pool.
     #[inline]
-    pub fn prefetch(&self, row0: usize, rows: usize, d: usize) {
+    pub fn prefetch(&self, row0: usize, rows: usize, d: usize, to: CacheLevel) {
         let (start, len) = (row0 * d, rows * d);
         match &self.0 {
             View::F32 { k, v } => {
-                prefetch_range(k, start, len);
-                prefetch_range(v, start, len);
+                prefetch_range(k, start, len, to);
+                prefetch_range(v, start, len, to);
             }
             View::Half { k, v, .. } => {
-                prefetch_range(k, start, len);
-                prefetch_range(v, start, len);
+                prefetch_range(k, start, len, to);
+                prefetch_range(v, start, len, to);
             }
             View::Q8 { k, v, .. } => {
-                prefetch_range(&k.codes, start, len);
-                prefetch_range(&v.codes, start, len);
+                prefetch_range(&k.codes, start, len, to);
+                prefetch_range(&v.codes, start, len, to);
             }
         }
     }
@@ -318,24 +319,38 @@ impl LayerView<'_> {
     }
 }
 
+/// Where [`LayerView::prefetch`] brings rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLevel {
+    /// The nearest cache: for the block worked on next.
+    L1,
+    /// L2: for blocks further ahead (L1 holds a few blocks only).
+    L2,
+}
+
 /// Prefetches the cache lines of `xs[start..start + len]` (clipped to
-/// `xs`) into L1.
+/// `xs`) into `to`.
 #[inline]
-fn prefetch_range<T>(xs: &[T], start: usize, len: usize) {
+fn prefetch_range<T>(xs: &[T], start: usize, len: usize, to: CacheLevel) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         let end = (start + len).min(xs.len());
         let bytes = end.saturating_sub(start) * std::mem::size_of::<T>();
         let base = xs.as_ptr().wrapping_add(start).cast::<i8>();
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch is a hint: it never faults and reads
             // nothing; the address lies inside `xs` (start < end <= len).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(line)) };
+            unsafe {
+                match to {
+                    CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(base.add(line)),
+                    CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(base.add(line)),
+                }
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (xs, start, len);
+    let _ = (xs, start, len, to);
 }
 
 /// `scales.len()` rows of `d` f32 from `row0`, borrowed.
