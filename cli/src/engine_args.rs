@@ -43,12 +43,16 @@ pub struct EngineArgs {
     /// Bit-identical results whatever the batch (slower prefill; CPU only).
     #[arg(long)]
     batch_invariant: bool,
-    /// Round activations to bf16 where they meet bf16 weights (CPU with
-    /// AVX512-BF16: `vdpbf16ps`, about twice the prefill and batched
-    /// decode rate without AMX; llama.cpp's and a bf16 PyTorch model's
-    /// numerics; bench/RESULTS.md gives the quality cost). Batch invariant
-    /// for bf16 weights.
-    #[arg(long, conflicts_with = "batch_invariant")]
+    /// What activations meeting bf16 weights are (CPU): `bf16` rounds them
+    /// (AVX512-BF16's `vdpbf16ps`: llama.cpp's and a bf16 PyTorch model's
+    /// numerics, batch invariant for bf16 weights; bench/RESULTS.md gives
+    /// the quality cost), `f32` keeps them; `auto` is `bf16` where the CPU
+    /// has AVX512-BF16 but no AMX (prefill ~1.4x, batches of 8–32 ~1.3x)
+    /// and `f32` elsewhere (AMX tiles keep near-f32 activations faster).
+    #[arg(long, value_enum, default_value_t = Activations::Auto)]
+    activations: Activations,
+    /// The same as `--activations bf16`.
+    #[arg(long, conflicts_with_all = ["batch_invariant", "activations"])]
     bf16_activations: bool,
     /// Most requests waiting for admission; more are refused with
     /// RESOURCE_EXHAUSTED (HTTP 429) and a retry hint.
@@ -141,6 +145,15 @@ pub(crate) fn parse_kv_dtype_choice(s: &str) -> Result<KvDtypeChoice, String> {
     }
 }
 
+/// What the activations meeting bf16 weights are (`--activations`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// bf16 where it pays on this CPU ([`MatmulPolicy::serving_default`]).
+    Auto,
+    F32,
+    Bf16,
+}
+
 /// Weight quantization applied at load.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quantize {
@@ -155,6 +168,25 @@ pub enum GpuDtype {
 }
 
 impl EngineArgs {
+    /// The matmul policy: `--batch-invariant`, else `--activations`.
+    fn matmul_policy(&self) -> Result<MatmulPolicy> {
+        let activations = match self.bf16_activations {
+            true => Activations::Bf16,
+            false => self.activations,
+        };
+        Ok(match (activations, self.batch_invariant, self.device) {
+            (Activations::Bf16, true, _) => {
+                bail!("--activations bf16 and --batch-invariant: choose one")
+            }
+            (_, true, _) => MatmulPolicy::BatchInvariant,
+            (Activations::Bf16, false, _) => MatmulPolicy::Bf16Activations,
+            (Activations::F32, false, _) | (Activations::Auto, false, Device::Cuda) => {
+                MatmulPolicy::Fastest
+            }
+            (Activations::Auto, false, Device::Cpu) => MatmulPolicy::serving_default(),
+        })
+    }
+
     /// The engine configuration these flags describe, for a checkpoint
     /// whose weights are `weights` (what `--kv-dtype auto` follows).
     pub fn config(&self, weights: tandem_engine::DType) -> Result<EngineConfig> {
@@ -194,13 +226,7 @@ impl EngineArgs {
             max_prefill_chunk: self.max_prefill_chunk,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
-            matmul: if self.bf16_activations {
-                MatmulPolicy::Bf16Activations
-            } else if self.batch_invariant {
-                MatmulPolicy::BatchInvariant
-            } else {
-                MatmulPolicy::Fastest
-            },
+            matmul: self.matmul_policy()?,
             max_queued_requests: Some(self.max_queued_requests),
             weight_quantization,
             kv_cache_dtype,
@@ -303,7 +329,12 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     let lora = args.lora.apply(&mut core)?;
     args.kv_disk
         .apply(&mut core, &dir, &args.kv_values(&config))?;
-    tracing::info!(model = %dir.display(), device = ?args.device, "model loaded");
+    tracing::info!(
+        model = %dir.display(),
+        device = ?args.device,
+        matmul = ?config.matmul,
+        "model loaded"
+    );
     let model_name = tandem_engine::checkpoint::model_name(&dir);
     Ok(StartedEngine {
         handle: EngineHandle::spawn(core)?,
@@ -438,6 +469,27 @@ mod tests {
         let cmd = Cmd::try_parse_from(std::iter::once("tandem").chain(argv.iter().copied()))
             .expect("flags parse");
         cmd.engine.weight_residency(parallel)
+    }
+
+    fn policy(argv: &[&str]) -> Result<MatmulPolicy> {
+        let cmd = Cmd::try_parse_from(std::iter::once("tandem").chain(argv.iter().copied()))
+            .expect("flags parse");
+        cmd.engine.matmul_policy()
+    }
+
+    #[test]
+    fn activations_follow_the_flags_and_auto_follows_the_cpu() {
+        let ok = |argv: &[&str]| policy(argv).expect("a policy");
+        assert_eq!(ok(&[]), MatmulPolicy::serving_default());
+        assert_eq!(ok(&["--device", "cuda"]), MatmulPolicy::Fastest);
+        assert_eq!(ok(&["--activations", "f32"]), MatmulPolicy::Fastest);
+        assert_eq!(
+            ok(&["--activations", "bf16"]),
+            MatmulPolicy::Bf16Activations
+        );
+        assert_eq!(ok(&["--bf16-activations"]), MatmulPolicy::Bf16Activations);
+        assert_eq!(ok(&["--batch-invariant"]), MatmulPolicy::BatchInvariant);
+        assert!(policy(&["--batch-invariant", "--activations", "bf16"]).is_err());
     }
 
     #[test]
