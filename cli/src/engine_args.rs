@@ -148,7 +148,7 @@ pub(crate) fn parse_kv_dtype_choice(s: &str) -> Result<KvDtypeChoice, String> {
 /// What the activations meeting bf16 weights are (`--activations`).
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activations {
-    /// bf16 where it pays on this CPU ([`MatmulPolicy::serving_default`]).
+    /// bf16 where the CPU has AVX512-BF16 and no AMX, f32 elsewhere.
     Auto,
     F32,
     Bf16,
