@@ -154,7 +154,7 @@ impl ComputeBackend for CudaModel {
             )),
             // Activations follow `--gpu-dtype` there.
             MatmulPolicy::Bf16Activations => Err(EngineError::Unsupported(
-                "--bf16-activations on the CUDA backend (use --gpu-dtype bf16)".into(),
+                "--activations bf16 on the CUDA backend (use --gpu-dtype bf16)".into(),
             )),
         }
     }

@@ -340,7 +340,7 @@ fn prefetch_range<T>(xs: &[T], start: usize, len: usize, to: CacheLevel) {
         let base = xs.as_ptr().wrapping_add(start).cast::<i8>();
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch is a hint: it never faults and reads
-            // nothing; the address lies inside `xs` (start < end <= len).
+            // nothing; the address lies inside `xs` (start < end <= xs.len()).
             unsafe {
                 match to {
                     CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(base.add(line)),
