@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 use half::{bf16, f16};
 
 /// A weight element widened 16 at a time.
-pub(super) trait Wide16: Copy {
+pub(crate) trait Wide16: Copy {
     /// Loads 16 consecutive elements as f32 lanes.
     ///
     /// # Safety
@@ -66,6 +66,25 @@ impl Wide16 for f16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self.to_f32()
+    }
+}
+
+/// `src` widened to f32 into the front of `out`, sixteen an instruction
+/// (the kernels' own [`Wide16::load16`]); elements past the last 16 one by
+/// one.
+///
+/// # Safety
+/// The CPU must support AVX-512F ([`supported`]).
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn widen<E: Wide16>(src: &[E], out: &mut [f32]) {
+    let n = src.len().min(out.len());
+    let whole = n / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        // SAFETY: i + 16 <= n, inside both slices; AVX-512F (the caller).
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), E::load16(src.as_ptr().add(i))) };
+    }
+    for (o, s) in out[whole..n].iter_mut().zip(&src[whole..n]) {
+        *o = s.widen();
     }
 }
 
