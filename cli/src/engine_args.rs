@@ -243,10 +243,12 @@ impl EngineArgs {
     /// How this engine holds the checkpoint's weights: a private huge-page
     /// copy only where the CPU engine streams them at every step as
     /// loaded; mapped where they are read once (quantized at load, copied
-    /// to a GPU, split over rank processes that map their own parts) or
-    /// `--mmap-weights` asks.
-    fn weight_residency(&self, parallel: bool) -> Residency {
-        let streamed_as_loaded = self.device == Device::Cpu && self.quantize.is_none() && !parallel;
+    /// to a GPU, split over rank processes that map their own parts,
+    /// `packed` into panels for bf16 activations: the packed copies replace
+    /// the file's bytes) or `--mmap-weights` asks.
+    fn weight_residency(&self, parallel: bool, packed: bool) -> Residency {
+        let streamed_as_loaded =
+            self.device == Device::Cpu && self.quantize.is_none() && !parallel && !packed;
         match streamed_as_loaded && !self.mmap_weights {
             true => Residency::HugePages,
             false => Residency::Mapped,
@@ -297,9 +299,18 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
         None => crate::default_model::default_model_dir()?,
     };
     let parallel = args.parallel.parallelism()?;
-    let residency = args.weight_residency(parallel.is_some());
-    let ckpt = tandem_engine::Checkpoint::open_with(&dir, residency)
-        .with_context(|| format!("loading model from {}", dir.display()))?;
+    let open = |residency| {
+        tandem_engine::Checkpoint::open_with(&dir, residency)
+            .with_context(|| format!("loading model from {}", dir.display()))
+    };
+    let packed = args.matmul_policy()?.packs_weights();
+    let residency = args.weight_residency(parallel.is_some(), packed);
+    let mut ckpt = open(residency)?;
+    let unpacked = args.weight_residency(parallel.is_some(), false);
+    if residency != unpacked && ckpt.model.weight_dtype() != tandem_engine::DType::Bf16 {
+        // Only bf16 weights are packed: the others stream from their copy.
+        ckpt = open(unpacked)?;
+    }
     let config = args.config(ckpt.model.weight_dtype())?;
     let tokenizer = ckpt.tokenizer.map(std::sync::Arc::new);
     let mut ranks = None;
@@ -468,7 +479,7 @@ mod tests {
     fn residency(argv: &[&str], parallel: bool) -> Residency {
         let cmd = Cmd::try_parse_from(std::iter::once("tandem").chain(argv.iter().copied()))
             .expect("flags parse");
-        cmd.engine.weight_residency(parallel)
+        cmd.engine.weight_residency(parallel, false)
     }
 
     fn policy(argv: &[&str]) -> Result<MatmulPolicy> {
@@ -499,5 +510,10 @@ mod tests {
         assert_eq!(residency(&["--quantize", "int4"], false), Residency::Mapped);
         assert_eq!(residency(&["--device", "cuda"], false), Residency::Mapped);
         assert_eq!(residency(&[], true), Residency::Mapped);
+        let packed = Cmd::try_parse_from(["tandem"]).expect("flags parse");
+        assert_eq!(
+            packed.engine.weight_residency(false, true),
+            Residency::Mapped
+        );
     }
 }

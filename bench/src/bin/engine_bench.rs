@@ -20,7 +20,7 @@ use clap::Parser;
 use serde_json::json;
 use tandem_bench::{percentile, read_bandwidth};
 use tandem_engine::kernels::{linear, MatmulPolicy};
-use tandem_engine::weights::{Matrix, WeightData};
+use tandem_engine::weights::{Matrix, Residency, WeightData};
 use tandem_engine::{BlockAllocator, BlockTable, KvCache, KvCacheDtype, Model, SeqInput};
 
 #[derive(Parser, Debug)]
@@ -75,7 +75,14 @@ fn main() -> Result<()> {
     let bench_model =
         tandem_bench::BenchModel::given_or_generated(args.model.as_deref(), "bench-100m")?;
     let dir = bench_model.dir.clone();
-    let mut model = Model::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    // As a server holds them: mapped where the linears are packed (the
+    // packed copies replace the file's bytes), else a huge-page copy.
+    let residency = match args.bf16_activations && MatmulPolicy::Bf16Activations.packs_weights() {
+        true => Residency::Mapped,
+        false => Residency::HugePages,
+    };
+    let mut model =
+        Model::load_with(&dir, residency).with_context(|| format!("loading {}", dir.display()))?;
     if args.batch_invariant {
         model.set_matmul_policy(MatmulPolicy::BatchInvariant);
     }

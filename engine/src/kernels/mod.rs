@@ -17,10 +17,11 @@
 //!   `engine-bench` on SmolLM2-135M: prefill 2.2x and batch-32 decode 1.6x
 //!   the vector kernels; below 12 rows the row kernel is as fast (both
 //!   stream the weights).
-//! * bf16 weights under [`MatmulPolicy::Bf16Activations`] (opt-in), where
-//!   the CPU has AVX512-BF16 ([`dpbf16`]): activations rounded to bf16 meet
-//!   the weights on `vdpbf16ps`, twice the vector kernels' arithmetic rate,
-//!   at every batch size.
+//! * bf16 weights under [`MatmulPolicy::Bf16Activations`], where the CPU
+//!   has AVX512-BF16 ([`dpbf16`]): activations rounded to bf16 meet the
+//!   weights on `vdpbf16ps`, twice the vector kernels' arithmetic rate, at
+//!   every batch size. A model's linear layers are packed for it into
+//!   panels ([`Panels`], [`linear_panels`]) when the policy is set.
 //!
 //! INT4 weights have their own kernels ([`int4`]): integer dot products
 //! against activations quantized to int8 per group. So do GGUF-quantized
@@ -36,6 +37,7 @@ pub mod dpbf16;
 pub mod ggml;
 pub mod int4;
 mod int4_simd;
+mod panels;
 mod policy;
 pub mod rope;
 mod simd;
@@ -44,6 +46,7 @@ pub(crate) mod simd512;
 
 pub use ggml::{linear_ggml, GgmlMatrix};
 pub use int4::{linear_int4, linear_residual_int4};
+pub use panels::{linear_panels, PanelLinear, Panels};
 pub use policy::{MatmulPolicy, AMX_MIN_ROWS};
 pub use rope::RopeTable;
 
@@ -208,27 +211,12 @@ fn par_fused_rows(
             "each output holds m × n values"
         );
     }
-    let total: usize = parts.iter().map(|p| p.w.rows).sum();
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = total
-        .div_ceil(threads * 4)
-        .next_multiple_of(align)
-        .max(align);
-    let tasks: Vec<(usize, usize, usize)> = parts
-        .iter()
-        .enumerate()
-        .flat_map(|(i, p)| {
-            let n = p.w.rows;
-            (0..n)
-                .step_by(chunk)
-                .map(move |r0| (i, r0, (r0 + chunk).min(n)))
-        })
-        .collect();
+    let sizes: Vec<usize> = parts.iter().map(|p| p.w.rows).collect();
     let targets: Vec<(&Matrix, OutPtr)> = parts
         .iter_mut()
         .map(|p| (p.w, OutPtr(p.out.as_mut_ptr())))
         .collect();
-    tasks.into_par_iter().for_each(|(i, r0, r1)| {
+    par_parts(&sizes, align, |i, r0, r1| {
         let (w, ptr) = targets[i];
         // SAFETY: the task writes columns r0..r1 of output i only (the
         // tasks partition each output's columns); the output holds m × n
@@ -236,6 +224,30 @@ fn par_fused_rows(
         let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
         rows(w, r0, r1, out);
     });
+}
+
+/// Splits `sizes[i]` rows of every part `i` into ranges starting at
+/// multiples of `align` (several per thread, for balance) and runs
+/// `task(i, r0, r1)` on each over rayon's pool: one hand-off for all parts.
+pub(crate) fn par_parts(sizes: &[usize], align: usize, task: impl Fn(usize, usize, usize) + Sync) {
+    let total: usize = sizes.iter().sum();
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = total
+        .div_ceil(threads * 4)
+        .next_multiple_of(align)
+        .max(align);
+    let tasks: Vec<(usize, usize, usize)> = sizes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| {
+            (0..n)
+                .step_by(chunk)
+                .map(move |r0| (i, r0, (r0 + chunk).min(n)))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .for_each(|(i, r0, r1)| task(i, r0, r1));
 }
 
 /// Whether `w` runs on [`dpbf16`] under `policy`.

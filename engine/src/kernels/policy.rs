@@ -81,6 +81,13 @@ impl MatmulPolicy {
         })
     }
 
+    /// Whether a model packs its bf16 linear weights into panels
+    /// ([`Panels`](super::Panels)) under this policy: bf16 activations
+    /// where the CPU runs them.
+    pub fn packs_weights(self) -> bool {
+        self == Self::Bf16Activations && self.runs_here()
+    }
+
     /// Whether this CPU runs the policy as documented rather than falling
     /// back to [`Self::Fastest`] (only `Bf16Activations` needs a feature:
     /// AVX512-BF16).

@@ -2,18 +2,23 @@
 //! bias, loaded whole or as one tensor-parallel rank's part.
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{self, linear, linear_ggml, linear_int4, GgmlMatrix, MatmulPolicy};
+use crate::kernels::{
+    self, linear, linear_ggml, linear_int4, linear_panels, GgmlMatrix, MatmulPolicy, PanelLinear,
+    Panels,
+};
 use crate::quant::hf::HfQuantization;
 use crate::quant::{Int4Config, Int4Matrix};
 use crate::weights::{Matrix, WeightStore};
 
-/// A linear layer's weight: dense in the checkpoint's dtype, INT4, or a
-/// GGUF file's quantized blocks as stored.
+/// A linear layer's weight: dense in the checkpoint's dtype, INT4, a
+/// GGUF file's quantized blocks as stored, or bf16 packed in panels for
+/// [`MatmulPolicy::Bf16Activations`].
 #[derive(Debug)]
 pub(super) enum LinearWeight {
     Dense(Matrix),
     Int4(Int4Matrix),
     Ggml(GgmlMatrix),
+    Panels(Panels),
 }
 
 impl LinearWeight {
@@ -22,13 +27,14 @@ impl LinearWeight {
             Self::Dense(m) => m.bytes(),
             Self::Int4(q) => q.bytes(),
             Self::Ggml(g) => g.bytes(),
+            Self::Panels(p) => p.bytes(),
         }
     }
 
     pub(super) fn is_mapped(&self) -> bool {
         match self {
             Self::Dense(m) => m.is_mapped(),
-            Self::Int4(_) | Self::Ggml(_) => false,
+            Self::Int4(_) | Self::Ggml(_) | Self::Panels(_) => false,
         }
     }
 
@@ -208,6 +214,7 @@ impl Linear {
             LinearWeight::Dense(m) => m.rows,
             LinearWeight::Int4(q) => q.rows(),
             LinearWeight::Ggml(g) => g.rows(),
+            LinearWeight::Panels(p) => p.rows(),
         }
     }
 
@@ -216,6 +223,15 @@ impl Linear {
             LinearWeight::Dense(w) => linear(x, m, w, self.b.as_deref(), policy, out),
             LinearWeight::Int4(w) => linear_int4(x, m, w, self.b.as_deref(), policy, out),
             LinearWeight::Ggml(w) => linear_ggml(x, m, w, self.b.as_deref(), policy, out),
+            LinearWeight::Panels(w) => linear_panels(
+                x,
+                m,
+                &mut [PanelLinear {
+                    w,
+                    bias: self.b.as_deref(),
+                    out,
+                }],
+            ),
         }
     }
 
@@ -246,6 +262,24 @@ impl Linear {
             kernels::linear_fused(x, m, &mut fused, policy);
             return;
         }
+        if parts
+            .iter()
+            .all(|(l, _)| matches!(l.w, LinearWeight::Panels(_)))
+        {
+            let mut fused: Vec<PanelLinear<'_>> = parts
+                .into_iter()
+                .filter_map(|(l, out)| match &l.w {
+                    LinearWeight::Panels(w) => Some(PanelLinear {
+                        w,
+                        bias: l.b.as_deref(),
+                        out,
+                    }),
+                    _ => None,
+                })
+                .collect();
+            linear_panels(x, m, &mut fused);
+            return;
+        }
         for (l, out) in parts {
             l.forward(x, m, policy, out);
         }
@@ -260,13 +294,30 @@ impl Linear {
         true
     }
 
-    /// Replaces a dense or GGUF-block weight by its INT4 quantization.
+    /// Packs a dense bf16 weight into panels when `policy` runs on them
+    /// ([`MatmulPolicy::packs_weights`]), and unpacks one when it does not;
+    /// whether it changed the weight.
+    pub(super) fn pack_for(&mut self, policy: MatmulPolicy) -> bool {
+        let packed = match (&self.w, policy.packs_weights()) {
+            (LinearWeight::Dense(m), true) => Panels::pack(m).map(LinearWeight::Panels),
+            (LinearWeight::Panels(p), false) => Some(LinearWeight::Dense(p.to_matrix())),
+            _ => None,
+        };
+        packed.map(|w| self.w = w).is_some()
+    }
+
+    /// Replaces a dense, GGUF-block or packed weight by its INT4
+    /// quantization.
     pub(super) fn quantize(&mut self, config: Int4Config, name: &str) -> Result<()> {
         let decoded;
         let m = match &self.w {
             LinearWeight::Dense(m) => m,
             LinearWeight::Ggml(g) => {
                 decoded = g.to_dense();
+                &decoded
+            }
+            LinearWeight::Panels(p) => {
+                decoded = p.to_matrix();
                 &decoded
             }
             LinearWeight::Int4(_) => return Ok(()),

@@ -28,7 +28,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{
     self, add_in_place, linear_residual_int4, rms_norm, rms_norm_in_place, scale_in_place,
-    softcap_in_place, GgmlMatrix, MatmulPolicy, RopeTable,
+    softcap_in_place, GgmlMatrix, MatmulPolicy, Panels, RopeTable,
 };
 use crate::kv_cache::{BlockId, KvCache, KvLayout, SlidingLayers, FREED};
 use crate::lora::{LoraAdapter, LoraRows};
@@ -113,13 +113,16 @@ impl Layer {
     }
 }
 
-/// The output head in a quantized form.
+/// The output head in a form of its own, used instead of the dense one.
 #[derive(Debug)]
-enum QuantizedHead {
+enum HeadForm {
     /// Quantized at load (`quantize_int4`) to about 8 bits ([`ResidualInt4`]).
     Int4(ResidualInt4),
     /// A GGUF file's head (or tied embedding) in its stored blocks.
     Blocks(GgmlMatrix),
+    /// bf16 packed into panels ([`MatmulPolicy::packs_weights`]); a tied
+    /// embedding stays as stored for the lookups.
+    Panels(Panels),
 }
 
 /// A loaded model.
@@ -131,8 +134,8 @@ pub struct Model {
     final_norm: Vec<f32>,
     /// `None` when tied to the embedding.
     lm_head: Option<Matrix>,
-    /// The output head in a quantized form, used instead of the dense one.
-    quantized_head: Option<QuantizedHead>,
+    /// The output head in a form of its own, used instead of the dense one.
+    head_form: Option<HeadForm>,
     rope: RopeTable,
     /// The sliding-window layers' RoPE, where it differs (Gemma 3).
     local_rope: Option<RopeTable>,
@@ -378,10 +381,10 @@ impl Model {
             Some(_) => head_name,
             None => names.embed(),
         };
-        let quantized_head = match shard.computes_logits() {
+        let head_form = match shard.computes_logits() {
             true => ws
                 .quantized_rows(&head_source, c.vocab_size, h, 0..c.vocab_size)?
-                .map(QuantizedHead::Blocks),
+                .map(HeadForm::Blocks),
             false => None,
         };
         let rope = RopeTable::new(c);
@@ -396,7 +399,7 @@ impl Model {
             layers,
             final_norm,
             lm_head,
-            quantized_head,
+            head_form,
             rope,
             local_rope,
             matmul: MatmulPolicy::default(),
@@ -434,9 +437,24 @@ impl Model {
         self.mla_form = form;
     }
 
-    /// Chooses speed or batch invariance for the matrix products.
+    /// Chooses speed or batch invariance for the matrix products. Under
+    /// a policy that [packs weights](MatmulPolicy::packs_weights) the bf16
+    /// linear layers are packed into panels here (and unpacked when another
+    /// policy follows).
     pub fn set_matmul_policy(&mut self, policy: MatmulPolicy) {
         self.matmul = policy;
+        for l in &mut self.layers {
+            for (_, lin) in l.linears_mut() {
+                lin.pack_for(policy);
+            }
+        }
+        match (&self.head_form, policy.packs_weights()) {
+            (None, true) if self.shard.computes_logits() => {
+                self.head_form = Panels::pack(self.head()).map(HeadForm::Panels);
+            }
+            (Some(HeadForm::Panels(_)), false) => self.head_form = None,
+            _ => {}
+        }
     }
 
     /// The model's configuration.
@@ -735,13 +753,22 @@ impl Model {
         let vocab = c.vocab_size;
         let mut data = vec![0.0f32; rows.len() * vocab];
         let m = rows.len();
-        match &self.quantized_head {
-            Some(QuantizedHead::Int4(head)) => {
+        match &self.head_form {
+            Some(HeadForm::Int4(head)) => {
                 linear_residual_int4(&sel, m, head, self.matmul, &mut data)
             }
-            Some(QuantizedHead::Blocks(head)) => {
+            Some(HeadForm::Blocks(head)) => {
                 kernels::linear_ggml(&sel, m, head, None, self.matmul, &mut data)
             }
+            Some(HeadForm::Panels(w)) => kernels::linear_panels(
+                &sel,
+                m,
+                &mut [kernels::PanelLinear {
+                    w,
+                    bias: None,
+                    out: &mut data,
+                }],
+            ),
             None => kernels::linear(&sel, m, self.head(), None, self.matmul, &mut data),
         }
         if let Some(divisor) = c.arch.logits_divisor {

@@ -1,6 +1,6 @@
 //! Weights quantized at load (`--quantize int4`) and what they weigh.
 
-use super::{Layer, LinearWeight, Model, QuantizedHead};
+use super::{HeadForm, Layer, LinearWeight, Model};
 use crate::error::Result;
 use crate::quant::{Int4Config, ResidualInt4};
 
@@ -15,9 +15,10 @@ impl Model {
             })
             .sum();
         let head = match self.shard.computes_logits() {
-            true => match &self.quantized_head {
-                Some(QuantizedHead::Int4(h)) => h.bytes(),
-                Some(QuantizedHead::Blocks(h)) => h.bytes(),
+            true => match &self.head_form {
+                Some(HeadForm::Int4(h)) => h.bytes(),
+                Some(HeadForm::Blocks(h)) => h.bytes(),
+                Some(HeadForm::Panels(h)) => h.bytes(),
                 None => self.head().bytes(),
             },
             false => 0,
@@ -43,7 +44,7 @@ impl Model {
         }
         if self.shard.computes_logits() {
             let head = ResidualInt4::quantize(self.head(), config)?;
-            self.quantized_head = Some(QuantizedHead::Int4(head));
+            self.head_form = Some(HeadForm::Int4(head));
             task.step();
         }
         Ok(())
@@ -60,9 +61,9 @@ impl Model {
                 decoded += usize::from(lin.decode_blocks());
             }
         }
-        if let Some(QuantizedHead::Blocks(_)) = self.quantized_head {
+        if let Some(HeadForm::Blocks(_)) = self.head_form {
             // The dense head (or tied embedding) is already loaded.
-            self.quantized_head = None;
+            self.head_form = None;
             decoded += 1;
         }
         decoded
@@ -77,6 +78,14 @@ impl Model {
     /// [`linear_matrices`](Self::linear_matrices)).
     pub fn int4_matrices(&self) -> usize {
         self.count_linears(|w| matches!(w, LinearWeight::Int4(_)))
+    }
+
+    /// How many of the linear layers' matrices are packed into panels
+    /// ([`MatmulPolicy::packs_weights`](crate::kernels::MatmulPolicy::packs_weights)),
+    /// the output head counted when it is.
+    pub fn packed_matrices(&self) -> usize {
+        let head = matches!(self.head_form, Some(HeadForm::Panels(_)));
+        self.count_linears(|w| matches!(w, LinearWeight::Panels(_))) + usize::from(head)
     }
 
     fn count_linears(&self, is: impl Fn(&LinearWeight) -> bool) -> usize {

@@ -24,6 +24,7 @@ mod gguf;
 mod resident;
 
 use resident::Backing;
+pub(crate) use resident::HugePageBytes;
 pub use resident::Residency;
 
 /// Element types a weight matrix may have.

@@ -83,7 +83,7 @@ impl Backing {
 
 /// Bytes in an anonymous region aligned to 2 MiB and advised for huge
 /// pages.
-pub(super) struct HugePageBytes {
+pub(crate) struct HugePageBytes {
     ptr: NonNull<u8>,
     len: usize,
     layout: Layout,
@@ -100,7 +100,7 @@ unsafe impl Sync for HugePageBytes {}
 impl HugePageBytes {
     /// `len` zero bytes: allocated, advised, then zeroed (the advice must
     /// come before the first touch of a page for it to be a huge one).
-    fn zeroed(len: usize) -> Self {
+    pub(crate) fn zeroed(len: usize) -> Self {
         let size = len.max(1).next_multiple_of(HUGE_PAGE);
         let Ok(layout) = Layout::from_size_align(size, HUGE_PAGE) else {
             // Only a size near usize::MAX fails, which no file has.

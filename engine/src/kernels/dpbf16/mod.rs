@@ -10,7 +10,12 @@
 //! activations: each is rounded to bf16 (8 significant bits, a relative
 //! error up to 2⁻⁹) before it meets the weights, as llama.cpp's bf16 path,
 //! oneDNN's and a bf16 PyTorch model do. The sums stay f32. `quality-bench`
-//! measures what that costs on a real checkpoint; it is opt-in.
+//! measures what that costs on a real checkpoint.
+//!
+//! A model's linear layers run on [`panels`], weights packed so that no
+//! reduction follows; [`rows`] here takes a bf16 matrix as loaded (one
+//! outside a linear layer, or a caller's own), and [`Bf16Tokens`] rounds
+//! the activations for both.
 //!
 //! **Layout.** The weights are read as loaded (`[n][k]` row-major): a
 //! 64-byte load is 32 columns of one row, and the activations, packed per
@@ -34,6 +39,8 @@
 //! chain in column order and then the same reduction tree, whatever tile it
 //! ran in, so a token's results do not depend on the batch: this policy is
 //! batch invariant by construction.
+
+pub(crate) mod panels;
 
 use std::arch::x86_64::*;
 use std::ops::Range;
