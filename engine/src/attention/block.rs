@@ -18,6 +18,8 @@
 
 use std::ops::Range;
 
+use half::{bf16, f16};
+
 /// Most key slots one call takes (a block of more is taken in pieces).
 pub(super) const SLOTS: usize = 16;
 
@@ -29,6 +31,37 @@ pub(super) const MAX_QUERIES: usize = 4;
 pub(super) struct BlockKeys<'a> {
     data: &'a [f32],
     d: usize,
+}
+
+/// A block's K or V rows as the math reads them: f32 (an f32 cache's own,
+/// or decoded), or a 16-bit cache's elements as stored, widened where they
+/// are read (exact, so the same sums as decoded first; AVX-512 only, see
+/// [`BlockMath::widens_half`]).
+#[derive(Clone, Copy)]
+pub(super) enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl Rows<'_> {
+    /// The rows as f32, decoded into `buf` if they are not.
+    fn decoded<'b>(self, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        Self: 'b,
+    {
+        match self {
+            Rows::F32(x) => x,
+            Rows::Bf16(x) => {
+                buf.extend(x.iter().map(|v| v.to_f32()));
+                buf
+            }
+            Rows::F16(x) => {
+                buf.extend(x.iter().map(|v| v.to_f32()));
+                buf
+            }
+        }
+    }
 }
 
 /// Which implementation runs, chosen once per attention call.
@@ -50,29 +83,55 @@ impl BlockMath {
         Self::Portable
     }
 
+    /// Whether 16-bit rows are read as stored ([`Rows::Bf16`],
+    /// [`Rows::F16`]) rather than decoded into a buffer first: on AVX-512,
+    /// where the transpose and the weighted sum widen them as they load.
+    pub fn widens_half(self) -> bool {
+        self != Self::Portable
+    }
+
     /// A block's `rows` (≤ 16) key rows of `d` in the layout [`Self::scores`]
-    /// reads: as they are for the portable math; transposed into `scratch`
-    /// (`d × 16`, slot `j` in lane `j`) for AVX-512, once for every query
-    /// that scores the block.
+    /// reads: as they are for the portable math (16-bit rows decoded into
+    /// `scratch`); transposed into `scratch` (`d × 16`, slot `j` in lane
+    /// `j`) for AVX-512, once for every query that scores the block.
     pub fn keys<'a>(
         self,
-        keys: &'a [f32],
+        keys: Rows<'a>,
         rows: usize,
         d: usize,
         scratch: &'a mut [f32],
     ) -> BlockKeys<'a> {
-        assert!(rows <= SLOTS && keys.len() >= rows * d);
-        match self {
-            Self::Portable => BlockKeys {
-                data: &keys[..rows * d],
-                d,
-            },
+        match (self, keys) {
+            (Self::Portable, Rows::F32(keys)) => {
+                assert!(rows <= SLOTS && keys.len() >= rows * d);
+                BlockKeys {
+                    data: &keys[..rows * d],
+                    d,
+                }
+            }
+            (Self::Portable, half) => {
+                let mut buf = Vec::with_capacity(rows * d);
+                let decoded = half.decoded(&mut buf);
+                assert!(rows <= SLOTS && decoded.len() >= rows * d && scratch.len() >= rows * d);
+                scratch[..rows * d].copy_from_slice(&decoded[..rows * d]);
+                BlockKeys {
+                    data: &scratch[..rows * d],
+                    d,
+                }
+            }
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => {
-                assert!(scratch.len() >= d * SLOTS);
-                // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F
-                // and `d` is a multiple of 16; the lengths are checked above.
-                unsafe { avx512::transpose_keys(keys, rows, d, scratch) };
+            (Self::Avx512, keys) => {
+                assert!(rows <= SLOTS && scratch.len() >= d * SLOTS);
+                // SAFETY (each arm): `Avx512` is chosen only where the CPU
+                // has AVX-512F and `d` is a multiple of 16; the scratch
+                // length is checked above, the rows' inside the call.
+                unsafe {
+                    match keys {
+                        Rows::F32(k) => avx512::transpose_keys(k, rows, d, scratch),
+                        Rows::Bf16(k) => avx512::transpose_keys(k, rows, d, scratch),
+                        Rows::F16(k) => avx512::transpose_keys(k, rows, d, scratch),
+                    }
+                };
                 BlockKeys {
                     data: &scratch[..d * SLOTS],
                     d,
@@ -154,16 +213,23 @@ impl BlockMath {
     /// Σ_j weights[j] · values[j]` over its slots, in slot order (`values`:
     /// the block's rows of `d` from slot 0). A query's arithmetic is the
     /// same whichever queries share the call; the rows must not overlap.
-    pub fn accumulate(self, out: &mut [f32], sums: &[WeightedSum<'_>], values: &[f32], d: usize) {
+    pub fn accumulate(self, out: &mut [f32], sums: &[WeightedSum<'_>], values: Rows<'_>, d: usize) {
+        let len = match values {
+            Rows::F32(v) => v.len(),
+            Rows::Bf16(v) => v.len(),
+            Rows::F16(v) => v.len(),
+        };
         assert!(sums.len() <= MAX_QUERIES);
         for (i, a) in sums.iter().enumerate() {
             assert!(a.row + d <= out.len() && a.slots.end <= a.weights.len());
-            assert!(values.len() >= a.slots.end * d);
+            assert!(len >= a.slots.end * d);
             let apart = |b: &WeightedSum<'_>| a.row + d <= b.row || b.row + d <= a.row;
             assert!(sums[..i].iter().all(apart), "the sums' rows overlap");
         }
         match self {
             Self::Portable => {
+                let mut buf = Vec::new();
+                let values = values.decoded(&mut buf);
                 for a in sums {
                     let acc = &mut out[a.row..a.row + d];
                     for j in a.slots.clone() {
@@ -176,12 +242,10 @@ impl BlockMath {
             // are checked above.
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => unsafe {
-                match sums.len() {
-                    4 => avx512::accumulate::<4>(out, sums, values, d),
-                    3 => avx512::accumulate::<3>(out, sums, values, d),
-                    2 => avx512::accumulate::<2>(out, sums, values, d),
-                    1 => avx512::accumulate::<1>(out, sums, values, d),
-                    _ => {}
+                match values {
+                    Rows::F32(v) => avx512::accumulate_by(out, sums, v, d),
+                    Rows::Bf16(v) => avx512::accumulate_by(out, sums, v, d),
+                    Rows::F16(v) => avx512::accumulate_by(out, sums, v, d),
                 }
             },
         }
@@ -202,8 +266,8 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::WeightedSum;
-    use crate::kernels::simd512::{exp16, transpose16};
+    use super::{WeightedSum, MAX_QUERIES};
+    use crate::kernels::simd512::{exp16, transpose16, Wide16};
 
     /// Lanes `0..n` (n ≤ 16).
     fn first(n: usize) -> __mmask16 {
@@ -215,21 +279,26 @@ mod avx512 {
     }
 
     /// `rows` (≤ 16) key rows of `d` into `kt` (`d × 16`): `kt[c·16 + j] =
-    /// keys[j·d + c]`, lanes past `rows` zero.
+    /// keys[j·d + c]` widened to f32, lanes past `rows` zero.
     ///
     /// # Safety
-    /// AVX-512F; `d` a multiple of 16; `keys` holds `rows · d` floats, `kt`
-    /// `d · 16`.
+    /// AVX-512F; `d` a multiple of 16; `kt` holds `d · 16` floats.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose_keys(keys: &[f32], rows: usize, d: usize, kt: &mut [f32]) {
+    pub(super) unsafe fn transpose_keys<E: Wide16>(
+        keys: &[E],
+        rows: usize,
+        d: usize,
+        kt: &mut [f32],
+    ) {
+        assert!(rows <= 16 && keys.len() >= rows * d && kt.len() >= d * 16);
         for c in (0..d).step_by(16) {
             let mut block = [_mm512_setzero_si512(); 16];
             for (j, r) in block.iter_mut().enumerate().take(rows) {
-                // SAFETY: row j < rows has d floats from j·d; c + 16 ≤ d.
-                *r = unsafe { _mm512_loadu_si512(keys.as_ptr().add(j * d + c).cast()) };
+                // SAFETY: row j < rows has d elements from j·d; c + 16 ≤ d.
+                *r = _mm512_castps_si512(unsafe { E::load16(keys.as_ptr().add(j * d + c)) });
             }
             for (i, col) in transpose16(block).into_iter().enumerate() {
-                // SAFETY: (c + i)·16 + 16 ≤ d·16 = kt's length.
+                // SAFETY: (c + i)·16 + 16 ≤ d·16 ≤ kt's length.
                 unsafe { _mm512_storeu_si512(kt.as_mut_ptr().add((c + i) * 16).cast(), col) };
             }
         }
@@ -321,6 +390,30 @@ mod avx512 {
         _mm512_reduce_add_ps(sum)
     }
 
+    /// [`accumulate`] for `sums.len()` (1 to [`MAX_QUERIES`]) sums.
+    ///
+    /// # Safety
+    /// As [`accumulate`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_by<E: Wide16>(
+        out: &mut [f32],
+        sums: &[WeightedSum<'_>],
+        values: &[E],
+        d: usize,
+    ) {
+        const { assert!(MAX_QUERIES == 4) };
+        // SAFETY (each arm): the caller's promise.
+        unsafe {
+            match sums.len() {
+                4 => accumulate::<4, E>(out, sums, values, d),
+                3 => accumulate::<3, E>(out, sums, values, d),
+                2 => accumulate::<2, E>(out, sums, values, d),
+                1 => accumulate::<1, E>(out, sums, values, d),
+                _ => {}
+            }
+        }
+    }
+
     /// `Q` weighted sums sharing each value load: per 16 columns, every
     /// slot any of them sums is loaded once and multiply-added into the
     /// sums whose slots hold it, so each sum is the same chain, in slot
@@ -331,10 +424,10 @@ mod avx512 {
     /// `out` and apart from the others, its slots inside its weights and
     /// `values` (rows of `d`).
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate<const Q: usize>(
+    unsafe fn accumulate<const Q: usize, E: Wide16>(
         out: &mut [f32],
         sums: &[WeightedSum<'_>],
-        values: &[f32],
+        values: &[E],
         d: usize,
     ) {
         let (mut start, mut end, mut w) = ([0; Q], [0; Q], [std::ptr::null::<f32>(); Q]);
@@ -349,7 +442,7 @@ mod avx512 {
         let base = out.as_mut_ptr();
         let v_at = |j: usize, c: usize| {
             // SAFETY: j < some sum's slots.end, inside values' rows; c + 16 ≤ d.
-            unsafe { _mm512_loadu_ps(values.as_ptr().add(j * d + c)) }
+            unsafe { E::load16(values.as_ptr().add(j * d + c)) }
         };
         for c in (0..d).step_by(16) {
             let mut acc = [_mm512_setzero_ps(); Q];
@@ -409,10 +502,10 @@ mod tests {
             let factors = pseudo(span, 9);
             let (mut a, mut b) = (vec![0.0; span], vec![0.0; span]);
             let mut scratch = vec![0.0; d * 16];
-            let slow_keys = BlockMath::Portable.keys(&keys, span, d, &mut []);
+            let slow_keys = BlockMath::Portable.keys(Rows::F32(&keys), span, d, &mut []);
             let slots = 0..span;
             BlockMath::Portable.scores(&[&q], &slow_keys, 0.125, &factors, &mut [&mut a], slots);
-            let fast_keys = fast.keys(&keys, span, d, &mut scratch);
+            let fast_keys = fast.keys(Rows::F32(&keys), span, d, &mut scratch);
             fast.scores(&[&q], &fast_keys, 0.125, &factors, &mut [&mut b], 0..span);
             // Beside other queries a query's scores are the same bits; a
             // sub-range of slots writes those slots only.
@@ -445,8 +538,8 @@ mod tests {
                 weights: w,
                 slots: 0..span,
             };
-            BlockMath::Portable.accumulate(&mut acc_a, &[all(&a)], &keys, d);
-            fast.accumulate(&mut acc_b, &[all(&b)], &keys, d);
+            BlockMath::Portable.accumulate(&mut acc_a, &[all(&a)], Rows::F32(&keys), d);
+            fast.accumulate(&mut acc_b, &[all(&b)], Rows::F32(&keys), d);
             for (x, y) in acc_a.iter().zip(&acc_b) {
                 assert!((x - y).abs() < 1e-5, "span {span}: {x} vs {y}");
             }
@@ -466,7 +559,7 @@ mod tests {
                     slots: 0..span.div_ceil(2),
                 },
             ];
-            fast.accumulate(&mut rows, &sums, &keys, d);
+            fast.accumulate(&mut rows, &sums, Rows::F32(&keys), d);
             assert_eq!(rows[d..2 * d], acc_b[..], "span {span}");
             for (i, sum) in [&sums[0], &sums[2]].into_iter().enumerate() {
                 let mut alone = pseudo(d, [7, 8][i]);
@@ -475,8 +568,52 @@ mod tests {
                     weights: sum.weights,
                     slots: sum.slots.clone(),
                 };
-                fast.accumulate(&mut alone, &[one], &keys, d);
+                fast.accumulate(&mut alone, &[one], Rows::F32(&keys), d);
                 assert_eq!(rows[sum.row..sum.row + d], alone[..], "span {span}");
+            }
+        }
+    }
+
+    /// 16-bit rows widened as they are read give the bits of the same
+    /// rows decoded first, on either math.
+    #[test]
+    fn half_rows_read_as_stored_match_them_decoded() {
+        let d = 64;
+        for math in [BlockMath::Portable, BlockMath::for_head_dim(d)] {
+            for span in [3, 16] {
+                let q = pseudo(d, 1);
+                let raw = pseudo(span * d, 4);
+                let b: Vec<bf16> = raw.iter().map(|&x| bf16::from_f32(x)).collect();
+                let h: Vec<f16> = raw.iter().map(|&x| f16::from_f32(x)).collect();
+                let b32: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+                let h32: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
+                let weights = pseudo(span, 6);
+                for (rows, decoded) in [(Rows::Bf16(&b), &b32), (Rows::F16(&h), &h32)] {
+                    let score = |rows: Rows<'_>| {
+                        let mut scratch = vec![0.0; d * SLOTS];
+                        let keys = math.keys(rows, span, d, &mut scratch);
+                        let mut out = vec![0.0; span];
+                        let ones = vec![1.0; span];
+                        math.scores(&[&q], &keys, 0.5, &ones, &mut [&mut out], 0..span);
+                        out
+                    };
+                    assert_eq!(
+                        score(rows),
+                        score(Rows::F32(decoded)),
+                        "{math:?} span {span}"
+                    );
+                    let sum = |values: Rows<'_>| {
+                        let mut out = pseudo(d, 9);
+                        let one = WeightedSum {
+                            row: 0,
+                            weights: &weights,
+                            slots: 1..span,
+                        };
+                        math.accumulate(&mut out, &[one], values, d);
+                        out
+                    };
+                    assert_eq!(sum(rows), sum(Rows::F32(decoded)), "{math:?} span {span}");
+                }
             }
         }
     }

@@ -11,9 +11,9 @@
 
 use std::ops::Range;
 
-use crate::kv_cache::{rotate_row, unrotate_row, CacheLevel, KvCache, LayerView};
+use crate::kv_cache::{rotate_row, unrotate_row, CacheLevel, HalfRows, KvCache, LayerView};
 
-use super::block::{BlockMath, WeightedSum, MAX_QUERIES, SLOTS};
+use super::block::{BlockMath, Rows, WeightedSum, MAX_QUERIES, SLOTS};
 use super::{AttnSeq, Scoring};
 
 /// One layer's K/V rows and how they are scored, for [`attend_tile`].
@@ -250,10 +250,16 @@ fn attend_block(
         _ => None,
     };
     let has_recent = recent_keys.is_some();
-    let recent_keys = recent_keys.map(|k| math.keys(k, rows, d, &mut sc.recent_laid));
+    let recent_keys = recent_keys.map(|k| math.keys(Rows::F32(k), rows, d, &mut sc.recent_laid));
     let codes = !has_recent || tile.cut(n - 1, window) > p0;
     let keys = codes.then(|| {
-        let k = view.key_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]);
+        let k = block_rows(
+            layer,
+            true,
+            row0,
+            &mut sc.rows[..rows * d],
+            &mut sc.row_scales[..rows],
+        );
         math.keys(k, rows, d, &mut sc.keys_laid)
     });
     // Each token's slots of the span as span-relative `(s0, e, s1)`: it sees
@@ -322,10 +328,18 @@ fn attend_block(
         }
         sc.l[qi] += math.exp_sum(&mut probs[s0..s1], sc.m[qi]);
     }
-    let values =
-        codes.then(|| view.value_rows(row0, &mut sc.rows[..rows * d], &mut sc.row_scales[..rows]));
+    let values = codes.then(|| {
+        block_rows(
+            layer,
+            false,
+            row0,
+            &mut sc.rows[..rows * d],
+            &mut sc.row_scales[..rows],
+        )
+    });
     let recent_values = if has_recent {
         view.recent_rows(false, row0, d, &mut sc.recent[..rows * d])
+            .map(Rows::F32)
     } else {
         None
     };
@@ -368,6 +382,35 @@ fn attend_block(
             math.accumulate(out, &sums[..count], block_values, d);
         }
     }
+}
+
+/// A block's K (`keys`) or V rows from `row0` (`scales.len()` of them,
+/// `buf` holding their f32 decoding) and their factors: a 16-bit cache's
+/// as stored where the block math widens them itself (their factors 1),
+/// else decoded into `buf` ([`LayerView::key_rows`]).
+fn block_rows<'b>(
+    layer: &'b LayerRows<'b>,
+    keys: bool,
+    row0: usize,
+    buf: &'b mut [f32],
+    scales: &mut [f32],
+) -> Rows<'b> {
+    let (rows, d) = (scales.len(), layer.d);
+    let half = layer
+        .math
+        .widens_half()
+        .then(|| layer.view.half_rows(keys, row0, rows, d));
+    if let Some(Some(rows)) = half {
+        scales.fill(1.0);
+        return match rows {
+            HalfRows::Bf16(x) => Rows::Bf16(x),
+            HalfRows::F16(x) => Rows::F16(x),
+        };
+    }
+    Rows::F32(match keys {
+        true => layer.view.key_rows(row0, buf, scales),
+        false => layer.view.value_rows(row0, buf, scales),
+    })
 }
 
 /// `(query, its token's (s0, e, s1))` for every query of a task that sees

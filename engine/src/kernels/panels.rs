@@ -33,7 +33,7 @@ use crate::weights::{Buf, HugePageBytes, Matrix, WeightData};
 /// Output rows one panel holds: one per f32 lane of an accumulator.
 pub(crate) const LANES: usize = 16;
 
-/// A bf16 weight matrix packed into panels of [`LANES`] rows.
+/// A bf16 weight matrix packed into panels of 16 rows.
 pub struct Panels {
     bytes: HugePageBytes,
     rows: usize,

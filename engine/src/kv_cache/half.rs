@@ -5,8 +5,10 @@
 //! mantissa; f16 has 11 bits of mantissa but saturates at ±65504, which a
 //! key or value of an ordinary checkpoint never reaches (the conversion
 //! saturates rather than producing infinities, so an outlier is clipped,
-//! not poisonous). Rows are decoded into the attention task's f32 buffer,
-//! as 8-bit codes are (`q8.rs`).
+//! not poisonous). On AVX-512 attention reads the rows as stored
+//! ([`super::LayerView::half_rows`]) and widens them as its key transpose
+//! and weighted sums load them; elsewhere they are decoded into the task's
+//! f32 buffer, as 8-bit codes are (`q8.rs`).
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};

@@ -198,6 +198,37 @@ enum View<'a> {
     },
 }
 
+/// A 16-bit cache's rows as stored ([`LayerView::half_rows`]).
+#[derive(Debug, Clone, Copy)]
+pub enum HalfRows<'a> {
+    Bf16(&'a [::half::bf16]),
+    F16(&'a [::half::f16]),
+}
+
+impl<'a> LayerView<'a> {
+    /// `rows` rows of `d` of a 16-bit cache's K (`keys`) or V from row
+    /// `row0`, as stored, for a reader that widens them itself (to exactly
+    /// what [`key_rows`](Self::key_rows) would decode); `None` for the
+    /// other caches.
+    #[inline]
+    pub fn half_rows(
+        &self,
+        keys: bool,
+        row0: usize,
+        rows: usize,
+        d: usize,
+    ) -> Option<HalfRows<'a>> {
+        let View::Half { half, k, v } = self.0 else {
+            return None;
+        };
+        let bits = &(if keys { k } else { v })[row0 * d..(row0 + rows) * d];
+        Some(match half {
+            Half::Bf16 => HalfRows::Bf16(bytemuck::cast_slice(bits)),
+            Half::F16 => HalfRows::F16(bytemuck::cast_slice(bits)),
+        })
+    }
+}
+
 impl LayerView<'_> {
     /// Whether rows are stored rotated ([`rotate_row`]): attention must
     /// then rotate each query before scoring and its output after summing

@@ -12,8 +12,8 @@
 //! oneDNN's and a bf16 PyTorch model do. The sums stay f32. `quality-bench`
 //! measures what that costs on a real checkpoint.
 //!
-//! A model's linear layers run on [`panels`], weights packed so that no
-//! reduction follows; [`rows`] here takes a bf16 matrix as loaded (one
+//! A model's linear layers run on `panels`, weights packed so that no
+//! reduction follows; `rows` here takes a bf16 matrix as loaded (one
 //! outside a linear layer, or a caller's own), and [`Bf16Tokens`] rounds
 //! the activations for both.
 //!
