@@ -295,15 +295,16 @@ impl Linear {
     }
 
     /// Packs a dense bf16 weight into panels when `policy` runs on them
-    /// ([`MatmulPolicy::packs_weights`]), and unpacks one when it does not;
-    /// whether it changed the weight.
-    pub(super) fn pack_for(&mut self, policy: MatmulPolicy) -> bool {
-        let packed = match (&self.w, policy.packs_weights()) {
+    /// ([`MatmulPolicy::packs_weights`]), and unpacks one when it does not.
+    pub(super) fn pack_for(&mut self, policy: MatmulPolicy) {
+        let changed = match (&self.w, policy.packs_weights()) {
             (LinearWeight::Dense(m), true) => Panels::pack(m).map(LinearWeight::Panels),
             (LinearWeight::Panels(p), false) => Some(LinearWeight::Dense(p.to_matrix())),
             _ => None,
         };
-        packed.map(|w| self.w = w).is_some()
+        if let Some(w) = changed {
+            self.w = w;
+        }
     }
 
     /// Replaces a dense, GGUF-block or packed weight by its INT4
