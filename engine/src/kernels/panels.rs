@@ -13,16 +13,18 @@
 //!
 //! **Layout.** Panel `p` (rows `16p..16p + 16`) is `ceil(k / 2)` pairs of
 //! 64 bytes, one after another, so a panel streams from memory in order;
-//! rows past `n` and the column past an odd `k` are zero. The packed copy
-//! lives on huge pages (as [`crate::weights::Residency::HugePages`] holds a
-//! file), and replaces the stored matrix: a model packs its linear layers
-//! once when the policy is set ([`Panels::pack`]), and unpacks them
-//! ([`Panels::to_matrix`]) if it changes.
+//! rows past `n` and the column past an odd `k` are zero. A model's packed
+//! copies share one region on huge pages ([`Panels::pack_all`]; as
+//! [`crate::weights::Residency::HugePages`] holds a file) and replace the
+//! stored matrices: a model packs its linear layers and head once when the
+//! policy is set, and unpacks them ([`Panels::to_matrix`]) if it changes.
 //!
 //! **Numerics.** An output is one chain of `vdpbf16ps` over the pairs in
 //! column order, whatever tile or batch it ran in: batch invariant by
 //! construction. The products are those of the row kernel (bf16 × bf16,
 //! exact in f32); only the order of the f32 additions differs.
+
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -33,9 +35,13 @@ use crate::weights::{Buf, HugePageBytes, Matrix, WeightData};
 /// Output rows one panel holds: one per f32 lane of an accumulator.
 pub(crate) const LANES: usize = 16;
 
-/// A bf16 weight matrix packed into panels of 16 rows.
+/// A bf16 weight matrix packed into panels of 16 rows, in a region on
+/// huge pages that it may share with the other matrices packed with it
+/// ([`Panels::pack_all`]).
 pub struct Panels {
-    bytes: HugePageBytes,
+    region: Arc<HugePageBytes>,
+    /// Where this matrix's panels start in the region, in bytes.
+    offset: usize,
     rows: usize,
     cols: usize,
 }
@@ -49,30 +55,51 @@ impl std::fmt::Debug for Panels {
     }
 }
 
+/// Bytes of `rows × cols` packed, when `w` packs (bf16, not empty).
+fn packed_size(w: &Matrix) -> Option<usize> {
+    let packs = matches!(w.data, WeightData::Bf16(_)) && w.rows > 0 && w.cols > 0;
+    packs.then(|| w.rows.div_ceil(LANES) * w.cols.div_ceil(2) * LANES * 2 * 2)
+}
+
 impl Panels {
     /// `w` packed, when it is bf16 (other dtypes have no panel kernel).
     pub fn pack(w: &Matrix) -> Option<Self> {
-        let WeightData::Bf16(data) = &w.data else {
-            return None;
-        };
-        let (rows, cols) = (w.rows, w.cols);
-        let pairs = cols.div_ceil(2);
-        let panel_len = pairs * LANES * 2;
-        let panels = rows.div_ceil(LANES);
-        let mut bytes = HugePageBytes::zeroed(panels * panel_len * 2);
-        let packed: &mut [bf16] = bytemuck::cast_slice_mut(&mut bytes);
-        packed
-            .par_chunks_mut(panel_len)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                for r in 0..LANES.min(rows - p * LANES) {
-                    let row = &data[(p * LANES + r) * cols..][..cols];
-                    for (c, &v) in row.iter().enumerate() {
-                        panel[((c / 2) * LANES + r) * 2 + c % 2] = v;
-                    }
-                }
-            });
-        Some(Self { bytes, rows, cols })
+        Self::pack_all(&[w]).pop().flatten()
+    }
+
+    /// Each of `ws` packed (`None` for one that is not bf16), all in one
+    /// region: huge pages come in 2 MiB, and a small model's matrices are
+    /// smaller than that (a region each held SmolLM2-135M's in 1.8x their
+    /// bytes).
+    pub fn pack_all(ws: &[&Matrix]) -> Vec<Option<Self>> {
+        let sizes: Vec<Option<usize>> = ws.iter().map(|w| packed_size(w)).collect();
+        let mut region = HugePageBytes::zeroed(sizes.iter().flatten().sum());
+        let mut offsets = Vec::with_capacity(ws.len());
+        let mut rest: &mut [u8] = &mut region;
+        let mut offset = 0;
+        for (w, size) in ws.iter().zip(&sizes) {
+            offsets.push(offset);
+            let (Some(size), WeightData::Bf16(data)) = (size, &w.data) else {
+                continue;
+            };
+            let (this, tail) = std::mem::take(&mut rest).split_at_mut(*size);
+            pack_into(data, w.rows, w.cols, bytemuck::cast_slice_mut(this));
+            rest = tail;
+            offset += size;
+        }
+        let region = Arc::new(region);
+        ws.iter()
+            .zip(&sizes)
+            .zip(offsets)
+            .map(|((w, size), offset)| {
+                size.map(|_| Self {
+                    region: Arc::clone(&region),
+                    offset,
+                    rows: w.rows,
+                    cols: w.cols,
+                })
+            })
+            .collect()
     }
 
     /// The row-major matrix this was packed from.
@@ -126,8 +153,26 @@ impl Panels {
 
     /// Every panel, one after another.
     pub(crate) fn packed(&self) -> &[bf16] {
-        bytemuck::cast_slice(&self.bytes[..self.bytes()])
+        bytemuck::cast_slice(&self.region[self.offset..self.offset + self.bytes()])
     }
+}
+
+/// `data` (`rows × cols`, row-major) into `packed`, zeroed, in the panel
+/// layout: panel `p`, pair `j`, lane `r`, half `e` at
+/// `((p · pairs + j) · 16 + r) · 2 + e`.
+fn pack_into(data: &[bf16], rows: usize, cols: usize, packed: &mut [bf16]) {
+    let panel_len = cols.div_ceil(2) * LANES * 2;
+    packed
+        .par_chunks_mut(panel_len)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for r in 0..LANES.min(rows - p * LANES) {
+                let row = &data[(p * LANES + r) * cols..][..cols];
+                for (c, &v) in row.iter().enumerate() {
+                    panel[((c / 2) * LANES + r) * 2 + c % 2] = v;
+                }
+            }
+        });
 }
 
 /// One linear of [`linear_panels`]: its packed weights, bias and output

@@ -294,16 +294,11 @@ impl Linear {
         true
     }
 
-    /// Packs a dense bf16 weight into panels when `policy` runs on them
-    /// ([`MatmulPolicy::packs_weights`]), and unpacks one when it does not.
-    pub(super) fn pack_for(&mut self, policy: MatmulPolicy) {
-        let changed = match (&self.w, policy.packs_weights()) {
-            (LinearWeight::Dense(m), true) => Panels::pack(m).map(LinearWeight::Panels),
-            (LinearWeight::Panels(p), false) => Some(LinearWeight::Dense(p.to_matrix())),
+    /// The weight, when it is dense bf16 (what [`Panels`] pack).
+    pub(super) fn dense_bf16(&self) -> Option<&Matrix> {
+        match &self.w {
+            LinearWeight::Dense(m) if m.dtype() == crate::weights::DType::Bf16 => Some(m),
             _ => None,
-        };
-        if let Some(w) = changed {
-            self.w = w;
         }
     }
 

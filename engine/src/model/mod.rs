@@ -443,17 +443,9 @@ impl Model {
     /// policy follows).
     pub fn set_matmul_policy(&mut self, policy: MatmulPolicy) {
         self.matmul = policy;
-        for l in &mut self.layers {
-            for (_, lin) in l.linears_mut() {
-                lin.pack_for(policy);
-            }
-        }
-        match (&self.head_form, policy.packs_weights()) {
-            (None, true) if self.shard.computes_logits() => {
-                self.head_form = Panels::pack(self.head()).map(HeadForm::Panels);
-            }
-            (Some(HeadForm::Panels(_)), false) => self.head_form = None,
-            _ => {}
+        match policy.packs_weights() {
+            true => self.pack_weights(),
+            false => self.unpack_weights(),
         }
     }
 

@@ -1,8 +1,13 @@
-//! Weights quantized at load (`--quantize int4`) and what they weigh.
+//! Weights in forms of their own: quantized at load (`--quantize int4`),
+//! kept in GGUF blocks, packed into panels for bf16 activations; and what
+//! they weigh.
 
+use super::linear::Linear;
 use super::{HeadForm, Layer, LinearWeight, Model};
 use crate::error::Result;
+use crate::kernels::Panels;
 use crate::quant::{Int4Config, ResidualInt4};
+use crate::weights::Matrix;
 
 impl Model {
     /// Bytes of weights read per forward pass (every matrix once).
@@ -78,6 +83,57 @@ impl Model {
     /// [`linear_matrices`](Self::linear_matrices)).
     pub fn int4_matrices(&self) -> usize {
         self.count_linears(|w| matches!(w, LinearWeight::Int4(_)))
+    }
+
+    /// Packs every dense bf16 linear layer, and the head unless it has a
+    /// form of its own, into panels, all in one region on huge pages
+    /// ([`Panels::pack_all`]); a tied embedding stays as stored for its
+    /// lookups.
+    pub(super) fn pack_weights(&mut self) {
+        let mut linears: Vec<&mut Linear> = self
+            .layers
+            .iter_mut()
+            .flat_map(|l| l.linears_mut().map(|(_, lin)| lin))
+            .filter(|lin| lin.dense_bf16().is_some())
+            .collect();
+        let head = match (&self.head_form, self.shard.computes_logits()) {
+            (None, true) => Some(self.lm_head.as_ref().unwrap_or(&self.embed)),
+            _ => None,
+        };
+        let with_head = head.is_some();
+        let matrices: Vec<&Matrix> = linears
+            .iter()
+            .filter_map(|lin| lin.dense_bf16())
+            .chain(head)
+            .collect();
+        let mut packed = Panels::pack_all(&matrices).into_iter();
+        drop(matrices);
+        for lin in &mut linears {
+            if let Some(Some(p)) = packed.next() {
+                lin.w = LinearWeight::Panels(p);
+            }
+        }
+        if let (true, Some(Some(p))) = (with_head, packed.next()) {
+            self.head_form = Some(HeadForm::Panels(p));
+        }
+        let count = self.packed_matrices();
+        if count > 0 {
+            tracing::info!(matrices = count, "bf16 weights packed into panels");
+        }
+    }
+
+    /// Unpacks whatever [`Self::pack_weights`] packed.
+    pub(super) fn unpack_weights(&mut self) {
+        for l in &mut self.layers {
+            for (_, lin) in l.linears_mut() {
+                if let LinearWeight::Panels(p) = &lin.w {
+                    lin.w = LinearWeight::Dense(p.to_matrix());
+                }
+            }
+        }
+        if let Some(HeadForm::Panels(_)) = self.head_form {
+            self.head_form = None;
+        }
     }
 
     /// How many of the linear layers' matrices are packed into panels
