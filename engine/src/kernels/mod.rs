@@ -205,49 +205,54 @@ fn par_fused_rows(
     align: usize,
     rows: impl Fn(&Matrix, usize, usize, &mut [f32]) + Sync,
 ) {
-    for p in parts.iter() {
-        assert!(
-            p.out.len() >= m * p.w.rows,
-            "each output holds m × n values"
-        );
-    }
-    let sizes: Vec<usize> = parts.iter().map(|p| p.w.rows).collect();
-    let targets: Vec<(&Matrix, OutPtr)> = parts
+    let outputs = parts
         .iter_mut()
-        .map(|p| (p.w, OutPtr(p.out.as_mut_ptr())))
+        .map(|p| (p.w, p.w.rows, &mut *p.out))
         .collect();
-    par_parts(&sizes, align, |i, r0, r1| {
-        let (w, ptr) = targets[i];
-        // SAFETY: the task writes columns r0..r1 of output i only (the
-        // tasks partition each output's columns); the output holds m × n
-        // values (checked above) and outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * w.rows) };
-        rows(w, r0, r1, out);
-    });
+    par_outputs(m, outputs, align, rows);
 }
 
-/// Splits `sizes[i]` rows of every part `i` into ranges starting at
+/// Splits the `n` rows of every `(w, n, out)` into ranges starting at
 /// multiples of `align` (several per thread, for balance) and runs
-/// `task(i, r0, r1)` on each over rayon's pool: one hand-off for all parts.
-pub(crate) fn par_parts(sizes: &[usize], align: usize, task: impl Fn(usize, usize, usize) + Sync) {
-    let total: usize = sizes.iter().sum();
+/// `rows(w, r0, r1, out)` on each over rayon's pool: one hand-off for all
+/// of them. `out` is that part's whole `m × n` output; a task must write
+/// only its columns `r0..r1`.
+pub(crate) fn par_outputs<W: Copy + Sync>(
+    m: usize,
+    outputs: Vec<(W, usize, &mut [f32])>,
+    align: usize,
+    rows: impl Fn(W, usize, usize, &mut [f32]) + Sync,
+) {
+    for (_, n, out) in &outputs {
+        assert!(out.len() >= m * n, "each output holds m × n values");
+    }
+    let targets: Vec<(W, usize, OutPtr)> = outputs
+        .into_iter()
+        .map(|(w, n, out)| (w, n, OutPtr(out.as_mut_ptr())))
+        .collect();
+    let total: usize = targets.iter().map(|t| t.1).sum();
     let threads = rayon::current_num_threads().max(1);
     let chunk = total
         .div_ceil(threads * 4)
         .next_multiple_of(align)
         .max(align);
-    let tasks: Vec<(usize, usize, usize)> = sizes
+    let tasks: Vec<(usize, usize, usize)> = targets
         .iter()
         .enumerate()
-        .flat_map(|(i, &n)| {
+        .flat_map(|(i, &(_, n, _))| {
             (0..n)
                 .step_by(chunk)
                 .map(move |r0| (i, r0, (r0 + chunk).min(n)))
         })
         .collect();
-    tasks
-        .into_par_iter()
-        .for_each(|(i, r0, r1)| task(i, r0, r1));
+    tasks.into_par_iter().for_each(|(i, r0, r1)| {
+        let (w, n, ptr) = targets[i];
+        // SAFETY: the task writes columns r0..r1 of output i only (the
+        // tasks partition each output's columns); the output holds m × n
+        // values (asserted above) and outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+        rows(w, r0, r1, out);
+    });
 }
 
 /// Whether `w` runs on [`dpbf16`] under `policy`.

@@ -55,10 +55,15 @@ impl std::fmt::Debug for Panels {
     }
 }
 
-/// Bytes of `rows × cols` packed, when `w` packs (bf16, not empty).
+/// bf16 elements of one panel of `cols` columns.
+fn panel_len(cols: usize) -> usize {
+    cols.div_ceil(2) * LANES * 2
+}
+
+/// Bytes of `w` packed, when it packs (bf16, not empty).
 fn packed_size(w: &Matrix) -> Option<usize> {
     let packs = matches!(w.data, WeightData::Bf16(_)) && w.rows > 0 && w.cols > 0;
-    packs.then(|| w.rows.div_ceil(LANES) * w.cols.div_ceil(2) * LANES * 2 * 2)
+    packs.then(|| w.rows.div_ceil(LANES) * panel_len(w.cols) * 2)
 }
 
 impl Panels {
@@ -148,7 +153,7 @@ impl Panels {
 
     /// bf16 elements per panel.
     pub(crate) fn panel_len(&self) -> usize {
-        self.pairs() * LANES * 2
+        panel_len(self.cols)
     }
 
     /// Every panel, one after another.
@@ -161,9 +166,8 @@ impl Panels {
 /// layout: panel `p`, pair `j`, lane `r`, half `e` at
 /// `((p · pairs + j) · 16 + r) · 2 + e`.
 fn pack_into(data: &[bf16], rows: usize, cols: usize, packed: &mut [bf16]) {
-    let panel_len = cols.div_ceil(2) * LANES * 2;
     packed
-        .par_chunks_mut(panel_len)
+        .par_chunks_mut(panel_len(cols))
         .enumerate()
         .for_each(|(p, panel)| {
             for r in 0..LANES.min(rows - p * LANES) {
@@ -208,23 +212,11 @@ fn run(x: &[f32], m: usize, k: usize, parts: &mut [PanelLinear<'_>]) {
         return reference(x, m, parts);
     }
     let tokens = dpbf16::Bf16Tokens::new(x, m, k);
-    let targets: Vec<(&Panels, usize, super::OutPtr)> = parts
+    let outputs = parts
         .iter_mut()
-        .map(|p| (p.w, p.w.rows, super::OutPtr(p.out.as_mut_ptr())))
+        .map(|p| (p.w, p.w.rows, &mut *p.out))
         .collect();
-    let sizes: Vec<usize> = targets.iter().map(|t| t.1).collect();
-    for p in parts.iter() {
-        assert!(
-            p.out.len() >= m * p.w.rows,
-            "each output holds m × n values"
-        );
-    }
-    super::par_parts(&sizes, LANES, |i, r0, r1| {
-        let (w, n, ptr) = targets[i];
-        // SAFETY: the task writes columns r0..r1 of output i only (the
-        // tasks partition each output's columns); the output holds
-        // m × n values (asserted above) and outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+    super::par_outputs(m, outputs, LANES, |w: &Panels, r0, r1, out| {
         // SAFETY: `available()` holds (checked above); r0 is a multiple
         // of 16 and r1 <= n, so the panels lie inside `w`.
         unsafe { dpbf16::panels::rows(w, &tokens, out, r0 / LANES..r1.div_ceil(LANES)) };
