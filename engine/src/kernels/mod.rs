@@ -212,11 +212,15 @@ fn par_fused_rows(
     par_outputs(m, outputs, align, rows);
 }
 
-/// Splits the `n` rows of every `(w, n, out)` into ranges starting at
-/// multiples of `align` (several per thread, for balance) and runs
-/// `rows(w, r0, r1, out)` on each over rayon's pool: one hand-off for all
-/// of them. `out` is that part's whole `m × n` output; a task must write
-/// only its columns `r0..r1`.
+/// Splits the `n` rows of every `(w, n, out)` over rayon's pool and runs
+/// `rows(w, r0, r1, out)` on each piece: one hand-off for all of them.
+/// The outputs' rows, taken end to end in units of `align` (a range starts
+/// at a multiple of it), are cut into tasks of equal size (± one unit),
+/// several per thread; a task may finish one output and start the next.
+/// Equal tasks keep the threads level: rayon halves a task list by count,
+/// and unequal pieces (a matrix of 36 units in chunks of 5) had left one
+/// thread a fifth more than the other. `out` is that part's whole `m × n`
+/// output; a call must write only its columns `r0..r1`.
 pub(crate) fn par_outputs<W: Copy + Sync>(
     m: usize,
     outputs: Vec<(W, usize, &mut [f32])>,
@@ -226,32 +230,37 @@ pub(crate) fn par_outputs<W: Copy + Sync>(
     for (_, n, out) in &outputs {
         assert!(out.len() >= m * n, "each output holds m × n values");
     }
+    let align = align.max(1);
     let targets: Vec<(W, usize, OutPtr)> = outputs
         .into_iter()
         .map(|(w, n, out)| (w, n, OutPtr(out.as_mut_ptr())))
         .collect();
-    let total: usize = targets.iter().map(|t| t.1).sum();
+    // Unit u of output i covers its rows align·u .. align·(u + 1) (the last
+    // one clipped); `first[i]` is output i's first unit end to end.
+    let mut first = Vec::with_capacity(targets.len() + 1);
+    let mut units = 0;
+    for &(_, n, _) in &targets {
+        first.push(units);
+        units += n.div_ceil(align);
+    }
+    first.push(units);
     let threads = rayon::current_num_threads().max(1);
-    let chunk = total
-        .div_ceil(threads * 4)
-        .next_multiple_of(align)
-        .max(align);
-    let tasks: Vec<(usize, usize, usize)> = targets
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &(_, n, _))| {
-            (0..n)
-                .step_by(chunk)
-                .map(move |r0| (i, r0, (r0 + chunk).min(n)))
-        })
-        .collect();
-    tasks.into_par_iter().for_each(|(i, r0, r1)| {
-        let (w, n, ptr) = targets[i];
-        // SAFETY: the task writes columns r0..r1 of output i only (the
-        // tasks partition each output's columns); the output holds m × n
-        // values (asserted above) and outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
-        rows(w, r0, r1, out);
+    let tasks = units.min(threads * 4);
+    (0..tasks).into_par_iter().for_each(|task| {
+        let (u0, u1) = (task * units / tasks, (task + 1) * units / tasks);
+        for (i, &(w, n, ptr)) in targets.iter().enumerate() {
+            let (a, b) = (u0.max(first[i]), u1.min(first[i + 1]));
+            if a >= b {
+                continue;
+            }
+            let (r0, r1) = ((a - first[i]) * align, ((b - first[i]) * align).min(n));
+            // SAFETY: the tasks' unit ranges partition every output's rows,
+            // so this call writes columns r0..r1 of output i and no other
+            // task does; the output holds m × n values (asserted above)
+            // and outlives the parallel loop.
+            let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
+            rows(w, r0, r1, out);
+        }
     });
 }
 
@@ -540,6 +549,46 @@ pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    /// Every column of every output is written once, by a call for its own
+    /// output, in ranges that start on the alignment, whatever the sizes.
+    #[test]
+    fn par_outputs_covers_each_output_once_in_aligned_ranges() {
+        for (sizes, align) in [
+            (vec![576, 192, 192], 16),
+            (vec![36 * 16], 16),
+            (vec![5, 3, 1], 4),
+            (vec![1], 16),
+            (vec![0, 40, 0, 7], 8),
+        ] {
+            let m = 3;
+            let mut outs: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; m * n]).collect();
+            let outputs = outs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, o)| (i, sizes[i], o.as_mut_slice()))
+                .collect();
+            par_outputs(m, outputs, align, |i, r0, r1, out| {
+                assert_eq!(r0 % align, 0, "{sizes:?}: a range starts on the alignment");
+                assert!(
+                    r0 < r1 && r1 <= sizes[i],
+                    "{sizes:?}: {r0}..{r1} of {}",
+                    sizes[i]
+                );
+                for t in 0..m {
+                    for v in &mut out[t * sizes[i] + r0..t * sizes[i] + r1] {
+                        *v += (i + 1) as f32;
+                    }
+                }
+            });
+            for (i, o) in outs.iter().enumerate() {
+                assert!(
+                    o.iter().all(|&v| v == (i + 1) as f32),
+                    "{sizes:?}: output {i}"
+                );
+            }
+        }
+    }
 
     fn naive(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut out = vec![0.0; m * n];
