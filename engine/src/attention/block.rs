@@ -10,11 +10,17 @@
 //! load (each query still sums its own slots in slot order).
 //! Either way a query's arithmetic does not depend on the queries beside it.
 //!
-//! The AVX-512 scores read the block's keys transposed (`d × 16`: key `j` in
-//! lane `j`), made once per block for every query of the tile: a query is
-//! then `d` broadcast-multiply-adds into four accumulators and three adds,
-//! with no per-query transpose (prefill scores each block against tens of
-//! queries).
+//! An AVX-512 score is one order of sums whichever way it is computed: lane
+//! `l` of 16 multiplies and adds the elements `c ≡ l (mod 16)` in order of
+//! `c`, then a fixed tree adds the 16 lanes (`l` with `l + 8`, then with
+//! `l + 4`, `+ 2`, `+ 1`). A block scored by many queries (prefill) is
+//! transposed once (`d × 16`: key `j` in lane `j`) and each lane's sum is
+//! broadcast-multiply-adds down the columns; a block scored by a few
+//! (decode: one token under a KV head's query heads) is read as stored, a
+//! key row at a time against the query's vectors, and the 16 keys' lane
+//! sums are added across by shuffles: no transpose, which had cost a
+//! decode's attention a third of its time. The two give the same bits, so
+//! a query's scores do not depend on what else the tile holds.
 
 use std::ops::Range;
 
@@ -29,9 +35,26 @@ pub(super) const MAX_QUERIES: usize = 4;
 
 /// A block's keys as [`BlockMath::keys`] laid them out.
 pub(super) struct BlockKeys<'a> {
-    data: &'a [f32],
+    form: KeyForm<'a>,
     d: usize,
 }
+
+/// How [`BlockKeys`] holds a block's key rows.
+enum KeyForm<'a> {
+    /// f32 rows of `d` (the portable math).
+    Rows(&'a [f32]),
+    /// `d × 16`, slot `j` in lane `j` (AVX-512, many queries).
+    #[cfg(target_arch = "x86_64")]
+    Transposed(&'a [f32]),
+    /// The rows as stored, `rows` of them (AVX-512, a few queries).
+    #[cfg(target_arch = "x86_64")]
+    Stored(Rows<'a>, usize),
+}
+
+/// Most queries scoring a block for which [`BlockMath::keys`] leaves the
+/// keys as stored: each query then reduces its own 16 sums (30 shuffles),
+/// against the transpose's 256 for any number of queries.
+pub(super) const STORED_KEYS_MAX_QUERIES: usize = 8;
 
 /// A block's K or V rows as the math reads them: f32 (an f32 cache's own,
 /// or decoded), or a 16-bit cache's elements as stored, widened where they
@@ -45,6 +68,15 @@ pub(super) enum Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// Elements held.
+    fn len(self) -> usize {
+        match self {
+            Rows::F32(x) => x.len(),
+            Rows::Bf16(x) => x.len(),
+            Rows::F16(x) => x.len(),
+        }
+    }
+
     /// The rows as f32, decoded into `buf` if they are not.
     fn decoded<'b>(self, buf: &'b mut Vec<f32>) -> &'b [f32]
     where
@@ -91,21 +123,23 @@ impl BlockMath {
     }
 
     /// A block's `rows` (≤ 16) key rows of `d` in the layout [`Self::scores`]
-    /// reads: as they are for the portable math (16-bit rows decoded into
-    /// `scratch`); transposed into `scratch` (`d × 16`, slot `j` in lane
-    /// `j`) for AVX-512, once for every query that scores the block.
+    /// reads for `queries` queries: as they are for the portable math
+    /// (16-bit rows decoded into `scratch`); on AVX-512 as stored for at
+    /// most [`STORED_KEYS_MAX_QUERIES`], else transposed into `scratch`
+    /// (`d × 16`, slot `j` in lane `j`) once for all of them.
     pub fn keys<'a>(
         self,
         keys: Rows<'a>,
         rows: usize,
         d: usize,
         scratch: &'a mut [f32],
+        queries: usize,
     ) -> BlockKeys<'a> {
         match (self, keys) {
             (Self::Portable, Rows::F32(keys)) => {
                 assert!(rows <= SLOTS && keys.len() >= rows * d);
                 BlockKeys {
-                    data: &keys[..rows * d],
+                    form: KeyForm::Rows(&keys[..rows * d]),
                     d,
                 }
             }
@@ -115,7 +149,15 @@ impl BlockMath {
                 assert!(rows <= SLOTS && decoded.len() >= rows * d && scratch.len() >= rows * d);
                 scratch[..rows * d].copy_from_slice(&decoded[..rows * d]);
                 BlockKeys {
-                    data: &scratch[..rows * d],
+                    form: KeyForm::Rows(&scratch[..rows * d]),
+                    d,
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx512, keys) if queries <= STORED_KEYS_MAX_QUERIES => {
+                assert!(rows <= SLOTS && keys.len() >= rows * d);
+                BlockKeys {
+                    form: KeyForm::Stored(keys, rows),
                     d,
                 }
             }
@@ -133,7 +175,7 @@ impl BlockMath {
                     }
                 };
                 BlockKeys {
-                    data: &scratch[..d * SLOTS],
+                    form: KeyForm::Transposed(&scratch[..d * SLOTS]),
                     d,
                 }
             }
@@ -144,7 +186,7 @@ impl BlockMath {
     /// qs[i]·key[j] · scale · factors[j]` for the slots `j` in `slots`
     /// (within the block's rows; `factors` and each out are indexed by
     /// slot). A query's arithmetic is the same whichever queries share the
-    /// call.
+    /// call and whichever form the keys are in.
     pub fn scores(
         self,
         qs: &[&[f32]],
@@ -158,26 +200,34 @@ impl BlockMath {
         assert!(qs.len() <= MAX_QUERIES && qs.len() == outs.len());
         assert!(slots.end <= SLOTS && factors.len() >= slots.end);
         assert!(qs.iter().all(|q| q.len() == d) && outs.iter().all(|o| o.len() >= slots.end));
-        match self {
-            Self::Portable => {
+        match &keys.form {
+            KeyForm::Rows(data) => {
                 for (q, out) in qs.iter().zip(outs.iter_mut()) {
                     for j in slots.clone() {
-                        out[j] = crate::kernels::dot_f32(q, &keys.data[j * d..(j + 1) * d])
+                        out[j] = crate::kernels::dot_f32(q, &data[j * d..(j + 1) * d])
                             * (scale * factors[j]);
                     }
                 }
             }
-            // SAFETY: `Avx512` is chosen only where the CPU has AVX-512F
-            // and `d` is a multiple of 16; `keys` came from `Self::keys`
-            // (d × 16); the lengths are checked above.
+            // SAFETY (both arms): the AVX-512 forms are made only where the
+            // CPU has AVX-512F and `d` is a multiple of 16 (`Self::keys`,
+            // which also checked the rows' length); the other lengths are
+            // checked above.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe {
-                match qs.len() {
-                    4 => avx512::scores::<4>(qs, keys.data, scale, factors, outs, slots),
-                    3 => avx512::scores::<3>(qs, keys.data, scale, factors, outs, slots),
-                    2 => avx512::scores::<2>(qs, keys.data, scale, factors, outs, slots),
-                    1 => avx512::scores::<1>(qs, keys.data, scale, factors, outs, slots),
-                    _ => {}
+            KeyForm::Transposed(kt) => unsafe {
+                avx512::scores_by(qs, kt, scale, factors, outs, slots)
+            },
+            #[cfg(target_arch = "x86_64")]
+            &KeyForm::Stored(rows, n) => unsafe {
+                let sc = avx512::Scoring {
+                    scale,
+                    factors,
+                    slots,
+                };
+                match rows {
+                    Rows::F32(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
+                    Rows::Bf16(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
+                    Rows::F16(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
                 }
             },
         }
@@ -214,11 +264,7 @@ impl BlockMath {
     /// the block's rows of `d` from slot 0). A query's arithmetic is the
     /// same whichever queries share the call; the rows must not overlap.
     pub fn accumulate(self, out: &mut [f32], sums: &[WeightedSum<'_>], values: Rows<'_>, d: usize) {
-        let len = match values {
-            Rows::F32(v) => v.len(),
-            Rows::Bf16(v) => v.len(),
-            Rows::F16(v) => v.len(),
-        };
+        let len = values.len();
         assert!(sums.len() <= MAX_QUERIES);
         for (i, a) in sums.iter().enumerate() {
             assert!(a.row + d <= out.len() && a.slots.end <= a.weights.len());
@@ -262,226 +308,7 @@ pub(super) struct WeightedSum<'a> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use std::arch::x86_64::*;
-    use std::ops::Range;
-
-    use super::{WeightedSum, MAX_QUERIES};
-    use crate::kernels::simd512::{exp16, transpose16, Wide16};
-
-    /// Lanes `0..n` (n ≤ 16).
-    fn first(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            (1u16 << n) - 1
-        }
-    }
-
-    /// `rows` (≤ 16) key rows of `d` into `kt` (`d × 16`): `kt[c·16 + j] =
-    /// keys[j·d + c]` widened to f32, lanes past `rows` zero.
-    ///
-    /// # Safety
-    /// AVX-512F; `d` a multiple of 16; `kt` holds `d · 16` floats.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose_keys<E: Wide16>(
-        keys: &[E],
-        rows: usize,
-        d: usize,
-        kt: &mut [f32],
-    ) {
-        assert!(rows <= 16 && keys.len() >= rows * d && kt.len() >= d * 16);
-        for c in (0..d).step_by(16) {
-            let mut block = [_mm512_setzero_si512(); 16];
-            for (j, r) in block.iter_mut().enumerate().take(rows) {
-                // SAFETY: row j < rows has d elements from j·d; c + 16 ≤ d.
-                *r = _mm512_castps_si512(unsafe { E::load16(keys.as_ptr().add(j * d + c)) });
-            }
-            for (i, col) in transpose16(block).into_iter().enumerate() {
-                // SAFETY: (c + i)·16 + 16 ≤ d·16 ≤ kt's length.
-                unsafe { _mm512_storeu_si512(kt.as_mut_ptr().add((c + i) * 16).cast(), col) };
-            }
-        }
-    }
-
-    /// `Q` queries against one transposed block: each query `d`
-    /// broadcast-multiply-adds in four chains (columns `c ≡ 0, 1, 2, 3 mod
-    /// 4`), then `(a0 + a1) + (a2 + a3)`; the queries share each key-column
-    /// load.
-    ///
-    /// # Safety
-    /// AVX-512F; `qs` holds `Q` queries of `d` (a multiple of 16) and
-    /// `outs` `Q` rows; `kt` holds `d · 16` floats ([`transpose_keys`]);
-    /// `factors` and each out reach `slots.end` (≤ 16).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores<const Q: usize>(
-        qs: &[&[f32]],
-        kt: &[f32],
-        scale: f32,
-        factors: &[f32],
-        outs: &mut [&mut [f32]],
-        slots: Range<usize>,
-    ) {
-        let d = kt.len() / 16;
-        let mut q = [std::ptr::null::<f32>(); Q];
-        for (p, qv) in q.iter_mut().zip(qs) {
-            *p = qv.as_ptr();
-        }
-        let mut acc = [[_mm512_setzero_ps(); 4]; Q];
-        for c in (0..d).step_by(4) {
-            for u in 0..4 {
-                // SAFETY: c + u < d; kt row c + u has 16 floats, each query d.
-                unsafe {
-                    let k = _mm512_loadu_ps(kt.as_ptr().add((c + u) * 16));
-                    for (a, qp) in acc.iter_mut().zip(q) {
-                        a[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp.add(c + u)), k, a[u]);
-                    }
-                }
-            }
-        }
-        let mask = first(slots.end) & !first(slots.start);
-        // SAFETY: `factors` and each out hold `slots.end` floats; only the
-        // masked lanes are read or written.
-        let f = unsafe {
-            _mm512_mul_ps(
-                _mm512_set1_ps(scale),
-                _mm512_maskz_loadu_ps(mask, factors.as_ptr()),
-            )
-        };
-        for (a, out) in acc.iter().zip(outs.iter_mut()) {
-            let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-            // SAFETY: as above.
-            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(sum, f)) };
-        }
-    }
-
-    /// # Safety
-    /// AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn max(probs: &[f32]) -> f32 {
-        let none = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut m = none;
-        for chunk in probs.chunks(16) {
-            // SAFETY: the mask covers the chunk's floats only.
-            let p = unsafe { _mm512_mask_loadu_ps(none, first(chunk.len()), chunk.as_ptr()) };
-            m = _mm512_max_ps(m, p);
-        }
-        _mm512_reduce_max_ps(m)
-    }
-
-    /// # Safety
-    /// AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn exp_sum(probs: &mut [f32], max: f32) -> f32 {
-        let m = _mm512_set1_ps(max);
-        let mut sum = _mm512_setzero_ps();
-        for chunk in probs.chunks_mut(16) {
-            let mask = first(chunk.len());
-            // SAFETY: the mask covers the chunk's floats only.
-            unsafe {
-                let p = exp16(_mm512_sub_ps(
-                    _mm512_maskz_loadu_ps(mask, chunk.as_ptr()),
-                    m,
-                ));
-                _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, p);
-                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, p));
-            }
-        }
-        _mm512_reduce_add_ps(sum)
-    }
-
-    /// [`accumulate`] for `sums.len()` (1 to [`MAX_QUERIES`]) sums.
-    ///
-    /// # Safety
-    /// As [`accumulate`].
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_by<E: Wide16>(
-        out: &mut [f32],
-        sums: &[WeightedSum<'_>],
-        values: &[E],
-        d: usize,
-    ) {
-        const { assert!(MAX_QUERIES == 4) };
-        // SAFETY (each arm): the caller's promise.
-        unsafe {
-            match sums.len() {
-                4 => accumulate::<4, E>(out, sums, values, d),
-                3 => accumulate::<3, E>(out, sums, values, d),
-                2 => accumulate::<2, E>(out, sums, values, d),
-                1 => accumulate::<1, E>(out, sums, values, d),
-                _ => {}
-            }
-        }
-    }
-
-    /// `Q` weighted sums sharing each value load: per 16 columns, every
-    /// slot any of them sums is loaded once and multiply-added into the
-    /// sums whose slots hold it, so each sum is the same chain, in slot
-    /// order, as alone. The slots all of them hold run without a test.
-    ///
-    /// # Safety
-    /// AVX-512F; `d` a multiple of 16; `sums.len() == Q`, each row inside
-    /// `out` and apart from the others, its slots inside its weights and
-    /// `values` (rows of `d`).
-    #[target_feature(enable = "avx512f")]
-    unsafe fn accumulate<const Q: usize, E: Wide16>(
-        out: &mut [f32],
-        sums: &[WeightedSum<'_>],
-        values: &[E],
-        d: usize,
-    ) {
-        let (mut start, mut end, mut w) = ([0; Q], [0; Q], [std::ptr::null::<f32>(); Q]);
-        for (q, sum) in sums.iter().enumerate().take(Q) {
-            (start[q], end[q], w[q]) = (sum.slots.start, sum.slots.end, sum.weights.as_ptr());
-        }
-        let lo = start.iter().copied().min().unwrap_or(0);
-        let hi = end.iter().copied().max().unwrap_or(0);
-        // The slots every sum holds (empty when they do not meet).
-        let shared_lo = start.iter().copied().max().unwrap_or(0);
-        let shared_hi = end.iter().copied().min().unwrap_or(0).max(shared_lo);
-        let base = out.as_mut_ptr();
-        let v_at = |j: usize, c: usize| {
-            // SAFETY: j < some sum's slots.end, inside values' rows; c + 16 ≤ d.
-            unsafe { E::load16(values.as_ptr().add(j * d + c)) }
-        };
-        for c in (0..d).step_by(16) {
-            let mut acc = [_mm512_setzero_ps(); Q];
-            for (a, sum) in acc.iter_mut().zip(sums) {
-                // SAFETY: the row holds d floats from sum.row; c + 16 ≤ d.
-                *a = unsafe { _mm512_loadu_ps(base.add(sum.row + c)) };
-            }
-            let edge = |j: usize, acc: &mut [__m512; Q]| {
-                let v = v_at(j, c);
-                for q in 0..Q {
-                    if start[q] <= j && j < end[q] {
-                        // SAFETY: j is inside sum q's slots, so its weights.
-                        let wq = unsafe { *w[q].add(j) };
-                        acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(wq), v, acc[q]);
-                    }
-                }
-            };
-            // (start ≤ end for every sum, so lo ≤ shared_lo ≤ shared_hi ≤ hi.)
-            for j in lo..shared_lo {
-                edge(j, &mut acc);
-            }
-            for j in shared_lo..shared_hi {
-                let v = v_at(j, c);
-                for q in 0..Q {
-                    // SAFETY: j is inside every sum's slots.
-                    let wq = unsafe { *w[q].add(j) };
-                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(wq), v, acc[q]);
-                }
-            }
-            for j in shared_hi..hi {
-                edge(j, &mut acc);
-            }
-            for (a, sum) in acc.iter().zip(sums) {
-                // SAFETY: as for the load; the rows are apart.
-                unsafe { _mm512_storeu_ps(base.add(sum.row + c), *a) };
-            }
-        }
-    }
-}
+mod avx512;
 
 #[cfg(test)]
 mod tests {
@@ -502,10 +329,10 @@ mod tests {
             let factors = pseudo(span, 9);
             let (mut a, mut b) = (vec![0.0; span], vec![0.0; span]);
             let mut scratch = vec![0.0; d * 16];
-            let slow_keys = BlockMath::Portable.keys(Rows::F32(&keys), span, d, &mut []);
+            let slow_keys = BlockMath::Portable.keys(Rows::F32(&keys), span, d, &mut [], 1);
             let slots = 0..span;
             BlockMath::Portable.scores(&[&q], &slow_keys, 0.125, &factors, &mut [&mut a], slots);
-            let fast_keys = fast.keys(Rows::F32(&keys), span, d, &mut scratch);
+            let fast_keys = fast.keys(Rows::F32(&keys), span, d, &mut scratch, 1);
             fast.scores(&[&q], &fast_keys, 0.125, &factors, &mut [&mut b], 0..span);
             // Beside other queries a query's scores are the same bits; a
             // sub-range of slots writes those slots only.
@@ -574,6 +401,99 @@ mod tests {
         }
     }
 
+    /// A block's keys scored as stored (a few queries) and transposed (many)
+    /// give the same bits, for every row type, span, slot range and number
+    /// of queries sharing the call: a decode's scores are a prefill's.
+    #[test]
+    fn stored_and_transposed_keys_score_the_same_bits() {
+        let fast = BlockMath::for_head_dim(64);
+        if fast == BlockMath::Portable {
+            eprintln!("no AVX-512: nothing to compare");
+            return;
+        }
+        for d in [16, 64, 128] {
+            let qs: Vec<Vec<f32>> = (0..4).map(|i| pseudo(d, 40 + i)).collect();
+            for span in [1, 5, 15, 16] {
+                let raw = pseudo(span * d, span as u32 + 3);
+                let b: Vec<bf16> = raw.iter().map(|&x| bf16::from_f32(x)).collect();
+                let h: Vec<f16> = raw.iter().map(|&x| f16::from_f32(x)).collect();
+                let factors = pseudo(span, 11);
+                for rows in [Rows::F32(&raw), Rows::Bf16(&b), Rows::F16(&h)] {
+                    for queries in 1..=4 {
+                        let score = |hint: usize, slots: Range<usize>| {
+                            let mut scratch = vec![0.0; d * SLOTS];
+                            let keys = fast.keys(rows, span, d, &mut scratch, hint);
+                            let mut outs = vec![vec![-1.0; span]; queries];
+                            let q: Vec<&[f32]> = qs[..queries].iter().map(|q| &q[..]).collect();
+                            let mut o: Vec<&mut [f32]> =
+                                outs.iter_mut().map(|o| &mut o[..]).collect();
+                            fast.scores(&q, &keys, 0.3, &factors, &mut o, slots);
+                            outs
+                        };
+                        for slots in [0..span, span / 2..span] {
+                            let stored = score(1, slots.clone());
+                            let transposed = score(STORED_KEYS_MAX_QUERIES + 1, slots.clone());
+                            let label = format!("d {d} span {span} queries {queries} {slots:?}");
+                            assert_eq!(stored, transposed, "{label}");
+                            // The slots before the range are left alone.
+                            assert!(stored[0][..slots.start].iter().all(|&x| x == -1.0));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The weighted sums kept in registers across a block (rows of 64 or
+    /// 128) are the bits of the sums taken 16 columns at a time, for every
+    /// row type, number of sums and slot ranges that differ between them.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn resident_weighted_sums_match_them_by_columns() {
+        if BlockMath::for_head_dim(64) == BlockMath::Portable {
+            eprintln!("no AVX-512: nothing to compare");
+            return;
+        }
+        for d in [64, 128] {
+            let raw = pseudo(16 * d, 8);
+            let b: Vec<bf16> = raw.iter().map(|&x| bf16::from_f32(x)).collect();
+            let weights: Vec<Vec<f32>> = (0..4).map(|i| pseudo(16, 50 + i)).collect();
+            let ranges = [0..16, 3..11, 0..1, 5..16];
+            for count in 1..=4 {
+                let sums: Vec<WeightedSum<'_>> = (0..count)
+                    .map(|i| WeightedSum {
+                        row: i * d,
+                        weights: &weights[i],
+                        slots: ranges[i].clone(),
+                    })
+                    .collect();
+                let run = |resident: bool, values: Rows<'_>| {
+                    let mut out = pseudo(4 * d, 9);
+                    // SAFETY: AVX-512F is present (checked above); d is a
+                    // multiple of 16; the rows lie inside `out` apart, the
+                    // slots inside the weights and the 16 value rows.
+                    unsafe {
+                        match (resident, values) {
+                            (true, Rows::F32(v)) => avx512::accumulate_by(&mut out, &sums, v, d),
+                            (false, Rows::F32(v)) => {
+                                avx512::accumulate_by_columns(&mut out, &sums, v, d)
+                            }
+                            (true, Rows::Bf16(v)) => avx512::accumulate_by(&mut out, &sums, v, d),
+                            (false, Rows::Bf16(v)) => {
+                                avx512::accumulate_by_columns(&mut out, &sums, v, d)
+                            }
+                            _ => unreachable!("f32 and bf16 only here"),
+                        }
+                    }
+                    out
+                };
+                for values in [Rows::F32(&raw), Rows::Bf16(&b)] {
+                    assert_eq!(run(true, values), run(false, values), "d {d}, {count} sums");
+                }
+            }
+        }
+    }
+
     /// 16-bit rows widened as they are read give the bits of the same
     /// rows decoded first, on either math.
     #[test]
@@ -591,7 +511,7 @@ mod tests {
                 for (rows, decoded) in [(Rows::Bf16(&b), &b32), (Rows::F16(&h), &h32)] {
                     let score = |rows: Rows<'_>| {
                         let mut scratch = vec![0.0; d * SLOTS];
-                        let keys = math.keys(rows, span, d, &mut scratch);
+                        let keys = math.keys(rows, span, d, &mut scratch, 1);
                         let mut out = vec![0.0; span];
                         let ones = vec![1.0; span];
                         math.scores(&[&q], &keys, 0.5, &ones, &mut [&mut out], 0..span);

@@ -158,27 +158,32 @@ fn attend_in_tasks(call: &Call<'_, '_>, heads_per_task: usize, out: &mut [f32]) 
         layer_group: kv.groups().group(layer),
         math: BlockMath::for_head_dim(d),
     };
-    tasks.into_par_iter().for_each_init(
-        || TileScratch::new(bs, d, heads_per_task * QUERY_TILE),
-        |scratch, (s, h, t0, t1)| {
-            let seq = &seqs[s];
-            // The whole pointer, not its field (a field alone is not Sync).
-            let ptr = out_ptr;
-            // SAFETY: this task alone writes rows `seq.row + t0..t1`, heads
-            // `h..h + heads_per_task`, of `out` (tasks partition (sequence,
-            // head range, query tile)); `out` outlives the parallel loop and
-            // `out_len` is its length.
-            let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
-            let tile = QueryTile {
-                seq,
-                heads: h..h + heads_per_task,
-                kv_head: h / group,
-                t0,
-                t1,
-            };
-            attend_tile(q, &rows, &tile, scratch, o);
-        },
-    );
+    let tile_of = |(s, h, t0, t1): (usize, usize, usize, usize)| QueryTile {
+        seq: &seqs[s],
+        heads: h..h + heads_per_task,
+        kv_head: h / group,
+        t0,
+        t1,
+    };
+    let queries = heads_per_task * QUERY_TILE;
+    (0..tasks.len()).into_par_iter().for_each(|i| {
+        // The next task runs on this thread as a rule (rayon splits the
+        // range in halves): its rows come in while this one computes.
+        if let Some(&next) = tasks.get(i + 1) {
+            tile::prefetch_tile(&rows, &tile_of(next));
+        }
+        let tile = tile_of(tasks[i]);
+        // The whole pointer, not its field (a field alone is not Sync).
+        let ptr = out_ptr;
+        // SAFETY: this task alone writes rows `seq.row + t0..t1`, heads
+        // `h..h + heads_per_task`, of `out` (tasks partition (sequence,
+        // head range, query tile)); `out` outlives the parallel loop and
+        // `out_len` is its length.
+        let o = unsafe { std::slice::from_raw_parts_mut(ptr.0, out_len) };
+        TileScratch::with_thread_local(bs, d, queries, |scratch| {
+            attend_tile(q, &rows, &tile, scratch, o)
+        });
+    });
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! block with a copy may be read both ways; one that every query reads
 //! from the copy (a decode's last blocks) skips its codes.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use crate::kv_cache::{rotate_row, unrotate_row, CacheLevel, HalfRows, KvCache, LayerView};
@@ -100,12 +101,44 @@ pub(super) struct TileScratch {
     query_rows: Vec<usize>,
     /// Each token's `(s0, e, s1)` in the block at hand ([`attend_block`]).
     spans: Vec<Option<(usize, usize, usize)>>,
+    /// The block size, head size and queries the buffers are for.
+    dims: (usize, usize, usize),
 }
 
 impl TileScratch {
+    /// Runs `f` on this thread's buffers for up to `queries` (head, token)
+    /// pairs, made on the first call that needs them: a step's attention
+    /// runs a few hundred tasks per thread, and scratch made per task (or
+    /// per rayon split) was as many allocations of some 45 KB.
+    pub fn with_thread_local<R>(
+        bs: usize,
+        d: usize,
+        queries: usize,
+        f: impl FnOnce(&mut TileScratch) -> R,
+    ) -> R {
+        thread_local! {
+            static SCRATCH: RefCell<Option<TileScratch>> = const { RefCell::new(None) };
+        }
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut held) => {
+                let fits = held.as_ref().is_some_and(|sc| sc.dims == (bs, d, queries));
+                if !fits {
+                    *held = Some(Self::new(bs, d, queries));
+                }
+                match held.as_mut() {
+                    Some(sc) => f(sc),
+                    None => f(&mut Self::new(bs, d, queries)),
+                }
+            }
+            // Held by a caller further up this thread's stack: its own.
+            Err(_) => f(&mut Self::new(bs, d, queries)),
+        })
+    }
+
     /// Buffers for up to `queries` (head, token) pairs.
-    pub fn new(bs: usize, d: usize, queries: usize) -> Self {
+    fn new(bs: usize, d: usize, queries: usize) -> Self {
         Self {
+            dims: (bs, d, queries),
             rows: vec![0.0; bs * d],
             row_scales: vec![0.0; bs],
             probs: vec![0.0; queries * bs],
@@ -189,6 +222,25 @@ pub(super) fn attend_tile(
     finish(layer, tile, sc, out);
 }
 
+/// Asks for the K/V rows of `tile`'s first [`NEXT_TILE_BLOCKS`] blocks
+/// into L2: a task asks for the next one's while it computes, so a
+/// decode's tasks (one sequence's few blocks under one KV head, cold after
+/// the step's weights streamed through the caches) find their rows
+/// waiting (at batch 32 the tasks' summed time fell by a fifth). The task
+/// itself asks for the rest ahead of use (a long context's whole rows
+/// would not fit in L2).
+pub(super) fn prefetch_tile(layer: &LayerRows<'_>, tile: &QueryTile<'_, '_>) {
+    let n = tile.len();
+    let (lo, hi) = (tile.lo(0, &layer.scoring), tile.pos(n - 1));
+    let b0 = lo / layer.bs;
+    for b in b0..=(hi / layer.bs).min(b0 + NEXT_TILE_BLOCKS - 1) {
+        prefetch_block(layer, tile, b, hi, CacheLevel::L2);
+    }
+}
+
+/// How many of the next task's blocks a task asks for.
+const NEXT_TILE_BLOCKS: usize = 8;
+
 /// How many blocks ahead attention asks for K/V rows into L2.
 const L2_AHEAD: usize = 4;
 
@@ -250,7 +302,8 @@ fn attend_block(
         _ => None,
     };
     let has_recent = recent_keys.is_some();
-    let recent_keys = recent_keys.map(|k| math.keys(Rows::F32(k), rows, d, &mut sc.recent_laid));
+    let recent_keys =
+        recent_keys.map(|k| math.keys(Rows::F32(k), rows, d, &mut sc.recent_laid, queries));
     let codes = !has_recent || tile.cut(n - 1, window) > p0;
     let keys = codes.then(|| {
         let k = block_rows(
@@ -260,7 +313,7 @@ fn attend_block(
             &mut sc.rows[..rows * d],
             &mut sc.row_scales[..rows],
         );
-        math.keys(k, rows, d, &mut sc.keys_laid)
+        math.keys(k, rows, d, &mut sc.keys_laid, queries)
     });
     // Each token's slots of the span as span-relative `(s0, e, s1)`: it sees
     // `s0..s1` (none when the block is outside its window or in its
