@@ -336,7 +336,8 @@ pub fn start_engine(model: Option<&std::path::Path>, args: &EngineArgs) -> Resul
     // The backend's layout (a GPU or pipeline-split cache groups no layers).
     let kv_layout = core.kv_layout();
     let builtin = crate::default_model::is_default_model(&dir);
-    args.speculative.apply(&mut core, &dir, builtin)?;
+    args.speculative
+        .apply(&mut core, &dir, builtin, config.matmul)?;
     let lora = args.lora.apply(&mut core)?;
     args.kv_disk
         .apply(&mut core, &dir, &args.kv_values(&config))?;

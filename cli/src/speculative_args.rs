@@ -3,9 +3,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use tandem_engine::kernels::MatmulPolicy;
 use tandem_engine::serving::EngineCore;
 use tandem_engine::speculative::{DraftModelDrafter, Drafter, NgramDrafter, SpeculativeConfig};
-use tandem_engine::{CpuBackend, Model};
+use tandem_engine::{ComputeBackend, CpuBackend, Model};
 
 #[derive(Args, Debug, Clone)]
 pub struct SpeculativeArgs {
@@ -43,12 +44,15 @@ pub enum SpeculativeMethod {
 
 impl SpeculativeArgs {
     /// Turns speculation on in `core` (serving `target_dir`, the built-in
-    /// model when `builtin`) if asked.
+    /// model when `builtin`) if asked; a draft model runs the target's
+    /// matmul policy (its drafts are checked by the target, so bf16
+    /// activations cost them nothing but speed).
     pub fn apply(
         &self,
         core: &mut EngineCore,
         target_dir: &std::path::Path,
         builtin: bool,
+        matmul: MatmulPolicy,
     ) -> Result<()> {
         let Some(method) = self.speculative else {
             return Ok(());
@@ -85,7 +89,8 @@ impl SpeculativeArgs {
                     draft.truncate_layers(n)?;
                 }
                 let limits = core.limits();
-                let backend = CpuBackend::new(draft, limits.block_size, limits.num_blocks);
+                let mut backend = CpuBackend::new(draft, limits.block_size, limits.num_blocks);
+                backend.set_matmul_policy(matmul)?;
                 Box::new(DraftModelDrafter::new(
                     Box::new(backend),
                     core.model_config(),
