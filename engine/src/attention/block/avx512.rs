@@ -47,16 +47,24 @@ pub(super) struct Scoring<'a> {
 }
 
 impl Scoring<'_> {
-    /// The slots' lanes, and `scale · factors` in them.
+    /// Each query's 16 sums (a vector over slots) times `scale ·
+    /// factors[j]`, into its out's slots.
     ///
     /// # Safety
-    /// AVX-512F; `factors` holds `slots.end` (≤ 16) floats.
+    /// AVX-512F; `factors` and each out hold `slots.end` (≤ 16) floats.
+    #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn mask_and_factors(&self) -> (__mmask16, __m512) {
+    unsafe fn store<const Q: usize>(&self, sums: &[__m512; Q], outs: &mut [&mut [f32]]) {
         let mask = first(self.slots.end) & !first(self.slots.start);
-        // SAFETY: only the masked lanes, inside `factors`, are read.
-        let f = unsafe { _mm512_maskz_loadu_ps(mask, self.factors.as_ptr()) };
-        (mask, _mm512_mul_ps(_mm512_set1_ps(self.scale), f))
+        // SAFETY: only the masked lanes, inside `factors` and each out, are
+        // read or written.
+        unsafe {
+            let f = _mm512_maskz_loadu_ps(mask, self.factors.as_ptr());
+            let f = _mm512_mul_ps(_mm512_set1_ps(self.scale), f);
+            for (sum, out) in sums.iter().zip(outs.iter_mut()) {
+                _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(*sum, f));
+            }
+        }
     }
 }
 
@@ -181,14 +189,8 @@ unsafe fn scores<const Q: usize>(
     let q: [*const f32; Q] = std::array::from_fn(|i| qs[i].as_ptr());
     // SAFETY: the caller's promise.
     let sums = unsafe { lane_tree::<Q>(&q, kt, d) };
-    // SAFETY: `factors` and each out hold `slots.end` floats; only the
-    // masked lanes are read or written.
-    unsafe {
-        let (mask, f) = sc.mask_and_factors();
-        for (sum, out) in sums.iter().zip(outs.iter_mut()) {
-            _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(*sum, f));
-        }
-    }
+    // SAFETY: the caller's promise.
+    unsafe { sc.store(&sums, outs) }
 }
 
 /// [`scores_stored`] for `qs.len()` (1 to [`MAX_QUERIES`]) queries.
@@ -246,13 +248,8 @@ unsafe fn scores_stored<const Q: usize, E: Wide16>(
     let l2: [[__m512; Q]; 4] = std::array::from_fn(|i| across::<Q, 2>(l1[2 * i], l1[2 * i + 1]));
     let l3 = [across::<Q, 3>(l2[0], l2[1]), across::<Q, 3>(l2[2], l2[3])];
     let sums = across::<Q, 4>(l3[0], l3[1]);
-    // SAFETY: as in `scores`.
-    unsafe {
-        let (mask, f) = sc.mask_and_factors();
-        for (sum, out) in sums.iter().zip(outs.iter_mut()) {
-            _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, _mm512_mul_ps(*sum, f));
-        }
-    }
+    // SAFETY: the caller's promise.
+    unsafe { sc.store(&sums, outs) }
 }
 
 /// Key `j`'s 16 lane sums against each of `Q` queries (zero past
