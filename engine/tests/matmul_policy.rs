@@ -56,3 +56,71 @@ fn bf16_activations_pack_the_weights_and_another_policy_unpacks_them() {
         assert_eq!(logits(&model, &tokens), exact, "{preset}: unpacked");
     }
 }
+
+/// Resident kB of this process's mappings of files under `dir`.
+#[cfg(target_os = "linux")]
+fn mapped_rss_kb(dir: &std::path::Path) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+    let dir = dir.to_string_lossy();
+    let mut inside = false;
+    let mut kb = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("Rss:") if inside => {
+                kb += words
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+            // A mapping's header: its address range first, its path last.
+            Some(first) if first.contains('-') && !first.ends_with(':') => {
+                inside = line
+                    .split_whitespace()
+                    .last()
+                    .is_some_and(|p| p.starts_with(&*dir));
+            }
+            _ => {}
+        }
+    }
+    kb
+}
+
+/// Packing a model read from a mapped file drops the pages it read: the
+/// packed copy replaces them (a tied or separate head too; an embedding
+/// lookup faults a row's page back in), and the logits are the packed ones.
+#[cfg(target_os = "linux")]
+#[test]
+fn packing_a_mapped_model_releases_the_file_pages_it_read() {
+    if !MatmulPolicy::Bf16Activations.packs_weights() {
+        eprintln!("skipped: this CPU has no AVX512-BF16");
+        return;
+    }
+    for preset in ["small", "tiny-mqa"] {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        tandem_engine::synth::preset(preset)
+            .expect("preset")
+            .write(tmp.path(), 5, DType::Bf16)
+            .expect("write checkpoint");
+        let mut model =
+            Model::load_with(tmp.path(), tandem_engine::weights::Residency::Mapped).expect("load");
+        assert!(model.weights_mapped(), "{preset}");
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
+        logits(&model, &tokens);
+        let before = mapped_rss_kb(tmp.path());
+        model.set_matmul_policy(MatmulPolicy::Bf16Activations);
+        let packed = logits(&model, &tokens);
+        let after = mapped_rss_kb(tmp.path());
+        // tiny-mqa's matrices are a few pages each, and the pages a matrix
+        // shares with its neighbours stay: less, not a quarter.
+        let factor = if preset == "small" { 4 } else { 1 };
+        assert!(
+            after * factor < before,
+            "{preset}: {after} kB of the file resident after packing, {before} kB before"
+        );
+        // The same model packed from a resident copy gives the same logits.
+        let mut resident = Model::load(tmp.path()).expect("load");
+        resident.set_matmul_policy(MatmulPolicy::Bf16Activations);
+        assert_eq!(logits(&resident, &tokens), packed, "{preset}");
+    }
+}

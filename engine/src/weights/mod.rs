@@ -104,6 +104,15 @@ impl<T> Buf<T> {
     pub fn is_mapped(&self) -> bool {
         matches!(self.inner, BufInner::Mapped { .. })
     }
+
+    /// Drops the whole pages of these elements from the process's resident
+    /// set where they are a mapped file's ([`Backing::release_pages`]): for
+    /// a matrix copied elsewhere (packed), whose pages the copy read.
+    fn release_pages(&self) {
+        if let BufInner::Mapped { _map, ptr, len } = &self.inner {
+            _map.release_pages(ptr.cast(), len * std::mem::size_of::<T>());
+        }
+    }
 }
 
 impl<T: bytemuck::Pod> Buf<T> {
@@ -176,6 +185,16 @@ impl Matrix {
             WeightData::F32(b) => b.is_mapped(),
             WeightData::Bf16(b) => b.is_mapped(),
             WeightData::F16(b) => b.is_mapped(),
+        }
+    }
+
+    /// Drops the matrix's pages from the resident set if it is read from a
+    /// mapped file (a no-op otherwise): called when a copy replaces it.
+    pub fn release_pages(&self) {
+        match &self.data {
+            WeightData::F32(b) => b.release_pages(),
+            WeightData::Bf16(b) => b.release_pages(),
+            WeightData::F16(b) => b.release_pages(),
         }
     }
 

@@ -56,6 +56,33 @@ impl Deref for Backing {
 }
 
 impl Backing {
+    /// Drops the whole pages of `bytes` bytes from `start` (inside this
+    /// backing) from the process's resident set, if it is a mapped file:
+    /// `MADV_DONTNEED` on a read-only private file mapping unmaps the pages
+    /// and leaves the file's page cache alone; a later read faults them back
+    /// in from the file, so nothing is lost. A resident copy is left as it
+    /// is (on anonymous memory the advice would zero it).
+    pub(super) fn release_pages(&self, start: *const u8, bytes: usize) {
+        let Self::Mapped(map) = self else {
+            return;
+        };
+        let base = map.as_ptr() as usize;
+        let (from, to) = (start as usize, start as usize + bytes);
+        assert!(
+            from >= base && to <= base + map.len(),
+            "a range of this mapping"
+        );
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let (lo, hi) = (from.next_multiple_of(page), to / page * page);
+        if lo < hi {
+            // SAFETY: [lo, hi) is whole pages inside this read-only private
+            // file mapping (asserted above), which nothing writes; dropping
+            // them only makes the next read fault the file's bytes in again.
+            unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
+        }
+    }
+
     /// `path` held as `residency` asks.
     pub(super) fn open(path: &Path, residency: Residency) -> Result<Self> {
         let io = |source| EngineError::Io {
