@@ -135,6 +135,9 @@ impl BlockMath {
         scratch: &'a mut [f32],
         queries: usize,
     ) -> BlockKeys<'a> {
+        // Only the AVX-512 forms choose by the number of queries.
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (queries, STORED_KEYS_MAX_QUERIES);
         match (self, keys) {
             (Self::Portable, Rows::F32(keys)) => {
                 assert!(rows <= SLOTS && keys.len() >= rows * d);
