@@ -43,12 +43,9 @@ pub(super) struct BlockKeys<'a> {
 enum KeyForm<'a> {
     /// f32 rows of `d` (the portable math).
     Rows(&'a [f32]),
-    /// `d × 16`, slot `j` in lane `j` (AVX-512, many queries).
+    /// Transposed or as stored, for the AVX-512 math.
     #[cfg(target_arch = "x86_64")]
-    Transposed(&'a [f32]),
-    /// The rows as stored, `rows` of them (AVX-512, a few queries).
-    #[cfg(target_arch = "x86_64")]
-    Stored(Rows<'a>, usize),
+    Fast(avx512::Keys<'a>),
 }
 
 /// Most queries scoring a block for which [`BlockMath::keys`] leaves the
@@ -160,7 +157,7 @@ impl BlockMath {
             (Self::Avx512, keys) if queries <= STORED_KEYS_MAX_QUERIES => {
                 assert!(rows <= SLOTS && keys.len() >= rows * d);
                 BlockKeys {
-                    form: KeyForm::Stored(keys, rows),
+                    form: KeyForm::Fast(avx512::Keys::Stored(keys, rows)),
                     d,
                 }
             }
@@ -178,7 +175,7 @@ impl BlockMath {
                     }
                 };
                 BlockKeys {
-                    form: KeyForm::Transposed(&scratch[..d * SLOTS]),
+                    form: KeyForm::Fast(avx512::Keys::Transposed(&scratch[..d * SLOTS])),
                     d,
                 }
             }
@@ -212,26 +209,18 @@ impl BlockMath {
                     }
                 }
             }
-            // SAFETY (both arms): the AVX-512 forms are made only where the
-            // CPU has AVX-512F and `d` is a multiple of 16 (`Self::keys`,
-            // which also checked the rows' length); the other lengths are
-            // checked above.
+            // SAFETY: the AVX-512 forms are made only where the CPU has
+            // AVX-512F and `d` is a multiple of 16 (`Self::keys`, which also
+            // checked the rows' length); the other lengths are checked
+            // above.
             #[cfg(target_arch = "x86_64")]
-            KeyForm::Transposed(kt) => unsafe {
-                avx512::scores_by(qs, kt, scale, factors, outs, slots)
-            },
-            #[cfg(target_arch = "x86_64")]
-            &KeyForm::Stored(rows, n) => unsafe {
+            &KeyForm::Fast(keys) => unsafe {
                 let sc = avx512::Scoring {
                     scale,
                     factors,
                     slots,
                 };
-                match rows {
-                    Rows::F32(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
-                    Rows::Bf16(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
-                    Rows::F16(k) => avx512::scores_stored_by(qs, k, n, d, &sc, outs),
-                }
+                avx512::scores_by(qs, keys, d, &sc, outs)
             },
         }
     }

@@ -6,7 +6,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{WeightedSum, MAX_QUERIES};
+use half::{bf16, f16};
+
+use super::{Rows, WeightedSum, MAX_QUERIES};
 use crate::kernels::simd512::{exp16, transpose16, Wide16};
 
 /// Lanes `0..n` (n ≤ 16).
@@ -138,6 +140,16 @@ unsafe fn lane_sum<const Q: usize>(
     acc
 }
 
+/// A block's keys in a form [`scores`] reads.
+#[derive(Clone, Copy)]
+pub(super) enum Keys<'a> {
+    /// `d × 16`, slot `j` in lane `j` ([`transpose_keys`]): for many
+    /// queries.
+    Transposed(&'a [f32]),
+    /// The block's rows as stored, `rows` of them: for a few.
+    Stored(Rows<'a>, usize),
+}
+
 /// [`scores`] for `qs.len()` (1 to [`MAX_QUERIES`]) queries.
 ///
 /// # Safety
@@ -145,76 +157,50 @@ unsafe fn lane_sum<const Q: usize>(
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn scores_by(
     qs: &[&[f32]],
-    kt: &[f32],
-    scale: f32,
-    factors: &[f32],
+    keys: Keys<'_>,
+    d: usize,
+    sc: &Scoring<'_>,
     outs: &mut [&mut [f32]],
-    slots: Range<usize>,
 ) {
     const { assert!(MAX_QUERIES == 4) };
-    let sc = Scoring {
-        scale,
-        factors,
-        slots,
-    };
     // SAFETY (each arm): the caller's promise.
     unsafe {
         match qs.len() {
-            4 => scores::<4>(qs, kt, &sc, outs),
-            3 => scores::<3>(qs, kt, &sc, outs),
-            2 => scores::<2>(qs, kt, &sc, outs),
-            1 => scores::<1>(qs, kt, &sc, outs),
+            4 => scores::<4>(qs, keys, d, sc, outs),
+            3 => scores::<3>(qs, keys, d, sc, outs),
+            2 => scores::<2>(qs, keys, d, sc, outs),
+            1 => scores::<1>(qs, keys, d, sc, outs),
             _ => {}
         }
     }
 }
 
-/// `Q` queries against one transposed block (`kt`: `d × 16`): lane `l`'s
-/// sum, for all 16 slots at once, is the broadcast-multiply-adds of
-/// columns `l, l + 16, …` in order, then [`lane_tree`]; the queries
-/// share each column's load.
+/// `Q` queries' scores against one block, in either form (the same bits):
+/// [`lane_tree`] over a transposed block, [`stored_sums`] over the rows as
+/// stored; then scaled into each out.
 ///
 /// # Safety
-/// AVX-512F; `qs` holds `Q` queries of `d` (a multiple of 16) and
-/// `outs` `Q` rows; `kt` holds `d · 16` floats ([`transpose_keys`]);
-/// `factors` and each out reach `slots.end` (≤ 16).
+/// AVX-512F; `d` a multiple of 16; `qs` holds `Q` queries of `d` and
+/// `outs` `Q` rows; a transposed block holds `d · 16` floats, stored rows
+/// `rows · d` elements; `factors` and each out reach `slots.end` (≤ 16).
 #[target_feature(enable = "avx512f")]
 unsafe fn scores<const Q: usize>(
     qs: &[&[f32]],
-    kt: &[f32],
-    sc: &Scoring<'_>,
-    outs: &mut [&mut [f32]],
-) {
-    let d = kt.len() / 16;
-    let q: [*const f32; Q] = std::array::from_fn(|i| qs[i].as_ptr());
-    // SAFETY: the caller's promise.
-    let sums = unsafe { lane_tree::<Q>(&q, kt, d) };
-    // SAFETY: the caller's promise.
-    unsafe { sc.store(&sums, outs) }
-}
-
-/// [`scores_stored`] for `qs.len()` (1 to [`MAX_QUERIES`]) queries.
-///
-/// # Safety
-/// As [`scores_stored`].
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn scores_stored_by<E: Wide16>(
-    qs: &[&[f32]],
-    keys: &[E],
-    rows: usize,
+    keys: Keys<'_>,
     d: usize,
     sc: &Scoring<'_>,
     outs: &mut [&mut [f32]],
 ) {
-    // SAFETY (each arm): the caller's promise.
+    let q: [*const f32; Q] = std::array::from_fn(|i| qs[i].as_ptr());
+    // SAFETY (every arm, and the store): the caller's promise.
     unsafe {
-        match qs.len() {
-            4 => scores_stored::<4, E>(qs, keys, rows, d, sc, outs),
-            3 => scores_stored::<3, E>(qs, keys, rows, d, sc, outs),
-            2 => scores_stored::<2, E>(qs, keys, rows, d, sc, outs),
-            1 => scores_stored::<1, E>(qs, keys, rows, d, sc, outs),
-            _ => {}
-        }
+        let sums = match keys {
+            Keys::Transposed(kt) => lane_tree::<Q>(&q, kt, d),
+            Keys::Stored(Rows::F32(k), rows) => stored_sums::<Q, f32>(&q, k, rows, d),
+            Keys::Stored(Rows::Bf16(k), rows) => stored_sums::<Q, bf16>(&q, k, rows, d),
+            Keys::Stored(Rows::F16(k), rows) => stored_sums::<Q, f16>(&q, k, rows, d),
+        };
+        sc.store(&sums, outs)
     }
 }
 
@@ -223,33 +209,28 @@ pub(super) unsafe fn scores_stored_by<E: Wide16>(
 /// order of `c`) in one vector, the key's 16-element pieces loaded once
 /// for the queries; then the 16 keys' vectors are added across in the
 /// order of [`lane_tree`] with the keys fed so that key `j` lands in
-/// lane `j`. The same bits as [`scores`] on the transposed block.
+/// lane `j`. The same bits as [`lane_tree`] on the transposed block.
 ///
 /// # Safety
-/// AVX-512F; `d` a multiple of 16; `qs` holds `Q` queries of `d` and
-/// `outs` `Q` rows; `keys` holds `rows · d` elements; `factors` and
-/// each out reach `slots.end` (≤ 16).
+/// AVX-512F; `d` a multiple of 16; each query holds `d` floats and
+/// `keys` `rows · d` elements.
+#[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn scores_stored<const Q: usize, E: Wide16>(
-    qs: &[&[f32]],
+unsafe fn stored_sums<const Q: usize, E: Wide16>(
+    q: &[*const f32; Q],
     keys: &[E],
     rows: usize,
     d: usize,
-    sc: &Scoring<'_>,
-    outs: &mut [&mut [f32]],
-) {
-    let q: [*const f32; Q] = std::array::from_fn(|i| qs[i].as_ptr());
+) -> [__m512; Q] {
     // Input `p` of the adds across lands in lane `4·(p mod 4) + p / 4`
     // (a 4 × 4 transpose, its own inverse), so input p is that key.
-    // SAFETY (both): the caller's promise.
-    let input = |p: usize| unsafe { key_lanes::<Q, E>(&q, keys, 4 * (p % 4) + p / 4, rows, d) };
+    // SAFETY: the caller's promise.
+    let input = |p: usize| unsafe { key_lanes::<Q, E>(q, keys, 4 * (p % 4) + p / 4, rows, d) };
     let l1: [[__m512; Q]; 8] =
         std::array::from_fn(|i| across::<Q, 1>(input(2 * i), input(2 * i + 1)));
     let l2: [[__m512; Q]; 4] = std::array::from_fn(|i| across::<Q, 2>(l1[2 * i], l1[2 * i + 1]));
     let l3 = [across::<Q, 3>(l2[0], l2[1]), across::<Q, 3>(l2[2], l2[3])];
-    let sums = across::<Q, 4>(l3[0], l3[1]);
-    // SAFETY: the caller's promise.
-    unsafe { sc.store(&sums, outs) }
+    across::<Q, 4>(l3[0], l3[1])
 }
 
 /// Key `j`'s 16 lane sums against each of `Q` queries (zero past
@@ -287,7 +268,7 @@ unsafe fn key_lanes<const Q: usize, E: Wide16>(
     acc
 }
 
-/// One level of the adds across two inputs of [`scores_stored`]: level
+/// One level of the adds across two inputs of [`stored_sums`]: level
 /// 1 gives lanes 0–7 of `a` and 8–15 of `b`, each `l + (l + 8)`; level
 /// 2 adds 128-bit quarters (`l + 4`), levels 3 and 4 within quarters
 /// (`l + 2`, `l + 1`).
