@@ -58,6 +58,12 @@ impl QueryTile<'_, '_> {
             .map_or(0, |w| (self.pos(i) + 1).saturating_sub(w))
     }
 
+    /// The keys any of the tile's queries sees: the first token's window
+    /// start to the last token's position.
+    fn key_range(&self, scoring: &Scoring<'_>) -> (usize, usize) {
+        (self.lo(0, scoring), self.pos(self.len() - 1))
+    }
+
     /// First position token `i` reads from a recent copy.
     fn cut(&self, i: usize, recent: Option<usize>) -> usize {
         recent.map_or(usize::MAX, |w| (self.pos(i) + 1).saturating_sub(w))
@@ -121,14 +127,10 @@ impl TileScratch {
         }
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
             Ok(mut held) => {
-                let fits = held.as_ref().is_some_and(|sc| sc.dims == (bs, d, queries));
-                if !fits {
-                    *held = Some(Self::new(bs, d, queries));
+                if held.as_ref().is_some_and(|sc| sc.dims != (bs, d, queries)) {
+                    *held = None;
                 }
-                match held.as_mut() {
-                    Some(sc) => f(sc),
-                    None => f(&mut Self::new(bs, d, queries)),
-                }
+                f(held.get_or_insert_with(|| Self::new(bs, d, queries)))
             }
             // Held by a caller further up this thread's stack: its own.
             Err(_) => f(&mut Self::new(bs, d, queries)),
@@ -185,9 +187,7 @@ pub(super) fn attend_tile(
     }
     sc.m[..queries].fill(f32::NEG_INFINITY);
     sc.l[..queries].fill(0.0);
-    // Keys any query of the tile sees: the first token's window start to
-    // the last token's position.
-    let (lo, hi) = (tile.lo(0, &layer.scoring), tile.pos(n - 1));
+    let (lo, hi) = tile.key_range(&layer.scoring);
     let (b0, b1) = (lo / bs, hi / bs);
     // Blocks ahead arrive while earlier ones are worked on: the next one
     // into L1, the one L2_AHEAD on into L2 (and the first ones now).
@@ -230,8 +230,7 @@ pub(super) fn attend_tile(
 /// itself asks for the rest ahead of use (a long context's whole rows
 /// would not fit in L2).
 pub(super) fn prefetch_tile(layer: &LayerRows<'_>, tile: &QueryTile<'_, '_>) {
-    let n = tile.len();
-    let (lo, hi) = (tile.lo(0, &layer.scoring), tile.pos(n - 1));
+    let (lo, hi) = tile.key_range(&layer.scoring);
     let b0 = lo / layer.bs;
     for b in b0..=(hi / layer.bs).min(b0 + NEXT_TILE_BLOCKS - 1) {
         prefetch_block(layer, tile, b, hi, CacheLevel::L2);

@@ -116,7 +116,8 @@ pub(crate) fn par_row_ranges(
     par_row_ranges_by(n, m, out, 4, rows);
 }
 
-/// [`par_row_ranges`] with every range starting at a multiple of `align`.
+/// [`par_row_ranges`] with every range starting at a multiple of `align`:
+/// [`par_outputs`] with one output.
 pub(crate) fn par_row_ranges_by(
     n: usize,
     m: usize,
@@ -124,19 +125,8 @@ pub(crate) fn par_row_ranges_by(
     align: usize,
     rows: impl Fn(usize, usize, &mut [f32]) + Sync,
 ) {
-    assert!(out.len() >= m * n, "the output holds m × n values");
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = (n.div_ceil(threads * 4)).next_multiple_of(align).max(align);
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let r0 = c * chunk;
-        let r1 = (r0 + chunk).min(n);
-        let ptr = out_ptr;
-        // SAFETY: task `c` writes out[t * n + r] only for r in r0..r1 (the
-        // contract of `rows`), a range no other task touches; `out` holds
-        // m × n values (checked above) and outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, m * n) };
-        rows(r0, r1, out);
+    par_outputs(m, vec![((), n, out)], align, |(), r0, r1, out| {
+        rows(r0, r1, out)
     });
 }
 
