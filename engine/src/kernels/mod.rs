@@ -20,7 +20,8 @@
 //! * bf16 weights under [`MatmulPolicy::Bf16Activations`], where the CPU
 //!   has AVX512-BF16 ([`dpbf16`]): activations rounded to bf16 meet the
 //!   weights on `vdpbf16ps`, twice the vector kernels' arithmetic rate, at
-//!   every batch size. A model's linear layers are packed for it into
+//!   every batch size; with AVX2 alone, the same chains on FMAs
+//!   ([`dpbf16::fma`]). A model's linear layers are packed for it into
 //!   panels ([`Panels`], [`linear_panels`]) when the policy is set.
 //!
 //! INT4 weights have their own kernels ([`int4`]): integer dot products
@@ -69,6 +70,11 @@ pub fn linear(
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
+    #[cfg(target_arch = "x86_64")]
+    if policy.rounds_for_rows(w) {
+        let x = dpbf16::fma::rounded(x);
+        return linear(&x, m, w, bias, MatmulPolicy::BatchInvariant, out);
+    }
     if uses_dpbf16(w, policy) {
         linear_dpbf16(x, m, &mut [FusedLinear { w, bias: None, out }]);
     } else if uses_amx(m, w, policy) {
@@ -163,6 +169,11 @@ pub struct FusedLinear<'a> {
 /// (the same kernel over the same rows; a row's result does not depend on
 /// the range it was computed in). The GEMM path runs them one by one.
 pub fn linear_fused(x: &[f32], m: usize, parts: &mut [FusedLinear<'_>], policy: MatmulPolicy) {
+    #[cfg(target_arch = "x86_64")]
+    if parts.iter().all(|p| policy.rounds_for_rows(p.w)) {
+        let x = dpbf16::fma::rounded(x);
+        return linear_fused(&x, m, parts, MatmulPolicy::BatchInvariant);
+    }
     if parts.iter().all(|p| uses_dpbf16(p.w, policy)) {
         linear_dpbf16(x, m, parts);
         add_biases(m, parts);

@@ -207,20 +207,57 @@ pub fn linear_panels(x: &[f32], m: usize, parts: &mut [PanelLinear<'_>]) {
 
 #[cfg(target_arch = "x86_64")]
 fn run(x: &[f32], m: usize, k: usize, parts: &mut [PanelLinear<'_>]) {
-    use super::dpbf16;
-    if !dpbf16::available() {
-        return reference(x, m, parts);
+    use super::dpbf16::{self, fma, panels};
+    if dpbf16::available() {
+        let tokens = dpbf16::Bf16Tokens::new(x, m, k);
+        // SAFETY: `available()` holds (checked above).
+        unsafe { run_on::<panels::Dpbf16>(tokens.rows(), parts) }
+    } else if fma::available() {
+        let tokens = fma::F32Tokens::new(x, m, k);
+        // SAFETY: `available()` holds (checked above).
+        unsafe { run_on::<fma::Fma>(tokens.rows(), parts) }
+    } else {
+        reference(x, m, parts)
     }
-    let tokens = dpbf16::Bf16Tokens::new(x, m, k);
+}
+
+/// `parts` on kernel `K`, their panels split over the pool.
+///
+/// # Safety
+/// The CPU has `K`'s features; `x`'s rows are readable as
+/// [`super::dpbf16::panels::TokenRows`] says and stay alive.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_on<K: super::dpbf16::panels::PanelKernel<X: Copy>>(
+    x: super::dpbf16::panels::TokenRows<K::X>,
+    parts: &mut [PanelLinear<'_>],
+) {
     let outputs = parts
         .iter_mut()
         .map(|p| (p.w, p.w.rows, &mut *p.out))
         .collect();
-    super::par_outputs(m, outputs, LANES, |w: &Panels, r0, r1, out| {
-        // SAFETY: `available()` holds (checked above); r0 is a multiple
-        // of 16 and r1 <= n, so the panels lie inside `w`.
-        unsafe { dpbf16::panels::rows(w, &tokens, out, r0 / LANES..r1.div_ceil(LANES)) };
+    let x = SendRows(x);
+    super::par_outputs(x.0.m, outputs, LANES, |w: &Panels, r0, r1, out| {
+        // SAFETY: the caller's promise; r0 is a multiple of 16 and r1 <= n,
+        // so the panels lie inside `w`.
+        unsafe {
+            super::dpbf16::panels::rows::<K>(w, x.get(), out, r0 / LANES..r1.div_ceil(LANES))
+        };
     });
+}
+
+/// Token rows shared by the pool's tasks, which only read them.
+#[cfg(target_arch = "x86_64")]
+struct SendRows<X>(super::dpbf16::panels::TokenRows<X>);
+// SAFETY: the rows are read, never written, while the tasks run, and the
+// caller keeps them alive until `par_outputs` returns.
+#[cfg(target_arch = "x86_64")]
+unsafe impl<X> Sync for SendRows<X> {}
+
+#[cfg(target_arch = "x86_64")]
+impl<X: Copy> SendRows<X> {
+    fn get(&self) -> super::dpbf16::panels::TokenRows<X> {
+        self.0
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]

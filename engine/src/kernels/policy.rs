@@ -4,6 +4,7 @@
 use super::GEMV_MAX_ROWS;
 #[cfg(target_arch = "x86_64")]
 use super::{amx, dpbf16};
+use crate::weights::{Matrix, WeightData};
 
 /// From this many token rows, bf16 weights run on AMX tiles where the CPU
 /// has them ([`amx`](super::amx)) under [`MatmulPolicy::Fastest`].
@@ -32,8 +33,10 @@ pub enum MatmulPolicy {
     /// at every batch size where the CPU has AVX512-BF16 ([`dpbf16`](super::dpbf16)):
     /// llama.cpp's and a bf16 PyTorch model's numerics, about twice the
     /// arithmetic rate of the f32-activation kernels where there is no AMX.
-    /// Batch invariant for those weights; other weights, and CPUs without
-    /// AVX512-BF16, run as [`Self::Fastest`].
+    /// With AVX2 and FMA only, the same chains run on FMAs
+    /// ([`dpbf16::fma`](super::dpbf16::fma)). Batch invariant for those
+    /// weights; other weights, and CPUs without AVX2, run as
+    /// [`Self::Fastest`].
     Bf16Activations,
 }
 
@@ -56,15 +59,17 @@ impl MatmulPolicy {
     }
 
     /// The policy a server runs with unless told otherwise: bf16
-    /// activations where this CPU has AVX512-BF16 but no AMX tiles (AMD Zen
-    /// 4 and 5, Intel before Sapphire Rapids), where `vdpbf16ps` runs a
-    /// prefill ~1.4x and a batch of 8–32 ~1.3x faster than f32 activations
-    /// at +0.002–0.02% perplexity (bench/RESULTS.md); [`Self::Fastest`]
-    /// elsewhere, AMX tiles keeping near-f32 activations at a higher rate.
+    /// activations where this CPU runs them but has no AMX tiles: with
+    /// AVX512-BF16 (AMD Zen 4 and 5, Intel before Sapphire Rapids)
+    /// `vdpbf16ps` runs a prefill ~1.4x and a batch of 8–32 ~1.3x faster
+    /// than f32 activations, and with AVX2 alone the FMA panel kernel runs
+    /// decode 1.1–1.3x faster at the same prefill speed, at +0.002–0.02%
+    /// perplexity (bench/RESULTS.md); [`Self::Fastest`] elsewhere, AMX
+    /// tiles keeping near-f32 activations at a higher rate.
     /// Only bf16 weights are affected either way.
     pub fn serving_default() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if dpbf16::available() && !amx::available() {
+        if Self::Bf16Activations.runs_here() && !amx::available() {
             return Self::Bf16Activations;
         }
         Self::Fastest
@@ -83,18 +88,38 @@ impl MatmulPolicy {
 
     /// Whether a model packs its bf16 linear weights into panels
     /// ([`Panels`](super::Panels)) under this policy: bf16 activations
-    /// where the CPU runs them.
+    /// where the CPU runs them (AVX512-BF16, or AVX2 and FMA).
     pub fn packs_weights(self) -> bool {
         self == Self::Bf16Activations && self.runs_here()
     }
 
+    /// Whether `w` takes its activations rounded to bf16 and then the row
+    /// kernel at every size: bf16 weights not packed in panels, under
+    /// `Bf16Activations` on a CPU with AVX2 and FMA but not AVX512-BF16
+    /// ([`dpbf16::fma`]), so the policy rounds and stays batch invariant
+    /// there too.
+    pub(crate) fn rounds_for_rows(self, w: &Matrix) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Self::Bf16Activations
+                && matches!(w.data, WeightData::Bf16(_))
+                && !dpbf16::available()
+                && dpbf16::fma::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = w;
+            false
+        }
+    }
+
     /// Whether this CPU runs the policy as documented rather than falling
     /// back to [`Self::Fastest`] (only `Bf16Activations` needs a feature:
-    /// AVX512-BF16).
+    /// AVX512-BF16, or AVX2 and FMA for [`dpbf16::fma`]'s kernels).
     pub fn runs_here(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Self::Bf16Activations => dpbf16::available(),
+            Self::Bf16Activations => dpbf16::available() || dpbf16::fma::available(),
             #[cfg(not(target_arch = "x86_64"))]
             Self::Bf16Activations => false,
             _ => true,

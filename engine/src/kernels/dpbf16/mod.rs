@@ -13,7 +13,8 @@
 //! measures what that costs on a real checkpoint.
 //!
 //! A model's linear layers run on `panels`, weights packed so that no
-//! reduction follows; `rows` here takes a bf16 matrix as loaded (one
+//! reduction follows (on CPUs with AVX2 but not AVX512-BF16, on [`fma`]'s
+//! kernel over the same panels); `rows` here takes a bf16 matrix as loaded (one
 //! outside a linear layer, or a caller's own), and [`Bf16Tokens`] rounds
 //! the activations for both.
 //!
@@ -40,6 +41,7 @@
 //! ran in, so a token's results do not depend on the batch: this policy is
 //! batch invariant by construction.
 
+pub mod fma;
 pub(crate) mod panels;
 
 use std::arch::x86_64::*;
@@ -95,6 +97,18 @@ impl Bf16Tokens {
             m,
             k,
             stride,
+        }
+    }
+}
+
+impl Bf16Tokens {
+    /// The rows as [`panels::rows`] reads them.
+    pub(crate) fn rows(&self) -> panels::TokenRows<bf16> {
+        panels::TokenRows {
+            x: self.x.as_ptr(),
+            m: self.m,
+            k: self.k,
+            stride: self.stride,
         }
     }
 }

@@ -23,7 +23,6 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::Bf16Tokens;
 use crate::kernels::panels::{Panels, LANES};
 
 /// Panels a tile reads side by side.
@@ -34,40 +33,98 @@ const MAX_TOKENS: usize = 12;
 /// a broadcast pair).
 const ACCUMULATORS: usize = 24;
 
+/// Token rows as a panel kernel reads them: `m` rows `stride` elements
+/// apart, each readable for `2 * pairs` elements.
+#[derive(Clone, Copy)]
+pub(crate) struct TokenRows<X> {
+    pub(crate) x: *const X,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) stride: usize,
+}
+
+/// A kernel over weights packed in panels: how it tiles a batch and how
+/// it runs one tile. [`rows`] drives either.
+pub(crate) trait PanelKernel {
+    /// A token's activation as the kernel reads it.
+    type X;
+    /// Whether a block's passes ask for the next block ([`Prefetch`]).
+    const PREFETCH: bool;
+    /// How `m` tokens are tiled: the number of token tiles (passes over a
+    /// block) and the panels of a block (one tile's).
+    fn shape(m: usize) -> (usize, usize);
+    /// The tile of `count` panels × `tokens` tokens, stored.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; the tile's panels and token
+    /// rows exist and its outputs lie inside `t.out`.
+    unsafe fn run(t: Tile<Self::X>, count: usize, tokens: usize);
+}
+
+/// `vdpbf16ps` on AVX512-BF16: activations as bf16 pairs.
+pub(crate) struct Dpbf16;
+
+impl PanelKernel for Dpbf16 {
+    type X = bf16;
+    const PREFETCH: bool = true;
+
+    /// Token tiles of at most [`MAX_TOKENS`], and as many panels as
+    /// [`ACCUMULATORS`] hold against the largest tile (at most
+    /// [`PANELS`]). One pass reads a block's panels into registers once;
+    /// each further pass reads them again from L2, so up to 12 tokens take
+    /// one pass (8 tokens: 3 panels × 8).
+    fn shape(m: usize) -> (usize, usize) {
+        let tiles = m.div_ceil(MAX_TOKENS).max(1);
+        let tokens = m.div_ceil(tiles).max(1);
+        (tiles, (ACCUMULATORS / tokens).clamp(1, PANELS))
+    }
+
+    unsafe fn run(t: Tile<bf16>, count: usize, tokens: usize) {
+        // SAFETY: the caller's promise; `Tokens::rows` was made only where
+        // `super::available()` holds.
+        unsafe { run(t, count, tokens) }
+    }
+}
+
 /// One tile's operands and where its outputs go.
 #[derive(Clone, Copy)]
-struct Tile {
+pub(crate) struct Tile<X> {
     /// The tile's first panel.
-    w: *const bf16,
+    pub(crate) w: *const bf16,
     /// Elements per panel.
-    panel_len: usize,
-    pairs: usize,
+    pub(crate) panel_len: usize,
+    pub(crate) pairs: usize,
     /// The tile's first token row.
-    x: *const bf16,
+    pub(crate) x: *const X,
     /// Elements from one token row to the next.
-    stride: usize,
+    pub(crate) stride: usize,
     /// The lines of the next block to ask for, if any.
-    prefetch: Option<Prefetch>,
+    pub(crate) prefetch: Option<Prefetch>,
     /// The whole `m × n` output.
-    out: *mut f32,
-    n: usize,
+    pub(crate) out: *mut f32,
+    pub(crate) n: usize,
     /// The tile's first panel and token.
-    panel: usize,
-    token: usize,
+    pub(crate) panel: usize,
+    pub(crate) token: usize,
 }
 
 /// `out[t * n + r]` for the rows `r` of `panels` of `w` (`n = w.rows()`)
-/// and every token row `t` of `x`.
+/// and every token row `t` of `x`, on kernel `K`.
 ///
 /// # Safety
-/// [`super::available`] must hold; `panels` lie inside `w`.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn rows(w: &Panels, x: &Bf16Tokens, out: &mut [f32], panels: Range<usize>) {
+/// `K`'s CPU features are present; `x`'s rows are readable as
+/// [`TokenRows`] says; `panels` lie inside `w`.
+pub(crate) unsafe fn rows<K: PanelKernel>(
+    w: &Panels,
+    x: TokenRows<K::X>,
+    out: &mut [f32],
+    panels: Range<usize>,
+) {
     let (n, m) = (w.rows(), x.m);
     assert!(x.k == w.cols() && out.len() >= m * n && panels.end <= w.panels());
     let panel_len = w.panel_len();
     let base = w.packed().as_ptr();
-    let (tiles, block) = shape(m);
+    let (tiles, block) = K::shape(m);
     for b0 in panels.clone().step_by(block) {
         let b1 = (b0 + block).min(panels.end);
         let count = b1 - b0;
@@ -80,7 +137,7 @@ pub(crate) unsafe fn rows(w: &Panels, x: &Bf16Tokens, out: &mut [f32], panels: R
         for tile_index in 0..tiles {
             // Tiles as even as the limit allows (16 tokens: 8 + 8).
             let tokens = (m - t0).div_ceil(tiles - tile_index);
-            let prefetch = (m > 1 && next)
+            let prefetch = (K::PREFETCH && m > 1 && next)
                 .then(|| Prefetch::new(block * panel_len, tile_index, tiles))
                 .flatten();
             let tile = Tile {
@@ -88,8 +145,7 @@ pub(crate) unsafe fn rows(w: &Panels, x: &Bf16Tokens, out: &mut [f32], panels: R
                 w: unsafe { base.add(b0 * panel_len) },
                 panel_len,
                 pairs: w.pairs(),
-                // SAFETY: token row t0 < m.
-                x: unsafe { x.x.as_ptr().add(t0 * x.stride) },
+                x: x.x.wrapping_add(t0 * x.stride),
                 stride: x.stride,
                 prefetch,
                 out: out.as_mut_ptr(),
@@ -98,23 +154,12 @@ pub(crate) unsafe fn rows(w: &Panels, x: &Bf16Tokens, out: &mut [f32], panels: R
                 token: t0,
             };
             // SAFETY: the tile's panels and token rows exist (the loops'
-            // bounds); out holds m × n (asserted above).
-            unsafe { run(tile, count, tokens) };
+            // bounds); out holds m × n (asserted above); the features are
+            // the caller's promise.
+            unsafe { K::run(tile, count, tokens) };
             t0 += tokens;
         }
     }
-}
-
-/// How `m` tokens are tiled: the number of token tiles (passes over a
-/// block, each of at most [`MAX_TOKENS`]) and the panels of a block, as
-/// many as [`ACCUMULATORS`] hold against the largest tile (at most
-/// [`PANELS`]). One pass reads a block's panels into registers once; each
-/// further pass reads them again from L2, so up to 12 tokens take one pass
-/// (8 tokens: 3 panels × 8).
-fn shape(m: usize) -> (usize, usize) {
-    let tiles = m.div_ceil(MAX_TOKENS).max(1);
-    let tokens = m.div_ceil(tiles).max(1);
-    (tiles, (ACCUMULATORS / tokens).clamp(1, PANELS))
 }
 
 /// Which lines of the next block a tile asks for into L2: a block's token
@@ -122,11 +167,11 @@ fn shape(m: usize) -> (usize, usize) {
 /// next block streams in while every pass over this one computes (asked
 /// for by one pass, memory idled through the others).
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(crate) struct Prefetch {
     /// Elements from a tile's panels to the next block's.
-    ahead: usize,
-    share: usize,
-    every: usize,
+    pub(crate) ahead: usize,
+    pub(crate) share: usize,
+    pub(crate) every: usize,
 }
 
 impl Prefetch {
@@ -149,7 +194,7 @@ impl Prefetch {
 /// As [`tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn run(t: Tile, count: usize, tokens: usize) {
+unsafe fn run(t: Tile<bf16>, count: usize, tokens: usize) {
     /// Every shape with at most 24 accumulators, by (panels, tokens).
     macro_rules! shapes {
         ($($p:literal => [$($t:literal),*]);*) => {
@@ -194,7 +239,7 @@ unsafe fn run(t: Tile, count: usize, tokens: usize) {
 /// padded to 32); AVX-512F/BW and AVX512-BF16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile<const P: usize, const T: usize>(t: Tile) -> [[__m512; T]; P] {
+unsafe fn tile<const P: usize, const T: usize>(t: Tile<bf16>) -> [[__m512; T]; P] {
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     let step = 2 * LANES;
     // Which of `every` steps this tile prefetches at.
@@ -251,7 +296,7 @@ fn bh(v: __m512i) -> __m512bh {
 /// its tokens rows of the `m × n` output.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn store<const P: usize, const T: usize>(t: Tile, acc: &[[__m512; T]; P]) {
+unsafe fn store<const P: usize, const T: usize>(t: Tile<bf16>, acc: &[[__m512; T]; P]) {
     for (p, acc_p) in acc.iter().enumerate() {
         let r0 = (t.panel + p) * LANES;
         let lanes = (t.n - r0).min(LANES);
