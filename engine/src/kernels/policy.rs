@@ -4,7 +4,7 @@
 use super::GEMV_MAX_ROWS;
 #[cfg(target_arch = "x86_64")]
 use super::{amx, dpbf16};
-use crate::weights::{Matrix, WeightData};
+use crate::weights::Matrix;
 
 /// From this many token rows, bf16 weights run on AMX tiles where the CPU
 /// has them ([`amx`](super::amx)) under [`MatmulPolicy::Fastest`].
@@ -63,7 +63,7 @@ impl MatmulPolicy {
     /// AVX512-BF16 (AMD Zen 4 and 5, Intel before Sapphire Rapids)
     /// `vdpbf16ps` runs a prefill ~1.4x and a batch of 8–32 ~1.3x faster
     /// than f32 activations, and with AVX2 alone the FMA panel kernel runs
-    /// decode 1.1–1.3x faster at the same prefill speed, at +0.002–0.02%
+    /// decode 1.1–1.3x faster at the same prefill speed, at +0.002–0.05%
     /// perplexity (bench/RESULTS.md); [`Self::Fastest`] elsewhere, AMX
     /// tiles keeping near-f32 activations at a higher rate.
     /// Only bf16 weights are affected either way.
@@ -102,7 +102,7 @@ impl MatmulPolicy {
         #[cfg(target_arch = "x86_64")]
         {
             self == Self::Bf16Activations
-                && matches!(w.data, WeightData::Bf16(_))
+                && matches!(w.data, crate::weights::WeightData::Bf16(_))
                 && !dpbf16::available()
                 && dpbf16::fma::available()
         }
