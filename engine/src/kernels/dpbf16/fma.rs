@@ -163,20 +163,10 @@ unsafe fn run(t: Tile<f32>, count: usize, tokens: usize) {
             (1, 2) => store(t, &tile::<2, 2>(t)),
             (1, 3) => store(t, &tile::<2, 3>(t)),
             (1, 4) => store(t, &tile::<2, 4>(t)),
-            // `Fma::shape` asks for nothing else: panel by panel, token by
-            // token.
+            // `Fma::shape` asks for nothing else.
             _ => {
-                for p in 0..count {
-                    for tok in 0..tokens {
-                        let one = Tile {
-                            w: t.w.add(p * t.panel_len),
-                            x: t.x.add(tok * t.stride),
-                            panel: t.panel + p,
-                            token: t.token + tok,
-                            ..t
-                        };
-                        store(one, &tile::<2, 1>(one));
-                    }
+                for one in t.singles(count, tokens) {
+                    store(one, &tile::<2, 1>(one));
                 }
             }
         }

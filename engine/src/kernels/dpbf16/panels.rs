@@ -108,6 +108,23 @@ pub(crate) struct Tile<X> {
     pub(crate) token: usize,
 }
 
+impl<X: Copy> Tile<X> {
+    /// The tile's `count` panels × `tokens` tokens as tiles of one panel
+    /// and one token each: where a kernel has no code for a shape.
+    pub(crate) fn singles(self, count: usize, tokens: usize) -> impl Iterator<Item = Self> {
+        (0..count).flat_map(move |p| {
+            (0..tokens).map(move |tok| Tile {
+                // Inside the tile's panels and token rows.
+                w: self.w.wrapping_add(p * self.panel_len),
+                x: self.x.wrapping_add(tok * self.stride),
+                panel: self.panel + p,
+                token: self.token + tok,
+                ..self
+            })
+        })
+    }
+}
+
 /// `out[t * n + r]` for the rows `r` of `panels` of `w` (`n = w.rows()`)
 /// and every token row `t` of `x`, on kernel `K`.
 ///
@@ -202,20 +219,10 @@ unsafe fn run(t: Tile<bf16>, count: usize, tokens: usize) {
             unsafe {
                 match (count, tokens) {
                     $($(($p, $t) => store(t, &tile::<$p, $t>(t)),)*)*
-                    // Larger shapes are not made (`shape` never asks):
-                    // panel by panel, token by token.
+                    // Larger shapes are not made (`shape` never asks).
                     _ => {
-                        for p in 0..count {
-                            for tok in 0..tokens {
-                                let one = Tile {
-                                    w: t.w.add(p * t.panel_len),
-                                    x: t.x.add(tok * t.stride),
-                                    panel: t.panel + p,
-                                    token: t.token + tok,
-                                    ..t
-                                };
-                                store(one, &tile::<1, 1>(one));
-                            }
+                        for one in t.singles(count, tokens) {
+                            store(one, &tile::<1, 1>(one));
                         }
                     }
                 }
