@@ -187,22 +187,8 @@ unsafe fn tile<const H: usize, const T: usize>(t: Tile<f32>) -> [[__m256; T]; H]
     let mut acc = [[_mm256_setzero_ps(); T]; H];
     let step = 2 * LANES;
     let odd_mask = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-    let mut phase = 0;
+    // No software prefetches (`Fma::PREFETCH`): `t.prefetch` is None.
     for j in 0..t.pairs {
-        if let Some(f) = t.prefetch {
-            if phase == f.share {
-                for p in 0..H / 2 {
-                    // A prefetch never faults; the caller keeps it inside
-                    // the matrix.
-                    let line = t.w.wrapping_add(f.ahead + p * t.panel_len + j * step);
-                    _mm_prefetch::<_MM_HINT_T1>(line.cast());
-                }
-            }
-            phase += 1;
-            if phase == f.every {
-                phase = 0;
-            }
-        }
         let mut odd = [_mm256_setzero_ps(); H];
         let mut even = [_mm256_setzero_ps(); H];
         for h in 0..H {
