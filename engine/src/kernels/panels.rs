@@ -235,29 +235,11 @@ unsafe fn run_on<K: super::dpbf16::panels::PanelKernel<X: Copy>>(
         .iter_mut()
         .map(|p| (p.w, p.w.rows, &mut *p.out))
         .collect();
-    let x = SendRows(x);
-    super::par_outputs(x.0.m, outputs, LANES, |w: &Panels, r0, r1, out| {
+    super::par_outputs(x.m, outputs, LANES, |w: &Panels, r0, r1, out| {
         // SAFETY: the caller's promise; r0 is a multiple of 16 and r1 <= n,
         // so the panels lie inside `w`.
-        unsafe {
-            super::dpbf16::panels::rows::<K>(w, x.get(), out, r0 / LANES..r1.div_ceil(LANES))
-        };
+        unsafe { super::dpbf16::panels::rows::<K>(w, x, out, r0 / LANES..r1.div_ceil(LANES)) };
     });
-}
-
-/// Token rows shared by the pool's tasks, which only read them.
-#[cfg(target_arch = "x86_64")]
-struct SendRows<X>(super::dpbf16::panels::TokenRows<X>);
-// SAFETY: the rows are read, never written, while the tasks run, and the
-// caller keeps them alive until `par_outputs` returns.
-#[cfg(target_arch = "x86_64")]
-unsafe impl<X> Sync for SendRows<X> {}
-
-#[cfg(target_arch = "x86_64")]
-impl<X: Copy> SendRows<X> {
-    fn get(&self) -> super::dpbf16::panels::TokenRows<X> {
-        self.0
-    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]

@@ -43,6 +43,11 @@ pub(crate) struct TokenRows<X> {
     pub(crate) stride: usize,
 }
 
+// SAFETY: the rows are only read while a linear's tasks run, and the
+// caller (`kernels::panels`) keeps them alive until its parallel region
+// returns.
+unsafe impl<X> Sync for TokenRows<X> {}
+
 /// A kernel over weights packed in panels: how it tiles a batch and how
 /// it runs one tile. [`rows`] drives either.
 pub(crate) trait PanelKernel {
@@ -80,8 +85,8 @@ impl PanelKernel for Dpbf16 {
     }
 
     unsafe fn run(t: Tile<bf16>, count: usize, tokens: usize) {
-        // SAFETY: the caller's promise; `Tokens::rows` was made only where
-        // `super::available()` holds.
+        // SAFETY: the caller's promise (the CPU has AVX512-BF16:
+        // `Bf16Tokens::new` asserts it).
         unsafe { run(t, count, tokens) }
     }
 }
