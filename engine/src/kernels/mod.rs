@@ -41,7 +41,7 @@ mod int4_simd;
 mod panels;
 mod policy;
 pub mod rope;
-mod simd;
+pub(crate) mod simd;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd512;
 
