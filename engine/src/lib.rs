@@ -25,6 +25,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod lora;
 pub mod model;
+pub mod pool;
 pub mod progress;
 pub mod quant;
 pub mod sampling;

@@ -309,11 +309,11 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Runs one forward pass on a thread of rayon's pool, as the serving engine
-/// runs its steps (`EngineCore::forward_placed`): the step's parallel
-/// regions then start from a pool thread instead of waking one each.
+/// Runs one forward pass as the serving engine runs its steps
+/// (`EngineCore::forward_placed`): on a thread of rayon's pool, the other
+/// threads kept awake until it returns.
 fn on_pool<R: Send>(step: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| step())
+    tandem_engine::pool::run_step(step)
 }
 
 /// Best f32 GEMM rate (FLOP/s) on a prefill-shaped problem.

@@ -102,17 +102,16 @@ impl<'a> LayerExport<'a> {
 
 impl EngineCore {
     /// Runs the step's forward pass; on a CPU backend it runs on a thread
-    /// of rayon's pool: one hand-off per step instead of one per parallel
-    /// region (about a hundred and fifty in a decode step, each waking this
-    /// thread from a sleep when it ends). Measured with `engine-bench` on
-    /// SmolLM2-135M, 2 threads, same session: batch-1 decode 1.5–1.6x,
-    /// batch 32 1.05–1.08x, prefill of 512 tokens 1.05x (AMX tiles) and
-    /// 1.01x (vector kernels) faster than from this thread. (Before the
-    /// AMX tiles, large steps on the `gemm` crate ran 7–15% slower on the
-    /// pool and stayed here; they no longer do.)
+    /// of rayon's pool with the other threads kept awake for its length
+    /// ([`crate::pool::run_step`]): one hand-off per step instead of one
+    /// per parallel region (about a hundred and fifty in a decode step).
+    /// Measured with `engine-bench` on SmolLM2-135M, 2 threads: from the
+    /// pool rather than this thread, batch-1 decode 1.5–1.6x, batch 32
+    /// 1.05–1.08x; the workers kept awake on top of that: see
+    /// `bench/RESULTS.md`.
     pub(super) fn forward_placed(&mut self, plan: &StepPlan) -> Result<crate::model::Logits> {
-        if self.backend.uses_cpu_pool() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward(plan));
+        if self.backend.uses_cpu_pool() {
+            return crate::pool::run_step(|| self.forward(plan));
         }
         self.forward(plan)
     }
