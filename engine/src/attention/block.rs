@@ -46,6 +46,9 @@ enum KeyForm<'a> {
     /// Transposed or as stored, for the AVX-512 math.
     #[cfg(target_arch = "x86_64")]
     Fast(avx512::Keys<'a>),
+    /// As stored, for the AVX2 math.
+    #[cfg(target_arch = "x86_64")]
+    Stored(Rows<'a>),
 }
 
 /// Most queries scoring a block for which [`BlockMath::keys`] leaves the
@@ -99,6 +102,9 @@ pub(super) enum BlockMath {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// AVX2 + FMA + F16C: the portable math's bits but `exp`'s.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
 }
 
 impl BlockMath {
@@ -108,13 +114,31 @@ impl BlockMath {
         if head_dim.is_multiple_of(16) && is_x86_feature_detected!("avx512f") {
             return Self::Avx512;
         }
+        #[cfg(target_arch = "x86_64")]
+        if head_dim.is_multiple_of(16)
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Self::Avx2;
+        }
         let _ = head_dim;
         Self::Portable
     }
 
+    /// Whether this is the AVX-512 math (its key forms and kernels).
+    #[cfg(test)]
+    fn is_avx512(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self == Self::Avx512;
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     /// Whether 16-bit rows are read as stored ([`Rows::Bf16`],
-    /// [`Rows::F16`]) rather than decoded into a buffer first: on AVX-512,
-    /// where the transpose and the weighted sum widen them as they load.
+    /// [`Rows::F16`]) rather than decoded into a buffer first: on AVX-512
+    /// and AVX2, where the scores and the weighted sum widen them as they
+    /// load.
     pub fn widens_half(self) -> bool {
         self != Self::Portable
     }
@@ -150,6 +174,14 @@ impl BlockMath {
                 scratch[..rows * d].copy_from_slice(&decoded[..rows * d]);
                 BlockKeys {
                     form: KeyForm::Rows(&scratch[..rows * d]),
+                    d,
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx2, keys) => {
+                assert!(rows <= SLOTS && keys.len() >= rows * d);
+                BlockKeys {
+                    form: KeyForm::Stored(keys),
                     d,
                 }
             }
@@ -222,12 +254,25 @@ impl BlockMath {
                 };
                 avx512::scores_by(qs, keys, d, &sc, outs)
             },
+            // SAFETY: the AVX2 form is made only where the CPU has AVX2,
+            // FMA and F16C and `d` is a multiple of 16 (`Self::keys`, which
+            // also checked the rows' length); the rest is checked above.
+            #[cfg(target_arch = "x86_64")]
+            &KeyForm::Stored(keys) => unsafe {
+                match keys {
+                    Rows::F32(k) => avx2::scores(qs, k, d, scale, factors, outs, slots),
+                    Rows::Bf16(k) => avx2::scores(qs, k, d, scale, factors, outs, slots),
+                    Rows::F16(k) => avx2::scores(qs, k, d, scale, factors, outs, slots),
+                }
+            },
         }
     }
 
     /// The largest of `probs` (at most [`SLOTS`]); −∞ for none.
     pub fn max(self, probs: &[f32]) -> f32 {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
             Self::Portable => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
             // SAFETY: as in `scores`.
             #[cfg(target_arch = "x86_64")]
@@ -248,6 +293,9 @@ impl BlockMath {
             // SAFETY: as in `scores`.
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => unsafe { avx512::exp_sum(probs, max) },
+            // SAFETY: `Avx2` is chosen only where the CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::exp_sum(probs, max) },
         }
     }
 
@@ -286,6 +334,16 @@ impl BlockMath {
                     Rows::F16(v) => avx512::accumulate_by(out, sums, v, d),
                 }
             },
+            // SAFETY: `Avx2` is chosen only where the CPU has AVX2, FMA and
+            // F16C and `d` is a multiple of 16; the bounds are checked above.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe {
+                match values {
+                    Rows::F32(v) => avx2::accumulate(out, sums, v, d),
+                    Rows::Bf16(v) => avx2::accumulate(out, sums, v, d),
+                    Rows::F16(v) => avx2::accumulate(out, sums, v, d),
+                }
+            },
         }
     }
 }
@@ -299,6 +357,8 @@ pub(super) struct WeightedSum<'a> {
     pub slots: Range<usize>,
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
@@ -399,7 +459,7 @@ mod tests {
     #[test]
     fn stored_and_transposed_keys_score_the_same_bits() {
         let fast = BlockMath::for_head_dim(64);
-        if fast == BlockMath::Portable {
+        if !fast.is_avx512() {
             eprintln!("no AVX-512: nothing to compare");
             return;
         }
@@ -442,7 +502,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn resident_weighted_sums_match_them_by_columns() {
-        if BlockMath::for_head_dim(64) == BlockMath::Portable {
+        if !BlockMath::for_head_dim(64).is_avx512() {
             eprintln!("no AVX-512: nothing to compare");
             return;
         }
@@ -528,5 +588,76 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The AVX2 math's scores and weighted sums are the portable math's
+    /// bits (its exponentials within 2 ulp of libm's), for every row type,
+    /// row length, span, slot range and number of queries in a call.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_math_gives_the_portable_bits() {
+        if BlockMath::for_head_dim(64) != BlockMath::Avx2 {
+            eprintln!("not the AVX2 math here: nothing to compare");
+            return;
+        }
+        let fast = BlockMath::Avx2;
+        for d in [16, 64, 128, 96] {
+            let qs: Vec<Vec<f32>> = (0..4).map(|i| pseudo(d, 60 + i)).collect();
+            for span in [1, 7, 8, 9, 16] {
+                let raw = pseudo(span * d, span as u32 + 5);
+                let b: Vec<bf16> = raw.iter().map(|&x| bf16::from_f32(x)).collect();
+                let h: Vec<f16> = raw.iter().map(|&x| f16::from_f32(x)).collect();
+                let factors = pseudo(span, 12);
+                for rows in [Rows::F32(&raw), Rows::Bf16(&b), Rows::F16(&h)] {
+                    for queries in 1..=4 {
+                        for slots in [0..span, span / 2..span, 0..span.div_ceil(3)] {
+                            let score = |math: BlockMath| {
+                                let mut scratch = vec![0.0; d * SLOTS];
+                                let keys = math.keys(rows, span, d, &mut scratch, queries);
+                                let mut outs = vec![vec![-1.0; span]; queries];
+                                let q: Vec<&[f32]> = qs[..queries].iter().map(|q| &q[..]).collect();
+                                let mut o: Vec<&mut [f32]> =
+                                    outs.iter_mut().map(|o| &mut o[..]).collect();
+                                math.scores(&q, &keys, 0.3, &factors, &mut o, slots.clone());
+                                outs
+                            };
+                            let label = format!("d {d} span {span} queries {queries} {slots:?}");
+                            assert_eq!(score(fast), score(BlockMath::Portable), "{label}");
+                            let sums: Vec<WeightedSum<'_>> = (0..queries)
+                                .map(|i| WeightedSum {
+                                    row: i * d,
+                                    weights: &factors,
+                                    slots: [slots.clone(), 0..span, 1.min(span)..span][i % 3]
+                                        .clone(),
+                                })
+                                .collect();
+                            let sum = |math: BlockMath| {
+                                let mut out = pseudo(4 * d, 13);
+                                math.accumulate(&mut out, &sums, rows, d);
+                                out
+                            };
+                            assert_eq!(sum(fast), sum(BlockMath::Portable), "{label}");
+                        }
+                    }
+                }
+            }
+        }
+        let mut worst = 0f32;
+        let mut probs: Vec<f32> = (0..4001).map(|i| -95.0 + i as f32 * 0.025).collect();
+        probs.push(f32::NEG_INFINITY);
+        let mut fast_probs = probs.clone();
+        let total = fast.exp_sum(&mut fast_probs, 5.0);
+        for (&p, &e) in probs.iter().zip(&fast_probs) {
+            let want = (p - 5.0).exp();
+            if want < 1e-37 {
+                // Below the normals: 0 or as near it.
+                assert!((e - want).abs() < 1e-37, "exp({}) = {e}", p - 5.0);
+                continue;
+            }
+            worst = worst.max(((e - want) / want).abs() / f32::EPSILON);
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        let want: f32 = probs.iter().map(|p| (p - 5.0).exp()).sum();
+        assert!((total - want).abs() <= 1e-5 * want, "{total} vs {want}");
     }
 }
