@@ -5,9 +5,9 @@
 //! 150 a step, one per linear and attention call, 40–100 µs each at batch
 //! 1). Between two regions a rayon worker with nothing to steal yields for a
 //! few rounds and then sleeps on a futex; the next region has to wake it,
-//! and on the VMs this project measures on that costs 15–35 µs a region
+//! and on the VMs this project measures on that costs 14–38 µs a region
 //! (a probe: 8 tasks of 5 µs with 30 µs of serial work between regions ran
-//! 18–20 µs over the ideal per region; with the worker kept awake, 3–4 µs).
+//! 14–24 µs over the ideal per region; with the worker kept awake, 3–4 µs).
 //! [`run_step`] spawns, beside the pass, one job per other thread that
 //! spins on [`rayon::yield_now`] (running whatever work appears: the pass's
 //! own tasks) until the pass returns, as llama.cpp's threads spin on their

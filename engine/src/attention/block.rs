@@ -2,6 +2,11 @@
 //! scores, the softmax step's exponentials and the weighted sum of values.
 //!
 //! The portable version is a dot product, an `exp` and an `axpy` per key.
+//! On AVX2 without AVX-512 (`avx2.rs`, `head_dim` a multiple of 16) eight
+//! keys are scored together with the portable scores' bits, key and value
+//! rows are read as stored for up to four queries, and the output row stays
+//! in registers across the block (on an AVX2 VM a 512-token prefill of
+//! SmolLM2-135M ran 1.3–1.7x faster than with the portable math).
 //! On AVX-512 (where `head_dim` is a multiple of 16) the sixteen keys of a
 //! block are scored together, score `j` in lane `j`; the exponentials are
 //! one vector polynomial; the weighted sum keeps each 16-lane slice of the
