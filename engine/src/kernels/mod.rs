@@ -32,6 +32,7 @@
 //! the small matrices of small models.
 
 #[cfg(target_arch = "x86_64")]
+mod activation;
 pub mod amx;
 #[cfg(target_arch = "x86_64")]
 pub mod dpbf16;
@@ -45,6 +46,7 @@ pub(crate) mod simd;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd512;
 
+pub use activation::{clamped_swiglu_mul, gelu_tanh_mul, silu_mul, softcap_in_place};
 pub use ggml::{linear_ggml, GgmlMatrix};
 pub use int4::{linear_int4, linear_residual_int4};
 pub use panels::{linear_panels, PanelLinear, Panels};
@@ -463,49 +465,6 @@ fn rms_inv(row: &[f32], eps: f32) -> f32 {
     1.0 / (ss / row.len() as f32 + eps).sqrt()
 }
 
-/// `gate = silu(gate) * up`, in place.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if simd512::supported() {
-        // SAFETY: AVX-512F is present (checked); `up` is as long as `gate`
-        // (the function asserts it).
-        unsafe { simd512::silu_mul(gate, up) };
-        return;
-    }
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let s = *g / (1.0 + (-*g).exp());
-        *g = s * u;
-    }
-}
-
-/// gpt-oss's clamped SwiGLU, in place: `gate = (clamp(up, ±limit) + 1) ·
-/// g · sigmoid(alpha · g)` with `g = min(gate, limit)`.
-pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = g.min(limit);
-        let u = u.clamp(-limit, limit);
-        *g = (u + 1.0) * x / (1.0 + (-alpha * x).exp());
-    }
-}
-
-/// `gate = gelu_tanh(gate) * up`, in place: PyTorch's
-/// `gelu(approximate="tanh")`, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
-pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
-        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
-    }
-}
-
-/// `x = cap · tanh(x / cap)`, in place (Gemma 2's logit soft-capping).
-pub fn softcap_in_place(x: &mut [f32], cap: f32) {
-    for v in x.iter_mut() {
-        *v = cap * (*v / cap).tanh();
-    }
-}
-
 /// `x *= s`, in place.
 pub fn scale_in_place(x: &mut [f32], s: f32) {
     for v in x.iter_mut() {
@@ -759,23 +718,6 @@ mod tests {
                         w.dtype()
                     );
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn silu_mul_matches_its_formula_at_every_length() {
-        for len in [1, 15, 16, 17, 100] {
-            let gate: Vec<f32> = pseudo(len, 11).iter().map(|v| v * 30.0).collect();
-            let up = pseudo(len, 12);
-            let mut got = gate.clone();
-            silu_mul(&mut got, &up);
-            for ((g, u), o) in gate.iter().zip(&up).zip(&got) {
-                let want = g / (1.0 + (-g).exp()) * u;
-                assert!(
-                    (o - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                    "{g}: {o} vs {want}"
-                );
             }
         }
     }

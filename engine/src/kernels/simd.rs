@@ -376,6 +376,78 @@ fn widen_avx2(src: &[bf16], out: &mut [f32]) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+/// `e^x` per lane: AVX-512's `exp16` polynomial, `2^n` built in the
+/// exponent bits; below `e^-87` (where `2^n` would leave the normals) the
+/// result is 0, as are `−∞`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn exp8(x: __m256) -> __m256 {
+    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // ln 2 in two parts, so `n·ln 2` is subtracted without rounding.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let e = _mm256_fmadd_ps(
+        p,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    // 2^n for n in -126..=127 (x was clamped): n + 127 in the exponent.
+    let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_andnot_ps(tiny, _mm256_mul_ps(e, two_n))
+}
+
+/// `gate ← silu(gate) · up` on AVX2, eight lanes at a time; the last
+/// partial eight through the same polynomial, so an element's bits do not
+/// depend on where the slice ends.
+///
+/// # Safety
+/// AVX2 and FMA ([`silu_mul_supported`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let one = _mm256_set1_ps(1.0);
+    for (g, u) in gate.chunks_mut(8).zip(up.chunks(8)) {
+        let (mut gl, mut ul) = ([0f32; 8], [0f32; 8]);
+        gl[..g.len()].copy_from_slice(g);
+        ul[..g.len()].copy_from_slice(&u[..g.len()]);
+        // SAFETY: both hold 8 floats.
+        let (gv, uv) = unsafe { (_mm256_loadu_ps(gl.as_ptr()), _mm256_loadu_ps(ul.as_ptr())) };
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(gl.as_mut_ptr(), _mm256_mul_ps(s, uv)) };
+        g.copy_from_slice(&gl[..g.len()]);
+    }
+}
+
+/// Whether this CPU runs [`silu_mul`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn silu_mul_supported() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

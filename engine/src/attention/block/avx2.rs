@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{WeightedSum, MAX_QUERIES};
-use crate::kernels::simd::Elem;
+use crate::kernels::simd::{exp8, Elem};
 
 /// Key slots reduced together (one per f32 lane).
 const KEYS: usize = 8;
@@ -182,47 +182,6 @@ pub(super) unsafe fn exp_sum(probs: &mut [f32], max: f32) -> f32 {
     // SAFETY: `s` holds 8 floats.
     unsafe { _mm256_storeu_ps(s.as_mut_ptr(), sum) };
     s.iter().sum()
-}
-
-/// `e^x` per lane: AVX-512's `exp16` polynomial, `2^n` built in the
-/// exponent bits; below `e^-87` (where `2^n` would leave the normals) the
-/// result is 0, as are `−∞`'s.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp8(x: __m256) -> __m256 {
-    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-    let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-        _mm256_set1_ps(88.0),
-    );
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    // ln 2 in two parts, so `n·ln 2` is subtracted without rounding.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    }
-    let e = _mm256_fmadd_ps(
-        p,
-        _mm256_mul_ps(r, r),
-        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-    );
-    // 2^n for n in -126..=127 (x was clamped): n + 127 in the exponent.
-    let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    )));
-    _mm256_andnot_ps(tiny, _mm256_mul_ps(e, two_n))
 }
 
 /// For each sum: `out[row..row + d] += Σ_j weights[j] · values[j]` over its
