@@ -31,8 +31,8 @@
 //! Work is split over rayon's persistent pool: thread start-up would dominate
 //! the small matrices of small models.
 
-#[cfg(target_arch = "x86_64")]
 mod activation;
+#[cfg(target_arch = "x86_64")]
 pub mod amx;
 #[cfg(target_arch = "x86_64")]
 pub mod dpbf16;

@@ -376,10 +376,28 @@ fn widen_avx2(src: &[bf16], out: &mut [f32]) {
     }
 }
 
+/// The `exp` polynomial both vector widths use ([`exp8`] and
+/// `simd512::exp16`): `x = n·ln 2 + r`, ln 2 in two parts so `n·ln 2` is
+/// subtracted without rounding, `e^r ≈ 1 + r + r²·p(r)` with `p`'s
+/// coefficients highest first.
 #[cfg(target_arch = "x86_64")]
-/// `e^x` per lane: AVX-512's `exp16` polynomial, `2^n` built in the
-/// exponent bits; below `e^-87` (where `2^n` would leave the normals) the
-/// result is 0, as are `−∞`'s.
+pub(crate) mod exp_poly {
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    pub const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+}
+
+/// `e^x` per lane ([`exp_poly`]), `2^n` built in the exponent bits; below
+/// `e^-87` (where `2^n` would leave the normals) the result is 0, as are
+/// `−∞`'s.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn exp8(x: __m256) -> __m256 {
@@ -392,19 +410,13 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    // ln 2 in two parts, so `n·ln 2` is subtracted without rounding.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    }
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::LN2_LO), r);
+    let p = exp_poly::P[1..]
+        .iter()
+        .fold(_mm256_set1_ps(exp_poly::P[0]), |p, &c| {
+            _mm256_fmadd_ps(p, r, _mm256_set1_ps(c))
+        });
     let e = _mm256_fmadd_ps(
         p,
         _mm256_mul_ps(r, r),

@@ -15,6 +15,8 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
+use super::simd::exp_poly;
+
 /// A weight element widened 16 at a time.
 pub(crate) trait Wide16: Copy {
     /// Loads 16 consecutive elements as f32 lanes.
@@ -276,19 +278,13 @@ pub(crate) fn exp16(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
-    // ln 2 in two parts, so `n·ln 2` is subtracted without rounding.
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::LN2_LO), r);
+    let p = exp_poly::P[1..]
+        .iter()
+        .fold(_mm512_set1_ps(exp_poly::P[0]), |p, &c| {
+            _mm512_fmadd_ps(p, r, _mm512_set1_ps(c))
+        });
     let e = _mm512_fmadd_ps(
         p,
         _mm512_mul_ps(r, r),
