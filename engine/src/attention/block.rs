@@ -120,11 +120,7 @@ impl BlockMath {
             return Self::Avx512;
         }
         #[cfg(target_arch = "x86_64")]
-        if head_dim.is_multiple_of(16)
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        if head_dim.is_multiple_of(16) && crate::kernels::simd::has_avx2() {
             return Self::Avx2;
         }
         let _ = head_dim;
@@ -276,12 +272,11 @@ impl BlockMath {
     /// The largest of `probs` (at most [`SLOTS`]); −∞ for none.
     pub fn max(self, probs: &[f32]) -> f32 {
         match self {
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-            Self::Portable => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
             // SAFETY: as in `scores`.
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => unsafe { avx512::max(probs) },
+            // At most 16 values: the AVX2 math takes the portable fold.
+            _ => probs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
         }
     }
 

@@ -33,9 +33,9 @@ fn silu_mul_part(gate: &mut [f32], up: &[f32]) {
             unsafe { super::simd512::silu_mul(gate, up) };
             return;
         }
-        if super::simd::silu_mul_supported() {
-            // SAFETY: AVX2 and FMA are present (checked); `up` is as long
-            // as `gate` (asserted by the caller).
+        if super::simd::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C are present (checked); `up` is as
+            // long as `gate` (asserted by the caller).
             unsafe { super::simd::silu_mul(gate, up) };
             return;
         }

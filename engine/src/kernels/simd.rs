@@ -70,8 +70,9 @@ impl Elem for f16 {
     }
 }
 
+/// Whether this CPU runs the AVX2 + FMA + F16C kernels of this module.
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
@@ -435,29 +436,35 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
 /// depend on where the slice ends.
 ///
 /// # Safety
-/// AVX2 and FMA ([`silu_mul_supported`]).
+/// AVX2, FMA and F16C ([`has_avx2`]); `up` at least as long as `gate`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    let one = _mm256_set1_ps(1.0);
-    for (g, u) in gate.chunks_mut(8).zip(up.chunks(8)) {
-        let (mut gl, mut ul) = ([0f32; 8], [0f32; 8]);
-        gl[..g.len()].copy_from_slice(g);
-        ul[..g.len()].copy_from_slice(&u[..g.len()]);
-        // SAFETY: both hold 8 floats.
-        let (gv, uv) = unsafe { (_mm256_loadu_ps(gl.as_ptr()), _mm256_loadu_ps(ul.as_ptr())) };
-        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-        // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(gl.as_mut_ptr(), _mm256_mul_ps(s, uv)) };
-        g.copy_from_slice(&gl[..g.len()]);
+    let silu_mul8 = |g: __m256, u: __m256| {
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u)
+    };
+    let whole = gate.len() / 8 * 8;
+    let (body, tail) = gate.split_at_mut(whole);
+    let (up_body, up_tail) = up[..whole + tail.len()].split_at(whole);
+    for (g, u) in body.chunks_exact_mut(8).zip(up_body.chunks_exact(8)) {
+        // SAFETY: both chunks hold 8 floats.
+        unsafe {
+            let v = silu_mul8(_mm256_loadu_ps(g.as_ptr()), _mm256_loadu_ps(u.as_ptr()));
+            _mm256_storeu_ps(g.as_mut_ptr(), v);
+        }
     }
-}
-
-/// Whether this CPU runs [`silu_mul`].
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn silu_mul_supported() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    if !tail.is_empty() {
+        let (mut gl, mut ul) = ([0f32; 8], [0f32; 8]);
+        gl[..tail.len()].copy_from_slice(tail);
+        ul[..tail.len()].copy_from_slice(up_tail);
+        // SAFETY: both hold 8 floats.
+        unsafe {
+            let v = silu_mul8(_mm256_loadu_ps(gl.as_ptr()), _mm256_loadu_ps(ul.as_ptr()));
+            _mm256_storeu_ps(gl.as_mut_ptr(), v);
+        }
+        tail.copy_from_slice(&gl[..tail.len()]);
+    }
 }
 
 #[cfg(test)]

@@ -168,15 +168,27 @@ fn across(v: &[__m256; KEYS]) -> __m256 {
 pub(super) unsafe fn exp_sum(probs: &mut [f32], max: f32) -> f32 {
     let m = _mm256_set1_ps(max);
     let mut sum = _mm256_setzero_ps();
-    for chunk in probs.chunks_mut(KEYS) {
+    let mut chunks = probs.chunks_exact_mut(KEYS);
+    for chunk in chunks.by_ref() {
+        // SAFETY: the chunk holds 8 floats.
+        unsafe {
+            let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), m));
+            _mm256_storeu_ps(chunk.as_mut_ptr(), p);
+            sum = _mm256_add_ps(sum, p);
+        }
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        // Padded with −∞, whose exponentials are 0.
         let mut lane = [f32::NEG_INFINITY; KEYS];
-        lane[..chunk.len()].copy_from_slice(chunk);
+        lane[..tail.len()].copy_from_slice(tail);
         // SAFETY: `lane` holds 8 floats.
-        let p = exp8(_mm256_sub_ps(unsafe { _mm256_loadu_ps(lane.as_ptr()) }, m));
-        // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(lane.as_mut_ptr(), p) };
-        chunk.copy_from_slice(&lane[..chunk.len()]);
-        sum = _mm256_add_ps(sum, p);
+        unsafe {
+            let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(lane.as_ptr()), m));
+            _mm256_storeu_ps(lane.as_mut_ptr(), p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        tail.copy_from_slice(&lane[..tail.len()]);
     }
     let mut s = [0f32; KEYS];
     // SAFETY: `s` holds 8 floats.
