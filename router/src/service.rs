@@ -154,7 +154,9 @@ impl RouterService {
     /// every other request's I/O.
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        let words = workers.len().div_ceil(64).max(1);
+        // One word of holder bits per 64 candidates, per tier walked.
+        let tiers = 1 + usize::from(!self.cluster.disk_index.is_empty());
+        let words = workers.len().div_ceil(64).max(1) * tiers;
         let matched = if ask.hashes.len() * words <= INLINE_MATCH_WORDS {
             match_tiers(&self.cluster, &slots, &ask.hashes)
         } else {
@@ -215,14 +217,15 @@ impl Ask {
 }
 
 /// A prompt whose walk reads up to this many words of holder bits (its
-/// blocks × one 64-bit word per 64 candidates) is matched against the
-/// index on the async thread; a longer walk on the blocking pool. In the
-/// router a walk costs up to ~35 ns a block per word (lines go cold between
-/// requests), so an inline walk costs up to ~75 µs: 32k tokens (2,048
-/// blocks of 16) at up to 64 workers, 8k at 256. The hop to the blocking
-/// pool and back cost more than such a walk: 32k-token decisions at 64
-/// workers took 89–145 µs p50 and 320–484 µs p99 with it, 39–88 / 100–300
-/// inline (`router-bench`, bench/RESULTS.md).
+/// blocks × one 64-bit word per 64 candidates, twice where a disk tier is
+/// indexed too) is matched against the index on the async thread; a
+/// longer walk on the blocking pool. In the router a walk costs up to ~35
+/// ns a block per word (lines go cold between requests), so an inline walk
+/// costs up to ~75 µs: 32k tokens (2,048 blocks of 16) at up to 64 workers
+/// without a disk tier, 8k at 256. The hop to the blocking pool and back
+/// cost more than such a walk: 32k-token decisions at 64 workers took
+/// 89–145 µs p50 and 320–484 µs p99 with it, 39–88 / 100–300 inline
+/// (`router-bench`, bench/RESULTS.md).
 const INLINE_MATCH_WORDS: usize = 2048;
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
