@@ -154,7 +154,11 @@ impl RouterService {
     /// every other request's I/O.
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        // One word of holder bits per 64 candidates, per tier walked.
+        // The walk reads a word of holder bits per 64 dense worker ids, up
+        // to the highest candidate's, per tier walked. Retired ids are
+        // reused, so with every worker a candidate (the common case) that
+        // is one word per 64 candidates; a few candidates among many
+        // workers may walk more words than this counts.
         let tiers = 1 + usize::from(!self.cluster.disk_index.is_empty());
         let words = workers.len().div_ceil(64).max(1) * tiers;
         let matched = if ask.hashes.len() * words <= INLINE_MATCH_WORDS {
