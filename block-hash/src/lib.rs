@@ -11,7 +11,8 @@
 //! (prefix cache), the router (prefix-affinity index) and KV transfer all
 //! call these functions, so a block hashed on one worker is found by the
 //! router under the same name. [`SetDigest`] summarizes a set of these
-//! hashes, so a router can check that its copy of a worker's set is whole.
+//! hashes, so a router can check that its copy of a worker's set is whole;
+//! [`PrefixClosure`] says whether a set holds every parent of its blocks.
 //!
 //! **Architecture Invariant:** this crate knows nothing but tokens and block
 //! sizes. Two parties agree on hashes only if they agree on the block size;
@@ -19,7 +20,9 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+mod closure;
 mod digest;
+pub use closure::PrefixClosure;
 pub use digest::{SetDigest, DISK_TIER_SALT};
 
 /// A chained block hash.

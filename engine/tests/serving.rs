@@ -516,6 +516,7 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
             seq: 0,
             events: vec![],
             digest: tandem_block_hash::SetDigest::default(),
+            pool_closed: true,
         }
     );
     let a: Vec<u32> = (0..40).collect();
@@ -524,9 +525,15 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     let h = tandem_block_hash::block_hashes(&a, 16);
     let mut got = Vec::new();
     let mut digest = None;
-    while let Ok(KvFeed::Events { events, digest: d }) = feed.try_recv() {
+    while let Ok(KvFeed::Events {
+        events,
+        digest: d,
+        pool_closed,
+    }) = feed.try_recv()
+    {
         got.extend(events);
         digest = Some(d);
+        assert!(pool_closed, "a chain stored parents first stays closed");
     }
     // Each message says what the set is once it is applied.
     assert_eq!(digest, Some(tandem_block_hash::SetDigest::of(h.clone())));
@@ -555,8 +562,16 @@ fn the_kv_event_feed_follows_the_prefix_cache() {
     d.run();
     let mut removed = Vec::new();
     let mut digest = None;
-    while let Ok(KvFeed::Events { events, digest: d }) = feed.try_recv() {
+    while let Ok(KvFeed::Events {
+        events,
+        digest: d,
+        pool_closed,
+    }) = feed.try_recv()
+    {
         digest = Some(d);
+        // The pool evicts a chain's tail first: never a parent before
+        // its child.
+        assert!(pool_closed);
         for (_, e) in events {
             if let CacheEvent::Removed { hash } = e {
                 removed.push(hash);

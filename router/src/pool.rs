@@ -573,6 +573,13 @@ async fn apply_feed(
     mut stream: tonic::Streaming<wv1::KvEvent>,
 ) -> Resync {
     let mut last: Option<u64> = None;
+    // Whether the index holds the worker's pool set as certified closed
+    // (`KvIndex::set_prefix_closed`): kept through a `Stored` or `Removed`
+    // from one closed set to another (a decision in the middle sees a set
+    // between the two, and its bisection lands between their matches, as
+    // a walk's would); otherwise cleared before the change is applied and
+    // set after it from the change's flag.
+    let mut certified = false;
     loop {
         let ev = match stream.message().await {
             Ok(Some(ev)) => ev,
@@ -582,12 +589,19 @@ async fn apply_feed(
             return Resync::StreamEnded;
         }
         use wv1::kv_event::Kind;
+        let changes = matches!(
+            ev.kind,
+            Some(Kind::Cleared(_) | Kind::Stored(_) | Kind::Removed(_))
+        );
+        let closed_to_closed =
+            ev.pool_closed && matches!(ev.kind, Some(Kind::Stored(_) | Kind::Removed(_)));
+        if changes && !closed_to_closed && std::mem::take(&mut certified) {
+            cluster.index.set_prefix_closed(w.slot, false);
+        }
         match ev.kind {
             Some(Kind::Cleared(_)) => {
                 cluster.index.clear(w.slot);
                 cluster.disk_index.clear(w.slot);
-                last = Some(ev.seq);
-                continue;
             }
             // A digest and a dump's events carry the number of the event
             // they follow; anything else must be the next number.
@@ -630,6 +644,10 @@ async fn apply_feed(
                     .fetch_add(r.hashes.len() as u64, Ordering::Relaxed);
             }
             None => {}
+        }
+        if changes && ev.pool_closed && !certified {
+            cluster.index.set_prefix_closed(w.slot, true);
+            certified = true;
         }
         last = Some(ev.seq);
     }

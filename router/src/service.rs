@@ -150,17 +150,21 @@ impl RouterService {
     }
 
     /// What the policies weigh of each of `workers` for `ask`. A long
-    /// prompt's match runs on the blocking pool: the async threads carry
-    /// every other request's I/O.
+    /// walk runs on the blocking pool: the async threads carry every other
+    /// request's I/O.
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        // The walk reads a word of holder bits per 64 dense worker ids, up
-        // to the highest candidate's, per tier walked. Retired ids are
-        // reused, so with every worker a candidate (the common case) that
-        // is one word per 64 candidates; a few candidates among many
-        // workers may walk more words than this counts.
-        let tiers = 1 + usize::from(!self.cluster.disk_index.is_empty());
-        let words = workers.len().div_ceil(64).max(1) * tiers;
+        // A walk reads a word of holder bits per 64 dense worker ids, up
+        // to the highest candidate's whose set is not certified closed,
+        // per tier walked; certified candidates are bisected (a few
+        // lookups, whatever the prompt's length).
+        let disk = !self.cluster.disk_index.is_empty();
+        let words = self.cluster.index.walk_words(&slots)
+            + if disk {
+                self.cluster.disk_index.walk_words(&slots)
+            } else {
+                0
+            };
         let matched = if ask.hashes.len() * words <= INLINE_MATCH_WORDS {
             match_tiers(&self.cluster, &slots, &ask.hashes)
         } else {
@@ -221,11 +225,13 @@ impl Ask {
 }
 
 /// A prompt whose walk reads up to this many words of holder bits (its
-/// blocks × one 64-bit word per 64 candidates, twice where a disk tier is
-/// indexed too) is matched against the index on the async thread; a
-/// longer walk on the blocking pool. In the router a walk costs up to ~35
-/// ns a block per word (lines go cold between requests), so an inline walk
-/// costs up to ~75 µs: 32k tokens (2,048 blocks of 16) at up to 64 workers
+/// blocks × one 64-bit word per 64 uncertified candidates,
+/// [`KvIndex::walk_words`](crate::index::KvIndex::walk_words), per tier
+/// indexed) is matched against the index on the async thread; a longer
+/// walk on the blocking pool. Workers that certify their sets
+/// prefix-closed (engines and the simulated workers do) walk no words. In
+/// the router a walk costs up to ~35 ns a block per word (lines go cold
+/// between requests), so an inline walk costs up to ~75 µs: 32k tokens (2,048 blocks of 16) at up to 64 workers
 /// without a disk tier, 8k at 256. The hop to the blocking pool and back
 /// cost more than such a walk: 32k-token decisions at 64 workers took
 /// 89–145 µs p50 and 320–484 µs p99 with it, 39–88 / 100–300 inline

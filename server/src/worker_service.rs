@@ -193,34 +193,51 @@ fn push_change(out: &mut Vec<wv1::KvEvent>, seq: u64, e: CacheEvent) {
     out.push(wv1::KvEvent {
         seq,
         kind: Some(kind),
+        pool_closed: false,
     });
 }
 
 /// A feed message as wire events, runs of changes coalesced. A snapshot is
 /// a `Cleared` followed by its `Stored` events, all numbered with the
 /// snapshot's sequence number (they are state, not changes); live events
-/// continue from the next number.
+/// continue from the next number. Only the last event says whether the
+/// pool's set is closed: it is the message's state, and a follower between
+/// two of its events holds a set the engine never had.
 fn feed_to_proto(feed: KvFeed, dump: bool) -> Vec<wv1::KvEvent> {
-    match feed {
-        KvFeed::Snapshot { seq, events, .. } if dump => {
+    let (mut out, pool_closed) = match feed {
+        KvFeed::Snapshot {
+            seq,
+            events,
+            pool_closed,
+            ..
+        } if dump => {
             let mut out = vec![wv1::KvEvent {
                 seq,
                 kind: Some(wv1::kv_event::Kind::Cleared(wv1::Cleared {})),
+                pool_closed: false,
             }];
             for e in events {
                 push_change(&mut out, seq, e);
             }
-            out
+            (out, pool_closed)
         }
-        KvFeed::Snapshot { .. } => Vec::new(),
-        KvFeed::Events { events, .. } => {
+        KvFeed::Snapshot { .. } => (Vec::new(), false),
+        KvFeed::Events {
+            events,
+            pool_closed,
+            ..
+        } => {
             let mut out = Vec::new();
             for (seq, e) in events {
                 push_change(&mut out, seq, e);
             }
-            out
+            (out, pool_closed)
         }
+    };
+    if let Some(last) = out.last_mut() {
+        last.pool_closed = pool_closed;
     }
+    out
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<wv1::KvEvent, Status>> + Send>>;
@@ -276,6 +293,7 @@ fn digest_event(seq: u64, d: SetDigest) -> wv1::KvEvent {
             blocks: d.blocks,
             xor: d.xor,
         })),
+        pool_closed: false,
     }
 }
 
@@ -404,9 +422,13 @@ mod tests {
             KvFeed::Events {
                 events,
                 digest: SetDigest::default(),
+                pool_closed: true,
             },
             true,
         );
+        // The message's closure rides on its last wire event alone.
+        let closed: Vec<bool> = wire.iter().map(|e| e.pool_closed).collect();
+        assert_eq!(closed, [false, false, false, true]);
         use wv1::kv_event::Kind;
         let shape: Vec<(u64, usize)> = wire
             .iter()
@@ -439,9 +461,11 @@ mod tests {
             KvFeed::Events {
                 events,
                 digest: SetDigest::default(),
+                pool_closed: false,
             },
             true,
         );
+        assert!(wire.iter().all(|e| !e.pool_closed));
         use wv1::kv_event::Kind;
         let shape: Vec<(u64, bool, wv1::Tier, Vec<u64>)> = wire
             .iter()

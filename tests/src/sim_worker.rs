@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tandem_block_hash::{BlockHash, SetDigest};
+use tandem_block_hash::{BlockHash, PrefixClosure, SetDigest, ROOT};
 use tandem_proto::v1;
 use tandem_proto::worker::v1 as wv1;
 use tokio::sync::mpsc;
@@ -73,6 +73,9 @@ struct Cache {
     tick: u64,
     seq: u64,
     digest: SetDigest,
+    /// Whether every cached block's parent is cached (it evicts a prompt's
+    /// tail first, as an engine does, so it stays closed).
+    closure: PrefixClosure,
     /// Live followers, sent each event with the digest after it.
     followers: Vec<mpsc::Sender<Sent>>,
     /// xorshift state: which events a fault drops.
@@ -120,11 +123,16 @@ impl Shared {
         c.tick += 1;
         let tick = c.tick;
         let mut fresh = Vec::new();
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
             if c.used.insert(h, tick).is_none() {
                 c.digest.insert(h);
+                let parent = if i == 0 { ROOT } else { hashes[i - 1] };
+                c.closure.insert(h, parent);
                 fresh.push(h);
             }
+        }
+        // The tail first: evicted before its parents.
+        for &h in hashes.iter().rev() {
             c.order.push_back((tick, h));
         }
         let after_stored = c.digest;
@@ -136,6 +144,7 @@ impl Shared {
             if c.used.get(&h) == Some(&t) {
                 c.used.remove(&h);
                 c.digest.remove(h);
+                c.closure.remove(h);
                 evicted.push(h);
             }
         }
@@ -150,6 +159,7 @@ impl Shared {
                     hashes: fresh,
                     tier: wv1::Tier::Pool.into(),
                 })),
+                pool_closed: false,
             };
             events.push((ev, after_stored));
         }
@@ -161,8 +171,12 @@ impl Shared {
                     hashes: evicted,
                     tier: wv1::Tier::Pool.into(),
                 })),
+                pool_closed: false,
             };
             events.push((ev, c.digest));
+        }
+        if let Some((last, _)) = events.last_mut() {
+            last.pool_closed = c.closure.is_closed();
         }
         let mut sent = Vec::with_capacity(events.len());
         for (event, digest) in events {
@@ -317,6 +331,7 @@ impl wv1::worker_server::Worker for Service {
                 first.push(wv1::KvEvent {
                     seq: c.seq,
                     kind: Some(wv1::kv_event::Kind::Cleared(wv1::Cleared {})),
+                    pool_closed: false,
                 });
                 first.push(wv1::KvEvent {
                     seq: c.seq,
@@ -325,6 +340,7 @@ impl wv1::worker_server::Worker for Service {
                         hashes: c.used.keys().copied().collect(),
                         tier: wv1::Tier::Pool.into(),
                     })),
+                    pool_closed: c.closure.is_closed(),
                 });
             }
             c.followers.push(tx);
@@ -428,6 +444,7 @@ impl Follower {
                 blocks: self.digest.blocks,
                 xor: self.digest.xor,
             })),
+            pool_closed: false,
         }
     }
 }

@@ -13,12 +13,15 @@ use tandem_tests::sim_worker::{Fault, SimConfig, SimWorker};
 const DIGEST_PERIOD: Duration = Duration::from_millis(200);
 
 async fn follow(digest_period: Duration) -> (SimWorker, Arc<Cluster>, usize) {
-    let sim = SimWorker::start(SimConfig {
+    follow_with(SimConfig {
         digest_period,
         ..SimConfig::default()
     })
     .await
-    .expect("a simulated worker");
+}
+
+async fn follow_with(config: SimConfig) -> (SimWorker, Arc<Cluster>, usize) {
+    let sim = SimWorker::start(config).await.expect("a simulated worker");
     let cluster = Cluster::new(Duration::from_millis(50));
     cluster.add(Role::Decode, sim.addr()).expect("added");
     let slot = cluster.all()[0].slot;
@@ -113,4 +116,76 @@ async fn a_removed_worker_leaves_no_entry_even_as_its_feed_goes_on() {
     tokio::time::sleep(DIGEST_PERIOD * 2).await;
     assert!(cluster.index.is_empty());
     assert_eq!(cluster.index.blocks_of(slot), 0);
+}
+
+/// Waits (at most a second) for the index to certify `slot`'s set closed:
+/// the flag is set just after the change that made the set whole.
+async fn certified(cluster: &Cluster, slot: usize) {
+    for _ in 0..200 {
+        if cluster.index.prefix_closed(slot) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the worker's set is not certified closed");
+}
+
+/// A worker that evicts tail first certifies its set prefix-closed; the
+/// router then bisects its matches, which equal the walk along its true
+/// cache, through evictions and after a resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_feed_is_bisected_to_the_true_match() {
+    let (sim, cluster, slot) = follow_with(SimConfig {
+        digest_period: DIGEST_PERIOD,
+        capacity_blocks: 120,
+        cache_on_generate: false,
+        ..SimConfig::default()
+    })
+    .await;
+    // 12 prompts of 4 to 40 blocks over 3 shared 8-block prefixes: the
+    // cache of 120 blocks evicts as they come.
+    let prompt = |p: u32| -> Vec<u32> {
+        let family = p % 3;
+        let blocks = 4 + (p * 7) % 37;
+        (0..blocks * 16)
+            .map(|i| {
+                if i < 128 {
+                    family * 1_000 + i
+                } else {
+                    100_000 * (p + 1) + i
+                }
+            })
+            .collect()
+    };
+    let check = |label: &str| {
+        let cached: std::collections::HashSet<u64> = sim.cached().into_iter().collect();
+        for p in 0..12 {
+            let hashes = tandem_block_hash::block_hashes(&prompt(p), 16);
+            let truth = hashes.iter().take_while(|h| cached.contains(h)).count();
+            assert_eq!(
+                cluster.index.matched(&[slot], &hashes),
+                [truth],
+                "{label}, prompt {p}"
+            );
+        }
+    };
+    for p in 0..12 {
+        sim.cache_tokens(&prompt(p));
+    }
+    converged(&sim, &cluster, slot, Duration::from_secs(5)).await;
+    certified(&cluster, slot).await;
+    check("live");
+    // Lost events: the digest resyncs, and the dump certifies again.
+    sim.set_fault(Fault {
+        drop_fraction: 0.5,
+        hide_gaps: true,
+    });
+    for p in (0..12).rev() {
+        sim.cache_tokens(&prompt(p));
+    }
+    sim.set_fault(Fault::default());
+    converged(&sim, &cluster, slot, Duration::from_secs(5)).await;
+    assert!(cluster.resyncs(Resync::Digest) >= 1);
+    certified(&cluster, slot).await;
+    check("after a resync");
 }

@@ -7,7 +7,8 @@
 //! ```
 //!
 //! * **Index** (in this process, one thread): the bitmap index
-//!   (`tandem_router::index::KvIndex`) against the index it replaced
+//!   (`tandem_router::index::KvIndex`), walked and with the workers' sets
+//!   certified prefix-closed (bisected), against the index it replaced
 //!   (`tandem_bench::old_kv_index`), in the same run: decision latency (the
 //!   match for every candidate plus the `kv` policy) at 64 workers with
 //!   32k-token prompts, block events applied per second, and bytes per
@@ -154,26 +155,32 @@ fn candidates(matched: &[usize]) -> Vec<Candidate> {
 }
 
 /// Decision latency of both indexes on one state: `workers` workers each
-/// caching two prefix families and some earlier full prompts.
+/// caching three full prompts of prefix families. The bitmap index twice:
+/// walked, and with every worker's set certified prefix-closed (as the
+/// workers' feeds say), bisected.
 fn index_decisions(workers: usize, prompt_tokens: usize, requests: usize) -> Value {
     let mut wl = Workload::new(32, prompt_tokens * 3 / 4, 7);
     let new = KvIndex::default();
+    let bisected = KvIndex::default();
     let mut old = OldKvIndex::default();
     for w in 0..workers {
         for f in [w % 32, (w + 7) % 32, (w + 13) % 32] {
             let hashes = tandem_block_hash::block_hashes(&wl.prompt(f, prompt_tokens), BLOCK);
             new.stored(w, &hashes);
+            bisected.stored(w, &hashes);
             for &h in &hashes {
                 old.stored(w, h);
             }
         }
+        // Whole prompts, stored parents first: closed.
+        bisected.set_prefix_closed(w, true);
     }
     let prompts: Vec<Vec<u64>> = (0..requests)
         .map(|i| tandem_block_hash::block_hashes(&wl.prompt(i, prompt_tokens), BLOCK))
         .collect();
     let slots: Vec<usize> = (0..workers).collect();
     let policy = KvPolicy::default();
-    let mut times = [Vec::new(), Vec::new()];
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
     let mut agree = 0;
     for hashes in &prompts {
         let facts = PromptFacts {
@@ -188,7 +195,11 @@ fn index_decisions(workers: usize, prompt_tokens: usize, requests: usize) -> Val
         let m_old: Vec<usize> = slots.iter().map(|&w| old.matched(w, hashes)).collect();
         let b = policy.pick(&candidates(&m_old), facts);
         times[1].push(t.elapsed().as_secs_f64() * 1e6);
-        agree += usize::from(a == b && m == m_old);
+        let t = Instant::now();
+        let m_bisected = bisected.matched(&slots, hashes);
+        let c = policy.pick(&candidates(&m_bisected), facts);
+        times[2].push(t.elapsed().as_secs_f64() * 1e6);
+        agree += usize::from(a == b && a == c && m == m_old && m == m_bisected);
     }
     let row = |t: &[f64]| json!({"p50_us": percentile(t, 50.0), "p99_us": percentile(t, 99.0)});
     json!({
@@ -196,6 +207,7 @@ fn index_decisions(workers: usize, prompt_tokens: usize, requests: usize) -> Val
         "prompt_tokens": prompt_tokens,
         "requests": requests,
         "bitmap": row(&times[0]),
+        "bitmap_bisected": row(&times[2]),
         "old": row(&times[1]),
         "p99_ratio_old_over_bitmap": percentile(&times[1], 99.0) / percentile(&times[0], 99.0),
         "same_matches_and_picks": agree,

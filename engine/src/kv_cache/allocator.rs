@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tandem_block_hash::{BlockHash, SetDigest};
+use tandem_block_hash::{BlockHash, PrefixClosure, SetDigest};
 
 use super::groups::{KvGroups, FREED};
 use super::{BlockId, KvError};
@@ -87,9 +87,22 @@ struct State {
     events: Vec<CacheEvent>,
     /// The announced cached set, as its events describe it.
     announced: SetDigest,
+    /// Whether the announced set holds every announced block's parent
+    /// (routers binary-search a closed set's matches).
+    closure: PrefixClosure,
     /// Announced registrations since the last `drain_registered`, while a
     /// lower tier wants them (`log_registrations`).
     registered: Option<Vec<Registered>>,
+}
+
+/// Announced cache changes, and the announced set after them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnouncedChanges {
+    pub events: Vec<CacheEvent>,
+    pub digest: SetDigest,
+    /// Every announced block's parent is announced too
+    /// ([`PrefixClosure`]).
+    pub prefix_closed: bool,
 }
 
 /// A block the prefix cache named: a lower tier (the disk) copies it.
@@ -137,6 +150,7 @@ impl State {
                 self.cached.remove(&h);
                 if std::mem::take(&mut self.meta[b as usize].announced) {
                     self.announced.remove(h);
+                    self.closure.remove(h);
                     self.events.push(CacheEvent::Removed { hash: h });
                 }
             }
@@ -190,6 +204,7 @@ impl BlockAllocator {
             stats: PrefixCacheStats::default(),
             events: Vec::new(),
             announced: SetDigest::default(),
+            closure: PrefixClosure::default(),
             registered: None,
         };
         // Low ids first, which keeps tests readable.
@@ -406,6 +421,7 @@ impl BlockAllocator {
         st.cached.insert(hash, block);
         if announce {
             st.announced.insert(hash);
+            st.closure.insert(hash, parent);
             st.events.push(CacheEvent::Stored { parent, hash });
             if let Some(log) = st.registered.as_mut() {
                 log.push(Registered {
@@ -443,17 +459,31 @@ impl BlockAllocator {
         std::mem::take(&mut self.lock().events)
     }
 
-    /// [`drain_events`](Self::drain_events), with the digest of the
-    /// announced set once they are applied (read under the same lock).
-    pub fn drain_events_with_digest(&self) -> (Vec<CacheEvent>, SetDigest) {
+    /// [`drain_events`](Self::drain_events), with what the announced set
+    /// is once they are applied (read under the same lock).
+    pub fn drain_announced(&self) -> AnnouncedChanges {
         let mut st = self.lock();
-        (std::mem::take(&mut st.events), st.announced)
+        AnnouncedChanges {
+            events: std::mem::take(&mut st.events),
+            digest: st.announced,
+            prefix_closed: st.closure.is_closed(),
+        }
     }
 
     /// Every cached block as a `Stored` event, parents before children
     /// (a snapshot for a new subscriber).
     pub fn snapshot(&self) -> Vec<CacheEvent> {
+        self.snapshot_and_closure().0
+    }
+
+    /// [`snapshot`](Self::snapshot), and whether the announced set is
+    /// prefix-closed (read under the same lock).
+    pub fn snapshot_and_closure(&self) -> (Vec<CacheEvent>, bool) {
         let st = self.lock();
+        (Self::snapshot_of(&st), st.closure.is_closed())
+    }
+
+    fn snapshot_of(st: &State) -> Vec<CacheEvent> {
         let mut out: Vec<CacheEvent> = Vec::with_capacity(st.cached.len());
         let mut emitted = std::collections::HashSet::new();
         // A chain's parent may itself be cached; emit parents first.

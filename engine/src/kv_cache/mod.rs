@@ -47,7 +47,7 @@ use recent::RecentRows;
 pub use q8::{rotate as rotate_row, unrotate as unrotate_row};
 pub use recent::{RECENT_SHARE, RECENT_TOKENS};
 
-pub use allocator::{BlockAllocator, CacheEvent, PrefixCacheStats, Registered};
+pub use allocator::{AnnouncedChanges, BlockAllocator, CacheEvent, PrefixCacheStats, Registered};
 pub use dtype::KvCacheDtype;
 pub use groups::{KvFootprint, KvGroups, SlidingLayers, FREED};
 pub use table::{BlockCopy, BlockTable};

@@ -494,23 +494,23 @@ impl EngineCore {
     /// change after each step, for as long as it keeps up (`kv_feed`).
     pub fn subscribe_kv_events(&mut self, sink: Sender<KvFeed>) {
         self.publish_kv_events();
-        let mut snapshot = self.scheduler.allocator().snapshot();
+        let (mut snapshot, pool_closed) = self.scheduler.allocator().snapshot_and_closure();
         if let Some(d) = &self.disk {
             snapshot.extend(d.snapshot());
         }
-        self.kv_feed.subscribe(sink, snapshot);
+        self.kv_feed.subscribe(sink, snapshot, pool_closed);
     }
 
     /// Publishes the pool's and the disk tier's changes, with the digest
     /// of both sets.
     fn publish_kv_events(&mut self) {
-        let (mut events, mut digest) = self.scheduler.allocator().drain_events_with_digest();
+        let mut changes = self.scheduler.allocator().drain_announced();
         if let Some(d) = self.disk.as_mut() {
             let (disk_events, disk_digest) = d.take_events();
-            events.extend(disk_events);
-            digest = digest.combined(disk_digest);
+            changes.events.extend(disk_events);
+            changes.digest = changes.digest.combined(disk_digest);
         }
-        self.kv_feed.publish(events, digest);
+        self.kv_feed.publish(changes);
     }
 
     /// Runs one step. Does nothing when there is no work.

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{Receiver, Sender};
 
 use tandem_block_hash::SetDigest;
 
-use crate::kv_cache::CacheEvent;
+use crate::kv_cache::{AnnouncedChanges, CacheEvent};
 
 /// Subscribers one engine feeds at once. A router keeps one per worker
 /// (two while it resubscribes), so 16 leaves room for several routers and
@@ -34,7 +34,10 @@ pub const KV_FEED_BACKLOG: usize = 1024;
 /// and increase by one per event, so a gap means a lost message
 /// (resubscribe for a new snapshot). Each message carries the digest of
 /// the announced set once it is applied, which the worker passes on to its
-/// followers now and then so they can check their copy.
+/// followers now and then so they can check their copy, and whether the
+/// pool's announced set is then prefix-closed
+/// ([`PrefixClosure`](tandem_block_hash::PrefixClosure)), which routers use
+/// to binary-search its matches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvFeed {
     /// Every cached block as of event `seq` (parents first).
@@ -42,11 +45,13 @@ pub enum KvFeed {
         seq: u64,
         events: Vec<CacheEvent>,
         digest: SetDigest,
+        pool_closed: bool,
     },
     /// Changes numbered `seq`, in order.
     Events {
         events: Vec<(u64, CacheEvent)>,
         digest: SetDigest,
+        pool_closed: bool,
     },
 }
 
@@ -56,7 +61,7 @@ impl KvFeed {
     pub fn digest(&self) -> (u64, SetDigest) {
         match self {
             Self::Snapshot { seq, digest, .. } => (*seq, *digest),
-            Self::Events { events, digest } => (events.last().map_or(0, |e| e.0), *digest),
+            Self::Events { events, digest, .. } => (events.last().map_or(0, |e| e.0), *digest),
         }
     }
 }
@@ -123,8 +128,14 @@ pub(crate) struct KvFeedPublisher {
 impl KvFeedPublisher {
     /// Adds `sink` with `snapshot` (every cached block now) as its first
     /// message. Call after [`publish`](Self::publish)ing pending changes,
-    /// so the snapshot's number is the last event's.
-    pub fn subscribe(&mut self, sink: Sender<KvFeed>, snapshot: Vec<CacheEvent>) {
+    /// so the snapshot's number is the last event's. `pool_closed`: the
+    /// snapshot's pool blocks are prefix-closed.
+    pub fn subscribe(
+        &mut self,
+        sink: Sender<KvFeed>,
+        snapshot: Vec<CacheEvent>,
+        pool_closed: bool,
+    ) {
         let digest = SetDigest::of(snapshot.iter().filter_map(|e| match e {
             CacheEvent::Stored { .. } | CacheEvent::DiskStored { .. } => Some(e.digest_member()),
             CacheEvent::Removed { .. } | CacheEvent::DiskRemoved { .. } => None,
@@ -133,15 +144,21 @@ impl KvFeedPublisher {
             seq: self.seq,
             events: snapshot,
             digest,
+            pool_closed,
         };
         if sink.try_send(first).is_ok() {
             self.subscribers.push(sink);
         }
     }
 
-    /// Numbers `events` and sends them, with `digest` (the announced set's
-    /// after them), to every subscriber that keeps up.
-    pub fn publish(&mut self, events: Vec<CacheEvent>, digest: SetDigest) {
+    /// Numbers `changes`' events and sends them, with the announced set's
+    /// digest and closure after them, to every subscriber that keeps up.
+    pub fn publish(&mut self, changes: AnnouncedChanges) {
+        let AnnouncedChanges {
+            events,
+            digest,
+            prefix_closed: pool_closed,
+        } = changes;
         if events.is_empty() {
             return;
         }
@@ -156,6 +173,7 @@ impl KvFeedPublisher {
             let feed = KvFeed::Events {
                 events: numbered.clone(),
                 digest,
+                pool_closed,
             };
             match s.try_send(feed) {
                 Ok(()) => true,
@@ -180,6 +198,14 @@ mod tests {
         CacheEvent::Stored { parent: 0, hash }
     }
 
+    fn changes(events: Vec<CacheEvent>) -> AnnouncedChanges {
+        AnnouncedChanges {
+            events,
+            digest: SetDigest::default(),
+            prefix_closed: true,
+        }
+    }
+
     #[test]
     fn subscriptions_past_the_limit_are_refused_until_one_is_dropped() {
         let slots = KvFeedSlots::default();
@@ -201,24 +227,25 @@ mod tests {
         let mut publisher = KvFeedPublisher::default();
         let (slow_tx, mut slow) = slots.take().expect("slot");
         let (fast_tx, mut fast) = slots.take().expect("slot");
-        publisher.subscribe(slow_tx, Vec::new());
-        publisher.subscribe(fast_tx, Vec::new());
+        publisher.subscribe(slow_tx, Vec::new(), true);
+        publisher.subscribe(fast_tx, Vec::new(), true);
         assert!(matches!(
             fast.feed.try_recv().ok(),
             Some(KvFeed::Snapshot { seq: 0, .. })
         ));
         // The slow one holds its snapshot plus a full backlog, then one more.
         for i in 0..KV_FEED_BACKLOG as u64 {
-            publisher.publish(vec![stored(i)], SetDigest::default());
+            publisher.publish(changes(vec![stored(i)]));
             assert!(fast.feed.try_recv().ok().is_some());
         }
         assert_eq!(publisher.subscribers.len(), 1, "the slow one is gone");
-        publisher.publish(vec![stored(u64::MAX)], SetDigest::default());
+        publisher.publish(changes(vec![stored(u64::MAX)]));
         assert_eq!(
             fast.feed.try_recv().ok(),
             Some(KvFeed::Events {
                 events: vec![(KV_FEED_BACKLOG as u64 + 1, stored(u64::MAX))],
                 digest: SetDigest::default(),
+                pool_closed: true,
             })
         );
         // The slow one reads what it was sent, then its feed ends.

@@ -23,14 +23,29 @@
 //! (`walk_narrow`). At 64 workers and 32k-token prompts a
 //! decision's p50 went from 47–52 µs to 18–22 µs (bench/RESULTS.md).
 //!
+//! Fewer lookups beat cheaper ones: a worker whose feed certifies its set
+//! prefix-closed (every block's parent held too: engines evict a chain's
+//! tail first) holds a prompt's block `i` only with all before it, so its
+//! match is found by bisection (`bisect.rs`: O(distinct matches × log
+//! blocks) lookups). The flag is per worker, from its feed, and a decision
+//! reads it with every shard held: a change between two closed sets
+//! leaves it on (a set half through an insert-only or remove-only change
+//! lies between the two, and so does its bisected match, as a walk's
+//! would), any other is applied with it off. Uncertified workers are
+//! walked as before.
+//!
 //! The map is split into [`SHARDS`] read-write-locked shards by hash.
-//! Event writers lock one shard at a time for a run of their hashes, so a
-//! long `Stored` event never holds up a decision for its whole length; a
-//! decision takes every shard's read lock once, in order (writers hold at
-//! most one, so the order rules out a deadlock), and walks without further
-//! locking. Each worker's writes are serialized by its own books, which
-//! also keep its block count and [`SetDigest`], so a digest check and a
-//! purge see exactly the applied events.
+//! Event writers lock one shard at a time for a run of their hashes, in
+//! increasing shard order; a decision takes every shard's read lock once,
+//! in *decreasing* order (writers hold at most one lock, so no order can
+//! deadlock), and walks without further locking. Taken in the writers'
+//! order, a decision trailed a long `Stored` event's writer from shard to
+//! shard (each read waiting on the write ahead of it: `std`'s lock
+//! prefers writers) and waited for the whole event; against it, the two
+//! meet once and the decision waits for one run at most. Each worker's
+//! writes are serialized by its own books, which also keep its block count
+//! and [`SetDigest`], so a digest check and a purge see exactly the
+//! applied events.
 //!
 //! **Architecture Invariant:** an entry never outlives its worker's
 //! membership: [`KvIndex::retire`] removes a worker's entries and refuses
@@ -42,6 +57,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 
 use tandem_block_hash::{BlockHash, SetDigest};
 
+mod bisect;
 mod table;
 
 use table::BitsTable;
@@ -204,7 +220,8 @@ struct Books {
 /// Dense ids for worker slots: an id is freed when its worker retires and
 /// reused by the next new worker, so bitmaps stay as wide as the largest
 /// number of workers present at once, not ever seen. Decisions read only
-/// `ids`, never a worker's books, so a long event apply does not hold one up.
+/// `ids` and `closed`, never a worker's books, so a long event apply does
+/// not hold one up.
 #[derive(Debug, Default)]
 struct Registry {
     books: HashMap<usize, Arc<Mutex<Books>>>,
@@ -212,6 +229,24 @@ struct Registry {
     ids: HashMap<usize, Option<usize>>,
     free_ids: Vec<usize>,
     next_id: usize,
+    /// Bits over dense ids: the worker certified its indexed set
+    /// prefix-closed ([`KvIndex::set_prefix_closed`]), so its matches are
+    /// found by bisection.
+    closed: Vec<u64>,
+}
+
+impl Registry {
+    fn set_closed(&mut self, id: usize, closed: bool) {
+        if self.closed.len() <= id / 64 {
+            self.closed.resize(id / 64 + 1, 0);
+        }
+        let bit = 1u64 << (id % 64);
+        if closed {
+            self.closed[id / 64] |= bit;
+        } else {
+            self.closed[id / 64] &= !bit;
+        }
+    }
 }
 
 /// Hash → the workers caching that block, for every worker of a router.
@@ -289,6 +324,7 @@ impl KvIndex {
             reg.next_id - 1
         });
         reg.ids.insert(slot, Some(id));
+        reg.set_closed(id, false);
         let books = Arc::new(Mutex::new(Books {
             id,
             ..Books::default()
@@ -370,12 +406,30 @@ impl KvIndex {
         b.digest = SetDigest::default();
     }
 
+    /// Whether worker `slot`'s indexed set is prefix-closed, as its feed
+    /// says after each batch of changes: true lets decisions bisect its
+    /// matches. A follower keeps it on through a `Stored` or `Removed`
+    /// from one closed set to another, and otherwise clears it before the
+    /// change and sets it from the change's flag after; a decision reads
+    /// the flags with every shard's read lock held, so it never bisects a
+    /// set that is not between two closed ones. A retired slot is ignored.
+    pub fn set_prefix_closed(&self, slot: usize, closed: bool) {
+        let books = self.books(slot);
+        let id = lock(&books).id;
+        let mut reg = lock(&self.registry);
+        if reg.ids.get(&slot) == Some(&Some(id)) {
+            reg.set_closed(id, closed);
+        }
+    }
+
     /// Forgets everything worker `slot` cached (it restarted, or its feed
-    /// broke and a dump follows).
+    /// broke and a dump follows). Its set is no longer certified closed
+    /// until its feed says so again.
     pub fn clear(&self, slot: usize) {
         let Some(books) = self.existing_books(slot) else {
             return;
         };
+        self.set_prefix_closed(slot, false);
         let mut b = lock(&books);
         if !b.retired {
             self.purge(&mut b);
@@ -396,19 +450,36 @@ impl KvIndex {
         drop(b);
         let mut reg = lock(&self.registry);
         reg.ids.insert(slot, None);
+        reg.set_closed(id, false);
         reg.free_ids.push(id);
     }
 
+    /// Every shard's read lock (a decision's view), indexed by shard and
+    /// taken last shard first, against the writers' order.
+    fn read_all(&self) -> Vec<RwLockReadGuard<'_, Shard>> {
+        let mut guards: Vec<_> = self.shards.iter().rev().map(read).collect();
+        guards.reverse();
+        guards
+    }
+
     /// Leading blocks of `hashes` that each of `slots` caches, in order.
+    /// Candidates whose set is certified prefix-closed are bisected
+    /// ([`bisect`]), the others walked.
     pub fn matched(&self, slots: &[usize], hashes: &[BlockHash]) -> Vec<usize> {
         let mut out = vec![0; slots.len()];
+        // The shards first: a change that may open a set is applied with
+        // its flag off, so with every shard held, a set whose flag reads
+        // closed is closed or between two closed sets
+        // (`set_prefix_closed`).
+        let guards = self.read_all();
         // Dense ids of the candidates that have books (others match 0).
-        let ids: Vec<Option<usize>> = {
+        let (ids, closed): (Vec<Option<usize>>, Vec<u64>) = {
             let reg = lock(&self.registry);
-            slots
+            let ids = slots
                 .iter()
                 .map(|s| reg.ids.get(s).copied().flatten())
-                .collect()
+                .collect();
+            (ids, reg.closed.clone())
         };
         let words = ids
             .iter()
@@ -423,11 +494,19 @@ impl KvIndex {
         for id in ids.iter().flatten() {
             want[id / 64] |= 1 << (id % 64);
         }
-        let depth = if words == 1 {
-            self.walk_narrow(want[0], hashes)
-        } else {
-            self.walk(&want, hashes)
+        let closed_word = |w: usize| closed.get(w).copied().unwrap_or(0);
+        let mut open: Vec<u64> = (0..words).map(|w| want[w] & !closed_word(w)).collect();
+        // The walk reads words up to the highest uncertified candidate's.
+        open.truncate(open.iter().rposition(|&a| a != 0).map_or(0, |i| i + 1));
+        let mut depth = match open.len() {
+            0 => Vec::new(),
+            1 => walk_narrow(&guards, open[0], hashes),
+            _ => walk(&guards, &open, hashes),
         };
+        depth.resize(words * 64, 0);
+        for (w, &a) in want.iter().enumerate() {
+            bisect::bisect(&guards, w, a & closed_word(w), hashes, &mut depth);
+        }
         for (o, id) in out.iter_mut().zip(&ids) {
             if let Some(id) = id {
                 *o = depth[*id];
@@ -435,85 +514,122 @@ impl KvIndex {
         }
         out
     }
+}
 
-    /// [`walk`](Self::walk) when every candidate's id is below 64 (up to 64
-    /// workers): one word of holders per block, read from the slot alone,
-    /// with no spilled map to consult.
-    fn walk_narrow(&self, mut alive: u64, hashes: &[BlockHash]) -> Vec<usize> {
-        let guards: Vec<_> = self.shards.iter().map(read).collect();
-        let mut depth = vec![hashes.len(); 64];
-        // Each lookup requests the slot `LOOKAHEAD` hashes ahead, so that
-        // many misses are in flight while the walk reads hits.
-        for &h in &hashes[..hashes.len().min(LOOKAHEAD)] {
-            prefetch_slot(&guards, h);
+/// [`walk`] when every candidate's id is below 64 (up to 64 workers): one
+/// word of holders per block, read from the slot alone, with no spilled
+/// map to consult.
+fn walk_narrow(
+    guards: &[RwLockReadGuard<'_, Shard>],
+    mut alive: u64,
+    hashes: &[BlockHash],
+) -> Vec<usize> {
+    let mut depth = vec![hashes.len(); 64];
+    // Each lookup requests the slot `LOOKAHEAD` hashes ahead, so that
+    // many misses are in flight while the walk reads hits.
+    for &h in &hashes[..hashes.len().min(LOOKAHEAD)] {
+        prefetch_slot(guards, h);
+    }
+    for (i, &h) in hashes.iter().enumerate() {
+        if let Some(&a) = hashes.get(i + LOOKAHEAD) {
+            prefetch_slot(guards, a);
         }
-        for (i, &h) in hashes.iter().enumerate() {
-            if let Some(&a) = hashes.get(i + LOOKAHEAD) {
-                prefetch_slot(&guards, a);
+        let kept = alive & guards[shard_of(h)].low.get(h).unwrap_or(0);
+        record_dropped(&mut depth, 0, alive & !kept, i);
+        alive = kept;
+        if alive == 0 {
+            return depth;
+        }
+    }
+    depth
+}
+
+/// Walks `hashes` with every candidate in `alive` (a bitmap), and says how
+/// far each id's match reached (indexed by id).
+fn walk(guards: &[RwLockReadGuard<'_, Shard>], alive: &[u64], hashes: &[BlockHash]) -> Vec<usize> {
+    let mut alive = alive.to_vec();
+    let mut depth = vec![0; alive.len() * 64];
+    // Lookups in batches of [`LOOKAHEAD`]: they are independent, so
+    // the core overlaps their cache misses instead of waiting on each
+    // (the map is far larger than the caches once workers hold much),
+    // and the next batch's lines are requested before this batch is
+    // read.
+    let prefetch = |chunk: &[BlockHash]| {
+        for &h in chunk {
+            prefetch_slot(guards, h);
+        }
+    };
+    prefetch(&hashes[..hashes.len().min(LOOKAHEAD)]);
+    for (c, chunk) in hashes.chunks(LOOKAHEAD).enumerate() {
+        let next = ((c + 1) * LOOKAHEAD).min(hashes.len());
+        prefetch(&hashes[next..(next + LOOKAHEAD).min(hashes.len())]);
+        let wide = alive.iter().skip(1).any(|&a| a != 0);
+        let found: [Option<Entry<'_>>; LOOKAHEAD] = std::array::from_fn(|k| {
+            let h = chunk.get(k)?;
+            let shard = &guards[shard_of(*h)];
+            let low = shard.low.get(*h)?;
+            Some((
+                low,
+                wide.then(|| shard.high.get(h).map(|w| &w[..])).flatten(),
+            ))
+        });
+        for (k, entry) in found.iter().take(chunk.len()).enumerate() {
+            let i = c * LOOKAHEAD + k;
+            let mut any = false;
+            for (w, a) in alive.iter_mut().enumerate() {
+                let bits = match entry {
+                    Some((low, _)) if w == 0 => *low,
+                    Some((_, Some(high))) => high.get(w - 1).copied().unwrap_or(0),
+                    _ => 0,
+                };
+                let kept = bits & *a;
+                record_dropped(&mut depth, w, *a & !kept, i);
+                *a = kept;
+                any |= kept != 0;
             }
-            let kept = alive & guards[shard_of(h)].low.get(h).unwrap_or(0);
-            record_dropped(&mut depth, 0, alive & !kept, i);
-            alive = kept;
-            if alive == 0 {
+            if !any {
                 return depth;
             }
         }
-        depth
+    }
+    for (w, &a) in alive.iter().enumerate() {
+        record_dropped(&mut depth, w, a, hashes.len());
+    }
+    depth
+}
+
+impl KvIndex {
+    /// Words of holder bits a match of `slots` reads per block it walks:
+    /// one per 64 dense ids up to the highest candidate's whose set is not
+    /// certified closed (0 when all are: bisection costs a few lookups per
+    /// distinct match, whatever the prompt's length).
+    pub fn walk_words(&self, slots: &[usize]) -> usize {
+        let reg = lock(&self.registry);
+        let certified = |id: usize| {
+            reg.closed
+                .get(id / 64)
+                .is_some_and(|w| w >> (id % 64) & 1 == 1)
+        };
+        slots
+            .iter()
+            .filter_map(|s| reg.ids.get(s).copied().flatten())
+            .filter(|&id| !certified(id))
+            .map(|id| id / 64 + 1)
+            .max()
+            .unwrap_or(0)
     }
 
-    /// Walks `hashes` with every candidate in `alive` (a bitmap), and says
-    /// how far each id's match reached (indexed by id).
-    fn walk(&self, alive: &[u64], hashes: &[BlockHash]) -> Vec<usize> {
-        let guards: Vec<_> = self.shards.iter().map(read).collect();
-        let mut alive = alive.to_vec();
-        let mut depth = vec![0; alive.len() * 64];
-        // Lookups in batches of [`LOOKAHEAD`]: they are independent, so
-        // the core overlaps their cache misses instead of waiting on each
-        // (the map is far larger than the caches once workers hold much),
-        // and the next batch's lines are requested before this batch is
-        // read.
-        let prefetch = |chunk: &[BlockHash]| {
-            for &h in chunk {
-                prefetch_slot(&guards, h);
-            }
-        };
-        prefetch(&hashes[..hashes.len().min(LOOKAHEAD)]);
-        for (c, chunk) in hashes.chunks(LOOKAHEAD).enumerate() {
-            let next = ((c + 1) * LOOKAHEAD).min(hashes.len());
-            prefetch(&hashes[next..(next + LOOKAHEAD).min(hashes.len())]);
-            let wide = alive.iter().skip(1).any(|&a| a != 0);
-            let found: [Option<Entry<'_>>; LOOKAHEAD] = std::array::from_fn(|k| {
-                let h = chunk.get(k)?;
-                let shard = &guards[shard_of(*h)];
-                let low = shard.low.get(*h)?;
-                Some((
-                    low,
-                    wide.then(|| shard.high.get(h).map(|w| &w[..])).flatten(),
-                ))
-            });
-            for (k, entry) in found.iter().take(chunk.len()).enumerate() {
-                let i = c * LOOKAHEAD + k;
-                let mut any = false;
-                for (w, a) in alive.iter_mut().enumerate() {
-                    let bits = match entry {
-                        Some((low, _)) if w == 0 => *low,
-                        Some((_, Some(high))) => high.get(w - 1).copied().unwrap_or(0),
-                        _ => 0,
-                    };
-                    let kept = bits & *a;
-                    record_dropped(&mut depth, w, *a & !kept, i);
-                    *a = kept;
-                    any |= kept != 0;
-                }
-                if !any {
-                    return depth;
-                }
-            }
+    /// Whether worker `slot`'s set is certified prefix-closed now (its
+    /// matches are bisected).
+    pub fn prefix_closed(&self, slot: usize) -> bool {
+        let reg = lock(&self.registry);
+        match reg.ids.get(&slot) {
+            Some(&Some(id)) => reg
+                .closed
+                .get(id / 64)
+                .is_some_and(|w| w >> (id % 64) & 1 == 1),
+            _ => false,
         }
-        for (w, &a) in alive.iter().enumerate() {
-            record_dropped(&mut depth, w, a, hashes.len());
-        }
-        depth
     }
 
     /// Blocks indexed for worker `slot`.
@@ -545,186 +661,4 @@ impl KvIndex {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn matches_stop_at_the_first_missing_block() {
-        let ix = KvIndex::default();
-        ix.stored(0, &[1, 2, 3]);
-        ix.stored(1, &[1]);
-        assert_eq!(ix.matched(&[0, 1, 7], &[1, 2, 3, 4]), [3, 1, 0]);
-        ix.removed(0, &[2]);
-        assert_eq!(ix.matched(&[0, 1], &[1, 2, 3]), [1, 1]);
-        ix.clear(0);
-        assert_eq!(ix.matched(&[0, 1], &[1]), [0, 1]);
-        assert_eq!(ix.blocks_of(0), 0);
-        assert_eq!(ix.len(), 1);
-    }
-
-    #[test]
-    fn a_retired_worker_leaves_no_entry_and_its_late_events_are_ignored() {
-        let ix = KvIndex::default();
-        ix.stored(0, &[1, 2]);
-        ix.stored(1, &[1]);
-        ix.retire(0);
-        ix.stored(0, &[5]);
-        assert_eq!(ix.matched(&[0, 1], &[1, 2]), [0, 1]);
-        assert_eq!(ix.len(), 1, "only worker 1's block is left");
-        // Its id goes to the next worker, which starts empty.
-        ix.stored(2, &[9]);
-        assert_eq!(ix.matched(&[2, 1], &[1]), [0, 1]);
-        assert_eq!(ix.matched(&[2], &[9]), [1]);
-    }
-
-    #[test]
-    fn digests_follow_the_applied_set() {
-        let ix = KvIndex::default();
-        ix.stored(3, &[1, 2, 3]);
-        ix.stored(3, &[3]);
-        ix.removed(3, &[2, 8]);
-        assert_eq!(ix.digest_of(3), SetDigest::of([1, 3]));
-        assert_eq!(ix.blocks_of(3), 2);
-    }
-
-    #[test]
-    fn wide_clusters_match_like_the_per_worker_walk() {
-        // 200 workers: worker w holds the first w % 37 blocks of a chain.
-        let ix = KvIndex::default();
-        let chain: Vec<BlockHash> = (100..140).collect();
-        for w in 0..200 {
-            ix.stored(w, &chain[..w % 37]);
-        }
-        let slots: Vec<usize> = (0..200).collect();
-        let got = ix.matched(&slots, &chain);
-        let want: Vec<usize> = slots.iter().map(|w| w % 37).collect();
-        assert_eq!(got, want);
-        for w in 0..200 {
-            ix.retire(w);
-        }
-        assert!(ix.is_empty());
-    }
-
-    #[test]
-    fn random_events_match_a_set_per_worker() {
-        use std::collections::{BTreeSet, HashMap};
-        // The model: each worker's set of hashes; the walk per worker.
-        let mut model: HashMap<usize, BTreeSet<BlockHash>> = HashMap::new();
-        let mut gone = std::collections::HashSet::new();
-        let ix = KvIndex::default();
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
-        let chain: Vec<BlockHash> = (1..=24).collect();
-        for step in 0..4000 {
-            let w = next(90) as usize;
-            let from = next(24) as usize;
-            let to = (from + 1 + next(8) as usize).min(24);
-            if gone.contains(&w) {
-                // A retired slot's events are ignored; checked below.
-                ix.stored(w, &chain[from..to]);
-                continue;
-            }
-            match next(10) {
-                0..=4 => {
-                    ix.stored(w, &chain[from..to]);
-                    model.entry(w).or_default().extend(&chain[from..to]);
-                }
-                5..=7 => {
-                    ix.removed(w, &chain[from..to]);
-                    let set = model.entry(w).or_default();
-                    for h in &chain[from..to] {
-                        set.remove(h);
-                    }
-                }
-                8 => {
-                    ix.clear(w);
-                    model.remove(&w);
-                }
-                _ => {
-                    // Retire, and a new slot takes over (ids are reused).
-                    ix.retire(w);
-                    model.remove(&w);
-                    gone.insert(w);
-                    let fresh = 1000 + step;
-                    assert_eq!(ix.matched(&[fresh], &chain), [0]);
-                }
-            }
-            if step % 50 == 0 {
-                let slots: Vec<usize> = (0..90).collect();
-                let want: Vec<usize> = slots
-                    .iter()
-                    .map(|w| {
-                        let set = model.get(w);
-                        chain
-                            .iter()
-                            .take_while(|h| set.is_some_and(|s| s.contains(h)))
-                            .count()
-                    })
-                    .collect();
-                let got = ix.matched(&slots, &chain);
-                assert_eq!(got, want, "step {step}");
-                for (slot, set) in &model {
-                    let want = SetDigest::of(set.iter().copied());
-                    assert_eq!(ix.digest_of(*slot), want, "step {step}");
-                    assert_eq!(ix.blocks_of(*slot), set.len());
-                }
-            }
-        }
-    }
-
-    /// Up to 64 workers take the one-word walk: it gives what the general
-    /// walk gives, on random holders of a branching set of chains long
-    /// enough to cross several lookahead windows.
-    #[test]
-    fn the_one_word_walk_matches_the_general_walk() {
-        let ix = KvIndex::default();
-        let mut x = 0x1234_5678_9abc_def1_u64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
-        // Four chains sharing their first 50 blocks.
-        let chains: Vec<Vec<BlockHash>> = (0..4u64)
-            .map(|c| {
-                (0..200u64)
-                    .map(|i| if i < 50 { i + 1 } else { 1000 * (c + 1) + i })
-                    .collect()
-            })
-            .collect();
-        for w in 0..64 {
-            let chain = &chains[next(4) as usize];
-            let upto = next(201) as usize;
-            ix.stored(w, &chain[..upto]);
-            // Holes: some blocks evicted out of order.
-            for _ in 0..next(3) {
-                let at = next(200) as usize;
-                ix.removed(w, &chain[at..at + 1]);
-            }
-        }
-        for chain in &chains {
-            for cut in [0, 1, 31, 32, 33, 50, 120, 200] {
-                let hashes = &chain[..cut];
-                let mut want = 0u64;
-                for w in 0..64u64 {
-                    if next(4) != 0 {
-                        want |= 1 << w;
-                    }
-                }
-                let general = ix.walk(&[want], hashes);
-                let narrow = ix.walk_narrow(want, hashes);
-                for id in 0..64 {
-                    if want & (1 << id) != 0 {
-                        assert_eq!(narrow[id], general[id], "cut {cut} id {id}");
-                    }
-                }
-            }
-        }
-    }
-}
+mod tests;
