@@ -154,18 +154,7 @@ impl RouterService {
     /// request's I/O.
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        // A walk reads a word of holder bits per 64 dense worker ids, up
-        // to the highest candidate's whose set is not certified closed,
-        // per tier walked; certified candidates are bisected (a few
-        // lookups, whatever the prompt's length).
-        let disk = !self.cluster.disk_index.is_empty();
-        let words = self.cluster.index.walk_words(&slots)
-            + if disk {
-                self.cluster.disk_index.walk_words(&slots)
-            } else {
-                0
-            };
-        let matched = if ask.hashes.len() * words <= INLINE_MATCH_WORDS {
+        let matched = if self.walks_inline(&slots, ask.hashes.len()) {
             match_tiers(&self.cluster, &slots, &ask.hashes)
         } else {
             let (cluster, hashes) = (self.cluster.clone(), ask.hashes.clone());
@@ -194,6 +183,24 @@ impl RouterService {
                 identity: w.identity,
             })
             .collect()
+    }
+
+    /// Whether matching `blocks` blocks for `slots` walks few enough words
+    /// of holder bits to stay on the async thread. A walk reads a word per
+    /// 64 dense worker ids, up to the highest candidate's whose set is not
+    /// certified closed, per tier walked; certified candidates are
+    /// searched (a few lookups, whatever the prompt's length). The words
+    /// up to the highest id in use bound that from above with no lookup
+    /// per candidate; only when the bound is too high are they counted.
+    fn walks_inline(&self, slots: &[usize], blocks: usize) -> bool {
+        let (pool, disk) = (&self.cluster.index, &self.cluster.disk_index);
+        let disk_on = !disk.is_empty();
+        let bound = pool.id_words() + if disk_on { disk.id_words() } else { 0 };
+        if blocks * bound <= INLINE_MATCH_WORDS {
+            return true;
+        }
+        let words = pool.walk_words(slots) + if disk_on { disk.walk_words(slots) } else { 0 };
+        blocks * words <= INLINE_MATCH_WORDS
     }
 }
 

@@ -599,6 +599,12 @@ fn walk(guards: &[RwLockReadGuard<'_, Shard>], alive: &[u64], hashes: &[BlockHas
 }
 
 impl KvIndex {
+    /// Words of holder bits per block over every dense id in use: what a
+    /// walk of any candidates reads at most.
+    pub fn id_words(&self) -> usize {
+        lock(&self.registry).next_id.div_ceil(64)
+    }
+
     /// Words of holder bits a match of `slots` reads per block it walks:
     /// one per 64 dense ids up to the highest candidate's whose set is not
     /// certified closed (0 when all are: bisection costs a few lookups per
