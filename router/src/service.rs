@@ -154,11 +154,13 @@ impl RouterService {
     /// request's I/O.
     async fn candidates(&self, workers: &[Arc<Worker>], ask: &Ask) -> Vec<Candidate> {
         let slots: Vec<usize> = workers.iter().map(|w| w.slot).collect();
-        let matched = if self.walks_inline(&slots, ask.hashes.len()) {
-            match_tiers(&self.cluster, &slots, &ask.hashes)
+        // Read once: a disk tier's index is walked only when it holds blocks.
+        let disk = !self.cluster.disk_index.is_empty();
+        let matched = if self.walks_inline(&slots, ask.hashes.len(), disk) {
+            match_tiers(&self.cluster, &slots, &ask.hashes, disk)
         } else {
             let (cluster, hashes) = (self.cluster.clone(), ask.hashes.clone());
-            let walk = move || match_tiers(&cluster, &slots, &hashes);
+            let walk = move || match_tiers(&cluster, &slots, &hashes, disk);
             tokio::task::spawn_blocking(walk).await.unwrap_or_else(|e| {
                 // Routed by load alone rather than not at all.
                 tracing::error!(error = %e, "matching the prompt against the KV index failed");
@@ -192,9 +194,9 @@ impl RouterService {
     /// searched (a few lookups, whatever the prompt's length). The words
     /// up to the highest id in use bound that from above with no lookup
     /// per candidate; only when the bound is too high are they counted.
-    fn walks_inline(&self, slots: &[usize], blocks: usize) -> bool {
+    /// `disk_on`: the disk tier's index is walked too.
+    fn walks_inline(&self, slots: &[usize], blocks: usize, disk_on: bool) -> bool {
         let (pool, disk) = (&self.cluster.index, &self.cluster.disk_index);
-        let disk_on = !disk.is_empty();
         let bound = pool.id_words() + if disk_on { disk.id_words() } else { 0 };
         if blocks * bound <= INLINE_MATCH_WORDS {
             return true;
@@ -205,10 +207,15 @@ impl RouterService {
 }
 
 /// Each worker's leading blocks of `hashes` in its pool and in its disk
-/// tier (the second walk only when some worker has a disk tier).
-fn match_tiers(cluster: &Cluster, slots: &[usize], hashes: &[BlockHash]) -> Vec<(usize, usize)> {
+/// tier (the second walk only when `disk`: some worker has a disk tier).
+fn match_tiers(
+    cluster: &Cluster,
+    slots: &[usize],
+    hashes: &[BlockHash],
+    disk: bool,
+) -> Vec<(usize, usize)> {
     let pool = cluster.index.matched(slots, hashes);
-    if cluster.disk_index.is_empty() {
+    if !disk {
         return pool.into_iter().map(|m| (m, 0)).collect();
     }
     let disk = cluster.disk_index.matched(slots, hashes);

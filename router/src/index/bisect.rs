@@ -12,10 +12,10 @@
 //! The lookups of a binary search depend on each other, and in a router
 //! each is a cold line and often a TLB miss (the table holds millions of
 //! slots), so 11 of them in a row for a 2,048-block prompt cost more than
-//! their count suggests. The search is therefore 8-ary: each round looks up 7 evenly
-//! spaced blocks of a range at once (their slots requested together, so
-//! the misses overlap) and splits the range's candidates into 8 parts: 4
-//! rounds for 2,048 blocks.
+//! their count suggests. The search is therefore 8-ary: each round looks
+//! up 7 evenly spaced blocks of a range at once (their slots requested
+//! together, so the misses overlap) and splits the range's candidates into
+//! 8 parts: 4 rounds for 2,048 blocks.
 
 use std::sync::RwLockReadGuard;
 

@@ -236,6 +236,12 @@ struct Registry {
 }
 
 impl Registry {
+    fn is_closed(&self, id: usize) -> bool {
+        self.closed
+            .get(id / 64)
+            .is_some_and(|w| w >> (id % 64) & 1 == 1)
+    }
+
     fn set_closed(&mut self, id: usize, closed: bool) {
         if self.closed.len() <= id / 64 {
             self.closed.resize(id / 64 + 1, 0);
@@ -611,15 +617,10 @@ impl KvIndex {
     /// distinct match, whatever the prompt's length).
     pub fn walk_words(&self, slots: &[usize]) -> usize {
         let reg = lock(&self.registry);
-        let certified = |id: usize| {
-            reg.closed
-                .get(id / 64)
-                .is_some_and(|w| w >> (id % 64) & 1 == 1)
-        };
         slots
             .iter()
             .filter_map(|s| reg.ids.get(s).copied().flatten())
-            .filter(|&id| !certified(id))
+            .filter(|&id| !reg.is_closed(id))
             .map(|id| id / 64 + 1)
             .max()
             .unwrap_or(0)
@@ -630,10 +631,7 @@ impl KvIndex {
     pub fn prefix_closed(&self, slot: usize) -> bool {
         let reg = lock(&self.registry);
         match reg.ids.get(&slot) {
-            Some(&Some(id)) => reg
-                .closed
-                .get(id / 64)
-                .is_some_and(|w| w >> (id % 64) & 1 == 1),
+            Some(&Some(id)) => reg.is_closed(id),
             _ => false,
         }
     }
